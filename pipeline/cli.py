@@ -1,0 +1,216 @@
+"""`compress`: run, check, report, eval, bench, push. Exit codes: pipeline/errors.py (EXIT_CODES).
+
+The CLI repeats no recipe default. `check` imports neither torch nor transformers.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from pipeline.errors import EXIT_CODES, CompressError, RecipeError
+
+EPILOG = "Exit codes: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
+SET_HELP = "Override a recipe field, e.g. --set quantize.0.bits=3 (repeatable; type-checked)."
+
+
+@click.group(epilog=EPILOG)
+@click.option("-v", "--verbose", is_flag=True, help="Show library logs and debug lines.")
+@click.pass_context
+def cli(ctx: click.Context, verbose: bool) -> None:
+    """Calibrate, quantize, distil a draft, validate, export and publish an LLM from one TOML recipe."""
+    from pipeline.cli_logging import setup_logging
+
+    setup_logging(verbose)
+    ctx.obj = {"verbose": verbose}
+
+
+def _load(recipe: str, overrides: tuple[str, ...]):
+    from pipeline.recipe import load_recipe
+
+    return load_recipe(recipe, list(overrides))
+
+
+@cli.command(epilog=EPILOG)
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+def check(recipe: str, overrides: tuple[str, ...]) -> None:
+    """Validate RECIPE and print the resolved plan; loads no weights."""
+    from pipeline.plan import GiB, check as check_plan
+
+    t0 = time.perf_counter()
+    r = _load(recipe, overrides)
+    plan = check_plan(r)
+    m = plan.model
+    click.echo(f"recipe {recipe}: valid ({time.perf_counter() - t0:.2f} s)")
+    click.echo(f"model     {r.model.source}: {m.name}, {m.architecture}, {m.n_params / 1e6:.1f} M parameters, "
+               f"{m.config.get('num_hidden_layers')} layers, hidden {m.config.get('hidden_size')}, "
+               f"vocab {m.config.get('vocab_size')}")
+    click.echo(f"          {m.provenance}")
+    click.echo(f"run dir   {Path(r.run.output_dir) / r.run.name}   device {r.run.device}   seed {r.run.seed}")
+    click.echo("stages    " + " -> ".join(plan.stages))
+    for v in plan.variants:
+        click.echo(f"variant   {v['name']} ({v['method']})")
+        for rt in v["runtimes"]:
+            note = f" — {rt['note']}" if rt.get("note") else ""
+            click.echo(f"            {rt['runtime']}: {rt['kernel']}{note}")
+    mem = ", ".join(f"{k} {b / GiB:.1f}" for k, b in plan.memory.items())
+    click.echo(f"memory    estimated peak {plan.peak_memory / GiB:.1f} GiB of {plan.memory_limit / GiB:.1f} GiB ({mem} GiB)")
+    for w in plan.warnings:
+        click.echo(f"warning   {w}")
+
+
+@cli.command(epilog=EPILOG)
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
+def run(recipe: str, overrides: tuple[str, ...]) -> None:
+    """Run every stage of RECIPE; completed stages whose inputs did not change are skipped."""
+    from pipeline.execute import execute
+    from pipeline.plan import check as check_plan
+
+    r = _load(recipe, overrides)
+    plan = check_plan(r)
+    t0 = time.perf_counter()
+    code = execute(r, Path(recipe), plan)
+    _print_summary(Path(r.run.output_dir) / r.run.name, time.perf_counter() - t0)
+    sys.exit(code)
+
+
+def _print_summary(run_dir: Path, wall: float) -> None:
+    from pipeline.execute import load_report, summary_rows
+
+    report = load_report(run_dir)
+    click.echo(f"\n{'stage':<34}{'status':<10}{'time s':>9}{'peak MiB':>10}", err=True)
+    for key, status, t, mem in summary_rows(report):
+        click.echo(f"{key:<34}{status:<10}{t:>9}{mem:>10}", err=True)
+    b = report.get("baseline") or {}
+    rows = [("baseline", b)] + list((report.get("variants") or {}).items())
+    click.echo(f"\n{'model':<20}{'ppl':>10}{'ratio':>8}{'KL':>9}{'top1':>7}{'disk MiB':>10}", err=True)
+    base = (b.get("perplexity") or {}).get("value")
+    for name, e in rows:
+        ppl = (e.get("perplexity") or {}).get("value")
+        ratio = f"{ppl / base:.4f}" if ppl and base else "-"
+        kl = f"{e['kl']:.4f}" if e.get("kl") is not None else "-"
+        top1 = f"{e['top1']:.3f}" if e.get("top1") is not None else "-"
+        disk = f"{e['size_on_disk_bytes'] / 2**20:.0f}" if e.get("size_on_disk_bytes") else "-"
+        click.echo(f"{name:<20}{(f'{ppl:.3f}' if ppl else '-'):>10}{ratio:>8}{kl:>9}{top1:>7}{disk:>10}", err=True)
+    failed = [g for g in report.get("gates", []) if not g["passed"]]
+    click.echo(f"\nstatus {report['run']['status']} in {wall:.0f} s; gates: {len(report.get('gates', [])) - len(failed)} "
+               f"passed, {len(failed)} not passed; report {run_dir / 'report.md'}", err=True)
+
+
+@cli.command(epilog=EPILOG)
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
+def report(run_dir: str) -> None:
+    """Re-render report.md, plots and model cards of RUN_DIR from its stage outputs (no recomputation)."""
+    from pipeline.eval.report import render_report
+
+    path = Path(run_dir)
+    if not (path / "report.json").is_file():
+        raise RecipeError(f"{run_dir} has no report.json: is it a compress run folder?")
+    render_report(path)
+    click.echo(f"wrote {path / 'report.md'}")
+
+
+@cli.command(epilog=EPILOG)
+@click.argument("checkpoint", type=click.Path(file_okay=False, exists=True))
+@click.option("--dataset", default="wikitext2", show_default=True)
+@click.option("--seq-len", default=2048, show_default=True, type=int)
+@click.option("--stride", default=None, type=int, help="Sliding-window stride (default: non-overlapping windows).")
+@click.option("--max-windows", default=None, type=int)
+@click.option("--device", default="cpu", show_default=True)
+def eval(checkpoint: str, dataset: str, seq_len: int, stride: int | None, max_windows: int | None, device: str) -> None:  # noqa: A001
+    """Perplexity of any checkpoint folder on DATASET, outside a recipe."""
+    import tempfile
+
+    from pipeline.recipe import PerplexityConfig, SmokeConfig
+    from pipeline.worker import run_task
+
+    cfg = PerplexityConfig(dataset=dataset, seq_len=seq_len, stride=stride, max_windows=max_windows)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = {"model_dir": checkpoint, "out": tmp, "perplexity": cfg.model_dump(),
+                "smoke": SmokeConfig(enabled=False).model_dump(), "device": device, "reference": None,
+                "label": Path(checkpoint).name}
+        result = run_task("quality", args, Path(tmp))
+    click.echo(json.dumps(result, indent=2))
+
+
+@cli.command(epilog=EPILOG)
+@click.argument("checkpoint", type=click.Path(file_okay=False, exists=True))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a [validate.speed] field, e.g. --set batch_sizes=[1,4].")
+@click.option("--device", default="cpu", show_default=True)
+def bench(checkpoint: str, overrides: tuple[str, ...], device: str) -> None:
+    """Speed and memory of any checkpoint folder ([validate.speed] defaults), outside a recipe."""
+    import tempfile
+
+    from pipeline.eval.config import SpeedConfig
+    from pipeline.eval.speed import run_speed_subprocess
+    from pipeline.recipe import apply_override
+
+    raw: dict = {}
+    for item in overrides:
+        apply_override(raw, item)
+    try:
+        cfg = SpeedConfig(**raw)
+    except Exception as e:
+        raise RecipeError(f"--set: {e}") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        result = run_speed_subprocess(Path(checkpoint), cfg, device, Path(tmp) / "speed.json")
+    click.echo(json.dumps(result, indent=2))
+
+
+@cli.command(epilog=EPILOG)
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False), default=None,
+              help="Recipe with the [publish] table (default: the one recorded in the run folder's lock).")
+@click.option("--dry-run", is_flag=True, help="Print which files would go where; touch nothing.")
+@click.option("--partial", is_flag=True, help="Push the exports whose gates passed even if others failed.")
+def push(run_dir: str, recipe_path: str | None, dry_run: bool, partial: bool) -> None:
+    """Publish the export folders of a finished run (re-checks gates and file hashes first)."""
+    import logging
+
+    from pipeline.publish.hub import publish_run
+    from pipeline.recipe import load_recipe, validate
+
+    path = Path(run_dir)
+    if recipe_path:
+        r = load_recipe(recipe_path)
+    else:
+        import tomllib
+
+        lock = path / "recipe.lock.toml"
+        if not lock.is_file():
+            raise RecipeError(f"{run_dir} has no recipe.lock.toml: is it a compress run folder?")
+        r = validate(tomllib.loads(lock.read_text())["recipe"], lock)
+    if r.publish is None:
+        raise RecipeError("the recipe has no [publish] table: nothing says where to push")
+    cfg = r.publish.model_copy(update={k: True for k, v in (("dry_run", dry_run), ("partial", partial)) if v})
+    result = publish_run(path, cfg, logging.getLogger("compress"))
+    click.echo(json.dumps(result, indent=2, default=str))
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    except CompressError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted; rerun the same command to resume", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Text corpora: the shipped registry (calibration/datasets.toml), local files, HF datasets (offline).
+
+    resolve("c4")            -> DatasetRef for a shipped corpus (sha256 verified on read)
+    resolve("my.jsonl")      -> a local .txt / .jsonl / .parquet file
+    resolve("hf:org/name")   -> a dataset in the local HF datasets cache
+    documents(ref)           -> list[str]
+    eval_text(ref)           -> the GPTQ-protocol evaluation text ("\\n\\n".join(rows))
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+from pipeline.errors import RecipeError, StageError
+from pipeline.registry import Registry
+
+CALIBRATION_DIR = Path(__file__).resolve().parent.parent / "calibration"
+LOCAL_FORMATS = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
+
+
+@dataclass(frozen=True)
+class DatasetRef:
+    name: str
+    path: Path | None
+    format: str  # wikitext-raw | text | jsonl | parquet | hf
+    text_field: str = "text"
+    sha256: str | None = None
+    license: str | None = None
+    role: str | None = None
+
+    def describe(self) -> dict:
+        return {"name": self.name, "file": str(self.path) if self.path else None, "format": self.format,
+                "sha256": self.sha256, "license": self.license}
+
+
+@lru_cache(maxsize=1)
+def shipped() -> Registry[DatasetRef]:
+    reg: Registry[DatasetRef] = Registry("dataset")
+    table = tomllib.loads((CALIBRATION_DIR / "datasets.toml").read_text())
+    for name, d in table.items():
+        reg.register(name)(DatasetRef(name, CALIBRATION_DIR / d["file"], d["format"], d.get("text_field", "text"),
+                                      d.get("sha256"), d.get("license"), d.get("role")))
+    return reg
+
+
+def resolve(name: str, text_field: str = "text") -> DatasetRef:
+    if name.startswith("hf:"):
+        return DatasetRef(name, None, "hf", text_field)
+    p = Path(name).expanduser()
+    if p.suffix in LOCAL_FORMATS:
+        if not p.is_file():
+            raise RecipeError(f"dataset file not found: {p}")
+        return DatasetRef(str(p), p, LOCAL_FORMATS[p.suffix], text_field)
+    reg = shipped()
+    if name not in reg:
+        raise RecipeError(reg.unknown_message(name) + " (or give a .txt/.jsonl/.parquet path, or hf:<id>)")
+    return reg.get(name)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _verified(ref: DatasetRef) -> Path:
+    if ref.path is None or not ref.path.is_file():
+        raise StageError(f"dataset {ref.name!r}: file missing: {ref.path}")
+    if ref.sha256 and sha256_file(ref.path) != ref.sha256:
+        raise StageError(f"dataset {ref.name!r}: {ref.path} does not match its pinned sha256 (corrupted or edited copy)")
+    return ref.path
+
+
+def rows(ref: DatasetRef) -> list[str]:
+    """The dataset as rows, as its canonical loader gives them."""
+    if ref.format == "hf":
+        return _hf_rows(ref)
+    path = _verified(ref)
+    if ref.format == "wikitext-raw":
+        # rows as the HF wikitext-2-raw-v1 split gives them: blank lines are empty rows
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        return [line if line.strip() else "" for line in lines]
+    if ref.format == "text":
+        return path.read_text(encoding="utf-8").split("\n\n")
+    if ref.format == "jsonl":
+        out = []
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if line.strip():
+                rec = json.loads(line)
+                if ref.text_field not in rec:
+                    raise StageError(f"{path}:{i}: no field {ref.text_field!r} (fields: {sorted(rec)})")
+                out.append(str(rec[ref.text_field]))
+        return out
+    if ref.format == "parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        if ref.text_field not in table.column_names:
+            raise StageError(f"{path}: no column {ref.text_field!r} (columns: {table.column_names})")
+        return [str(x) for x in table.column(ref.text_field).to_pylist()]
+    raise StageError(f"dataset {ref.name!r}: unknown format {ref.format!r}")
+
+
+def _hf_rows(ref: DatasetRef) -> list[str]:
+    import datasets
+
+    repo, _, split = ref.name[3:].partition("@")
+    try:
+        ds = datasets.load_dataset(repo, split=split or "train", download_mode="reuse_cache_if_exists")
+    except Exception as e:  # datasets raises many types for "not cached and offline"
+        raise StageError(f"dataset {ref.name!r} could not be loaded from the local cache (offline): "
+                         f"{type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+    if ref.text_field not in ds.column_names:
+        raise StageError(f"dataset {ref.name!r}: no column {ref.text_field!r} (columns: {ds.column_names})")
+    return [str(x) for x in ds[ref.text_field]]
+
+
+def documents(ref: DatasetRef) -> list[str]:
+    """Non-empty documents (for calibration and distillation)."""
+    return [r for r in rows(ref) if r.strip()]
+
+
+def eval_text(ref: DatasetRef) -> str:
+    """GPTQ-paper evaluation text: the rows joined by a blank line."""
+    return "\n\n".join(rows(ref))
+
+
+def fingerprint(ref: DatasetRef) -> str | None:
+    """sha256 of the data file (None for HF-cache datasets)."""
+    return sha256_file(ref.path) if ref.path is not None and ref.path.is_file() else None

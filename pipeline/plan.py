@@ -1,0 +1,194 @@
+"""From a validated Recipe to a checked plan (no weights loaded, no torch imported) and its units."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+from dataclasses import dataclass, field
+
+from pipeline import data
+from pipeline.errors import RecipeError
+from pipeline.sources import ModelInfo, describe, parse
+
+GiB = 1 << 30
+RUNTIME_OVERHEAD = int(1.5 * GiB)  # interpreter + torch + transformers + GPTQModel imported
+TRACKED_PACKAGES = ("torch", "transformers", "gptqmodel", "bitsandbytes", "optimum", "accelerate", "datasets",
+                    "huggingface-hub", "safetensors", "gguf", "pydantic", "numpy", "compress")
+
+
+@dataclass
+class Plan:
+    model: ModelInfo
+    stages: list[str]
+    variants: list[dict] = field(default_factory=list)
+    memory: dict[str, int] = field(default_factory=dict)
+    memory_limit: int = 0
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def peak_memory(self) -> int:
+        return max(self.memory.values()) if self.memory else 0
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for pkg in TRACKED_PACKAGES:
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def machine_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def arch_dict(info: ModelInfo) -> dict:
+    from pipeline.quant.capabilities import linear_shapes_from_config
+
+    return linear_shapes_from_config(info.config)
+
+
+def check(recipe) -> Plan:
+    """Every cross-stage rule, before any weight is loaded. Raises RecipeError listing all problems."""
+    problems: list[str] = []
+    try:
+        info = describe(parse(recipe.model.source, recipe.model.gguf_file))
+    except RecipeError as e:
+        raise RecipeError(f"[model].source: {e}") from None
+    except (OSError, ValueError) as e:
+        raise RecipeError(f"[model].source {recipe.model.source!r} cannot be read: {e}") from None
+    plan = Plan(info, stage_names(recipe))
+    problems += _check_data(recipe)
+    problems += _check_variants(recipe, info, plan)
+    problems += _check_draft(recipe, info)
+    problems += _check_gates(recipe)
+    _estimate_memory(recipe, info, plan)
+    if plan.peak_memory > plan.memory_limit:
+        problems.append(f"estimated peak memory {plan.peak_memory / GiB:.1f} GiB exceeds the "
+                        f"{plan.memory_limit / GiB:.1f} GiB available ([run].max_memory_gb or this machine's); "
+                        "lower calibration.num_samples/seq_len, validate.perplexity.seq_len or draft.distill.batch_size")
+    if problems:
+        raise RecipeError("the recipe cannot run:\n" + "\n".join(f"  - {p}" for p in problems))
+    return plan
+
+
+def stage_names(recipe) -> list[str]:
+    names = ["load"]
+    if any(_needs_calibration(q) for q in recipe.quantize) or recipe.draft is not None:
+        names.append("calibrate")
+    names += [f"quantize/{q.name}" for q in recipe.quantize]
+    if recipe.draft is not None:
+        names.append("draft")
+    names += ["validate", "export"] + (["publish"] if recipe.publish is not None else [])
+    return names
+
+
+def _needs_calibration(variant) -> bool:
+    from pipeline.quant.capabilities import needs_calibration
+
+    return needs_calibration(variant)
+
+
+def _check_data(recipe) -> list[str]:
+    problems = []
+    cal, ppl = recipe.calibration, recipe.validate_.perplexity
+    for where, name, field_ in (("calibration.dataset", cal.dataset, cal.text_field),
+                                ("validate.perplexity.dataset", ppl.dataset, ppl.text_field)):
+        try:
+            data.resolve(name, field_)
+        except RecipeError as e:
+            problems.append(f"{where}: {e}")
+    if cal.dataset == ppl.dataset and not cal.allow_overlap:
+        problems.append(f"calibration.dataset and validate.perplexity.dataset are both {cal.dataset!r}: calibrating "
+                        "or distilling on the evaluation text inflates every figure; use another corpus (c4) "
+                        "or set calibration.allow_overlap = true to accept it")
+    return problems
+
+
+def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[str]:
+    if not recipe.quantize:
+        return []
+    from pipeline.quant.capabilities import check_variant, runtimes
+
+    arch = arch_dict(info)
+    device = recipe.run.device if recipe.run.device != "auto" else "cpu"
+    problems = []
+    for i, v in enumerate(recipe.quantize):
+        problems += [f"quantize.{i} ({v.name}): {p}" for p in check_variant(v, arch, device)]
+        plan.variants.append({"name": v.name, "method": v.method, "runtimes": runtimes(v, arch)})
+    return problems
+
+
+def _check_draft(recipe, info: ModelInfo) -> list[str]:
+    d = recipe.draft
+    if d is None:
+        return []
+    problems = []
+    names = {q.name for q in recipe.quantize}
+    if d.verifier != "baseline" and d.verifier not in names:
+        problems.append(f"draft.verifier = {d.verifier!r} is neither 'baseline' nor a [[quantize]] variant "
+                        f"(variants: {sorted(names) or 'none'})")
+    n_layers = info.config.get("num_hidden_layers")
+    if d.layers and n_layers and any(not 0 <= i < n_layers for i in d.layers):
+        problems.append(f"draft.layers {d.layers} must be indices in 0..{n_layers - 1} (the verifier has {n_layers} layers)")
+    if d.num_layers and n_layers and d.num_layers >= n_layers:
+        problems.append(f"draft.num_layers = {d.num_layers} must be below the verifier's {n_layers} layers")
+    if d.vocab_size and info.config.get("vocab_size") and d.vocab_size > info.config["vocab_size"]:
+        problems.append(f"draft.vocab_size = {d.vocab_size} exceeds the verifier's vocabulary ({info.config['vocab_size']})")
+    if d.init == "model":
+        problems += _check_draft_tokenizer(recipe, info)
+    return problems
+
+
+def _check_draft_tokenizer(recipe, info: ModelInfo) -> list[str]:
+    d = recipe.draft
+    if not d.source:
+        return ["draft.init = 'model' needs draft.source (a model source with the verifier's tokenizer)"]
+    try:
+        dinfo = describe(parse(d.source))
+    except RecipeError as e:
+        return [f"draft.source: {e}"]
+    diffs = [f"{k}: verifier {info.config.get(k)} vs draft {dinfo.config.get(k)}" for k in ("vocab_size",)
+             if info.config.get(k) != dinfo.config.get(k)]
+    for k in ("bos_token_id", "eos_token_id"):
+        a, b = info.config.get(k), dinfo.config.get(k)
+        if a is not None and b is not None and a != b:
+            diffs.append(f"{k}: verifier {a} vs draft {b}")
+    return [f"draft.source {d.source!r} has a different tokenizer than the verifier ({'; '.join(diffs)})"] if diffs else []
+
+
+def _check_gates(recipe) -> list[str]:
+    from pipeline.eval.config import gate_problems
+
+    v = recipe.validate_
+    return gate_problems(v.gates, v.speed, [q.name for q in recipe.quantize], "draft" if recipe.draft else None)
+
+
+def _estimate_memory(recipe, info: ModelInfo, plan: Plan) -> None:
+    """Rough peak RSS per stage (bytes): weights in fp32 plus the largest activation buffers."""
+    p = max(info.n_params, 1)
+    h = info.config.get("hidden_size") or 0
+    vocab = info.config.get("vocab_size") or 0
+    w = 4 * p
+    cal = recipe.calibration
+    ppl = recipe.validate_.perplexity
+    plan.memory["load"] = 3 * w
+    if recipe.quantize:
+        plan.memory["quantize"] = 2 * w + cal.num_samples * cal.seq_len * h * 4 * 4
+    plan.memory["validate"] = w + ppl.seq_len * vocab * 4 * 4
+    if recipe.draft is not None:
+        dd = recipe.draft.distill
+        plan.memory["draft"] = 3 * w + dd.batch_size * dd.seq_len * vocab * 4 * 6
+    for k in plan.memory:
+        plan.memory[k] += RUNTIME_OVERHEAD
+    limit = recipe.run.max_memory_gb
+    plan.memory_limit = int(limit * GiB) if limit else machine_memory()

@@ -1,0 +1,52 @@
+"""A typed name -> object registry with good errors.
+
+    DATASETS: Registry[DatasetSpec] = Registry("dataset")
+
+    @DATASETS.register("wikitext2")
+    def _wikitext2(...): ...
+
+    DATASETS.get("wikitxt")  # RecipeError: Unknown dataset 'wikitxt'. Did you mean: wikitext2?
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Callable, Generic, Iterator, TypeVar
+
+from pipeline.errors import RecipeError
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._items: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        def add(obj: T) -> T:
+            if name in self._items:
+                raise ValueError(f"duplicate {self.kind} name {name!r}")
+            self._items[name] = obj
+            return obj
+
+        return add
+
+    def get(self, name: str) -> T:
+        try:
+            return self._items[name]
+        except KeyError:
+            raise RecipeError(self.unknown_message(name)) from None
+
+    def unknown_message(self, name: str) -> str:
+        close = difflib.get_close_matches(name, list(self._items), n=3, cutoff=0.5)
+        hint = f" Did you mean: {', '.join(close)}?" if close else f" Known: {', '.join(sorted(self._items))}."
+        return f"Unknown {self.kind} {name!r}.{hint}"
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._items
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._items))
+
+    def names(self) -> list[str]:
+        return sorted(self._items)

@@ -1,0 +1,205 @@
+"""Stage order, content-hash manifests, resume, atomic outputs, locks, report.json.
+
+A run is a list of Units (one per stage, or per variant for per-variant stages).
+Each unit writes into a temporary folder; the runner adds manifest.json (the hash of
+everything the unit depends on + the sha256 of every output file) and renames the folder
+into place. A rerun skips a unit whose inputs hash matches and whose outputs verify.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from pipeline.data import sha256_file
+from pipeline.errors import CompressError, LockedError, StageError
+from pipeline.memory import PeakRSS
+
+MANIFEST = "manifest.json"
+METRICS = "metrics.json"  # an output like any other, so downstream hashes see changed figures
+FAULT_ENV = "COMPRESS_FAULT"  # "<unit key>:<point>", e.g. "quantize/w4:mid" — the process SIGKILLs itself there
+log = logging.getLogger("compress")
+
+
+@dataclass
+class Unit:
+    key: str  # "load", "quantize/w4g64", "validate/baseline"
+    config: Any  # JSON-able: everything from the recipe this unit depends on
+    fn: Callable[["UnitContext"], dict]  # writes outputs into ctx.out, returns metrics
+    deps: list[str] = field(default_factory=list)
+    merge: Callable[[dict, dict], None] | None = None  # merge(report, metrics)
+    always: bool = False  # never skipped (cheap units whose output is the report itself)
+
+
+@dataclass
+class UnitContext:
+    key: str
+    out: Path  # temporary output folder, renamed into place on success
+    work: Path  # persistent scratch for this unit (checkpoints that survive a kill)
+    run_dir: Path
+    seed: int
+    device: str
+    manifests: dict[str, dict]  # upstream manifests by key
+
+    def dep(self, key: str) -> Path:
+        return self.run_dir / key
+
+    def fault(self, point: str) -> None:
+        fault_point(self.key, point)
+
+
+def fault_point(key: str, point: str) -> None:
+    if os.environ.get(FAULT_ENV) == f"{key}:{point}":
+        log.warning("fault injection: killing the process at %s:%s", key, point)
+        logging.shutdown()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def canonical_hash(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def hash_outputs(folder: Path) -> dict[str, dict]:
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        if p.is_file() and p.name != MANIFEST:
+            out[p.relative_to(folder).as_posix()] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    return out
+
+
+def read_manifest(folder: Path) -> dict | None:
+    try:
+        return json.loads((folder / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def verify_outputs(folder: Path, manifest: dict) -> str | None:
+    """None if every recorded output exists with its sha256, else what is wrong."""
+    for rel, meta in manifest.get("outputs", {}).items():
+        p = folder / rel
+        if not p.is_file():
+            return f"{rel} is missing"
+        if p.stat().st_size != meta["bytes"] or sha256_file(p) != meta["sha256"]:
+            return f"{rel} does not match its recorded sha256"
+    return None
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class RunLock:
+    """An OS lock on <run>/.lock: released by the kernel when the process dies, so never stale."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.path = run_dir / ".lock"
+        self.fd: int | None = None
+
+    def __enter__(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise LockedError(f"run folder {self.path.parent} is in use by another compress process "
+                              f"(pid {holder}); wait for it to finish or choose another [run].name") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, str(os.getpid()).encode())
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+
+
+class Runner:
+    def __init__(self, run_dir: Path, seed: int, device: str, versions: dict, report: dict) -> None:
+        self.run_dir, self.seed, self.device, self.versions = run_dir, seed, device, versions
+        self.report = report
+        self.manifests: dict[str, dict] = {}
+
+    def inputs_hash(self, unit: Unit) -> str:
+        missing = [d for d in unit.deps if d not in self.manifests]
+        if missing:
+            raise StageError(f"{unit.key}: upstream unit(s) {missing} did not run")
+        deps = {d: self.manifests[d]["outputs_hash"] for d in unit.deps}
+        return canonical_hash({"key": unit.key, "config": unit.config, "deps": deps,
+                               "versions": self.versions, "seed": self.seed, "device": self.device})
+
+    def run_unit(self, unit: Unit) -> dict:
+        final = self.run_dir / unit.key
+        h = self.inputs_hash(unit)
+        old = read_manifest(final)
+        if old and old.get("inputs_hash") == h and not unit.always:
+            problem = verify_outputs(final, old)
+            if problem is None:
+                log.info("[%s] up to date, skipped (inputs unchanged, outputs verified)", unit.key)
+                self._record(unit, old, skipped=True)
+                return old
+            log.info("[%s] rerunning: %s", unit.key, problem)
+        elif old:
+            log.info("[%s] rerunning: %s", unit.key, "always reruns" if unit.always else "inputs changed")
+        return self._execute(unit, final, h)
+
+    def _execute(self, unit: Unit, final: Path, h: str) -> dict:
+        tmp = final.with_name(final.name + ".tmp")
+        for stale in (tmp, final.with_name(final.name + ".old")):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        work = self.run_dir / ".work" / unit.key / h[:16]
+        work.mkdir(parents=True, exist_ok=True)
+        ctx = UnitContext(unit.key, tmp, work, self.run_dir, self.seed, self.device, self.manifests)
+        log.info("[%s] running -> %s", unit.key, final)
+        fault_point(unit.key, "start")
+        t0 = time.perf_counter()
+        try:
+            with PeakRSS() as mem:
+                metrics = unit.fn(ctx) or {}
+        except CompressError:
+            raise
+        except Exception as e:
+            raise StageError(f"stage {unit.key} failed: {type(e).__name__}: {e}") from e
+        fault_point(unit.key, "before_commit")
+        (tmp / METRICS).write_text(json.dumps(metrics, indent=2, default=str))
+        outputs = hash_outputs(tmp)
+        manifest = {"key": unit.key, "inputs_hash": h, "config": unit.config, "deps": unit.deps,
+                    "versions": self.versions, "seed": self.seed, "device": self.device,
+                    "time_s": round(time.perf_counter() - t0, 3), "peak_rss_bytes": mem.peak_bytes,
+                    "peak_rss_above_start_bytes": mem.above_start_bytes, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "outputs": outputs, "outputs_hash": canonical_hash(outputs), "metrics": metrics}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
+        if final.exists():
+            os.replace(final, final.with_name(final.name + ".old"))
+        os.replace(tmp, final)
+        shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
+        log.info("[%s] done in %.1f s", unit.key, manifest["time_s"])
+        self._record(unit, manifest, skipped=False)
+        return manifest
+
+    def _record(self, unit: Unit, manifest: dict, skipped: bool) -> None:
+        self.manifests[unit.key] = manifest
+        self.report.setdefault("stages", {})[unit.key] = {
+            "status": "skipped" if skipped else "done", "time_s": manifest["time_s"],
+            "peak_rss_bytes": manifest["peak_rss_bytes"], "dir": unit.key}
+        if unit.merge is not None:
+            unit.merge(self.report, manifest["metrics"])
+        self.save_report()
+
+    def save_report(self) -> None:
+        atomic_write_text(self.run_dir / "report.json", json.dumps(self.report, indent=2, default=str))

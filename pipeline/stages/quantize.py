@@ -1,0 +1,37 @@
+"""quantize: one resumable unit per [[quantize]] variant; weights only (evaluation is validate's job)."""
+from __future__ import annotations
+
+import logging
+
+from pipeline.runner import Unit, UnitContext
+
+log = logging.getLogger("compress")
+
+
+def units(recipe) -> list[Unit]:
+    from pipeline.quant.capabilities import needs_calibration
+
+    out = []
+    for v in recipe.quantize:
+        deps = ["load"] + (["calibrate"] if needs_calibration(v) else [])
+        out.append(Unit(f"quantize/{v.name}", {"variant": v.model_dump(mode="json")},
+                        lambda ctx, v=v: run(ctx, v), deps=deps, merge=lambda r, m, v=v: merge(r, m, v)))
+    return out
+
+
+def run(ctx: UnitContext, variant) -> dict:
+    from safetensors.torch import load_file
+
+    from pipeline.quant.api import quantize_variant
+
+    calib = None
+    if "calibrate" in ctx.manifests:
+        calib = load_file(ctx.dep("calibrate") / "calibration.safetensors")["input_ids"]
+    return quantize_variant(ctx.dep("load"), variant, calib, ctx.out, log, ctx.seed)
+
+
+def merge(report: dict, m: dict, variant) -> None:
+    entry = report.setdefault("variants", {}).setdefault(variant.name, {})
+    entry.update({"method": variant.method, "params": variant.model_dump(mode="json"),
+                  "checkpoint": f"quantize/{variant.name}", "quantize_time_s": m.get("time_s"),
+                  "quantize": {k: v for k, v in m.items() if k not in ("files",)}})

@@ -1,0 +1,87 @@
+"""validate: measure every model in a fresh process — quality (perplexity, KL, top-1, smoke test),
+speed, and the speculative pair. Gates are applied by the runner after all units (pipeline/plan.py)."""
+from __future__ import annotations
+
+from pipeline.runner import Unit, UnitContext
+from pipeline.worker import run_task
+
+
+def units(recipe) -> list[Unit]:
+    v = recipe.validate_
+    models = [("baseline", "load")] + [(q.name, f"quantize/{q.name}") for q in recipe.quantize]
+    out = []
+    for name, src in models:
+        deps = [src] if name == "baseline" else [src, "validate/baseline/quality"]
+        cfg = {"perplexity": v.perplexity.model_dump(), "smoke": v.smoke.model_dump(), "device": recipe.run.device}
+        out.append(Unit(f"validate/{name}/quality", cfg, lambda ctx, n=name, s=src: quality(ctx, recipe, n, s),
+                        deps=deps, merge=lambda r, m, n=name: merge_quality(r, m, n)))
+        if v.speed.enabled and (v.speed.models == "all" or name in v.speed.models):
+            out.append(Unit(f"validate/{name}/speed", {"speed": v.speed.model_dump(), "device": recipe.run.device},
+                            lambda ctx, s=src: speed(ctx, recipe, s), deps=[src],
+                            merge=lambda r, m, n=name: _entry(r, n).update({"speed": m})))
+    if recipe.draft is not None:
+        from pipeline.stages.draft import verifier_key
+
+        deps = ["draft", verifier_key(recipe)]
+        cfg = {"draft": recipe.draft.model_dump(mode="json"), "device": recipe.run.device}
+        out.append(Unit("validate/draft/speculative", cfg, lambda ctx: speculative(ctx, recipe), deps=deps,
+                        merge=merge_speculative))
+    return out
+
+
+def _entry(report: dict, name: str) -> dict:
+    if name == "baseline":
+        return report.setdefault("baseline", {})
+    return report.setdefault("variants", {}).setdefault(name, {})
+
+
+def quality(ctx: UnitContext, recipe, name: str, src: str) -> dict:
+    v = recipe.validate_
+    ref = None if name == "baseline" else str(ctx.dep("validate/baseline/quality"))
+    args = {"model_dir": str(ctx.dep(src)), "out": str(ctx.out), "perplexity": v.perplexity.model_dump(),
+            "smoke": v.smoke.model_dump(), "device": ctx.device, "reference": ref, "label": name}
+    return run_task("quality", args, ctx.out, recipe.run.threads)
+
+
+def speed(ctx: UnitContext, recipe, src: str) -> dict:
+    from pipeline.eval.speed import run_speed_subprocess
+
+    return run_speed_subprocess(ctx.dep(src), recipe.validate_.speed, ctx.device, ctx.out / "speed.json")
+
+
+def speculative(ctx: UnitContext, recipe) -> dict:
+    from pipeline.stages.draft import verifier_key
+
+    cfg = recipe.draft
+    args = {"verifier": str(ctx.dep(verifier_key(recipe))), "draft": str(ctx.dep("draft")),
+            "prompts": held_out_prompts(cfg.measure.num_prompts, recipe.validate_.perplexity),
+            "draft_cfg": cfg.model_dump(mode="json"), "seed": ctx.seed,
+            "undistilled": str(ctx.dep("draft") / "undistilled") if (ctx.dep("draft") / "undistilled").is_dir() else None}
+    return run_task("speculative", args, ctx.out, recipe.run.threads)
+
+
+def held_out_prompts(n: int, ppl_cfg) -> list[str]:
+    """Paragraphs of the evaluation corpus (never trained on): prompts for measuring acceptance."""
+    from pipeline import data
+
+    rows = data.documents(data.resolve(ppl_cfg.dataset, ppl_cfg.text_field))
+    paragraphs = [r.strip() for r in rows if len(r) > 300 and not r.strip().startswith("=")]
+    if len(paragraphs) < n:
+        raise ValueError(f"the evaluation corpus has only {len(paragraphs)} usable prompts; {n} requested")
+    step = len(paragraphs) // n
+    return [paragraphs[i * step][:600] for i in range(n)]
+
+
+def merge_quality(report: dict, m: dict, name: str) -> None:
+    entry = _entry(report, name)
+    entry.update({k: m[k] for k in ("perplexity", "footprint_bytes", "size_on_disk_bytes", "smoke") if k in m})
+    ppl = m.get("perplexity", {})
+    for k in ("kl", "top1"):
+        if k in ppl:
+            entry[k] = ppl[k]
+
+
+def merge_speculative(report: dict, m: dict) -> None:
+    d = report.get("draft") or {}
+    d["speculative"] = m
+    report["draft"] = d

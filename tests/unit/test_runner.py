@@ -1,0 +1,111 @@
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pipeline.errors import LockedError, StageError
+from pipeline.runner import FAULT_ENV, MANIFEST, Runner, RunLock, Unit, verify_outputs
+
+
+def make_runner(tmp_path, report=None):
+    return Runner(tmp_path, seed=0, device="cpu", versions={"x": "1"}, report=report if report is not None else {})
+
+
+def writer(name, text, calls):
+    def fn(ctx):
+        calls.append(name)
+        (ctx.out / "out.txt").write_text(text)
+        return {"value": len(text)}
+    return fn
+
+
+def test_rerun_skips_and_changed_config_reruns_downstream(tmp_path):
+    calls = []
+    units = lambda a: [Unit("a", {"a": a}, writer("a", f"A{a}", calls)),  # noqa: E731
+                       Unit("b", {}, writer("b", "B", calls), deps=["a"]),
+                       Unit("c", {}, writer("c", "C", calls))]
+    r = make_runner(tmp_path)
+    for u in units(1):
+        r.run_unit(u)
+    assert calls == ["a", "b", "c"]
+    r = make_runner(tmp_path)
+    for u in units(1):
+        r.run_unit(u)
+    assert calls == ["a", "b", "c"], "second run must skip every unit"
+    assert r.report["stages"]["a"]["status"] == "skipped"
+    r = make_runner(tmp_path)
+    for u in units(2):
+        r.run_unit(u)
+    assert calls == ["a", "b", "c", "a", "b"], "only a and its downstream b rerun"
+    assert (tmp_path / "a" / "out.txt").read_text() == "A2"
+
+
+def test_manifest_records_hashes_and_corruption_reruns(tmp_path):
+    calls = []
+    r = make_runner(tmp_path)
+    m = r.run_unit(Unit("a", {}, writer("a", "hello", calls)))
+    assert m["outputs"]["out.txt"]["bytes"] == 5
+    assert json.loads((tmp_path / "a" / "metrics.json").read_text()) == {"value": 5}
+    (tmp_path / "a" / "out.txt").write_text("HELLO")
+    assert "sha256" in verify_outputs(tmp_path / "a", m)
+    make_runner(tmp_path).run_unit(Unit("a", {}, writer("a", "hello", calls)))
+    assert calls == ["a", "a"]
+
+
+def test_failed_unit_leaves_no_complete_looking_folder(tmp_path):
+    def boom(ctx):
+        (ctx.out / "half.bin").write_bytes(b"x")
+        raise RuntimeError("disk on fire")
+
+    with pytest.raises(StageError, match="stage a failed: RuntimeError: disk on fire"):
+        make_runner(tmp_path).run_unit(Unit("a", {}, boom))
+    assert not (tmp_path / "a").exists()
+
+
+def test_missing_upstream_is_an_error(tmp_path):
+    with pytest.raises(StageError, match="did not run"):
+        make_runner(tmp_path).run_unit(Unit("b", {}, lambda ctx: {}, deps=["a"]))
+
+
+KILL_SCRIPT = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from pipeline.runner import Runner, Unit
+    def fn(ctx):
+        (ctx.out / "part1").write_text("1")
+        ctx.fault("mid")
+        (ctx.out / "part2").write_text("2")
+        return {}
+    Runner(Path(sys.argv[1]), 0, "cpu", {}, {}).run_unit(Unit("s", {}, fn))
+""")
+
+
+@pytest.mark.parametrize("point", ["start", "mid", "before_commit"])
+def test_kill_at_fault_point_then_rerun_completes(tmp_path, point):
+    env = {**__import__("os").environ, FAULT_ENV: f"s:{point}"}
+    p = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(tmp_path)], env=env)
+    assert p.returncode == -9
+    assert not (tmp_path / "s" / MANIFEST).exists() and not (tmp_path / "s").exists()
+    env.pop(FAULT_ENV)
+    subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(tmp_path)], env=env, check=True)
+    assert (tmp_path / "s" / "part2").read_text() == "2"
+    assert not (tmp_path / "s.tmp").exists()
+
+
+def test_lock_refuses_second_holder_and_is_released(tmp_path):
+    with RunLock(tmp_path):
+        with pytest.raises(LockedError, match="in use by another compress process"):
+            with RunLock(tmp_path):
+                pass
+    with RunLock(tmp_path):
+        pass
+
+
+def test_lock_of_killed_process_is_not_stale(tmp_path):
+    code = f"from pathlib import Path; from pipeline.runner import RunLock; import os\n" \
+           f"l = RunLock(Path({str(tmp_path)!r})).__enter__(); os.kill(os.getpid(), 9)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == -9
+    with RunLock(tmp_path):
+        pass
