@@ -106,7 +106,7 @@ def _execute_locked(recipe, recipe_path: Path, plan: Plan, run_dir: Path) -> int
             log.info("stage %d/%d: %s", i, total, unit.key)
             runner.run_unit(unit)
         if recipe.publish is not None:
-            publish(run_dir, recipe, report, log)
+            publish(run_dir, recipe, report, gates_failed=bool(failed))
         code = GateFailure.exit_code if failed else 0
         finish(runner, report, "gates_failed" if failed else "complete", code)
         return code
@@ -130,10 +130,17 @@ def apply_gates(report: dict, recipe) -> list[dict]:
     return [g for g in gates if not g["passed"] and g.get("severity", "fail") == "fail"]
 
 
-def publish(run_dir: Path, recipe, report: dict, log: logging.Logger) -> None:
-    from pipeline.publish.hub import publish_run
+def publish(run_dir: Path, recipe, report: dict, gates_failed: bool) -> None:
+    """Push the exports. A refusal because gates failed is recorded; the exit code stays the gates' (5)."""
+    from pipeline.publish.hub import PublishRefused, publish_run
 
-    report["publish"] = publish_run(run_dir, recipe.publish, log)
+    try:
+        report["publish"] = publish_run(run_dir, recipe.publish, log)
+    except PublishRefused as e:
+        report["publish"] = e.section
+        if not gates_failed:
+            raise
+        log.warning("publish: %s", e)
 
 
 def finish(runner: Runner, report: dict, status: str, code: int) -> None:

@@ -187,7 +187,7 @@ def format_errors(err: ValidationError, path: Path, text: str, data: dict) -> st
             msg = "unknown key" + _did_you_mean(loc, data)
         elif e["type"] == "missing":
             msg = "required key is missing"
-        elif "input" in e and e["type"] not in ("model_type",) and not isinstance(e["input"], (dict, list)):
+        elif "input" in e and loc[:1] != ["publish"] and not isinstance(e["input"], (dict, list)):
             msg += f" (got {e['input']!r})"
         lines.append(f"  {where}{at}: {msg}")
     return "\n".join(lines)

@@ -1,0 +1,140 @@
+"""The recipe's `[publish]` table: where export folders go on the Hub, and when.
+
+Torch-free on purpose: the recipe loader imports it before any weight is loaded.
+The token is deliberately absent: it comes from HF_TOKEN or `hf auth login`.
+"""
+from __future__ import annotations
+
+import re
+import string
+from typing import Any, Literal
+
+from pydantic import BaseModel, field_validator, model_validator
+
+TOKEN_MESSAGE = (
+    "the Hub token must come from HF_TOKEN or `huggingface-cli login`, never from a recipe"
+)
+_SECRET_KEY = re.compile(r"token|auth|secret|password|credential", re.IGNORECASE)
+
+REPO_PLACEHOLDERS = frozenset({"org", "model", "variant"})
+MESSAGE_PLACEHOLDERS = frozenset({"variant", "perplexity", "ppl_ratio", "run"})
+DEFAULT_COMMIT_MESSAGE = "compress: {variant} (ppl {perplexity:.3f}, x{ppl_ratio:.4f} baseline)"
+
+
+def template_fields(template: str) -> set[str]:
+    """Names used as `{name}` / `{name:spec}` in a str.format template."""
+    names = set()
+    for _, field, _, _ in string.Formatter().parse(template):
+        if field is not None:
+            names.add(re.split(r"[.\[]", field, maxsplit=1)[0])
+    return names
+
+
+def _check_template(template: str, allowed: frozenset[str], what: str, sample: dict) -> str:
+    try:
+        used = template_fields(template)
+        unknown = used - allowed
+        if unknown:
+            raise ValueError(
+                f"{what} uses unknown placeholder(s) {sorted(unknown)}; allowed: {sorted(allowed)}"
+            )
+        if "" in used:
+            raise ValueError(f"{what} has an empty placeholder '{{}}'; name it, e.g. {{variant}}")
+        template.format(**sample)
+    except (KeyError, IndexError, ValueError) as err:
+        raise ValueError(f"{what} {template!r} is not a valid template: {err}") from None
+    return template
+
+
+class PublishConfig(BaseModel, extra="forbid", hide_input_in_errors=True):
+    """Where and how `compress` pushes export folders to the Hugging Face Hub."""
+
+    org: str
+    repo_id: str = "{org}/{model}-{variant}"
+    layout: Literal["repo-per-variant", "branches"] = "repo-per-variant"
+    main_variant: str | None = None
+    draft: Literal["repo", "folder"] = "repo"
+    private: bool = False
+    revision: str = "main"
+    create_pr: bool = False
+    commit_message: str = DEFAULT_COMMIT_MESSAGE
+    endpoint: str | None = None
+    dry_run: bool = False
+    partial: bool = False
+    include: list[str] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_token_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in data:
+                if isinstance(key, str) and _SECRET_KEY.search(key):
+                    raise ValueError(f"[publish].{key}: {TOKEN_MESSAGE}")
+        return data
+
+    @field_validator("org")
+    @classmethod
+    def _org(cls, v: str) -> str:
+        if not re.fullmatch(r"[\w.-]+", v):
+            raise ValueError(f"org {v!r} must be a Hub user or organisation name (letters, digits, -_.)")
+        return v
+
+    @field_validator("repo_id")
+    @classmethod
+    def _repo_template(cls, v: str) -> str:
+        sample = {"org": "org", "model": "model", "variant": "variant"}
+        return _check_template(v, REPO_PLACEHOLDERS, "repo_id", sample)
+
+    @field_validator("commit_message")
+    @classmethod
+    def _message_template(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("commit_message must not be empty")
+        sample = {"variant": "v", "perplexity": 1.0, "ppl_ratio": 1.0, "run": "run"}
+        return _check_template(v, MESSAGE_PLACEHOLDERS, "commit_message", sample)
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not re.match(r"https?://[^/\s]+", v):
+            raise ValueError(f"endpoint {v!r} must be an http(s) URL, e.g. https://huggingface.co")
+        if "@" in v.split("//", 1)[1].split("/", 1)[0]:
+            raise ValueError(f"endpoint must not carry credentials; {TOKEN_MESSAGE}")
+        return v.rstrip("/")
+
+    @field_validator("include")
+    @classmethod
+    def _include(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None:
+            if not v:
+                raise ValueError("include = [] would push nothing; omit it to push every export")
+            dupes = sorted({n for n in v if v.count(n) > 1})
+            if dupes:
+                raise ValueError(f"include lists {dupes} more than once")
+        return v
+
+    @model_validator(mode="after")
+    def _layout_rules(self) -> PublishConfig:
+        has_variant = "variant" in template_fields(self.repo_id)
+        if self.layout == "repo-per-variant":
+            if not has_variant:
+                raise ValueError(
+                    "layout 'repo-per-variant' needs {variant} in repo_id (one repo per variant); "
+                    "for one repo with a branch per variant use layout = 'branches'"
+                )
+            if self.main_variant is not None:
+                raise ValueError("main_variant only applies to layout = 'branches'")
+        else:
+            if has_variant:
+                raise ValueError(
+                    "layout 'branches' puts every variant in one repo: repo_id must not contain "
+                    "{variant}, e.g. repo_id = '{org}/{model}-compressed'"
+                )
+            if "revision" in self.model_fields_set:
+                raise ValueError(
+                    "revision does not apply to layout 'branches': each variant's branch is "
+                    "its name ('main' for main_variant)"
+                )
+        return self

