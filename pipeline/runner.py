@@ -179,7 +179,9 @@ class Runner:
         outputs = hash_outputs(tmp)
         manifest = {"key": unit.key, "inputs_hash": h, "config": unit.config, "deps": unit.deps,
                     "versions": self.versions, "seed": self.seed, "device": self.device,
-                    "time_s": round(time.perf_counter() - t0, 3), "peak_rss_bytes": mem.peak_bytes,
+                    "time_s": round(time.perf_counter() - t0, 3),
+                    # a unit that measures in a fresh worker process reports that process's peak
+                    "peak_rss_bytes": max(mem.peak_bytes, int(metrics.get("worker_peak_rss_bytes") or 0)),
                     "peak_rss_above_start_bytes": mem.above_start_bytes, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "outputs": outputs, "outputs_hash": canonical_hash(outputs), "metrics": metrics}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))

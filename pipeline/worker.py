@@ -29,9 +29,12 @@ def run_task(task: str, args: dict, out_dir: Path, threads: int | None = None, t
     job, result = out_dir / f".job-{task}.json", out_dir / f".result-{task}.json"
     job.write_text(json.dumps({"task": task, "args": args, "threads": threads}, default=str))
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # libraries print banners and INFO lines on stdout (GPTQModel): keep them in a log beside the results;
+    # our logging and progress bars use stderr and stay on the console
     try:
-        proc = subprocess.run([sys.executable, "-m", "pipeline.worker", str(job), str(result)], env=env,
-                              preexec_fn=_die_with_parent, timeout=timeout_s)
+        with open(out_dir / f"{task}.log", "w") as stdout:
+            proc = subprocess.run([sys.executable, "-m", "pipeline.worker", str(job), str(result)], env=env,
+                                  stdout=stdout, preexec_fn=_die_with_parent, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         raise StageError(f"{task} worker exceeded its {timeout_s:.0f} s limit") from None
     try:
@@ -86,6 +89,9 @@ def main(argv: list[str]) -> int:
     except Exception as e:
         result_path.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
         raise
+    import resource
+
+    result["worker_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result_path.write_text(json.dumps(result, default=float))
     return 0
 

@@ -27,11 +27,24 @@ def run(ctx: UnitContext, variant) -> dict:
     calib = None
     if "calibrate" in ctx.manifests:
         calib = load_file(ctx.dep("calibrate") / "calibration.safetensors")["input_ids"]
-    return quantize_variant(ctx.dep("load"), variant, calib, ctx.out, log, ctx.seed)
+    metrics = quantize_variant(ctx.dep("load"), variant, calib, ctx.out, log, ctx.seed)
+    metrics["runtimes"] = serving_runtimes(ctx.dep("load"), variant)
+    return metrics
+
+
+def serving_runtimes(model_dir, variant) -> list[dict]:
+    """Which runtimes can serve this checkpoint, and with which kernel (from the model's shapes)."""
+    import json
+
+    from pipeline.quant.capabilities import linear_shapes_from_config, runtimes
+
+    config = json.loads((model_dir / "config.json").read_text())
+    return runtimes(variant, linear_shapes_from_config(config))
 
 
 def merge(report: dict, m: dict, variant) -> None:
     entry = report.setdefault("variants", {}).setdefault(variant.name, {})
     entry.update({"method": variant.method, "params": variant.model_dump(mode="json"),
                   "checkpoint": f"quantize/{variant.name}", "quantize_time_s": m.get("time_s"),
-                  "quantize": {k: v for k, v in m.items() if k not in ("files",)}})
+                  "runtimes": m.get("runtimes", []),
+                  "quantize": {k: v for k, v in m.items() if k not in ("files", "runtimes")}})

@@ -31,7 +31,9 @@ def units(recipe) -> list[Unit]:
 
 def _entry(report: dict, name: str) -> dict:
     if name == "baseline":
-        return report.setdefault("baseline", {})
+        if report.get("baseline") is None:
+            report["baseline"] = {}
+        return report["baseline"]
     return report.setdefault("variants", {}).setdefault(name, {})
 
 
@@ -79,6 +81,9 @@ def merge_quality(report: dict, m: dict, name: str) -> None:
     for k in ("kl", "top1"):
         if k in ppl:
             entry[k] = ppl[k]
+    base = ((report.get("baseline") or {}).get("perplexity") or {}).get("value")
+    if name != "baseline" and base and ppl.get("value"):
+        entry["ppl_ratio"] = ppl["value"] / base
 
 
 def merge_speculative(report: dict, m: dict) -> None:

@@ -1,0 +1,137 @@
+"""The tiny random-model recipe through the real CLI: resume, --set, kill-and-rerun, locks, determinism, gates."""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPE = ROOT / "recipes" / "tiny.toml"
+
+
+def compress(*args, env=None, check_rc=None):
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    p = subprocess.run([sys.executable, "-m", "pipeline.cli", *map(str, args)], cwd=ROOT, env=full_env,
+                       capture_output=True, text=True, timeout=900)
+    if check_rc is not None:
+        assert p.returncode == check_rc, f"exit {p.returncode}\nSTDOUT:\n{p.stdout[-3000:]}\nSTDERR:\n{p.stderr[-6000:]}"
+    return p
+
+
+def run_tiny(out: Path, *sets, env=None, rc=0):
+    return compress("run", RECIPE, "--set", f"run.output_dir={json.dumps(str(out))}", *[a for s in sets for a in ("--set", s)],
+                    env=env, check_rc=rc)
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs")
+    p = run_tiny(out)
+    return out / "tiny", p
+
+
+def test_first_run_writes_the_documented_layout(first_run):
+    run_dir, p = first_run
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["schema_version"] == 1 and report["run"]["status"] == "complete"
+    assert report["model"]["random_init"] is True and "random" in report["model"]["provenance"]
+    base = report["baseline"]["perplexity"]
+    assert base["protocol"] == "gptq" and base["windows"] == 2 and base["tokens"] == 2 * 127
+    for name in ("gptq-w4g32", "rtn-w4g32"):
+        v = report["variants"][name]
+        assert v["perplexity"]["value"] > 0 and 0 <= v["top1"] <= 1 and v["kl"] >= 0
+        assert (run_dir / "quantize" / name / "model.safetensors").is_file()
+        assert (run_dir / "export" / name / "README.md").is_file()
+    for stage in ("load", "calibrate", "quantize/gptq-w4g32", "validate/baseline/quality", "export/rtn-w4g32"):
+        assert (run_dir / stage / "manifest.json").is_file(), stage
+        assert report["stages"][stage]["status"] == "done"
+    lock = (run_dir / "recipe.lock.toml").read_text()
+    for key in ("torch", "transformers", "gptqmodel", "bitsandbytes", "model_sha256", "data_sha256"):
+        assert key in lock
+    assert (run_dir / "report.md").is_file()
+    assert not list(run_dir.rglob("*.tmp")), "no temporary folder is left behind"
+
+
+def test_second_run_skips_everything(first_run):
+    run_dir, _ = first_run
+    p = run_tiny(run_dir.parent)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert {s["status"] for s in report["stages"].values()} == {"skipped"}
+    assert "up to date, skipped" in p.stderr
+
+
+def test_set_reruns_only_downstream(first_run):
+    run_dir, _ = first_run
+    p = run_tiny(run_dir.parent, "validate.perplexity.max_windows=1")
+    stages = json.loads((run_dir / "report.json").read_text())["stages"]
+    assert stages["quantize/gptq-w4g32"]["status"] == "skipped" and stages["load"]["status"] == "skipped"
+    assert stages["validate/baseline/quality"]["status"] == "done"
+    assert stages["export/gptq-w4g32"]["status"] == "done"
+    run_tiny(run_dir.parent)  # back to the recipe's own settings for the tests below
+
+
+def test_kill_mid_stage_then_rerun_completes(tmp_path):
+    p = run_tiny(tmp_path, env={"COMPRESS_FAULT": "quantize/gptq-w4g32:before_commit"}, rc=-9)
+    run_dir = tmp_path / "tiny"
+    assert (run_dir / "load" / "manifest.json").is_file()
+    assert not (run_dir / "quantize" / "gptq-w4g32").exists(), "a killed stage never looks complete"
+    report = json.loads((run_dir / "report.json").read_text())
+    assert "quantize/gptq-w4g32" not in report["stages"]
+    p = run_tiny(tmp_path)
+    stages = json.loads((run_dir / "report.json").read_text())["stages"]
+    assert stages["load"]["status"] == "skipped" and stages["quantize/gptq-w4g32"]["status"] == "done"
+
+
+def test_same_recipe_gives_byte_identical_weights(first_run, tmp_path):
+    run_dir, _ = first_run
+    run_tiny(tmp_path)
+    for name in ("gptq-w4g32", "rtn-w4g32"):
+        a = run_dir / "quantize" / name / "model.safetensors"
+        b = tmp_path / "tiny" / "quantize" / name / "model.safetensors"
+        assert sha(a) == sha(b), name
+
+
+def test_concurrent_run_is_refused(first_run):
+    from pipeline.runner import RunLock
+
+    run_dir, _ = first_run
+    with RunLock(run_dir):
+        p = run_tiny(run_dir.parent, rc=3)
+    assert "is in use by another compress process" in p.stderr
+
+
+def test_failing_gate_exits_5_with_the_reason(first_run):
+    run_dir, _ = first_run
+    p = run_tiny(run_dir.parent, "validate.gates.max_ppl_ratio=0.5", rc=5)
+    report = json.loads((run_dir / "report.json").read_text())
+    failed = [g for g in report["gates"] if not g["passed"]]
+    assert failed and all(g["gate"] == "max_ppl_ratio" for g in failed)
+    assert report["run"]["status"] == "gates_failed" and report["run"]["exit_code"] == 5
+    assert "max_ppl_ratio" in p.stderr
+    run_tiny(run_dir.parent)
+
+
+def test_unwritable_output_is_a_clear_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    p = compress("run", RECIPE, "--set", f"run.output_dir={json.dumps(str(blocker))}", check_rc=4)
+    assert "cannot write to the run folder" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def test_check_is_fast_and_imports_no_torch():
+    code = ("import sys; from pipeline.recipe import load_recipe; from pipeline.plan import check; "
+            f"check(load_recipe({str(RECIPE)!r})); "
+            "bad = [m for m in ('torch', 'transformers', 'gptqmodel') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+    p = compress("check", ROOT / "recipes" / "default.toml", check_rc=0)
+    assert "stages" in p.stdout and "estimated peak" in p.stdout
