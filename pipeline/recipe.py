@@ -243,18 +243,25 @@ def _model_at(loc: list[str], data: dict) -> type[BaseModel] | None:
 
 
 def _unwrap(ann: Any) -> Any:
+    """Strip Annotated, list[...] and Optional[...] down to a model class or a real Union."""
+    import types
     import typing
 
-    while typing.get_origin(ann) in (list, typing.Union, typing.Annotated) or str(typing.get_origin(ann)) == "types.UnionType":
-        args = [a for a in typing.get_args(ann) if a is not type(None)]
-        if typing.get_origin(ann) is list or len(args) == 1:
-            ann = args[0]
-        else:
-            return ann
-    return ann
+    while True:
+        origin = typing.get_origin(ann)
+        if origin in (typing.Annotated, list):
+            ann = typing.get_args(ann)[0]
+            continue
+        if origin in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(ann) if a is not type(None)]
+            if len(args) == 1:
+                ann = args[0]
+                continue
+        return ann
 
 
 def _pick_union_member(ann: Any, node: Any) -> Any:
+    """The member of a discriminated union that `node` (a dict with 'method') selects."""
     import typing
 
     ann = _unwrap(ann)

@@ -42,8 +42,8 @@ def test_valid_base_recipe(tmp_path):
 
 
 def test_malformed_toml_names_the_line(tmp_path):
-    msg = errors_of(tmp_path, BASE + "\nbroken = [\n")
-    assert "r.toml: invalid TOML" in msg and "line" in msg
+    msg = errors_of(tmp_path, BASE.replace("bits = 4", "bits = 4 4"))
+    assert "r.toml: invalid TOML" in msg and "line 11" in msg
 
 
 def test_unknown_key_suggests_the_right_one(tmp_path):
