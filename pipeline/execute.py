@@ -120,9 +120,8 @@ def _execute_locked(recipe, recipe_path: Path, plan: Plan, run_dir: Path) -> int
 
 
 def apply_gates(report: dict, recipe) -> list[dict]:
-    from pipeline.eval.gates import derive_metrics, evaluate_gates, gates_table
+    from pipeline.eval.gates import evaluate_gates, gates_table
 
-    derive_metrics(report)
     gates = evaluate_gates(report, recipe.validate_.gates)
     report["gates"] = gates
     if gates:

@@ -130,3 +130,24 @@ def test_check_is_fast_and_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
     p = compress("check", ROOT / "recipes" / "default.toml", check_rc=0)
     assert "stages" in p.stdout and "estimated peak" in p.stdout
+
+
+def test_report_rerenders_without_recomputing(first_run):
+    run_dir, _ = first_run
+    (run_dir / "report.md").unlink()
+    before = (run_dir / "report.json").read_text()
+    compress("report", run_dir, check_rc=0)
+    assert "## Quality" in (run_dir / "report.md").read_text()
+    assert (run_dir / "report.json").read_text() == before
+
+
+def test_eval_and_bench_any_checkpoint(first_run):
+    run_dir, _ = first_run
+    ckpt = run_dir / "quantize" / "rtn-w4g32"
+    p = compress("eval", ckpt, "--seq-len", "128", "--max-windows", "1", check_rc=0)
+    result = json.loads(p.stdout[p.stdout.index("{"):])
+    assert result["perplexity"]["windows"] == 1 and result["perplexity"]["value"] > 0
+    p = compress("bench", ckpt, "--set", "new_tokens=4", "--set", "repeats=1", "--set", "batch_sizes=[1]",
+                 "--set", "prompt_len=8", "--set", "techniques=[\"kv_cache\"]", check_rc=0)
+    assert "decode" in p.stdout
+    p = compress("eval", run_dir / "nope", check_rc=2)

@@ -1,0 +1,174 @@
+"""What moves acceptance and cost of a distilled draft for SmolLM2-135M on this CPU.
+
+Every configuration is distilled for the same number of steps on the same C4 batches (the
+teacher's top-k targets are computed once and shared, so the comparison is per step of student
+training) and measured on the same held-out WikiText-2 prompts: acceptance greedy and at T=0.7,
+the draft's and verifier's measured costs, and the speed-up those imply at the best gamma.
+The best configuration can then be timed for real (--time-best) through the same loop as plain
+decoding, with transformers' assisted generation as a reference.
+
+  nice -n 5 python -m benchmarks.draft_exploration --steps 120 --prompts 8 \\
+      --configs base,layers2,layers4,even2,vocab2k,vocab8k,fullvocab,tvd,jsd,onpolicy,headfrozen \\
+      --out benchmarks/README_draft.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from pipeline.speculative.config import DraftConfig
+from pipeline.speculative.decode import SpecStats, speculative_generate
+from pipeline.speculative.draft_model import load_draft_vocab
+from pipeline.speculative.measure import expected_tokens, measure_costs, repetition_rate
+from pipeline.speculative.stage_api import (build_draft, check_no_overlap, encode_prompts, load_causal_lm,
+                                            measure_speculative, wikitext_prompts)
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {"layers": [0], "vocab_size": 4096,
+        "distill": {"loss": "forward_kl", "train": ["layers", "norm", "head"], "on_policy_fraction": 0.0}}
+# each preset changes one thing relative to BASE
+PRESETS = {
+    "base": {},
+    "layers2": {"layers": [0, 1]},
+    "layers4": {"layers": [0, 1, 2, 3]},
+    "even2": {"layers": [0, 29]},
+    "vocab2k": {"vocab_size": 2048},
+    "vocab8k": {"vocab_size": 8192},
+    "fullvocab": {"vocab_size": None},
+    "tvd": {"distill": {"loss": "tvd"}},
+    "jsd": {"distill": {"loss": "jsd"}},
+    "reverse_kl": {"distill": {"loss": "reverse_kl"}},
+    "onpolicy": {"distill": {"on_policy_fraction": 0.5}},
+    "headfrozen": {"distill": {"train": ["layers", "norm"]}, "vocab_size": None},
+    "embed": {"distill": {"train": ["layers", "norm", "head", "embed"]}},
+    "lr3e-4": {"distill": {"lr": 3e-4}},
+    "lr3e-3": {"distill": {"lr": 3e-3}},
+}
+
+
+def merged(preset: dict, steps: int, seed_cfg: dict) -> DraftConfig:
+    cfg = json.loads(json.dumps(BASE))
+    for key, value in preset.items():
+        if key == "distill":
+            cfg["distill"].update(value)
+        else:
+            cfg[key] = value
+    cfg["distill"].update(steps=steps, time_budget_s=None, **seed_cfg)
+    return DraftConfig.model_validate(cfg)
+
+
+def eval_acceptance(verifier, draft_dir: Path, prompts: list[torch.Tensor], new_tokens: int, gamma: int,
+                    temperatures: list[float]) -> dict:
+    draft, vocab = load_causal_lm(draft_dir), load_draft_vocab(draft_dir)
+    out = {"costs": measure_costs(verifier, draft, prompts[0], gamma, vocab, reps=7)}
+    for t in temperatures:
+        stats, reps = SpecStats(), []
+        for i, ids in enumerate(prompts):
+            seq, s = speculative_generate(verifier, draft, ids, new_tokens, gamma, t,
+                                          torch.Generator().manual_seed(i), vocab)
+            stats.merge(s)
+            reps.append(repetition_rate(seq[0, ids.shape[1]:].tolist()))
+        out[f"t={t}"] = {"alpha": stats.alpha, "alpha_per_token": stats.alpha_per_token,
+                         "tokens_per_forward": stats.tokens_per_target_forward,
+                         "acceptance_by_position": stats.as_dict()["acceptance_by_position"],
+                         "repetition": statistics.mean(reps)}
+    return out
+
+
+def best_gamma(a: float, costs: dict) -> tuple[int, float]:
+    """The gamma (within the measured c_v range) with the highest predicted speed-up."""
+    options = []
+    for k, c_v in costs["c_v"].items():
+        g = int(k) - 1
+        if g >= 1:
+            options.append((expected_tokens(a, g) / (g * costs["c_d"] + c_v), g))
+    speed, g = max(options)
+    return g, speed
+
+
+def row(name: str, cfg: DraftConfig, m: dict, ev: dict) -> dict:
+    greedy, sampled = ev["t=0.0"], ev.get("t=0.7", {})
+    g, speed = best_gamma(greedy["alpha_per_token"], ev["costs"])
+    return {"config": name, "layers": str(m["layers"]), "vocab": cfg.vocab_size or "full", "loss": cfg.distill.loss,
+            "on_policy": cfg.distill.on_policy_fraction, "train": "+".join(cfg.distill.train), "lr": cfg.distill.lr,
+            "steps": m["steps"], "train_s": round(m["train_time_s"]), "teacher_s": round(m["teacher_time_s"]),
+            "top1_train": round(m["top1_agreement"], 3), "alpha_greedy": round(greedy["alpha"], 3),
+            "a_tok_greedy": round(greedy["alpha_per_token"], 3), "tok_per_fwd": round(greedy["tokens_per_forward"], 2),
+            "alpha_t0.7": round(sampled.get("alpha", float("nan")), 3),
+            "a_tok_t0.7": round(sampled.get("alpha_per_token", float("nan")), 3),
+            "rep_greedy": round(greedy["repetition"], 2), "draft_ms": round(ev["costs"]["draft_ms"], 1),
+            "c_d": round(ev["costs"]["c_d"], 3), "c_v(5)": round(ev["costs"]["c_v"]["5"], 2),
+            "best_gamma": g, "pred_speedup": round(speed, 2)}
+
+
+def markdown_table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r.get(k, "")) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--verifier", default="/tmp/smol", help="HF folder of the fp32 verifier")
+    ap.add_argument("--work", default="/tmp/draft_exploration")
+    ap.add_argument("--configs", default="base")
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--undistilled", action="store_true", help="also measure the undistilled base draft")
+    ap.add_argument("--time-best", action="store_true", help="time the best config with measure_speculative")
+    ap.add_argument("--out", default=None, help="append a markdown table to this file")
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    work = Path(args.work)
+    texts = pd.read_parquet(ROOT / "calibration/c4/c4_validation_2k.parquet")["text"].tolist()
+    raw = (ROOT / "calibration/wikitext-2-raw/wiki.test.raw").read_text()
+    prompt_texts = wikitext_prompts(raw, 32)[: args.prompts]
+    check_no_overlap(texts, prompt_texts)
+    verifier = load_causal_lm(args.verifier)
+    from transformers import AutoTokenizer
+    prompts = encode_prompts(AutoTokenizer.from_pretrained(args.verifier), prompt_texts, 64)
+    rows, detail = [], {}
+    for name in args.configs.split(","):
+        cfg = merged(PRESETS[name], args.steps, {"batch_size": args.batch_size, "seq_len": args.seq_len})
+        t0 = time.perf_counter()
+        m = build_draft(Path(args.verifier), cfg, texts, work / name / "draft", work / name / "work", args.seed,
+                        targets_root=work / "targets", progress=False)
+        ev = eval_acceptance(verifier, work / name / "draft", prompts, args.new_tokens, args.gamma, [0.0, 0.7])
+        if args.undistilled and name == "base":
+            und = eval_acceptance(verifier, Path(m["undistilled_dir"]), prompts, args.new_tokens, args.gamma, [0.0, 0.7])
+            rows.append(row("base (undistilled)", cfg, {**m, "steps": 0, "train_time_s": 0, "teacher_time_s": 0,
+                                                        "top1_agreement": float("nan")}, und))
+        rows.append(row(name, cfg, m, ev))
+        detail[name] = {"metrics": m, "eval": ev, "config": cfg.model_dump()}
+        print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f}s)", flush=True)
+        (work / "exploration.json").write_text(json.dumps(detail, indent=1, default=str))
+    table = markdown_table(rows)
+    print(table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(f"\n### steps={args.steps}, batch {args.batch_size}x{args.seq_len}, {args.prompts} prompts x "
+                    f"{args.new_tokens} tokens, gamma={args.gamma}\n\n{table}\n")
+    if args.time_best:
+        best = max(rows, key=lambda r: r["pred_speedup"] if r["steps"] else 0)
+        cfg = merged(PRESETS[best["config"]], args.steps, {})
+        cfg.gamma = best["best_gamma"]
+        rep = measure_speculative(Path(args.verifier), work / best["config"] / "draft", wikitext_prompts(raw, 32),
+                                  cfg, args.seed)
+        (work / "timed_best.json").write_text(json.dumps(rep, indent=1))
+        print(json.dumps(rep, indent=1)[:4000])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""Model cards (README.md) for export folders, in the Hub's conventions.
+
+YAML metadata through huggingface_hub's ModelCardData (base_model, base_model_relation="quantized"
+for variants, library_name, tags, datasets, license, a model-index with the perplexity), then:
+provenance of the baseline, this run's results, how to load it, and the recipe excerpt + lock.
+The text depends only on report sections that are final once validate has run (never on run
+status or times), so re-rendering a finished run reproduces the same bytes.
+"""
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+
+from pipeline.eval.report import dig, num, size
+
+# names of our datasets -> Hub dataset ids (metadata only lists ids the Hub can resolve)
+HUB_DATASETS = {"wikitext2": "Salesforce/wikitext", "wikitext-2": "Salesforce/wikitext",
+                "wikitext-2-raw": "Salesforce/wikitext", "c4": "allenai/c4"}
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hub_id(source: Any) -> str | None:
+    """A Hub repo id from a model source ("hf:owner/name", "owner/name"), or None for local/other sources."""
+    if not isinstance(source, str):
+        return None
+    s = source.removeprefix("hf:").split("@")[0]
+    if _REPO_ID.match(s) and not Path(s).exists() and not s.startswith((".", "/")):
+        return s
+    return None
+
+
+def _variant_tags(entry: dict) -> list[str]:
+    method, params = entry.get("method") or "", entry.get("params") or {}
+    bits = params.get("bits")
+    if method == "gptq":
+        return ["gptq", f"{bits}-bit"] if bits else ["gptq"]
+    if method == "rtn":
+        return ["rtn", f"{bits}-bit"] if bits else ["rtn"]
+    if method.startswith("bnb-"):
+        kind = method.removeprefix("bnb-")
+        return ["bitsandbytes", "8-bit" if kind == "int8" else "4-bit", kind]
+    return [method] if method else []
+
+
+def _datasets(report: dict, entry: dict) -> list[str]:
+    names = [dig(report, "baseline", "perplexity", "dataset"), dig(report, "calibration", "dataset"),
+             dig(entry, "params", "dataset"), dig(entry, "distill", "dataset")]
+    ids = {HUB_DATASETS.get(str(n).lower()) for n in names if n}
+    return sorted(i for i in ids if i)
+
+
+def card_data(report: dict, entry: dict) -> ModelCardData:
+    kind, name = entry["kind"], entry["name"]
+    model = report.get("model") or {}
+    base = hub_id(model.get("source")) or hub_id(model.get("name"))
+    data = entry_data(report, entry)
+    tags = ["compress"]
+    extra: dict[str, Any] = {}
+    if kind == "variant":
+        tags += ["quantized", *_variant_tags(data)]
+        if base:
+            extra["base_model_relation"] = "quantized"
+    elif kind == "draft":
+        tags += ["speculative-decoding", "draft-model", "assistant-model", "distillation"]
+    if model.get("random_init"):
+        tags.append("random-weights")
+    ppl = dig(data, "perplexity", "value")
+    results = None
+    if isinstance(ppl, (int, float)):
+        ds = dig(report, "baseline", "perplexity", "dataset") or "unknown"
+        results = [EvalResult(task_type="text-generation", dataset_type=HUB_DATASETS.get(str(ds).lower(), str(ds)),
+                              dataset_name=str(ds), metric_type="perplexity", metric_value=round(float(ppl), 4),
+                              metric_name=f"perplexity ({dig(data, 'perplexity', 'protocol') or 'unknown protocol'})")]
+    return ModelCardData(base_model=base, library_name="transformers", pipeline_tag="text-generation",
+                         license=model.get("license") or None, tags=tags, datasets=_datasets(report, data) or None,
+                         model_name=name, eval_results=results, **extra)
+
+
+def entry_data(report: dict, entry: dict) -> dict:
+    """The report section an export entry describes."""
+    if entry["kind"] == "variant":
+        return dig(report, "variants", entry["name"]) or {}
+    if entry["kind"] == "draft":
+        return report.get("draft") or {}
+    return report.get("baseline") or {}
+
+
+# ---------------------------------------------------------------- body sections
+def _intro(report: dict, entry: dict, base: str | None) -> list[str]:
+    model, data = report.get("model") or {}, entry_data(report, entry)
+    base_ref = f"[{base}](https://huggingface.co/{base})" if base else f"`{model.get('source', '?')}`"
+    lines = [f"# {entry['name']}", ""]
+    if entry["kind"] == "variant":
+        params = {k: v for k, v in (data.get("params") or {}).items() if k not in ("name", "method") and v is not None}
+        lines.append(f"A **{data.get('method', '?')}** quantization of {base_ref} "
+                     f"({', '.join(f'{k}={v}' for k, v in params.items()) or 'default settings'}), made with compress.")
+    elif entry["kind"] == "draft":
+        lines.append(f"A {num(data.get('layers'))}-layer **draft model for speculative decoding**, distilled against "
+                     f"the verifier `{entry.get('verifier') or data.get('verifier', '?')}` (a version of {base_ref}). "
+                     "It shares the verifier's tokenizer; use it as `assistant_model`.")
+    else:
+        lines.append(f"The unquantized baseline of this run: {base_ref}.")
+    if model.get("random_init"):
+        lines += ["", "> **Random weights.** This model was randomly initialised to test the pipeline; "
+                  "its outputs and quality figures mean nothing."]
+    return lines + [""]
+
+
+def _provenance(report: dict) -> list[str]:
+    model, base = report.get("model") or {}, report.get("baseline") or {}
+    return ["## Provenance of the baseline", "",
+            f"- source: `{model.get('source', '?')}` ({model.get('architecture', '?')}, "
+            f"{num(model.get('parameters'))} parameters, {model.get('dtype', '?')})",
+            f"- provenance: {model.get('provenance') or 'as published'}",
+            f"- license: {model.get('license') or 'unknown (check the source)'}",
+            f"- baseline perplexity in this run: {num(dig(base, 'perplexity', 'value'))}", ""]
+
+
+def _results(report: dict, entry: dict) -> list[str]:
+    ppl = dig(report, "baseline", "perplexity") or {}
+    lines = ["## Results from this run", "",
+             f"Perplexity: {ppl.get('protocol', '?')} protocol on {ppl.get('dataset', '?')} "
+             f"({num(ppl.get('tokens'))} tokens); KL and top-1 agreement against the baseline on the same tokens. "
+             f"Speed on {report.get('run', {}).get('device', '?')} (batch-1 decode).", "",
+             "| model | perplexity | ppl ratio | KL | top-1 | on disk | in memory | decode tok/s |",
+             "|---|---|---|---|---|---|---|---|"]
+    rows = [("baseline", report.get("baseline") or {})]
+    if entry["kind"] == "variant":
+        rows.append((entry["name"], entry_data(report, entry)))
+    for name, m in rows:
+        lines.append(f"| {name} | {num(dig(m, 'perplexity', 'value'))} | {num(m.get('ppl_ratio') if name != 'baseline' else 1.0)} "
+                     f"| {num(m.get('kl'))} | {num(m.get('top1'))} | {size(m.get('size_on_disk_bytes'))} "
+                     f"| {size(m.get('footprint_bytes'))} | {num(dig(m, 'speed', 'decode_tokens_per_s_b1'), 3)} |")
+    if entry["kind"] == "draft":
+        lines += ["", "| sampling | acceptance α | tokens per verifier forward | speed-up |", "|---|---|---|---|"]
+        for mode, s in (dig(report, "draft", "speculative") or {}).items():
+            if isinstance(s, dict):
+                lines.append(f"| {mode} | {num(s.get('alpha'), 3)} | {num(s.get('tokens_per_target_forward'), 3)} "
+                             f"| {num(s.get('speedup'), 3)} |")
+    gates = [g for g in report.get("gates") or [] if g.get("model") == entry["name"]]
+    if gates:
+        ok = all(g.get("passed") or g.get("severity") == "warn" for g in gates)
+        lines += ["", f"Gates: {'all passed' if ok else 'SOME FAILED'} ("
+                  + ", ".join(f"{g['gate']} {'ok' if g.get('passed') else 'failed'}" for g in gates) + ")."]
+    return lines + [""]
+
+
+def _usage(report: dict, entry: dict, repo: str) -> list[str]:
+    data = entry_data(report, entry)
+    method = data.get("method") or ""
+    lines = ["## How to use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+             f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+             f'model = AutoModelForCausalLM.from_pretrained("{repo}")']
+    if entry["kind"] == "draft":
+        verifier = entry.get("verifier") or data.get("verifier") or "verifier"
+        lines[-2:] = [f'tokenizer = AutoTokenizer.from_pretrained("<{verifier} repo>")',
+                      f'model = AutoModelForCausalLM.from_pretrained("<{verifier} repo>")  # the verifier',
+                      f'draft = AutoModelForCausalLM.from_pretrained("{repo}")',
+                      'inputs = tokenizer("The history of measurement", return_tensors="pt")',
+                      "out = model.generate(**inputs, assistant_model=draft, max_new_tokens=64)"]
+    lines += ["```", ""]
+    if method in ("gptq", "rtn"):
+        lines += ["The checkpoint is in the GPTQ format (`quantization_config` in config.json). transformers "
+                  "loads it through GPTQModel (`pip install gptqmodel optimum`). Directly:", "",
+                  "```python", "from gptqmodel import GPTQModel", f'model = GPTQModel.load("{repo}")', "```", "",
+                  f"vLLM (CUDA): `vllm serve {repo}`.", "",
+                  "**Kernel compatibility:** fast kernels depend on bits, group size, symmetry and act-order "
+                  "(e.g. Marlin takes symmetric 4/8-bit with group size -1/32/64/128); other settings fall back to "
+                  "slower kernels or are refused. What this run recorded:", ""]
+    elif method.startswith("bnb-"):
+        lines += ["The checkpoint is pre-quantized with bitsandbytes (`quantization_config` in config.json): "
+                  "`pip install bitsandbytes` and load as above; no `BitsAndBytesConfig` is needed. "
+                  "LLM.int8() picks outlier columns per batch, so outputs can differ slightly with batch composition.", ""]
+    runtimes = data.get("runtimes") or []
+    if runtimes:
+        lines += ["| runtime | kernel | note |", "|---|---|---|"]
+        lines += [f"| {r.get('runtime', '')} | {r.get('kernel', '')} | {r.get('note', '')} |" for r in runtimes] + [""]
+    return lines
+
+
+def _reproduce(report: dict, recipe_excerpt: str, lock_text: str) -> list[str]:
+    versions = dig(report, "run", "versions") or {}
+    return ["## Reproduce", "",
+            "Made with compress" + (f" ({', '.join(f'{k} {v}' for k, v in versions.items())})" if versions else "")
+            + ". The recipe excerpt that produced this folder:", "", "```toml", recipe_excerpt.strip(), "```", "",
+            "<details><summary>recipe.lock.toml (resolved recipe, versions, sha256 of model and data)</summary>", "",
+            "```toml", lock_text.strip(), "```", "", "</details>", ""]
+
+
+def card_text(report: dict, entry: dict, recipe_excerpt: str, lock_text: str) -> str:
+    data = card_data(report, entry)
+    repo = entry.get("repo_id") or f"./{entry['name']}"
+    body = (_intro(report, entry, data.base_model) + _provenance(report) + _results(report, entry)
+            + _usage(report, entry, repo) + _reproduce(report, recipe_excerpt, lock_text))
+    return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)
+
+
+def write_model_card(export_dir: Path, report: dict, entry: dict, recipe_excerpt: str, lock_text: str) -> None:
+    """Write export_dir/README.md (validated by parsing it back with huggingface_hub, offline)."""
+    text = card_text(report, entry, recipe_excerpt, lock_text)
+    ModelCard(text)  # raises ValueError on metadata the Hub would reject (e.g. a malformed model-index)
+    path = Path(export_dir) / "README.md"
+    if path.exists() and path.read_text() == text:
+        return  # unchanged: keep the file (and the export manifest's hash) as it is
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def excerpt_from_lock(lock_text: str, entry: dict) -> str:
+    """The recipe excerpt for an entry, from the lock's [recipe] table (as the export stage builds it)."""
+    import tomli_w
+
+    recipe = tomllib.loads(lock_text).get("recipe") or {}
+    keep = {k: recipe[k] for k in ("model", "calibration") if k in recipe}
+    if entry["kind"] == "variant":
+        keep["quantize"] = [q for q in recipe.get("quantize", []) if q.get("name") == entry["name"]]
+    if entry["kind"] == "draft" and "draft" in recipe:
+        keep["draft"] = recipe["draft"]
+    return tomli_w.dumps(keep)
+
+
+def render_cards(run_dir: Path, report: dict) -> list[str]:
+    """Re-render README.md of every export folder listed in report["exports"] (for `compress report`)."""
+    run_dir, done = Path(run_dir), []
+    lock = run_dir / "recipe.lock.toml"
+    if not lock.is_file():
+        return done
+    lock_text = lock.read_text()
+    for name, exp in (report.get("exports") or {}).items():
+        folder = run_dir / "export" / name
+        if isinstance(exp, dict) and exp.get("kind") and folder.is_dir():
+            entry = {k: exp.get(k) for k in ("kind", "name", "verifier", "repo_id") if exp.get(k) is not None}
+            write_model_card(folder, report, entry, excerpt_from_lock(lock_text, entry), lock_text)
+            done.append(name)
+    return done

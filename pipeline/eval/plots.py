@@ -1,0 +1,157 @@
+"""PNG plots of a report (matplotlib's object API: no pyplot, no global state, no display).
+
+Each plot is drawn only when the report holds its data; `write_plots` returns the files written.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from pipeline.eval.report import PLOTS, dig, models
+
+_MIB = 2**20
+
+
+def write_plots(report: dict, out_dir: Path) -> list[str]:
+    out_dir = Path(out_dir)
+    written = []
+    for key, draw in (("frontier", frontier_plot), ("decode", decode_plot), ("acceptance", acceptance_plot)):
+        fig = draw(report)
+        path = out_dir / PLOTS[key]
+        if fig is None:
+            path.unlink(missing_ok=True)  # stale plot from an earlier render: its data is gone
+            continue
+        out_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp.png")
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        os.replace(tmp, path)
+        written.append(path.name)
+    return written
+
+
+def _figure(width: float = 7.0, height: float = 4.5):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _subtitle(report: dict) -> str:
+    model = report.get("model") or {}
+    bits = [str(model.get("name") or model.get("source") or "")]
+    if model.get("random_init"):
+        bits.append("random init: quality meaningless")
+    return " — ".join(b for b in bits if b)
+
+
+def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Points not beaten on both axes (smaller size and lower perplexity), sorted by size."""
+    front, best = [], float("inf")
+    for x, y in sorted(points):
+        if y < best:
+            front.append((x, y))
+            best = y
+    return front
+
+
+def frontier_plot(report: dict):
+    """Perplexity vs size on disk for the baseline and every variant, with the Pareto front."""
+    pts = []
+    for name, m in models(report):
+        ppl, disk = dig(m, "perplexity", "value"), m.get("size_on_disk_bytes")
+        if isinstance(ppl, (int, float)) and isinstance(disk, (int, float)) and disk > 0:
+            pts.append((name, disk / _MIB, float(ppl), m.get("method") or "baseline"))
+    if not pts:
+        return None
+    fig = _figure()
+    ax = fig.add_subplot()
+    methods = sorted({p[3] for p in pts})
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}
+    for method in methods:
+        mine = [p for p in pts if p[3] == method]
+        ax.scatter([p[1] for p in mine], [p[2] for p in mine], s=90 if method == "baseline" else 50,
+                   marker="*" if method == "baseline" else "o", color=colors[method], label=method, zorder=3)
+    front = pareto([(p[1], p[2]) for p in pts])
+    ax.plot([f[0] for f in front], [f[1] for f in front], "--", color="grey", lw=1, label="Pareto front", zorder=2)
+    for name, x, y, _ in pts:
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    xs = [p[1] for p in pts]
+    if max(xs) / max(min(xs), 1e-9) > 4:
+        ax.set_xscale("log")
+    ax.set_xlabel("size on disk (MiB)")
+    protocol = dig(report, "baseline", "perplexity", "protocol") or ""
+    ax.set_ylabel(f"perplexity ({protocol})" if protocol else "perplexity")
+    ax.set_title("Quality / size frontier (lower left is better)\n" + _subtitle(report), fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _decode_rows(report: dict) -> list[tuple[str, Any]]:
+    rows = [(n, m.get("speed")) for n, m in models(report)]
+    draft = report.get("draft")
+    if isinstance(draft, dict):
+        rows.append((draft.get("name") or "draft", draft.get("speed")))
+    return [(n, s) for n, s in rows if isinstance(s, dict) and isinstance(s.get("decode"), dict)]
+
+
+def decode_plot(report: dict):
+    """Decode tokens/s per model: batch 1 and the largest batch, bars at the median, min-max whiskers."""
+    rows = _decode_rows(report)
+    if not rows:
+        return None
+    batches = sorted({int(b) for _, s in rows for b in s["decode"]})
+    shown = [b for b in (1, batches[-1]) if b in batches][: 2 if batches[-1] != 1 else 1]
+    fig = _figure(3.2 + 1.1 * len(rows) * len(shown), 4.5)
+    axes = fig.subplots(1, len(shown), squeeze=False)[0]
+    names = [n for n, _ in rows]
+    for ax, batch in zip(axes, shown):
+        med, lo, hi = [], [], []
+        for _, s in rows:
+            st = dig(s, "decode", str(batch), "tokens_per_s") or {}
+            m = st.get("median", 0.0) or 0.0
+            med.append(m)
+            lo.append(m - st.get("min", m))
+            hi.append(st.get("max", m) - m)
+        bars = ax.bar(range(len(names)), med, yerr=[lo, hi], capsize=4,
+                      color=["C7" if n == "baseline" else "C0" for n in names])
+        ax.bar_label(bars, fmt="%.3g", fontsize=8, padding=2)
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("decode tokens/s (all sequences)")
+        ax.set_title(f"batch {batch}", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+        ax.margins(y=0.15)
+    device = rows[0][1].get("device_name") or rows[0][1].get("device") or ""
+    fig.suptitle(f"Decode speed, median of runs (whiskers: min–max) — {device}\n{_subtitle(report)}", fontsize=10)
+    return fig
+
+
+def acceptance_plot(report: dict):
+    """Acceptance rate at each draft position (accepted / drafted), one line per sampling mode."""
+    spec = dig(report, "draft", "speculative")
+    if not isinstance(spec, dict):
+        return None
+    series = []
+    for mode, s in spec.items():
+        acc, drafted = dig(s, "accepted_by_position"), dig(s, "drafted_by_position")
+        if isinstance(acc, list) and isinstance(drafted, list) and acc and len(acc) == len(drafted):
+            rates = [a / d if d else float("nan") for a, d in zip(acc, drafted)]
+            series.append((mode, rates, s.get("alpha")))
+    if not series:
+        return None
+    fig = _figure()
+    ax = fig.add_subplot()
+    for i, (mode, rates, alpha) in enumerate(series):
+        label = f"{mode} (α={alpha:.2f})" if isinstance(alpha, (int, float)) else mode
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", color=f"C{i}", label=label)
+    k = max(len(r) for _, r, _ in series)
+    ax.set_xticks(range(1, k + 1))
+    ax.set_ylim(0, 1.05)
+    ax.set_xlabel("draft position (1 = first drafted token)")
+    ax.set_ylabel("accepted / drafted at this position")
+    draft = report.get("draft") or {}
+    ax.set_title(f"Draft acceptance by position: {draft.get('name', 'draft')} → {draft.get('verifier', '?')}\n"
+                 + _subtitle(report), fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig

@@ -1,0 +1,375 @@
+"""Speed and memory of one model, meant to run in a fresh process (`run_speed_subprocess`).
+
+What is timed (every cell: `warmup` untimed runs, then `repeats` timed runs; median, min, max):
+- prefill: one forward over a `prompt_len` prompt at batch 1 -> prompt tokens/s;
+- time to first token and decode: one `model.generate` call (greedy, exactly `new_tokens`
+  tokens). A logits processor stamps the clock after every forward: stamp 1 ends the
+  prefill (TTFT from the call), stamps 1..N span N-1 decode forwards. Decode is timed at
+  each batch size; batches > 1 are prompts of different lengths left-padded into one batch.
+- technique rows at batch 1: KV cache vs none, static cache, torch.compile, attention kernels;
+- peak memory above the baseline (post-import when this process loads the model): CPU = RSS
+  high-water mark (VmHWM, reset via /proc/self/clear_refs), CUDA = max_memory_allocated;
+- roofline: weight bytes read per decoded token / time per token, over the copy bandwidth
+  (STREAM convention: bytes read + bytes written) measured in the same process on the same device.
+Clocks are read only after synchronizing the device.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.errors import StageError
+from pipeline.eval.config import SpeedConfig
+from pipeline.eval.measure import (PeakMemory, copy_bandwidth, roofline_fraction, summarize, sync,  # noqa: F401
+                                   timed_runs, weight_bytes_per_token)
+
+SPEED_SCHEMA = "speed/1"
+_PROMPT_TEXT = (
+    "The history of measurement is the history of agreeing on what to count. Merchants weighed "
+    "grain against stones, builders paced out foundations, and astronomers timed the transit of "
+    "stars across a wire. Each method traded precision for convenience, and each was trusted only "
+    "as far as it could be repeated by someone else, on another day, with other hands. "
+)
+
+
+# ---------------------------------------------------------------- prompts and clocks
+def make_batch(tokenizer: Any, vocab_size: int, prompt_len: int, batch: int, device: str):
+    """`batch` prompts of lengths prompt_len, prompt_len - step, ... left-padded into one batch.
+
+    Text from the tokenizer when there is one, else fixed pseudo-random ids (seeded)."""
+    if tokenizer is not None:
+        ids = tokenizer(_PROMPT_TEXT * (1 + prompt_len // 8), add_special_tokens=False)["input_ids"]
+        base = torch.tensor(ids[:prompt_len], dtype=torch.long)
+        base = base.repeat(math.ceil(prompt_len / max(1, len(base))))[:prompt_len]
+    else:
+        gen = torch.Generator().manual_seed(0)
+        base = torch.randint(3, vocab_size, (prompt_len,), generator=gen)
+    step = max(1, prompt_len // (2 * batch)) if batch > 1 else 0
+    ids = torch.zeros(batch, prompt_len, dtype=torch.long)
+    mask = torch.zeros(batch, prompt_len, dtype=torch.long)
+    for i in range(batch):
+        n = max(1, prompt_len - i * step)
+        ids[i, prompt_len - n:] = base[:n]
+        mask[i, prompt_len - n:] = 1
+    return ids.to(device), mask.to(device)
+
+
+class StepClock:
+    """Logits processor that stamps the (synchronized) clock after every forward of generate."""
+
+    def __init__(self, device: str):
+        self.device = device
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        sync(self.device)
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def time_prefill(model, ids: torch.Tensor, mask: torch.Tensor, device: str) -> float:
+    """Seconds for one forward over the prompt, as generate runs it: KV cache built, logits of the
+    last position only (where the model supports `logits_to_keep`)."""
+    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **extra)
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def time_generate(model, ids, mask, new_tokens: int, device: str, pad_id: int, **gen_kwargs) -> dict:
+    """One greedy generate of exactly `new_tokens` tokens -> ttft_s and decode_s (N-1 steps)."""
+    from transformers import LogitsProcessorList
+
+    clock = StepClock(device)
+    sync(device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, pad_token_id=pad_id,
+                       logits_processor=LogitsProcessorList([clock]), **gen_kwargs)
+    if len(clock.stamps) != new_tokens:
+        raise StageError(f"generate ran {len(clock.stamps)} steps, expected {new_tokens}")
+    return {"ttft_s": clock.stamps[0] - t0, "decode_s": clock.stamps[-1] - clock.stamps[0]}
+
+
+# ---------------------------------------------------------------- cells
+class Bench:
+    """One model, its prompts (one left-padded batch per batch size) and the config: the cells of
+    the speed stage. Public so that benchmarks time extra cells exactly as the stage does."""
+
+    def __init__(self, model, tokenizer, cfg: SpeedConfig, device: str):
+        self.model, self.cfg, self.device = model, cfg, device
+        vocab = model.config.get_text_config().vocab_size
+        self.batches = {b: make_batch(tokenizer, vocab, cfg.prompt_len, b, device) for b in cfg.batch_sizes}
+        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        gen_cfg = getattr(model, "generation_config", None)
+        self.pad_id = pad if pad is not None else (getattr(gen_cfg, "eos_token_id", None) or 0)
+        if isinstance(self.pad_id, list):
+            self.pad_id = self.pad_id[0]
+
+    def warm_up(self) -> None:
+        """One untimed prefill and generate per batch size, before any cell is timed: first calls
+        pay for allocator growth, kernel selection and lazy initialisation."""
+        if self.cfg.warmup:
+            time_prefill(self.model, *self.batches[1], self.device)
+            for b in self.cfg.batch_sizes:
+                time_generate(self.model, *self.batches[b], 2, self.device, self.pad_id)
+
+    def prefill(self) -> dict:
+        ids, mask = self.batches[1]
+        runs = timed_runs(lambda: time_prefill(self.model, ids, mask, self.device), self.cfg.warmup, self.cfg.repeats)
+        return summarize([self.cfg.prompt_len / s for s in runs])
+
+    def decode(self, batch: int, warmup: int | None = None, **gen_kwargs) -> dict:
+        ids, mask = self.batches[batch]
+        n = self.cfg.new_tokens
+        runs = timed_runs(lambda: time_generate(self.model, ids, mask, n, self.device, self.pad_id, **gen_kwargs),
+                          self.cfg.warmup if warmup is None else warmup, self.cfg.repeats)
+        return {
+            "batch": batch,
+            "tokens_per_s": summarize([batch * (n - 1) / r["decode_s"] for r in runs]),
+            "per_sequence_tokens_per_s": statistics.median((n - 1) / r["decode_s"] for r in runs),
+            "ttft_s": summarize([r["ttft_s"] for r in runs]),
+        }
+
+
+def _technique(bench: Bench, name: str, kv: dict) -> dict:
+    """One named technique row at batch 1 (or {"skipped": reason})."""
+    model, cuda = bench.model, torch.device(bench.device).type == "cuda"
+    if name == "kv_cache":
+        return {"decode_tokens_per_s": kv["tokens_per_s"], "note": "dynamic KV cache (the default)"}
+    if name == "no_kv_cache":
+        return {"decode_tokens_per_s": bench.decode(1, use_cache=False)["tokens_per_s"],
+                "note": "every step re-runs the whole sequence"}
+    if name == "static_cache":
+        row = bench.decode(1, cache_implementation="static", disable_compile=True)
+        return {"decode_tokens_per_s": row["tokens_per_s"], "note": "static cache, not compiled"}
+    if name == "compile":
+        return _compile_row(bench, cuda)
+    return _attention_row(bench, name, cuda)
+
+
+def _compile_row(bench: Bench, cuda: bool) -> dict:
+    from transformers import CompileConfig
+
+    quantizer = getattr(bench.model, "hf_quantizer", None)
+    if quantizer is not None and not quantizer.is_compileable:
+        return {"skipped": f"{type(quantizer).__name__} models do not support torch.compile in transformers"}
+    cc = CompileConfig(mode="reduce-overhead" if cuda else "default")
+    if not cuda:
+        cc._compile_all_devices = True  # transformers compiles only on accelerators unless told
+    t0 = time.perf_counter()
+    bench.decode(1, warmup=0, cache_implementation="static", compile_config=cc)  # compiles
+    compile_s = time.perf_counter() - t0
+    row = bench.decode(1, warmup=max(1, bench.cfg.warmup), cache_implementation="static", compile_config=cc)
+    return {"decode_tokens_per_s": row["tokens_per_s"], "compile_s": compile_s,
+            "note": f"static cache + torch.compile (mode={cc.mode}); compile_s = first call"}
+
+
+def _attention_row(bench: Bench, name: str, cuda: bool) -> dict:
+    model = bench.model
+    if name == "flash_attention_2":
+        from transformers.utils import is_flash_attn_2_available
+
+        if not cuda:
+            return {"skipped": "flash_attention_2 needs CUDA"}
+        if not is_flash_attn_2_available():
+            return {"skipped": "flash_attn is not installed"}
+    before = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            return {"skipped": f"{type(model).__name__} cannot switch attention to {name}"}
+        return {"prefill_tokens_per_s": bench.prefill(),
+                "decode_tokens_per_s": bench.decode(1)["tokens_per_s"], "note": f"attn_implementation={name}"}
+    finally:
+        model.set_attn_implementation(before)
+
+
+def technique_rows(bench: Bench, kv: dict) -> dict:
+    """All requested technique rows; a row that raises records its error instead of ending the run."""
+    rows = {}
+    for name in bench.cfg.techniques:
+        try:
+            rows[name] = _technique(bench, name, kv)
+        except Exception as exc:  # noqa: BLE001 - one failed row must not hide the others
+            rows[name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+        row_speed = rows[name].get("decode_tokens_per_s")
+        if row_speed:
+            rows[name]["speedup_vs_kv_cache"] = row_speed["median"] / kv["tokens_per_s"]["median"]
+    return rows
+
+
+# ---------------------------------------------------------------- entry points
+def load_model(model_dir: str | Path, device: str, loader: str | None = None):
+    """Load a checkpoint folder for timing: `loader` ("module:function(model_dir, device)") when
+    given, else the pipeline's own loader (plain, GPTQ or bitsandbytes folders, as quality loads them)."""
+    if loader:
+        module, _, func = loader.partition(":")
+        return getattr(importlib.import_module(module), func)(str(model_dir), device)
+    from pipeline.models import load_checkpoint
+
+    return load_checkpoint(Path(model_dir), device)
+
+
+def _load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    if any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    return None
+
+
+def measure_speed(model_or_dir, tokenizer, cfg: SpeedConfig, device: str, *, loader: str | None = None) -> dict:
+    """Time one model (a loaded model, or a checkpoint folder loaded here) -> the speed dict.
+
+    Peak memory is measured from this call's entry: post-import when given a folder (the
+    model's own load counts), call-entry when given a model already in memory."""
+    memory = PeakMemory(device).start()
+    load_s = None
+    if isinstance(model_or_dir, (str, Path)):
+        t0 = time.perf_counter()
+        model = load_model(model_or_dir, device, loader)
+        load_s = time.perf_counter() - t0
+        if tokenizer is None:
+            tokenizer = _load_tokenizer(Path(model_or_dir))
+    else:
+        model = model_or_dir
+    model.eval()
+    bench = Bench(model, tokenizer, cfg, device)
+    bench.warm_up()
+    result: dict[str, Any] = _header(model, cfg, device, load_s)
+    result["prefill_tokens_per_s"] = bench.prefill()
+    decode = {str(b): bench.decode(b) for b in cfg.batch_sizes}
+    kv = decode["1"]
+    result["ttft_s"] = kv["ttft_s"]
+    result["decode"] = decode
+    result["decode_tokens_per_s_b1"] = kv["tokens_per_s"]["median"]
+    result["max_batch"] = max(cfg.batch_sizes)
+    result["decode_tokens_per_s_max_batch"] = decode[str(result["max_batch"])]["tokens_per_s"]["median"]
+    result["techniques"] = technique_rows(bench, kv)
+    no_kv = result["techniques"].get("no_kv_cache", {}).get("decode_tokens_per_s")
+    result["kv_cache_speedup"] = kv["tokens_per_s"]["median"] / no_kv["median"] if no_kv else None
+    result["peak_memory_bytes"] = memory.peak_above_base()
+    result["peak_memory_kind"] = memory.kind
+    result["peak_memory_basis"] = "post-import" if load_s is not None else "call-entry"
+    result["weight_bytes_per_token"] = weight_bytes_per_token(model)
+    if cfg.roofline:
+        bw = copy_bandwidth(device, cfg.bandwidth_mib, cfg.repeats)
+        result["copy_bandwidth_bytes_per_s"] = bw
+        result["roofline_fraction"] = roofline_fraction(
+            result["weight_bytes_per_token"], 1.0 / result["decode_tokens_per_s_b1"], bw)
+    else:
+        result["copy_bandwidth_bytes_per_s"] = result["roofline_fraction"] = None
+    return result
+
+
+def _header(model, cfg: SpeedConfig, device: str, load_s: float | None) -> dict:
+    dev = torch.device(device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    quant = getattr(getattr(model, "config", None), "quantization_config", None)
+    return {
+        "schema": SPEED_SCHEMA, "device": device, "device_name": name, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "quantization": (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)),
+        "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "repeats": cfg.repeats, "warmup": cfg.warmup,
+        "attn_implementation": model.config._attn_implementation, "load_s": load_s,
+        "footprint_bytes": int(model.get_memory_footprint()),
+    }
+
+
+def run_speed_subprocess(model_dir: str | Path, cfg: SpeedConfig, device: str, out_json: str | Path, *,
+                         model_name: str | None = None, loader: str | None = None,
+                         threads: int | None = None) -> dict:
+    """Time a checkpoint folder in a fresh interpreter (its memory is its own); write and return the dict.
+
+    model_name ("baseline", a variant, the draft) applies `cfg.for_model` (technique rows only for
+    `technique_models`); threads sets torch's CPU threads in the child (None: torch's default)."""
+    if model_name is not None:
+        cfg = cfg.for_model(model_name)
+    out_json = Path(out_json)
+    if not Path(model_dir).is_dir():
+        raise StageError(f"speed measurement: checkpoint folder {model_dir} does not exist")
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pipeline.eval.speed", "--model-dir", str(model_dir), "--device", device,
+           "--config", cfg.model_dump_json(), "--out", str(out_json)]
+    if loader:
+        cmd += ["--loader", loader]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    from pipeline.worker import _die_with_parent  # a killed run kills its timing process too
+
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=cfg.timeout_s,
+                              preexec_fn=_die_with_parent)
+    except subprocess.TimeoutExpired as exc:
+        raise StageError(f"speed measurement of {model_dir} exceeded {cfg.timeout_s:.0f} s "
+                         "([validate.speed].timeout_s)") from exc
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
+        raise StageError(f"speed measurement of {model_dir} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(out_json.read_text())
+
+
+def _preimport(model_dir: Path) -> None:
+    """Import the model's code and its quantization library before the memory baseline: peak
+    memory should count the model and its run, not imports."""
+    import transformers
+
+    try:
+        config = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # the loader will say what is wrong
+    for arch in config.get("architectures") or []:
+        getattr(transformers, arch, None)  # resolves the lazy module: imports modeling_<arch>
+    transformers.GenerationMixin  # noqa: B018 - generation utilities
+    quant = config.get("quantization_config") or {}
+    module = {"gptq": "gptqmodel", "bitsandbytes": "bitsandbytes"}.get(quant.get("quant_method"))
+    if module:
+        importlib.import_module(module)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Time one checkpoint folder (run in a fresh process).")
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--config", default="{}", help="SpeedConfig as JSON")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--loader", default=None, help="module:function(model_dir, device) -> model")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    from pipeline.env import tame
+
+    tame()  # before GPTQModel can be imported by the loader
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _preimport(Path(args.model_dir))  # before measure_speed takes the memory baseline
+
+    tokenizer = _load_tokenizer(Path(args.model_dir))  # prompts only: not counted in peak memory
+    result = measure_speed(args.model_dir, tokenizer, SpeedConfig.model_validate_json(args.config), args.device,
+                           loader=args.loader)
+    tmp = Path(args.out).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""bitsandbytes int8 (LLM.int8()) and 4-bit (NF4/FP4) through transformers' BitsAndBytesConfig.
+
+bnb quantizes while the weights load; save_pretrained serializes the packed weights and
+quant states to safetensors so the checkpoint reloads from disk.
+
+bitsandbytes 0.50 on CPUs with AVX512-BF16 repacks 4-bit weights for its CPU kernel on the
+first forward, and save_pretrained after that repacking writes different (worse) weights than
+the freshly quantized ones. So we save before any forward, and nothing here runs the model.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import IO
+
+import torch
+
+from pipeline.quant.common import DTYPES, base_dtype, finish_checkpoint, nullcontext_session
+
+ENGINE = "bitsandbytes"
+
+
+def bnb_config(variant):
+    from transformers import BitsAndBytesConfig
+
+    skip = list(variant.modules_to_skip) or None
+    if variant.method == "bnb-int8":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=variant.threshold, llm_int8_skip_modules=skip)
+    return BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type=variant.method.removeprefix("bnb-"),
+        bnb_4bit_use_double_quant=variant.double_quant, bnb_4bit_compute_dtype=DTYPES[variant.compute_dtype],
+        bnb_4bit_quant_storage=getattr(torch, variant.quant_storage), llm_int8_skip_modules=skip)
+
+
+session = nullcontext_session
+
+
+def quantize(base_dir: Path, variant, calib_ids: torch.Tensor | None, console: IO[str], device: str):
+    """Quantized while loading; not run (see the module note)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=bnb_config(variant),
+                                                device_map={"": device}, dtype=DTYPES[base_dtype(base_dir)])
+
+
+def save(model, base_dir: Path, out_dir: Path, variant) -> dict:
+    import bitsandbytes
+
+    model.save_pretrained(out_dir, safe_serialization=True)
+    qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
+    dtype = base_dtype(base_dir)
+    finish_checkpoint(base_dir, out_dir, qc, dtype)
+    return {"engine": ENGINE, "engine_version": bitsandbytes.__version__, "engine_config": qc, "dtype": dtype}

@@ -1,0 +1,119 @@
+"""What every quantization method shares: output capture, progress, the finished checkpoint's files."""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import IO, Iterator
+
+import torch
+
+# Tokenizer files a checkpoint folder may carry (copied verbatim from the base checkpoint).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def calibration_fingerprint(ids: torch.Tensor | None) -> dict | None:
+    """sha256 of the int64 token ids (row-major bytes) plus their shape."""
+    if ids is None:
+        return None
+    ids = ids.to(torch.int64).contiguous().cpu()
+    return {"sha256": hashlib.sha256(ids.numpy().tobytes()).hexdigest(), "shape": list(ids.shape)}
+
+
+def base_dtype(base_dir: Path) -> str:
+    cfg = json.loads((base_dir / "config.json").read_text())
+    d = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return d if d in DTYPES else "float32"
+
+
+@contextlib.contextmanager
+def captured_output(log_path: Path, loggers: tuple[str, ...] = ()) -> Iterator[IO[str]]:
+    """Send everything written to file descriptors 1 and 2 while the block runs (Python prints, library
+    loggers and progress bars, C++ compiler output, background threads) to log_path, and raise the
+    named library loggers to INFO so their lines land in the file, not on the console.
+    Yields a text stream on the real stderr for our own progress bar."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    console = os.fdopen(os.dup(saved[1]), "w", buffering=1)
+    levels = {name: logging.getLogger(name).level for name in loggers}
+    with open(log_path, "ab", buffering=0) as f:
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+        for name in loggers:
+            logging.getLogger(name).setLevel(logging.INFO)
+        try:
+            yield console
+        finally:
+            _drain_logbar()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            console.close()
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
+
+
+def _drain_logbar() -> None:
+    """GPTQModel's logger writes through a queue drained by a thread: flush it before restoring the fds."""
+    buffer = sys.modules.get("logbar.buffer")
+    if buffer is None:
+        return
+    with contextlib.suppress(Exception):
+        buffer.get_buffered_stdout(sys.stdout).flush()
+
+
+def finish_checkpoint(base_dir: Path, out_dir: Path, quantization_config: dict, dtype: str | None = None) -> None:
+    """Make out_dir a clean HF checkpoint: the base model's config.json plus `quantization_config`
+    (engines also rewrite pad tokens and sampling defaults: those edits are dropped), the base
+    generation_config.json and tokenizer files verbatim, and safetensors weights only."""
+    cfg = json.loads((base_dir / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config
+    if dtype is not None:
+        cfg["dtype"] = dtype
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    for name in TOKENIZER_FILES + ("generation_config.json",):
+        if (base_dir / name).is_file():
+            shutil.copyfile(base_dir / name, out_dir / name)
+        elif (out_dir / name).exists():
+            (out_dir / name).unlink()  # the engine's invention (e.g. do_sample=true): keep the base's behaviour
+    pickled = sorted(p.name for p in out_dir.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
+    if pickled:
+        raise RuntimeError(f"the engine wrote pickled weights {pickled} in {out_dir}; only safetensors are allowed")
+    if not any(out_dir.glob("*.safetensors")):
+        raise RuntimeError(f"the engine wrote no .safetensors weights in {out_dir}")
+
+
+class LayerProgress:
+    """A tqdm bar that counts decoder layers as the engine reports each one done."""
+
+    def __init__(self, total: int, label: str, stream: IO[str]) -> None:
+        from tqdm import tqdm
+
+        self._seen: set[int] = set()
+        self.bar = tqdm(total=total, desc=f"quantize {label}", unit="layer", file=stream, dynamic_ncols=True,
+                        mininterval=0.5)
+
+    def layer_done(self, layer_idx: int, **_: object) -> None:
+        if layer_idx not in self._seen:
+            self._seen.add(layer_idx)
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+@contextlib.contextmanager
+def nullcontext_session(out_dir: Path) -> Iterator[None]:
+    """The session of an engine that needs no special working directory or torch settings."""
+    yield

@@ -1,0 +1,93 @@
+"""`[[quantize]]` variants: one pydantic model per method, a discriminated union on `method`.
+
+Torch-free. These models check types and ranges only; what a method can actually do
+(bits, group sizes, devices, the model's shapes) is declared in capabilities.py and checked
+by `check_variant` before any weight is loaded. Defaults here are the recipe's defaults
+(the best settings measured, see benchmarks/README_quant.md); nothing else repeats them.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from pipeline.quant.capabilities import METHODS
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+SKIP_HELP = ("modules left unquantized, each a module name or a dotted suffix of one "
+             "('lm_head', 'mlp.down_proj', 'model.layers.0.self_attn.q_proj')")
+
+
+class _Variant(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                      description="unique; the folder artifacts/<run>/quantize/<name>/")
+    modules_to_skip: list[str] = Field(["lm_head"], description=SKIP_HELP)
+
+
+class _GPTQFormat(_Variant):
+    """Shared by the methods that write the GPTQ checkpoint format (qweight/qzeros/scales/g_idx)."""
+
+    bits: int = Field(4, ge=1, le=16, description="2, 3, 4 or 8 (see capabilities)")
+    group_size: int = Field(64, description="-1 = one scale per output channel; else columns per scale group")
+    sym: bool = Field(True, description="symmetric (zero point fixed at the middle of the grid)")
+    dtype: Optional[Dtype] = Field(None, description="dtype the model runs in while quantizing; "
+                                                     "None = the loaded checkpoint's dtype")
+
+
+class GPTQVariant(_GPTQFormat):
+    method: Literal["gptq"]
+    desc_act: bool = Field(False, description="act-order: quantize columns by decreasing Hessian diagonal")
+    act_group_aware: Optional[bool] = Field(
+        None, description="GPTQModel's group-aware reordering (GAR): act-order inside each group, g_idx stays "
+                          "monotone (fast kernels). None = on where it applies (group_size > 0, desc_act off)")
+    damp_percent: float = Field(0.05, gt=0, lt=1, description="Hessian dampening, fraction of its mean diagonal")
+    true_sequential: bool = Field(True, description="quantize attention then MLP inside a layer, each on the "
+                                                    "inputs produced by the already-quantized modules")
+    mse: float = Field(0.0, ge=0, description="GPTQModel scale search: 0 = min/max; >0 = shrink the range to "
+                                              "minimise the error with this norm (e.g. 2.4)")
+
+
+class RTNVariant(_GPTQFormat):
+    """Round-to-nearest with min/max scales, no calibration: the baseline that shows what GPTQ buys."""
+
+    method: Literal["rtn"]
+
+
+class BnbInt8Variant(_Variant):
+    method: Literal["bnb-int8"]
+    threshold: float = Field(6.0, ge=0, description="LLM.int8() outlier threshold: activation columns above it "
+                                                    "run in 16-bit")
+
+
+class _Bnb4bit(_Variant):
+    double_quant: bool = Field(True, description="quantize the per-block absmax scales too (~0.4 bit/weight saved)")
+    compute_dtype: Dtype = Field("float32", description="dtype of the matmul after dequantization")
+    quant_storage: Literal["uint8", "float16", "bfloat16", "float32"] = Field(
+        "uint8", description="container dtype of the packed 4-bit weights (FSDP needs the model's dtype)")
+
+
+class BnbNF4Variant(_Bnb4bit):
+    method: Literal["bnb-nf4"]
+
+
+class BnbFP4Variant(_Bnb4bit):
+    method: Literal["bnb-fp4"]
+
+
+def _known_method(value: object) -> object:
+    """Turn pydantic's tag error into the registry's 'Unknown quantization method ... Did you mean' line."""
+    if isinstance(value, dict) and "method" in value and value["method"] not in METHODS:
+        raise ValueError(METHODS.unknown_message(str(value["method"])))
+    return value
+
+
+QuantVariant = Annotated[
+    Union[GPTQVariant, RTNVariant, BnbInt8Variant, BnbNF4Variant, BnbFP4Variant],
+    Field(discriminator="method"),
+    BeforeValidator(_known_method),
+]
+
+VARIANT_TYPES = (GPTQVariant, RTNVariant, BnbInt8Variant, BnbNF4Variant, BnbFP4Variant)

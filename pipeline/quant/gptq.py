@@ -1,0 +1,158 @@
+"""GPTQ through GPTQModel, and the GPTQModel driver shared with RTN (same checkpoint format).
+
+GPTQModel is tamed here, not by the user: `pipeline.env.tame()` has set its worker count and
+caches before it is imported (api.py); dynamo is disabled around its calls only; it runs with
+the working directory in a scratch folder inside out_dir so its `logs/` never lands in the
+user's folder (the log is appended to out_dir/gptqmodel.log, then the scratch folder removed);
+its console output is captured by the caller; our own bar counts layers via its layer callback.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import IO, Iterator
+
+import torch
+
+from pipeline.quant.capabilities import skip_pattern
+from pipeline.quant.common import DTYPES, LayerProgress, base_dtype, finish_checkpoint
+
+ENGINE = "gptqmodel"
+
+# GPTQModel's logger redraws its progress bars as one line per step when not on a terminal
+# (megabytes per run in the log file): draw one line per 1000 steps. Read once, at its first bar.
+os.environ.setdefault("LOGBAR_PROGRESS_OUTPUT_INTERVAL", "1000")
+os.environ.setdefault("LOGBAR_ANIMATION", "0")
+
+
+def engine_version() -> str:
+    import gptqmodel
+
+    return gptqmodel.__version__
+
+
+def common_kwargs(variant) -> dict:
+    """GPTQModel QuantizeConfig fields shared by GPTQ and RTN."""
+    skips = [e for e in variant.modules_to_skip if e != "lm_head"]
+    return {
+        "bits": variant.bits, "group_size": variant.group_size, "sym": variant.sym,
+        "lm_head": "lm_head" not in variant.modules_to_skip,
+        # "-:" = negative match: GPTQModel leaves the module in full precision
+        "dynamic": {f"-:{skip_pattern(e)}": {} for e in skips} or None,
+        # keep everything in memory: no random temp path in the saved config, no disk traffic
+        "offload_to_disk": False,
+    }
+
+
+def gptq_config(variant):
+    from gptqmodel import GPTQConfig
+
+    return GPTQConfig(**common_kwargs(variant), desc_act=variant.desc_act, act_group_aware=act_group_aware(variant),
+                      damp_percent=variant.damp_percent, true_sequential=variant.true_sequential, mse=variant.mse)
+
+
+def act_group_aware(variant) -> bool:
+    """The recipe's None: on where it applies (GPTQModel's default, except that it fails on group_size -1)."""
+    if variant.act_group_aware is not None:
+        return variant.act_group_aware
+    return variant.group_size > 0 and not variant.desc_act
+
+
+def calibration_rows(calib_ids: torch.Tensor) -> list[dict]:
+    """[n, seq_len] ids -> GPTQModel's pre-tokenized calibration format (no padding)."""
+    return [{"input_ids": row.tolist(), "attention_mask": [1] * row.numel()} for row in calib_ids]
+
+
+@contextlib.contextmanager
+def session(out_dir: Path) -> Iterator[None]:
+    """Around every GPTQModel call: cwd in a scratch folder (its logs/ goes there and is appended to
+    out_dir/gptqmodel.log), dynamo off for its torch kernel (locally: restored on exit)."""
+    scratch = Path(tempfile.mkdtemp(prefix=".gptqmodel-", dir=out_dir))
+    try:
+        with contextlib.chdir(scratch), torch._dynamo.config.patch(disable=True):
+            yield
+    finally:
+        _collect_logs(scratch, out_dir / f"{ENGINE}.log")
+
+
+def quantize(base_dir: Path, variant, calib_ids: torch.Tensor, console: IO[str], device: str):
+    return quantize_with(base_dir, gptq_config(variant), calibration_rows(calib_ids), console, variant.name,
+                         variant.dtype or base_dtype(base_dir), device)
+
+
+def quantize_with(base_dir: Path, qcfg, calibration: list[dict] | None, console: IO[str], label: str,
+                  dtype: str, device: str):
+    """Load base_dir in `dtype` and quantize it with GPTQModel config `qcfg`: the in-memory GPTQModel model."""
+    from gptqmodel import GPTQModel
+
+    n_layers = json.loads((base_dir / "config.json").read_text()).get("num_hidden_layers", 0)
+    progress = LayerProgress(n_layers, label, console)
+    try:
+        model = GPTQModel.load(str(base_dir.resolve()), qcfg, device=device, dtype=DTYPES[dtype])
+        model.layer_callback = progress.layer_done
+        model.quantize(calibration, batch_size=1)
+    finally:
+        progress.close()
+    return model
+
+
+def save(model, base_dir: Path, out_dir: Path, variant) -> dict:
+    model.save(str(out_dir.resolve()))
+    # per-module loss table with wall times: into the log, so the checkpoint itself is reproducible
+    _append_file(out_dir / "quant_log.csv", out_dir / f"{ENGINE}.log")
+    qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
+    if any(e != "lm_head" for e in variant.modules_to_skip):
+        qc["modules_in_block_to_quantize"] = quantized_in_blocks(out_dir)
+    dtype = variant.dtype or base_dtype(base_dir)
+    finish_checkpoint(base_dir, out_dir, qc, dtype)
+    return {"engine": ENGINE, "engine_version": engine_version(), "engine_config": qc, "dtype": dtype}
+
+
+def quantized_in_blocks(out_dir: Path) -> list[list[str]]:
+    """transformers (through optimum) ignores GPTQModel's `dynamic` skips when it loads a checkpoint and
+    would build quantized modules for skipped layers; it honours `modules_in_block_to_quantize`, matched
+    as name suffixes. Read the quantized names back from the weights: one kind list when every layer
+    has the same ones, else the full names."""
+    from safetensors import safe_open
+
+    names = set()
+    for f in sorted(out_dir.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            names |= {k.removesuffix(".qweight") for k in st.keys() if k.endswith(".qweight")}
+    per_layer: dict[str, set[str]] = {}
+    for n in names:
+        m = re.match(r"^(.*\.\d+)\.(.+)$", n)
+        if m:
+            per_layer.setdefault(m.group(1), set()).add(m.group(2))
+    kinds = list(per_layer.values())
+    if kinds and all(k == kinds[0] for k in kinds):
+        return [sorted(kinds[0])]
+    return [sorted(n for n in names if re.match(r"^.*\.\d+\.", n))]
+
+
+def inference_model(model):
+    """GPTQModel's in-memory model after quantize(), made runnable: its packed modules hold the
+    checkpoint's v1 zero points (zero - 1) while its torch kernels compute with v2 ones, which its
+    loader converts on load; run as-is it is off by one quantization step. Same conversion here."""
+    from gptqmodel.nn_modules.qlinear.torch import TorchLinear
+    from gptqmodel.utils.model import convert_gptq_v1_to_v2_format
+
+    return convert_gptq_v1_to_v2_format(model.model, model.quantize_config, TorchLinear).eval()
+
+
+def _collect_logs(scratch: Path, log_file: Path) -> None:
+    for f in sorted(scratch.rglob("*.log")):
+        _append_file(f, log_file)
+    shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _append_file(src: Path, log_file: Path) -> None:
+    if src.is_file():
+        with open(log_file, "a") as out:
+            out.write(f"\n===== {src.name} =====\n{src.read_text(errors='replace')}")
+        src.unlink()

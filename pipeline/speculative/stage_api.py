@@ -1,0 +1,164 @@
+"""Entry points for the draft stage and the speculative part of validate (thin stage files call
+these): build_draft (init, vocabulary subset, distillation, export) and measure_speculative."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pipeline.speculative.config import DraftConfig
+from pipeline.speculative.distill import distill
+from pipeline.speculative.draft_model import (DraftStudent, check_tokenizers_match, evenly_spaced_layers,
+                                              init_draft_from_layers, load_draft_vocab, select_vocab, vocab_coverage)
+from pipeline.speculative.measure import compare_loops, hf_assisted, measure_costs, predicted_speedup
+from pipeline.speculative.targets import TargetStore, TrainingData, fingerprint, token_windows
+
+
+def load_causal_lm(path: Path):
+    """Any checkpoint from_pretrained can read (fp32, GPTQ, bitsandbytes), in eval mode."""
+    return AutoModelForCausalLM.from_pretrained(str(path)).eval()
+
+
+def init_draft(verifier, cfg: DraftConfig, base_dir: Path | None, verifier_tok) -> tuple[torch.nn.Module, list[int] | None]:
+    """The undistilled draft: verifier layers (copied from `base_dir`, the unquantized model, if
+    the verifier is quantized) or another model with the same tokenizer."""
+    untie = cfg.vocab_size is not None or bool({"head", "embed"} & set(cfg.distill.train))
+    if cfg.init == "model":
+        source = base_dir or (Path(cfg.source) if cfg.source and Path(cfg.source).is_dir() else None)
+        if source is None:
+            raise ValueError(f"[draft] source {cfg.source!r} must be resolved to a local folder (base_dir)")
+        check_tokenizers_match(verifier_tok, AutoTokenizer.from_pretrained(str(source)))
+        draft = load_causal_lm(source)
+        if untie and draft.config.tie_word_embeddings:
+            raise ValueError("[draft] a reduced or trainable head needs a draft with untied embeddings")
+        return draft, None
+    base = load_causal_lm(base_dir) if base_dir else verifier
+    total = base.config.num_hidden_layers
+    layers = cfg.layers if cfg.layers is not None else evenly_spaced_layers(total, cfg.num_layers)
+    return init_draft_from_layers(base, layers, untie_head=untie), layers
+
+
+def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], out_dir: Path, work_dir: Path,
+                seed: int, log=print, base_dir: Path | None = None, progress: bool = True,
+                fault_at_step: int | None = None, targets_root: Path | None = None) -> dict:
+    """Initialise, distill and save the draft (HF checkpoint + tokenizer + draft_vocab.json when
+    reduced + draft_manifest.json naming the verifier). The undistilled draft is saved to
+    work_dir/undistilled for comparison. Teacher targets are kept under `targets_root` (default
+    work_dir), in a folder named by what they depend on, so several drafts can share them.
+    Returns the distillation metrics."""
+    t_start = time.perf_counter()
+    torch.manual_seed(seed)
+    verifier_dir, out_dir, work_dir = Path(verifier_dir), Path(out_dir), Path(work_dir)
+    tok = AutoTokenizer.from_pretrained(str(verifier_dir))
+    verifier = load_causal_lm(verifier_dir)
+    draft, layers = init_draft(verifier, cfg, base_dir, tok)
+    d = cfg.distill
+    windows = token_windows(tok, train_texts, d.seq_len)
+    vocab, coverage = _choose_vocab(cfg, windows, verifier, tok)
+    student = DraftStudent(draft, vocab)
+    undistilled_dir = work_dir / "undistilled"
+    if not (undistilled_dir / "config.json").exists():
+        student.export(undistilled_dir, tok, {"verifier": cfg.verifier, "distilled": False})
+    data_fp = fingerprint(verifier=str(verifier_dir.resolve()), config=_read(verifier_dir / "config.json"),
+                          windows=_tensor_hash(windows), seq_len=d.seq_len, top_k=d.top_k, t=d.temperature,
+                          gen_t=d.on_policy_temperature, prompt_len=d.prompt_len, precision=d.teacher_precision,
+                          seed=seed)
+    store = TargetStore(Path(targets_root or work_dir) / f"targets-{data_fp}" if d.cache_teacher else None)
+    data = TrainingData(verifier, windows, store, batch_size=d.batch_size, top_k=d.top_k, temperature=d.temperature,
+                        on_policy_fraction=d.on_policy_fraction, prompt_len=d.prompt_len,
+                        gen_temperature=d.on_policy_temperature, pool_size=d.pool_size, seed=seed,
+                        precision=d.teacher_precision)
+    run_fp = fingerprint(data=data_fp, draft=cfg.model_dump(exclude={"measure"}), seed=seed)
+    log(f"draft: layers {layers}, head {'full' if vocab is None else f'{vocab.numel()} tokens (coverage {coverage:.3f})'}, "
+        f"{len(windows)} training windows of {d.seq_len} tokens")
+    metrics = distill(student, data, d, work_dir, seed, log, fault_at_step=fault_at_step, progress=progress,
+                      run_fingerprint=run_fp)
+    manifest = {"verifier": cfg.verifier, "verifier_dir": str(verifier_dir), "layers": layers,
+                "draft_vocab_size": None if vocab is None else int(vocab.numel()), "vocab_coverage": coverage,
+                "seed": seed, "distill": metrics, "config": cfg.model_dump(exclude={"measure"})}
+    student.export(out_dir, tok, manifest)
+    metrics.update(layers=layers, draft_vocab_size=manifest["draft_vocab_size"], vocab_coverage=coverage,
+                   undistilled_dir=str(undistilled_dir), total_time_s=time.perf_counter() - t_start)
+    return metrics
+
+
+def _choose_vocab(cfg: DraftConfig, windows: torch.Tensor, verifier, tok):
+    if cfg.vocab_size is None:
+        return None, 1.0
+    full = verifier.get_output_embeddings().weight.shape[0]
+    if cfg.vocab_size > full:
+        raise ValueError(f"[draft] vocab_size {cfg.vocab_size} exceeds the verifier's vocabulary ({full})")
+    streams = windows.tolist()
+    always = [i for i in (tok.eos_token_id, tok.bos_token_id) if i is not None]
+    vocab = select_vocab(streams, cfg.vocab_size, full, always)
+    return vocab, vocab_coverage(streams, vocab)
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def _tensor_hash(t: torch.Tensor) -> str:
+    import hashlib
+    return hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16]
+
+
+def measure_speculative(verifier_dir: Path, draft_dir: Path, prompts: list[str], cfg: DraftConfig, seed: int,
+                        log=print, undistilled_dir: Path | None = None) -> dict:
+    """Acceptance, speed-up and costs of the draft (and of the undistilled one) on held-out
+    prompts, greedy and at each configured temperature. See pipeline/speculative/measure.py."""
+    m = cfg.measure
+    tok = AutoTokenizer.from_pretrained(str(verifier_dir))
+    verifier = load_causal_lm(verifier_dir)
+    ids = encode_prompts(tok, prompts[: m.num_prompts], m.prompt_len)
+    result = {"gamma": cfg.gamma, "prompts": len(ids), "prompt_len": m.prompt_len, "new_tokens": m.new_tokens}
+    drafts = {"distilled": Path(draft_dir)}
+    if m.compare_undistilled and undistilled_dir is not None:
+        drafts["undistilled"] = Path(undistilled_dir)
+    for name, path in drafts.items():
+        draft, vocab = load_causal_lm(path), load_draft_vocab(path)
+        costs = measure_costs(verifier, draft, ids[0], cfg.gamma, vocab)
+        entry = {"costs": costs, "draft_vocab_size": None if vocab is None else int(vocab.numel())}
+        subset = ids if name == "distilled" else ids[: max(1, len(ids) // 4)]
+        for t in m.temperatures:
+            run = compare_loops(verifier, draft, subset, m.new_tokens, cfg.gamma, t, seed, vocab, m.warmup)
+            run["predicted_speedup"] = predicted_speedup(run["alpha_per_token"], costs, cfg.gamma)
+            entry[f"t={t}"] = run
+            log(f"speculative [{name}] T={t}: alpha {run['alpha']:.3f} (per token {run['alpha_per_token']:.3f}), "
+                f"{run['tokens_per_target_forward']:.2f} tok/forward, speed-up {run['speedup']:.2f}x, "
+                f"break-even per-token alpha {costs['break_even_alpha_per_token']}")
+            if m.compare_hf_assisted and name == "distilled":
+                run["hf_reference"] = hf_assisted(verifier, draft, ids[: max(1, len(ids) // 4)], m.new_tokens,
+                                                  cfg.gamma, t, seed)
+        result[name] = entry
+    return json.loads(json.dumps(result))
+
+
+def encode_prompts(tok, prompts: list[str], prompt_len: int) -> list[torch.Tensor]:
+    """Each prompt's first `prompt_len` tokens as a [1, T] tensor (shorter prompts kept whole)."""
+    out = [torch.tensor([tok(p, add_special_tokens=False)["input_ids"][:prompt_len]]) for p in prompts]
+    empty = [i for i, t in enumerate(out) if t.shape[1] == 0]
+    if empty:
+        raise ValueError(f"prompts {empty} are empty after tokenization")
+    return out
+
+
+def wikitext_prompts(raw_text: str, n: int, min_chars: int = 300) -> list[str]:
+    """`n` held-out prompts: WikiText-2 paragraphs (not headings) of at least `min_chars`,
+    spread evenly through the file."""
+    paras = [p.strip() for p in raw_text.split("\n") if len(p.strip()) >= min_chars and not p.strip().startswith("=")]
+    if len(paras) < n:
+        raise ValueError(f"only {len(paras)} WikiText paragraphs of >= {min_chars} characters; asked for {n}")
+    step = len(paras) / n
+    return [paras[int(i * step)] for i in range(n)]
+
+
+def check_no_overlap(train_texts: list[str], prompts: list[str], probe_chars: int = 80) -> None:
+    """Fail if any held-out prompt's opening appears in the training texts."""
+    for p in prompts:
+        probe = p[:probe_chars]
+        if any(probe in t for t in train_texts):
+            raise ValueError(f"held-out prompt appears in the training data: {probe!r}")

@@ -1,0 +1,131 @@
+"""Gates: pass, fail, warn-only, per-model overrides, missing metrics (pure dict logic)."""
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from pipeline.eval.config import GATE_METRICS, GatesConfig, SpeedConfig, gate_metric_names, gate_problems
+from pipeline.eval.gates import evaluate_gates, failed_gates, gates_table
+
+
+def report(**variant_overrides):
+    variant = {"perplexity": {"value": 22.0}, "ppl_ratio": 1.1, "kl": 0.05, "top1": 0.9,
+               "footprint_bytes": 150, "speed": {"decode_tokens_per_s_b1": 12.0}}
+    variant.update(variant_overrides)
+    return {
+        "baseline": {"perplexity": {"value": 20.0}, "footprint_bytes": 500, "speed": {"decode_tokens_per_s_b1": 15.0}},
+        "variants": {"w4": variant},
+        "draft": {"name": "draft", "verifier": "w4",
+                  "speculative": {"greedy": {"alpha": 0.6, "speedup": 1.3}, "t0.7": {"alpha": 0.4, "speedup": 0.9}}},
+    }
+
+
+def by_gate(gates):
+    return {g["gate"]: g for g in gates}
+
+
+def test_all_gates_pass_with_values_bounds_and_ops():
+    cfg = GatesConfig(max_ppl_ratio=1.2, max_kl=0.1, min_top1=0.8, max_footprint_ratio=0.5,
+                      min_decode_speed_ratio=0.5, min_acceptance=0.5, min_spec_speedup=1.1)
+    gates = evaluate_gates(report(), cfg)
+    assert len(gates) == 7 and not failed_gates(gates)
+    g = by_gate(gates)
+    assert g["max_footprint_ratio"]["value"] == pytest.approx(0.3) and g["max_footprint_ratio"]["op"] == "<="
+    assert g["min_decode_speed_ratio"]["value"] == pytest.approx(0.8) and g["min_decode_speed_ratio"]["op"] == ">="
+    assert g["min_acceptance"]["model"] == "draft" and g["min_acceptance"]["verifier"] == "w4"
+    assert g["min_acceptance"]["value"] == 0.6  # greedy mode by default
+    assert all(x["passed"] and x["severity"] == "fail" for x in gates)
+
+
+def test_failures_and_boundaries():
+    cfg = GatesConfig(max_ppl_ratio=1.1, max_kl=0.01, min_top1=0.9)  # ppl and top1 exactly on the bound pass
+    g = by_gate(evaluate_gates(report(), cfg))
+    assert g["max_ppl_ratio"]["passed"] and g["min_top1"]["passed"]
+    assert not g["max_kl"]["passed"]
+    assert [x["gate"] for x in failed_gates(list(g.values()))] == ["max_kl"]
+
+
+def test_warn_only_gates_never_fail_the_run():
+    cfg = GatesConfig(min_spec_speedup=2.0, min_acceptance=0.9, warn_only=["min_spec_speedup", "min_acceptance"])
+    gates = evaluate_gates(report(), cfg)
+    assert all(not g["passed"] and g["severity"] == "warn" for g in gates)
+    assert failed_gates(gates) == []
+    assert "WARN" in gates_table(gates)
+
+
+def test_per_model_override_replaces_the_global_bound():
+    rep = report()
+    rep["variants"]["w3"] = dict(rep["variants"]["w4"], ppl_ratio=1.4)
+    cfg = GatesConfig(max_ppl_ratio=1.2, models={"w3": {"max_ppl_ratio": 1.5}, "draft": {"min_acceptance": 0.7}})
+    gates = evaluate_gates(rep, cfg)
+    assert {(g["model"], g["bound"], g["passed"]) for g in gates if g["gate"] == "max_ppl_ratio"} == {
+        ("w4", 1.2, True), ("w3", 1.5, True)}
+    acc = [g for g in gates if g["gate"] == "min_acceptance"]
+    assert len(acc) == 1 and acc[0]["bound"] == 0.7 and not acc[0]["passed"]
+
+
+def test_speculative_mode_is_selectable():
+    g = by_gate(evaluate_gates(report(), GatesConfig(min_spec_speedup=1.0, speculative_mode="t0.7")))
+    assert g["min_spec_speedup"]["value"] == 0.9 and not g["min_spec_speedup"]["passed"]
+
+
+@pytest.mark.parametrize("gate, breaks, needle", [
+    ("max_kl", lambda r: r["variants"]["w4"].pop("kl"), "variants.w4.kl"),
+    ("min_decode_speed_ratio", lambda r: r["variants"]["w4"].update(speed=None), "decode_tokens_per_s_b1"),
+    ("min_decode_speed_ratio", lambda r: r["baseline"].update(speed=None), "baseline's value is missing"),
+    ("max_footprint_ratio", lambda r: r["baseline"].pop("footprint_bytes"), "baseline's value is missing"),
+    ("max_ppl_ratio", lambda r: r["variants"]["w4"].pop("ppl_ratio"), None),  # recomputed from perplexities
+    ("min_acceptance", lambda r: r.update(draft=None), "no draft section"),
+    ("min_spec_speedup", lambda r: r["draft"]["speculative"].pop("greedy"), "draft.speculative.greedy.speedup"),
+])
+def test_missing_metric_is_a_failed_gate_with_a_reason(gate, breaks, needle):
+    rep = report()
+    breaks(rep)
+    (g,) = evaluate_gates(rep, GatesConfig(**{gate: 100.0 if gate.startswith("max") else 0.0001}))
+    if needle is None:
+        assert g["passed"] and g["value"] == pytest.approx(1.1)
+    else:
+        assert not g["passed"] and g["value"] is None and needle in g["reason"]
+        assert "missing" in gates_table([g])
+
+
+def test_nan_metric_fails():
+    (g,) = evaluate_gates(report(kl=math.nan), GatesConfig(max_kl=1.0))
+    assert not g["passed"] and "not finite" in g["reason"]
+
+
+def test_no_gates_configured_and_empty_report():
+    assert evaluate_gates(report(), GatesConfig()) == []
+    assert evaluate_gates({}, GatesConfig(max_kl=0.1)) == []
+    assert gates_table([]) == "no gates configured"
+
+
+def test_table_lists_every_gate_and_a_summary():
+    gates = evaluate_gates(report(), GatesConfig(max_kl=0.01, min_top1=0.5, min_acceptance=0.9,
+                                                 warn_only=["min_acceptance"]))
+    text = gates_table(gates)
+    lines = text.splitlines()
+    assert lines[0].split()[:5] == ["model", "gate", "value", "bound", "result"]
+    assert len(lines) == 2 + 3 + 1
+    assert lines[-1] == "3 gates: 1 passed, 1 failed, 1 warnings"
+    assert "draft (verifier w4)" in text
+
+
+def test_config_validation():
+    with pytest.raises(ValidationError, match="unknown gates"):
+        GatesConfig(warn_only=["min_speedup"])
+    with pytest.raises(ValidationError, match="extra"):
+        GatesConfig(max_perplexity=1.2)
+    with pytest.raises(ValidationError):
+        GatesConfig(min_top1=1.5)
+    assert gate_metric_names()["max_kl"] == "kl" and set(gate_metric_names()) == set(GATE_METRICS)
+
+
+def test_gate_problems_for_compress_check():
+    cfg = GatesConfig(min_acceptance=0.5, min_decode_speed_ratio=0.5, models={"w9": {"max_kl": 0.1}})
+    problems = gate_problems(cfg, SpeedConfig(models=["w4"]), ["w4"], None)
+    text = "\n".join(problems)
+    assert "no variant or draft named 'w9'" in text
+    assert "needs a [draft]" in text
+    assert "needs speed for 'baseline'" in text
+    assert gate_problems(GatesConfig(max_kl=0.1), SpeedConfig(), ["w4"], "draft") == []

@@ -1,0 +1,242 @@
+"""report.md, plots and model cards render from full and partial report.json (no torch needed)."""
+import copy
+import json
+import struct
+
+import pytest
+import yaml
+from huggingface_hub import ModelCard
+
+from pipeline.eval.card import card_text, excerpt_from_lock, hub_id, write_model_card
+from pipeline.eval.plots import pareto
+from pipeline.eval.report import PLOTS, render_markdown, render_report
+
+
+def _stats(m):
+    return {"median": m, "min": m * 0.9, "max": m * 1.1, "n": 3}
+
+
+def _speed(b1, b8, fp):
+    return {"schema": "speed/1", "device": "cpu", "device_name": "cpu (1 threads)", "prompt_len": 64, "new_tokens": 16,
+            "repeats": 3, "warmup": 1, "prefill_tokens_per_s": _stats(200.0), "ttft_s": _stats(0.25),
+            "decode": {"1": {"batch": 1, "tokens_per_s": _stats(b1)}, "8": {"batch": 8, "tokens_per_s": _stats(b8)}},
+            "decode_tokens_per_s_b1": b1, "max_batch": 8, "decode_tokens_per_s_max_batch": b8,
+            "techniques": {"kv_cache": {"decode_tokens_per_s": _stats(b1), "speedup_vs_kv_cache": 1.0},
+                           "no_kv_cache": {"decode_tokens_per_s": _stats(b1 / 7), "speedup_vs_kv_cache": 1 / 7},
+                           "flash_attention_2": {"skipped": "flash_attention_2 needs CUDA"}},
+            "kv_cache_speedup": 7.0, "peak_memory_bytes": fp * 1.4, "peak_memory_kind": "rss_hwm",
+            "footprint_bytes": fp, "weight_bytes_per_token": fp, "copy_bandwidth_bytes_per_s": 1.9e10,
+            "roofline_fraction": 0.42}
+
+
+def _variant(method, params, ppl, disk, b1, kl, top1):
+    return {"method": method, "params": {"name": "x", "method": method, **params}, "checkpoint": "quantize/x",
+            "size_on_disk_bytes": disk, "footprint_bytes": disk, "quantize_time_s": 12.5,
+            "perplexity": {"value": ppl}, "ppl_ratio": ppl / 20.0, "kl": kl, "top1": top1,
+            "smoke": {"text": "The capital of France is Paris.", "ok": True}, "speed": _speed(b1, b1 * 3, disk),
+            "runtimes": [{"runtime": "transformers (CPU)", "kernel": "torch", "note": "measured here"}]}
+
+
+def full_report() -> dict:
+    ppl = {"value": 20.0, "protocol": "gptq", "dataset": "wikitext2", "tokens": 4096, "windows": 2,
+           "window": 2048, "stride": 2048}
+    return {
+        "schema_version": 1,
+        "run": {"name": "demo", "recipe": "recipes/default.toml", "status": "complete", "exit_code": 0,
+                "started": "2025-01-01T00:00:00", "finished": "2025-01-01T00:10:00", "device": "cpu", "seed": 0,
+                "versions": {"torch": "2.13.0", "transformers": "5.24.0"}},
+        "model": {"source": "hf:HuggingFaceTB/SmolLM2-135M-Instruct", "name": "SmolLM2-135M-Instruct",
+                  "architecture": "LlamaForCausalLM", "parameters": 134515008, "dtype": "float32",
+                  "footprint_bytes": 538060288, "provenance": "dequantized from a Q4_1 GGUF",
+                  "random_init": False, "license": "apache-2.0"},
+        "calibration": {"dataset": "c4", "num_samples": 64, "seq_len": 512},
+        "baseline": {"perplexity": ppl, "size_on_disk_bytes": 538090000, "footprint_bytes": 538060288,
+                     "speed": _speed(15.0, 40.0, 538060288)},
+        "variants": {
+            "gptq-w4g64": _variant("gptq", {"bits": 4, "group_size": 64, "sym": True}, 21.0, 160e6, 9.0, 0.05, 0.9),
+            "rtn-w4g64": _variant("rtn", {"bits": 4, "group_size": 64}, 24.0, 160e6, 9.5, 0.12, 0.82),
+            "nf4": _variant("bnb-nf4", {"double_quant": True}, 22.5, 170e6, 4.0, 0.08, 0.87),
+            "int8": _variant("bnb-int8", {"threshold": 6.0}, 20.1, 280e6, 3.0, 0.01, 0.97),
+        },
+        "draft": {"name": "draft", "verifier": "gptq-w4g64", "layers": 4, "vocab_size": 49152,
+                  "distill": {"dataset": "c4", "steps": 100},
+                  "speculative": {m: {"alpha": a, "tokens_per_target_forward": 1 + 3 * a, "speedup": 1.2 * a + 0.3,
+                                      "tokens_per_s": 12.0, "c_d": 0.1, "c_v": 1.0, "break_even_alpha": 0.3,
+                                      "accepted_by_position": [int(100 * a ** (i + 1)) for i in range(4)],
+                                      "drafted_by_position": [100] * 4,
+                                      "repetition_rate": 0.02}
+                                  for m, a in (("greedy", 0.7), ("t0.7", 0.6), ("undistilled", 0.4))}},
+        "gates": [{"model": "gptq-w4g64", "gate": "max_ppl_ratio", "metric": "ppl_ratio", "value": 1.05,
+                   "bound": 1.2, "op": "<=", "passed": True, "severity": "fail", "reason": ""},
+                  {"model": "draft", "gate": "min_spec_speedup", "metric": "spec_speedup", "value": None,
+                   "bound": 1.1, "op": ">=", "passed": False, "severity": "warn", "reason": "missing"}],
+        "stages": {"load": {"status": "done", "time_s": 3.2, "peak_rss_bytes": 1.2e9}},
+        "exports": {}, "publish": None,
+    }
+
+
+def _png_size(path):
+    head = path.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    return struct.unpack(">II", head[16:24])
+
+
+def test_full_report_renders_markdown_and_three_plots(tmp_path):
+    (tmp_path / "report.json").write_text(json.dumps(full_report()))
+    render_report(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    for heading in ("## Quality", "## Size", "## Speed", "## Speculative decoding", "## Gates", "## Stages"):
+        assert heading in md
+    quality = md.split("## Quality")[1].split("## Size")[0]
+    rows = [r for r in quality.splitlines() if r.startswith("| ")][1:]
+    assert rows[0].startswith("| baseline (float32; dequantized from a Q4_1 GGUF)"), "baseline first, with provenance"
+    assert "gptq-w4g64" in rows[1] and "bits=4" in rows[1]
+    assert "**WARN**" in md and "**PASS**" in md
+    assert "flash_attention_2 needs CUDA" in md
+    for name in PLOTS.values():
+        w, h = _png_size(tmp_path / "plots" / name)
+        assert w > 300 and h > 200
+        assert f"plots/{name}" in md
+
+
+@pytest.mark.parametrize("drop", ["baseline", "variants", "draft", "gates", "stages", "model", "run", "everything"])
+def test_partial_reports_render_without_crashing(tmp_path, drop):
+    report = full_report()
+    if drop == "everything":
+        report = {"schema_version": 1}
+    else:
+        report[drop] = None
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    render_report(tmp_path)
+    assert "# compress report" in (tmp_path / "report.md").read_text()
+
+
+def test_in_progress_report_draws_only_what_it_has(tmp_path):
+    report = full_report()
+    report["draft"] = None
+    for v in report["variants"].values():
+        v["speed"] = None
+    report["baseline"]["speed"] = None
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    render_report(tmp_path)
+    plots = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert plots == [PLOTS["frontier"]]
+    md = (tmp_path / "report.md").read_text()
+    assert "Not measured (speed disabled, or not run yet)." in md
+    assert "No draft in this run" in md
+
+
+def test_missing_inner_keys_render():
+    report = full_report()
+    report["variants"]["nf4"] = {}
+    report["baseline"] = {"perplexity": None}
+    report["draft"]["speculative"]["greedy"] = {"alpha": 0.5}
+    md = render_markdown(report, [])
+    assert "| nf4 |" in md
+
+
+def test_pareto_front_keeps_only_undominated_points():
+    pts = [(100, 20.0), (50, 21.0), (50, 25.0), (30, 30.0), (60, 22.0)]
+    assert pareto(pts) == [(30, 30.0), (50, 21.0), (100, 20.0)]
+
+
+def test_hub_id_accepts_repo_ids_only(tmp_path):
+    assert hub_id("hf:HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert hub_id("owner/name@main") == "owner/name"
+    assert hub_id(str(tmp_path)) is None
+    assert hub_id("config:tiny-llama") is None
+    assert hub_id(None) is None
+
+
+LOCK = """# header comment
+[lock]
+created = "2025-01-01"
+[recipe.model]
+source = "hf:HuggingFaceTB/SmolLM2-135M-Instruct"
+[recipe.calibration]
+dataset = "c4"
+[[recipe.quantize]]
+name = "gptq-w4g64"
+method = "gptq"
+bits = 4
+[[recipe.quantize]]
+name = "nf4"
+method = "bnb-nf4"
+[recipe.draft]
+verifier = "gptq-w4g64"
+layers = 4
+"""
+
+
+def _front_matter(text):
+    assert text.startswith("---\n")
+    return yaml.safe_load(text.split("---\n")[1])
+
+
+def test_variant_card_metadata_and_round_trip(tmp_path):
+    entry = {"kind": "variant", "name": "gptq-w4g64"}
+    excerpt = excerpt_from_lock(LOCK, entry)
+    assert 'name = "gptq-w4g64"' in excerpt and "nf4" not in excerpt and "[draft]" not in excerpt
+    write_model_card(tmp_path, full_report(), entry, excerpt, LOCK)
+    text = (tmp_path / "README.md").read_text()
+    meta = _front_matter(text)
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert meta["base_model_relation"] == "quantized"
+    assert meta["library_name"] == "transformers"
+    assert meta["license"] == "apache-2.0"
+    assert {"gptq", "4-bit", "quantized"} <= set(meta["tags"])
+    assert set(meta["datasets"]) == {"Salesforce/wikitext", "allenai/c4"}
+    assert meta["model-index"][0]["results"][0]["metrics"][0]["value"] == 21.0
+    card = ModelCard(text)  # offline validation of the metadata, incl. the model-index
+    assert card.data.base_model == meta["base_model"]
+    assert "GPTQModel.load" in text and "vllm serve" in text and "Kernel compatibility" in text
+    assert "dequantized from a Q4_1 GGUF" in text and "```toml" in text and "[lock]" in text
+    assert "| gptq-w4g64 | 21 |" in text
+
+
+def test_card_rewrite_is_byte_identical(tmp_path):
+    entry = {"kind": "variant", "name": "nf4"}
+    write_model_card(tmp_path, full_report(), entry, "x = 1", LOCK)
+    first = (tmp_path / "README.md").read_bytes()
+    report = full_report()
+    report["run"]["status"], report["run"]["finished"] = "gates_failed", "later"
+    write_model_card(tmp_path, report, entry, "x = 1", LOCK)
+    assert (tmp_path / "README.md").read_bytes() == first
+    meta = _front_matter(first.decode())
+    assert {"bitsandbytes", "4-bit", "nf4"} <= set(meta["tags"])
+
+
+def test_draft_card_names_its_verifier_and_assistant_usage(tmp_path):
+    entry = {"kind": "draft", "name": "draft", "verifier": "gptq-w4g64"}
+    excerpt = excerpt_from_lock(LOCK, entry)
+    assert "[draft]" in excerpt and "[[quantize]]" not in excerpt
+    write_model_card(tmp_path, full_report(), entry, excerpt, LOCK)
+    text = (tmp_path / "README.md").read_text()
+    meta = _front_matter(text)
+    assert "speculative-decoding" in meta["tags"] and "base_model_relation" not in meta
+    assert "assistant_model=draft" in text and "gptq-w4g64" in text
+    assert "| greedy | 0.7 |" in text
+    ModelCard(text)
+
+
+def test_card_for_random_local_model_has_no_base_model(tmp_path):
+    report = copy.deepcopy(full_report())
+    report["model"].update(source="config:tiny-llama", name="tiny-llama", random_init=True, license=None)
+    entry = {"kind": "variant", "name": "rtn-w4g64"}
+    write_model_card(tmp_path, report, entry, "", "")
+    text = (tmp_path / "README.md").read_text()
+    meta = _front_matter(text)
+    assert "base_model" not in meta and "license" not in meta
+    assert "random-weights" in meta["tags"] and "Random weights" in text
+    ModelCard(text)
+
+
+def test_report_rerenders_cards_of_existing_exports(tmp_path):
+    report = full_report()
+    report["exports"] = {"nf4": {"kind": "variant", "name": "nf4", "folder": "export/nf4", "files": {}}}
+    (tmp_path / "export" / "nf4").mkdir(parents=True)
+    (tmp_path / "recipe.lock.toml").write_text(LOCK)
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    render_report(tmp_path)
+    text = (tmp_path / "export" / "nf4" / "README.md").read_text()
+    assert 'method = "bnb-nf4"' in text
