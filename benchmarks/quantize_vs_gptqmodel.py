@@ -268,6 +268,8 @@ def figures(a) -> dict:
     evals = save_ids(wikitext_ids(tok), work / "wikitext2.safetensors")
     out = {"baseline": child(["_ppl", a.model, evals, str(a.ppl_seq_len), str(a.ppl_windows)])["ppl"]}
     for name, fields in FIGURES.items():
+        if a.only and name not in a.only.split(","):
+            continue
         r = child(["_run", "ours", a.model, calib, str(work / name), json.dumps(fields)])
         out[name] = child(["_ppl", r["out"], evals, str(a.ppl_seq_len), str(a.ppl_windows)])["ppl"]
         log(f"{name}: {out[name]:.3f} (baseline {out['baseline']:.3f}), quantized in {r['seconds']:.0f} s")
@@ -293,6 +295,7 @@ def main() -> None:
     p.add_argument("--hf-reps", type=int, default=1)
     p.add_argument("--ppl-seq-len", type=int, default=512)
     p.add_argument("--ppl-windows", type=int, default=16)
+    p.add_argument("--only", default="", help="figures: comma-separated subset of " + ",".join(FIGURES))
     p.add_argument("--out", default=None, help="write the results JSON here")
     a = p.parse_args()
     Path(a.work).mkdir(parents=True, exist_ok=True)

@@ -39,12 +39,15 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.LongTensor | None
         impl = implementation(variant)
         importlib.import_module(c.engine)  # import-time memory is not the variant's: import before measuring
         torch.manual_seed(seed)
-        with PeakRSS() as mem, impl.session(out_dir):
-            t0 = time.perf_counter()
-            model = impl.quantize(base_dir, variant, calib_ids if c.needs_calibration else None, console, device)
-            details = impl.save(model, base_dir, out_dir, variant)
-            elapsed = time.perf_counter() - t0
-        del model
+        try:
+            with PeakRSS() as mem, impl.session(out_dir):
+                t0 = time.perf_counter()
+                model = impl.quantize(base_dir, variant, calib_ids if c.needs_calibration else None, console, device)
+                details = impl.save(model, base_dir, out_dir, variant)
+                elapsed = time.perf_counter() - t0
+        except (RuntimeError, ValueError, OSError, NotImplementedError) as e:  # the engine's, with its log named
+            raise StageError(f"quantize {variant.name}: {c.engine} failed: {type(e).__name__}: {e} "
+                             f"(its log: {out_dir / log_name})") from e
     log.info("quantize %s: done in %.1f s, peak memory +%.0f MiB", variant.name, elapsed, mem.above_start_bytes / 2**20)
     return {
         "method": c.name, "params": variant.model_dump(mode="json"), **details, "device": device, "seed": seed,

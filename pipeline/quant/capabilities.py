@@ -226,7 +226,8 @@ def _gptq_runtimes(variant, arch: dict) -> list[dict]:
     out = [
         {"runtime": "transformers (CPU)", "kernel": cpu_kernel, "note": "via GPTQModel's kernels; measured here"},
         {"runtime": "transformers (CUDA)", "kernel": cuda_kernel, "note": "via GPTQModel's kernels"},
-        {"runtime": "GPTQModel.load", "kernel": f"CPU: {cpu_kernel.split(' (')[0]}; CUDA: {cuda_kernel}", "note": ""},
+        {"runtime": "GPTQModel.load", "kernel": f"CPU: {cpu_kernel.split(' (')[0]}; CUDA: {cuda_kernel}",
+         "note": "float16/bfloat16 (its torch kernels refuse float32; bfloat16 is its CPU default)"},
         _vllm(variant, arch),
         {"runtime": "llama.cpp", "kernel": "none", "note": "reads GGUF only; convert the baseline instead"},
     ]

@@ -17,7 +17,7 @@ def units(recipe) -> list[Unit]:
                         deps=deps, merge=lambda r, m, n=name: merge_quality(r, m, n)))
         if v.speed.enabled and (v.speed.models == "all" or name in v.speed.models):
             out.append(Unit(f"validate/{name}/speed", {"speed": v.speed.model_dump(), "device": recipe.run.device},
-                            lambda ctx, s=src: speed(ctx, recipe, s), deps=[src],
+                            lambda ctx, n=name, s=src: speed(ctx, recipe, n, s), deps=[src],
                             merge=lambda r, m, n=name: _entry(r, n).update({"speed": m})))
     if recipe.draft is not None:
         from pipeline.stages.draft import verifier_key
@@ -45,10 +45,11 @@ def quality(ctx: UnitContext, recipe, name: str, src: str) -> dict:
     return run_task("quality", args, ctx.out, recipe.run.threads)
 
 
-def speed(ctx: UnitContext, recipe, src: str) -> dict:
+def speed(ctx: UnitContext, recipe, name: str, src: str) -> dict:
     from pipeline.eval.speed import run_speed_subprocess
 
-    return run_speed_subprocess(ctx.dep(src), recipe.validate_.speed, ctx.device, ctx.out / "speed.json")
+    return run_speed_subprocess(ctx.dep(src), recipe.validate_.speed, ctx.device, ctx.out / "speed.json",
+                                model_name=name, threads=recipe.run.threads)
 
 
 def speculative(ctx: UnitContext, recipe) -> dict:
