@@ -38,7 +38,6 @@ W4G64 = {"method": "gptq", "bits": 4, "group_size": 64}
 SEARCH = [  # (label, variant fields over W4G64, calibration overrides)
     ("gptqmodel defaults (GAR, damp 0.05)", {}, {}),
     ("act-order (desc_act)", {"desc_act": True}, {}),
-    ("no reordering", {"act_group_aware": False}, {}),
     ("damp 0.01", {"damp_percent": 0.01}, {}),
     ("damp 0.1", {"damp_percent": 0.1}, {}),
     ("mse 2.4 scale search", {"mse": 2.4}, {}),

@@ -8,10 +8,10 @@ import warnings
 
 def setup_logging(verbose: bool = False) -> None:
     level = logging.DEBUG if verbose else logging.INFO
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname).1s compress: %(message)s", datefmt="%H:%M:%S",
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         force=True)
     for noisy in ("transformers", "gptqmodel", "torchao", "accelerate", "datasets", "huggingface_hub", "urllib3",
-                  "httpx", "filelock", "matplotlib", "PIL", "optimum", "tokenicer", "logbar", "torch"):
+                  "httpx", "filelock", "matplotlib", "PIL", "bitsandbytes", "torch.utils._pytree", "root", "optimum", "tokenicer", "logbar", "torch"):
         logging.getLogger(noisy).setLevel(logging.DEBUG if verbose else logging.ERROR)
     if not verbose:
         warnings.filterwarnings("ignore")

@@ -65,8 +65,22 @@ def _speculative(args: dict) -> dict:
 
     und = Path(args["undistilled"]) if args.get("undistilled") else None
     return measure_speculative(Path(args["verifier"]), Path(args["draft"]), args["prompts"],
-                               DraftConfig(**args["draft_cfg"]), args["seed"], logging.getLogger("compress"),
+                               DraftConfig(**args["draft_cfg"]), args["seed"], logging.getLogger("compress").info,
                                undistilled_dir=und)
+
+
+def _peak_rss_bytes() -> int:
+    """This process's high-water RSS. VmHWM restarts at exec; ru_maxrss would include the parent's pages."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover - non-Linux
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 TASKS = {"quality": _quality, "speculative": _speculative}
@@ -79,8 +93,9 @@ def main(argv: list[str]) -> int:
     from pipeline.env import tame
 
     tame()
+    import torch  # before setup_logging: torch installs its own log handlers on import
+
     setup_logging()
-    import torch
 
     if job.get("threads"):
         torch.set_num_threads(int(job["threads"]))
@@ -89,9 +104,7 @@ def main(argv: list[str]) -> int:
     except Exception as e:
         result_path.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
         raise
-    import resource
-
-    result["worker_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["worker_peak_rss_bytes"] = _peak_rss_bytes()
     result_path.write_text(json.dumps(result, default=float))
     return 0
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import shutil
+from pathlib import Path
 
 from pipeline.runner import Unit, UnitContext
 
@@ -25,7 +27,13 @@ def run(ctx: UnitContext, recipe) -> dict:
     from pipeline.speculative.stage_api import build_draft
 
     texts = training_documents(recipe.calibration)
-    metrics = build_draft(ctx.dep(verifier_key(recipe)), recipe.draft, texts, ctx.out, ctx.work, ctx.seed, log)
+    # layers are copied from the unquantized model (a GPTQ verifier's packed weights cannot be sliced);
+    # distillation targets come from the verifier itself. ctx.work survives a kill: checkpoints live there.
+    metrics = build_draft(ctx.dep(verifier_key(recipe)), recipe.draft, texts, ctx.out, ctx.work, ctx.seed,
+                          log=log.info, base_dir=ctx.dep("load"))
+    undistilled = Path(metrics.pop("undistilled_dir"))
+    if undistilled.is_dir():  # kept beside the draft so validate can measure what distillation bought
+        shutil.move(str(undistilled), ctx.out / "undistilled")
     metrics["verifier"] = recipe.draft.verifier
     return metrics
 
@@ -33,7 +41,7 @@ def run(ctx: UnitContext, recipe) -> dict:
 def merge(report: dict, m: dict) -> None:
     d = report.get("draft") or {}
     d.update({"name": "draft", "verifier": m.get("verifier"), "checkpoint": "draft", "distill": m})
-    for k in ("layers", "vocab_size", "num_layers"):
-        if k in m:
-            d[k] = m[k]
+    d["layers"] = m.get("layers")
+    d["num_layers"] = len(m.get("layers") or [])
+    d["vocab_size"] = m.get("draft_vocab_size")
     report["draft"] = d

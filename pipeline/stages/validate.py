@@ -89,5 +89,33 @@ def merge_quality(report: dict, m: dict, name: str) -> None:
 
 def merge_speculative(report: dict, m: dict) -> None:
     d = report.get("draft") or {}
-    d["speculative"] = m
+    d["speculative"] = speculative_modes(m)
+    d["speculative_detail"] = m
     report["draft"] = d
+
+
+FLAT_KEYS = ("alpha", "alpha_per_token", "tokens_per_target_forward", "speedup", "plain_tokens_per_s",
+             "repetition_rate", "accepted_by_position", "drafted_by_position", "acceptance_by_position",
+             "predicted_speedup", "greedy_mismatches")
+
+
+def speculative_modes(m: dict) -> dict:
+    """One flat row per (draft, temperature) — "greedy", "t0.7", "undistilled greedy" — for report and gates."""
+    gamma = m.get("gamma")
+    modes = {}
+    for which in ("distilled", "undistilled"):
+        entry = m.get(which) or {}
+        costs = entry.get("costs") or {}
+        for key, run in entry.items():
+            if not key.startswith("t=") or not isinstance(run, dict):
+                continue
+            t = float(key[2:])
+            mode = "greedy" if t == 0 else f"t{t:g}"
+            row = {k: run.get(k) for k in FLAT_KEYS if k in run}
+            row.update(tokens_per_s=run.get("spec_tokens_per_s"), c_d=costs.get("c_d"),
+                       c_v=(costs.get("c_v") or {}).get(str(gamma + 1)) if gamma else None,
+                       break_even_alpha=costs.get("break_even_alpha_per_token"), gamma=gamma)
+            if "hf_reference" in run:
+                row["hf_assisted"] = run["hf_reference"]
+            modes[mode if which == "distilled" else f"undistilled {mode}"] = row
+    return modes
