@@ -11,7 +11,7 @@ def setup_logging(verbose: bool = False) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         force=True)
     for noisy in ("transformers", "gptqmodel", "torchao", "accelerate", "datasets", "huggingface_hub", "urllib3",
-                  "httpx", "filelock", "matplotlib", "PIL", "bitsandbytes", "torch.utils._pytree", "root", "optimum", "tokenicer", "logbar", "torch"):
+                  "httpx", "filelock", "matplotlib", "PIL", "bitsandbytes", "torch.utils._pytree", "optimum", "tokenicer", "logbar", "torch"):
         logging.getLogger(noisy).setLevel(logging.DEBUG if verbose else logging.ERROR)
     if not verbose:
         warnings.filterwarnings("ignore")

@@ -109,6 +109,10 @@ class LayerProgress:
             self._seen.add(layer_idx)
             self.bar.update(1)
 
+    def finish(self) -> None:
+        """All layers are done (engines without per-layer callbacks, e.g. GPTQModel's weight-only RTN)."""
+        self.bar.update(self.bar.total - self.bar.n)
+
     def close(self) -> None:
         self.bar.close()
 

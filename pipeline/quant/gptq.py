@@ -96,6 +96,7 @@ def quantize_with(base_dir: Path, qcfg, calibration: list[dict] | None, console:
         model = GPTQModel.load(str(base_dir.resolve()), qcfg, device=device, dtype=DTYPES[dtype])
         model.layer_callback = progress.layer_done
         model.quantize(calibration, batch_size=1)
+        progress.finish()
     finally:
         progress.close()
     return model

@@ -106,6 +106,8 @@ def accept_reject(p: torch.Tensor, q: torch.Tensor, draft_tokens: torch.Tensor,
         return gamma, _sample(p[gamma], generator)  # all accepted: bonus token from p
     n = int(rejected[0])
     residual = (p[n] - q[n]).clamp_min(0)  # normalize(max(0, p - q))
+    if residual.sum() <= 0:  # p == q up to rounding: rejection had probability ~0; p is the limit
+        residual = p[n]
     return n, _sample(residual / residual.sum(), generator)
 
 
