@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RUN_DIR = ROOT / "artifacts" / "ci-real"
 # GPTQ protocol, WikiText-2 raw test, first 2 windows of 2048 tokens, fp32 dequantized Q4_1 baseline:
 # measured with `compress run recipes/ci-real.toml` on this stack (see README "Figures").
-RECORDED_BASELINE_PPL = None
+RECORDED_BASELINE_PPL = 18.8375  # 4,094 tokens; measured 2026-11-30
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,10 @@ def test_baseline_perplexity_matches_the_recorded_value(report):
 def test_gptq_beats_rtn_and_int8_stays_close(report):
     v = report["variants"]
     base = report["baseline"]["perplexity"]["value"]
+    # deterministic on this stack (byte-identical reruns); with only 16 x 128 calibration tokens GPTQ's
+    # perplexity edge over RTN is small, its KL edge is clear
     assert v["gptq-w4g64"]["perplexity"]["value"] < v["rtn-w4g64"]["perplexity"]["value"]
+    assert v["gptq-w4g64"]["kl"] < 0.9 * v["rtn-w4g64"]["kl"]
     assert v["bnb-int8"]["perplexity"]["value"] < base * 1.03
     for name, entry in v.items():
         assert entry["smoke"]["ok"], (name, entry["smoke"])
@@ -58,5 +61,8 @@ def test_every_checkpoint_reloaded_in_a_fresh_process(report):
 
 def test_draft_was_distilled_and_measured(report):
     d = report["draft"]
-    assert d and d["verifier"] == "baseline" and d["speculative"]
+    assert d and d["verifier"] == "baseline" and d["distill"]["steps"] > 0
+    greedy = d["speculative"]["greedy"]
+    assert greedy["tokens_per_target_forward"] >= 1 and 0 <= greedy["alpha"] <= 1
+    assert greedy["greedy_mismatches"] == [], "greedy speculative output must equal plain greedy output"
     assert report["run"]["status"] == "complete"
