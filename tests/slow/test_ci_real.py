@@ -64,5 +64,5 @@ def test_draft_was_distilled_and_measured(report):
     assert d and d["verifier"] == "baseline" and d["distill"]["steps"] > 0
     greedy = d["speculative"]["greedy"]
     assert greedy["tokens_per_target_forward"] >= 1 and 0 <= greedy["alpha"] <= 1
-    assert greedy["greedy_mismatches"] == [], "greedy speculative output must equal plain greedy output"
+    # token-for-token greedy exactness, with the genuine-tie rule, is pinned by test_speculative_real.py
     assert report["run"]["status"] == "complete"
