@@ -30,11 +30,12 @@ from pipeline.speculative.stage_api import (build_draft, check_no_overlap, encod
                                             measure_speculative, wikitext_prompts)
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = {"layers": [0], "vocab_size": 4096,
+BASE = {"layers": [0], "vocab_size": 4096, "init_head": "lens",
         "distill": {"loss": "forward_kl", "train": ["layers", "norm", "head"], "on_policy_fraction": 0.0}}
 # each preset changes one thing relative to BASE
 PRESETS = {
     "base": {},
+    "copyhead": {"init_head": "copy"},
     "layers2": {"layers": [0, 1]},
     "layers4": {"layers": [0, 1, 2, 3]},
     "even2": {"layers": [0, 29]},
@@ -126,11 +127,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--gamma", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is faster on a loaded machine)")
     ap.add_argument("--undistilled", action="store_true", help="also measure the undistilled base draft")
     ap.add_argument("--time-best", action="store_true", help="time the best config with measure_speculative")
     ap.add_argument("--out", default=None, help="append a markdown table to this file")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
     work = Path(args.work)
     texts = pd.read_parquet(ROOT / "calibration/c4/c4_validation_2k.parquet")["text"].tolist()
     raw = (ROOT / "calibration/wikitext-2-raw/wiki.test.raw").read_text()
@@ -148,8 +151,12 @@ def main() -> None:
         ev = eval_acceptance(verifier, work / name / "draft", prompts, args.new_tokens, args.gamma, [0.0, 0.7])
         if args.undistilled and name == "base":
             und = eval_acceptance(verifier, Path(m["undistilled_dir"]), prompts, args.new_tokens, args.gamma, [0.0, 0.7])
-            rows.append(row("base (undistilled)", cfg, {**m, "steps": 0, "train_time_s": 0, "teacher_time_s": 0,
-                                                        "top1_agreement": float("nan")}, und))
+            zero = {**m, "steps": 0, "train_time_s": 0, "teacher_time_s": 0, "top1_agreement": float("nan")}
+            rows.append(row("base (undistilled)", cfg, zero, und))
+            initial = work / name / "work" / "initial"
+            if initial.exists():
+                rows.append(row("base (tuned lens, no KD)", cfg, zero,
+                                eval_acceptance(verifier, initial, prompts, args.new_tokens, args.gamma, [0.0, 0.7])))
         rows.append(row(name, cfg, m, ev))
         detail[name] = {"metrics": m, "eval": ev, "config": cfg.model_dump()}
         print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f}s)", flush=True)

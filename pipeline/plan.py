@@ -30,20 +30,8 @@ class Plan:
         return max(self.memory.values()) if self.memory else 0
 
 
-def source_hash() -> str:
-    """sha256 of compress's own code: a new release (or a local edit) recomputes every stage."""
-    import hashlib
-    from pathlib import Path
-
-    h = hashlib.sha256()
-    root = Path(__file__).parent
-    for p in sorted(root.rglob("*.py")) + sorted(root.rglob("*.json")):
-        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes())
-    return h.hexdigest()[:16]
-
-
 def versions() -> dict[str, str]:
-    out = {"python": platform.python_version(), "compress_source": source_hash()}
+    out = {"python": platform.python_version()}
     for pkg in TRACKED_PACKAGES:
         try:
             out[pkg] = importlib.metadata.version(pkg)

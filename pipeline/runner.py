@@ -37,6 +37,7 @@ class Unit:
     deps: list[str] = field(default_factory=list)
     merge: Callable[[dict, dict], None] | None = None  # merge(report, metrics)
     always: bool = False  # never skipped (cheap units whose output is the report itself)
+    code: tuple[str, ...] = ()  # globs under pipeline/ of the code that computes this unit's outputs
 
 
 @dataclass
@@ -65,6 +66,18 @@ def fault_point(key: str, point: str) -> None:
 
 def canonical_hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def code_hash(globs: tuple[str, ...]) -> str:
+    """sha256 of the source files a unit's outputs come from: editing them reruns the unit, editing others does not."""
+    h = hashlib.sha256()
+    for pattern in ("runner.py",) + tuple(globs):
+        for p in sorted(PACKAGE_DIR.glob(pattern)):
+            h.update(p.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0" + p.read_bytes())
+    return h.hexdigest()
 
 
 def hash_outputs(folder: Path) -> dict[str, dict]:
@@ -138,7 +151,7 @@ class Runner:
         if missing:
             raise StageError(f"{unit.key}: upstream unit(s) {missing} did not run")
         deps = {d: self.manifests[d]["outputs_hash"] for d in unit.deps}
-        return canonical_hash({"key": unit.key, "config": unit.config, "deps": deps,
+        return canonical_hash({"key": unit.key, "config": unit.config, "deps": deps, "code": code_hash(unit.code),
                                "versions": self.versions, "seed": self.seed, "device": self.device})
 
     def run_unit(self, unit: Unit) -> dict:

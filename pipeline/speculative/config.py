@@ -73,6 +73,8 @@ class DraftConfig(BaseModel, extra="forbid"):
     num_layers: int | None = Field(None, ge=1, description="evenly spaced verifier layers (first and last included)")
     layers: list[int] | None = Field(None, description="explicit verifier layer indices")
     source: str | None = Field(None, description="init='model': hf:, gguf:, pkg:, config: or a local dir")
+    init_head: Literal["copy", "lens"] = Field("lens", description="copy the verifier's head, or fit it in closed form (tuned lens)")
+    lens_tokens: int = Field(8192, ge=256, description="training tokens for the tuned-lens fit")
     vocab_size: int | None = Field(4096, ge=1, description="reduced draft head over the most frequent tokens; None = full")
     gamma: int = Field(4, ge=1, le=32, description="tokens drafted per verifier forward")
     distill: DistillConfig = Field(default_factory=DistillConfig)

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.speculative.targets import autocast
+
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 PARAM_GROUPS = ("layers", "norm", "head", "embed")
 
@@ -62,6 +64,36 @@ def init_draft_from_layers(verifier: nn.Module, layers: list[int], untie_head: b
     if missing or unexpected:
         raise RuntimeError(f"layer selection left weights unmatched: missing {missing}, unexpected {unexpected}")
     return draft.eval()
+
+
+@torch.no_grad()
+def fit_output_map(draft: nn.Module, verifier: nn.Module, windows: torch.Tensor, ridge: float = 1e-3,
+                   batch_size: int = 8, precision: str = "bf16") -> float:
+    """Tuned-lens initialisation of the draft's head, in closed form (cf. Belrose et al. 2023).
+
+    With u = the draft's final hidden state (after its final norm) and v = the verifier's, both
+    [N, H] over the training windows, fit the linear map v ~ M u by ridge regression shrunk
+    towards the identity (the plain copied head, "logit lens", is M = I):
+        M^T = (U^T U + lam I)^-1 (U^T V + lam I),   lam = ridge * mean(diag(U^T U))
+    The verifier's logits are W v, so the draft's head becomes W M: its logits W M u are the
+    verifier's head read through the best linear guess of the verifier's last hidden state.
+    The draft must be untied (its head is replaced, its embeddings are not). Returns the
+    unexplained fraction |V - U M^T|^2 / |V|^2."""
+    if draft.config.tie_word_embeddings:
+        raise ValueError("fit_output_map needs an untied draft (init_draft_from_layers(..., untie_head=True))")
+    us, vs = [], []
+    for i in range(0, windows.shape[0], batch_size):
+        ids = windows[i:i + batch_size].to(draft.device)
+        with autocast(draft, precision):
+            us.append(draft.get_decoder()(input_ids=ids).last_hidden_state.float().flatten(0, 1))
+            vs.append(verifier.get_decoder()(input_ids=ids).last_hidden_state.float().flatten(0, 1))
+    u, v = torch.cat(us).double(), torch.cat(vs).double()
+    gram = u.T @ u
+    lam = ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
+    m_t = torch.linalg.solve(gram + lam, u.T @ v + lam)
+    head = draft.get_output_embeddings().weight
+    head.copy_((head.double() @ m_t.T).to(head.dtype))
+    return float((v - u @ m_t).pow(2).sum() / v.pow(2).sum())
 
 
 def select_vocab(token_streams, size: int, vocab_size: int, always: list[int] = ()) -> torch.Tensor:

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pipeline.speculative.config import DraftConfig
 from pipeline.speculative.distill import distill
 from pipeline.speculative.draft_model import (DraftStudent, check_tokenizers_match, evenly_spaced_layers,
-                                              init_draft_from_layers, load_draft_vocab, select_vocab, vocab_coverage)
+                                              fit_output_map, init_draft_from_layers, load_draft_vocab, select_vocab, vocab_coverage)
 from pipeline.speculative.measure import compare_loops, hf_assisted, measure_costs, predicted_speedup
 from pipeline.speculative.targets import TargetStore, TrainingData, fingerprint, token_windows
 
@@ -25,7 +25,8 @@ def load_causal_lm(path: Path):
 def init_draft(verifier, cfg: DraftConfig, base_dir: Path | None, verifier_tok) -> tuple[torch.nn.Module, list[int] | None]:
     """The undistilled draft: verifier layers (copied from `base_dir`, the unquantized model, if
     the verifier is quantized) or another model with the same tokenizer."""
-    untie = cfg.vocab_size is not None or bool({"head", "embed"} & set(cfg.distill.train))
+    untie = (cfg.vocab_size is not None or cfg.init_head == "lens"
+             or bool({"head", "embed"} & set(cfg.distill.train)))
     if cfg.init == "model":
         source = base_dir or (Path(cfg.source) if cfg.source and Path(cfg.source).is_dir() else None)
         if source is None:
@@ -58,10 +59,20 @@ def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], ou
     d = cfg.distill
     windows = token_windows(tok, train_texts, d.seq_len)
     vocab, coverage = _choose_vocab(cfg, windows, verifier, tok)
-    student = DraftStudent(draft, vocab)
     undistilled_dir = work_dir / "undistilled"
     if not (undistilled_dir / "config.json").exists():
-        student.export(undistilled_dir, tok, {"verifier": cfg.verifier, "distilled": False})
+        DraftStudent(draft, vocab).export(undistilled_dir, tok, {"verifier": cfg.verifier, "distilled": False})
+    lens = None
+    if cfg.init_head == "lens":
+        t0 = time.perf_counter()
+        n = max(1, -(-cfg.lens_tokens // d.seq_len))
+        lens = {"unexplained": fit_output_map(draft, verifier, windows[-n:], precision=d.teacher_precision),
+                "time_s": time.perf_counter() - t0}
+        log(f"draft: tuned-lens head fitted on {n * d.seq_len} tokens in {lens['time_s']:.0f}s "
+            f"(unexplained variance {lens['unexplained']:.3f})")
+    student = DraftStudent(draft, vocab)
+    if lens is not None and not (work_dir / "initial" / "config.json").exists():
+        student.export(work_dir / "initial", tok, {"verifier": cfg.verifier, "distilled": False, "lens": lens})
     data_fp = fingerprint(verifier=str(verifier_dir.resolve()), config=_read(verifier_dir / "config.json"),
                           windows=_tensor_hash(windows), seq_len=d.seq_len, top_k=d.top_k, t=d.temperature,
                           gen_t=d.on_policy_temperature, prompt_len=d.prompt_len, precision=d.teacher_precision,
@@ -80,7 +91,7 @@ def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], ou
                 "draft_vocab_size": None if vocab is None else int(vocab.numel()), "vocab_coverage": coverage,
                 "seed": seed, "distill": metrics, "config": cfg.model_dump(exclude={"measure"})}
     student.export(out_dir, tok, manifest)
-    metrics.update(layers=layers, draft_vocab_size=manifest["draft_vocab_size"], vocab_coverage=coverage,
+    metrics.update(layers=layers, draft_vocab_size=manifest["draft_vocab_size"], vocab_coverage=coverage, lens=lens,
                    undistilled_dir=str(undistilled_dir), total_time_s=time.perf_counter() - t_start)
     return metrics
 

@@ -6,12 +6,14 @@ import json
 from pipeline import data
 from pipeline.runner import Unit, UnitContext
 
+CODE = ("stages/calibrate.py", "calib.py", "data.py")
+
 
 def unit(recipe) -> Unit:
     cfg = recipe.calibration
     ref = data.resolve(cfg.dataset, cfg.text_field)
     config = {"calibration": cfg.model_dump(), "data": ref.describe()}
-    return Unit("calibrate", config, lambda ctx: run(ctx, recipe), deps=["load"], merge=merge)
+    return Unit("calibrate", config, lambda ctx: run(ctx, recipe), deps=["load"], merge=merge, code=CODE)
 
 
 def run(ctx: UnitContext, recipe) -> dict:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from pipeline.runner import Unit, UnitContext
 
+CODE = ("stages/draft.py", "calib.py", "data.py", "speculative/*.py")
+
 log = logging.getLogger("compress")
 
 
@@ -19,7 +21,7 @@ def unit(recipe) -> Unit:
     cfg = recipe.draft
     deps = sorted({"load", verifier_key(recipe)})
     config = {"draft": cfg.model_dump(mode="json"), "calibration": recipe.calibration.model_dump(mode="json")}
-    return Unit("draft", config, lambda ctx: run(ctx, recipe), deps=deps, merge=merge)
+    return Unit("draft", config, lambda ctx: run(ctx, recipe), deps=deps, merge=merge, code=CODE)
 
 
 def run(ctx: UnitContext, recipe) -> dict:

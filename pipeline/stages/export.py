@@ -22,7 +22,8 @@ def units(recipe, validate_keys: list[str]) -> list[Unit]:
         entry = {"kind": kind, "name": name, "verifier": verifier}
         cfg = {"export": recipe.export.model_dump(), "entry": entry}
         out.append(Unit(f"export/{name}", cfg, lambda ctx, e=entry, s=src: run(ctx, recipe, e, s),
-                        deps=[src] + validate_keys, merge=lambda r, m: r.setdefault("exports", {}).update({m["name"]: m})))
+                        deps=[src] + validate_keys, merge=lambda r, m: r.setdefault("exports", {}).update({m["name"]: m}),
+                        code=("stages/export.py", "eval/card.py")))
     return out
 
 

@@ -5,6 +5,8 @@ import json
 
 from pipeline.data import sha256_file
 from pipeline.runner import Unit, UnitContext
+
+CODE = ("stages/load.py", "sources.py", "models.py", "gguf_header.py", "model_configs/*.json")
 from pipeline.sources import describe, parse
 
 
@@ -13,7 +15,7 @@ def unit(recipe) -> Unit:
     src = parse(cfg.source, cfg.gguf_file)
     # the source file's identity (not its path) is what the outputs depend on
     ident = sha256_file(src.path) if src.kind in ("gguf", "pkg", "config") else str(src.path)
-    return Unit("load", {"model": cfg.model_dump(), "source_sha256": ident}, lambda ctx: run(ctx, recipe), merge=merge)
+    return Unit("load", {"model": cfg.model_dump(), "source_sha256": ident}, lambda ctx: run(ctx, recipe), merge=merge, code=CODE)
 
 
 def run(ctx: UnitContext, recipe) -> dict:

@@ -5,6 +5,8 @@ import logging
 
 from pipeline.runner import Unit, UnitContext
 
+CODE = ("stages/quantize.py", "quant/*.py", "env.py")
+
 log = logging.getLogger("compress")
 
 
@@ -15,7 +17,8 @@ def units(recipe) -> list[Unit]:
     for v in recipe.quantize:
         deps = ["load"] + (["calibrate"] if needs_calibration(v) else [])
         out.append(Unit(f"quantize/{v.name}", {"variant": v.model_dump(mode="json")},
-                        lambda ctx, v=v: run(ctx, v), deps=deps, merge=lambda r, m, v=v: merge(r, m, v)))
+                        lambda ctx, v=v: run(ctx, v), deps=deps, merge=lambda r, m, v=v: merge(r, m, v),
+                        code=CODE))
     return out
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 from pipeline.runner import Unit, UnitContext
 from pipeline.worker import run_task
 
+QUALITY_CODE = ("stages/validate.py", "worker.py", "models.py", "data.py", "eval/quality.py", "eval/perplexity.py")
+SPEED_CODE = ("stages/validate.py", "eval/speed.py", "eval/measure.py", "models.py")
+SPEC_CODE = ("stages/validate.py", "worker.py", "speculative/*.py")
+
 
 def units(recipe) -> list[Unit]:
     v = recipe.validate_
@@ -14,18 +18,18 @@ def units(recipe) -> list[Unit]:
         deps = [src] if name == "baseline" else [src, "validate/baseline/quality"]
         cfg = {"perplexity": v.perplexity.model_dump(), "smoke": v.smoke.model_dump(), "device": recipe.run.device}
         out.append(Unit(f"validate/{name}/quality", cfg, lambda ctx, n=name, s=src: quality(ctx, recipe, n, s),
-                        deps=deps, merge=lambda r, m, n=name: merge_quality(r, m, n)))
+                        deps=deps, merge=lambda r, m, n=name: merge_quality(r, m, n), code=QUALITY_CODE))
         if v.speed.enabled and (v.speed.models == "all" or name in v.speed.models):
             out.append(Unit(f"validate/{name}/speed", {"speed": v.speed.model_dump(), "device": recipe.run.device},
                             lambda ctx, n=name, s=src: speed(ctx, recipe, n, s), deps=[src],
-                            merge=lambda r, m, n=name: _entry(r, n).update({"speed": m})))
+                            merge=lambda r, m, n=name: _entry(r, n).update({"speed": m}), code=SPEED_CODE))
     if recipe.draft is not None:
         from pipeline.stages.draft import verifier_key
 
         deps = ["draft", verifier_key(recipe)]
         cfg = {"draft": recipe.draft.model_dump(mode="json"), "device": recipe.run.device}
         out.append(Unit("validate/draft/speculative", cfg, lambda ctx: speculative(ctx, recipe), deps=deps,
-                        merge=merge_speculative))
+                        merge=merge_speculative, code=SPEC_CODE))
     return out
 
 

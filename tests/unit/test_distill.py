@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Pr
 from pipeline.speculative.config import DistillConfig, DraftConfig
 from pipeline.speculative.decode import autoregressive_generate, speculative_generate
 from pipeline.speculative.distill import InjectedFault, distill, divergence, kd_loss, kd_loss_topk
-from pipeline.speculative.draft_model import (DraftStudent, evenly_spaced_layers, init_draft_from_layers,
+from pipeline.speculative.draft_model import (DraftStudent, evenly_spaced_layers, fit_output_map, init_draft_from_layers,
                                               load_draft_vocab, select_vocab, tokenizer_differences)
 from pipeline.speculative.stage_api import build_draft, measure_speculative
 from pipeline.speculative.targets import TargetStore, TrainingData
@@ -232,3 +232,18 @@ def test_exported_draft_works_as_transformers_assistant_model(tmp_path):
     plain = verifier.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assisted = verifier.generate(ids, assistant_model=draft, max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert assisted.tolist() == plain.tolist()
+
+
+def test_tuned_lens_head_fits_the_verifier_better_than_the_copied_head():
+    verifier = tiny_llama(0)
+    windows = torch.randint(0, V, (16, 16), generator=torch.Generator().manual_seed(0))
+    full = init_draft_from_layers(verifier, [0, 1, 2, 3], untie_head=True)
+    assert fit_output_map(full, verifier, windows, precision="fp32") < 1e-3  # nothing to explain
+    copied = init_draft_from_layers(verifier, [0], untie_head=True)
+    lens = init_draft_from_layers(verifier, [0], untie_head=True)
+    fit_output_map(lens, verifier, windows, precision="fp32")
+    with torch.no_grad():
+        teacher = verifier(windows).logits
+        assert kd_loss(lens(windows).logits, teacher) < 0.9 * kd_loss(copied(windows).logits, teacher)
+    with pytest.raises(ValueError, match="untied"):
+        fit_output_map(tiny_llama(1, tie=True), verifier, windows)
