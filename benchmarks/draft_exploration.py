@@ -45,22 +45,23 @@ PRESETS = {
     "tvd": {"distill": {"loss": "tvd"}},
     "jsd": {"distill": {"loss": "jsd"}},
     "reverse_kl": {"distill": {"loss": "reverse_kl"}},
-    "onpolicy": {"distill": {"on_policy_fraction": 0.5}},
-    "headfrozen": {"distill": {"train": ["layers", "norm"]}, "vocab_size": None},
+    "onpolicy": {"distill": {"on_policy_fraction": 0.5, "on_policy_temperature": 0.0}},
+    "headfrozen": {"distill": {"train": ["layers", "norm"]}},
     "embed": {"distill": {"train": ["layers", "norm", "head", "embed"]}},
     "lr3e-4": {"distill": {"lr": 3e-4}},
     "lr3e-3": {"distill": {"lr": 3e-3}},
+    "pool": {"distill": {"pool_size": 320, "steps": 160}},  # 40 distinct batches of 8, 4 epochs
 }
 
 
 def merged(preset: dict, steps: int, seed_cfg: dict) -> DraftConfig:
     cfg = json.loads(json.dumps(BASE))
+    cfg["distill"].update(steps=steps, time_budget_s=None, **seed_cfg)
     for key, value in preset.items():
         if key == "distill":
             cfg["distill"].update(value)
         else:
             cfg[key] = value
-    cfg["distill"].update(steps=steps, time_budget_s=None, **seed_cfg)
     return DraftConfig.model_validate(cfg)
 
 
@@ -130,6 +131,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is faster on a loaded machine)")
     ap.add_argument("--undistilled", action="store_true", help="also measure the undistilled base draft")
     ap.add_argument("--time-best", action="store_true", help="time the best config with measure_speculative")
+    ap.add_argument("--reuse", action="store_true", help="re-measure drafts already built in --work")
     ap.add_argument("--out", default=None, help="append a markdown table to this file")
     args = ap.parse_args()
     torch.manual_seed(args.seed)
@@ -146,17 +148,24 @@ def main() -> None:
     for name in args.configs.split(","):
         cfg = merged(PRESETS[name], args.steps, {"batch_size": args.batch_size, "seq_len": args.seq_len})
         t0 = time.perf_counter()
-        m = build_draft(Path(args.verifier), cfg, texts, work / name / "draft", work / name / "work", args.seed,
-                        targets_root=work / "targets", progress=False)
+        manifest = work / name / "draft" / "draft_manifest.json"
+        if args.reuse and manifest.exists():
+            saved = json.loads(manifest.read_text())
+            m = {**saved["distill"], "layers": saved["layers"], "undistilled_dir": str(work / name / "work" / "undistilled")}
+        else:
+            m = build_draft(Path(args.verifier), cfg, texts, work / name / "draft", work / name / "work", args.seed,
+                            targets_root=work / "targets", progress=False)
         ev = eval_acceptance(verifier, work / name / "draft", prompts, args.new_tokens, args.gamma, [0.0, 0.7])
         if args.undistilled and name == "base":
             und = eval_acceptance(verifier, Path(m["undistilled_dir"]), prompts, args.new_tokens, args.gamma, [0.0, 0.7])
             zero = {**m, "steps": 0, "train_time_s": 0, "teacher_time_s": 0, "top1_agreement": float("nan")}
             rows.append(row("base (undistilled)", cfg, zero, und))
+            print(json.dumps(rows[-1]), flush=True)
             initial = work / name / "work" / "initial"
             if initial.exists():
                 rows.append(row("base (tuned lens, no KD)", cfg, zero,
                                 eval_acceptance(verifier, initial, prompts, args.new_tokens, args.gamma, [0.0, 0.7])))
+                print(json.dumps(rows[-1]), flush=True)
         rows.append(row(name, cfg, m, ev))
         detail[name] = {"metrics": m, "eval": ev, "config": cfg.model_dump()}
         print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f}s)", flush=True)

@@ -41,9 +41,11 @@ SEARCH = [  # (label, variant fields over W4G64, calibration overrides)
     ("damp 0.01", {"damp_percent": 0.01}, {}),
     ("damp 0.1", {"damp_percent": 0.1}, {}),
     ("mse 2.4 scale search", {"mse": 2.4}, {}),
+    ("asymmetric (sym = false)", {"sym": False}, {}),
     ("2x calibration samples", {}, {"samples": 2}),
     ("2x calibration length", {}, {"seq_len": 2}),
     ("chat-templated calibration", {}, {"chat_template": True}),
+    ("RTN (reference, no calibration)", {"method": "rtn"}, {}),
 ]
 FIGURES = {"gptq-w4g64": W4G64, "rtn-w4g64": {"method": "rtn", "bits": 4, "group_size": 64},
            "gptq-w8": {"method": "gptq", "bits": 8, "group_size": -1}, "bnb-int8": {"method": "bnb-int8"},

@@ -14,7 +14,8 @@ With top-k teacher targets the vocabulary is coarsened into k+1 buckets: the tea
 tokens (those the student can emit) and one "rest" bucket holding everything else, for both p
 and q. A divergence between coarsened distributions is a lower bound of the full one (data
 processing inequality) and it still punishes a student that leaks mass outside the teacher's
-top-k. A student with a reduced vocabulary has no row for some top-k tokens; they go to "rest".
+top-k. A student with a reduced vocabulary S has no row for some top-k tokens: the teacher is
+conditioned on S (those tokens dropped, p renormalised), since q is 0 there anyway.
 """
 from __future__ import annotations
 
@@ -64,8 +65,9 @@ def kd_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: st
 def kd_loss_topk(student_logits: torch.Tensor, teacher_logp: torch.Tensor, teacher_ids: torch.Tensor,
                  teacher_rest: torch.Tensor, kind: str = "forward_kl", temperature: float = 1.0) -> torch.Tensor:
     """Bucketed loss. teacher_logp [..., K] top-k log-probs (already at temperature T),
-    teacher_ids [..., K] their indices in the STUDENT's vocabulary (-1: the student has no row,
-    the token joins the rest bucket), teacher_rest [...] log of the teacher mass outside the top-k."""
+    teacher_ids [..., K] their indices in the STUDENT's vocabulary (-1: the student has no row;
+    the teacher is renormalised without it), teacher_rest [...] log of the teacher mass outside
+    the top-k."""
     teacher_logp = teacher_logp.float()
     student_logp = torch.log_softmax(student_logits.float() / temperature, -1)
     inside = teacher_ids >= 0
@@ -76,10 +78,13 @@ def kd_loss_topk(student_logits: torch.Tensor, teacher_logp: torch.Tensor, teach
     hit = torch.zeros_like(student_logp).scatter_reduce(-1, safe_ids, inside.float(), reduce="amax")
     masked = student_logp.masked_fill(hit > 0, float("-inf"))
     q_rest = masked.logsumexp(-1)
-    # teacher "rest": its own rest plus the top-k tokens the student cannot emit
+    # teacher: top-k tokens the student cannot emit are dropped and p renormalised, i.e. p
+    # conditioned on the draft's vocabulary S: where q must be 0, the best q for acceptance
+    # (sum min(p, q)) follows p restricted to S; pushing that mass into "rest" would teach the
+    # draft to spread it over arbitrary tokens
     p_top = torch.where(inside, teacher_logp, float("-inf"))
-    p_rest = torch.logaddexp(teacher_rest.float(), torch.where(inside, float("-inf"), teacher_logp).logsumexp(-1))
-    logp = torch.cat([p_top, p_rest[..., None]], -1)
+    logp = torch.cat([p_top, teacher_rest.float()[..., None]], -1)
+    logp = logp - logp.logsumexp(-1, keepdim=True)
     logq = torch.cat([q_top, q_rest[..., None]], -1)
     return divergence(logp, logq, kind).mean()
 

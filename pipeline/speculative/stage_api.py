@@ -74,14 +74,12 @@ def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], ou
     if lens is not None and not (work_dir / "initial" / "config.json").exists():
         student.export(work_dir / "initial", tok, {"verifier": cfg.verifier, "distilled": False, "lens": lens})
     data_fp = fingerprint(verifier=str(verifier_dir.resolve()), config=_read(verifier_dir / "config.json"),
-                          windows=_tensor_hash(windows), seq_len=d.seq_len, top_k=d.top_k, t=d.temperature,
-                          gen_t=d.on_policy_temperature, prompt_len=d.prompt_len, precision=d.teacher_precision,
-                          seed=seed)
+                          windows=_tensor_hash(windows), top_k=d.top_k, t=d.temperature, precision=d.teacher_precision)
     store = TargetStore(Path(targets_root or work_dir) / f"targets-{data_fp}" if d.cache_teacher else None)
     data = TrainingData(verifier, windows, store, batch_size=d.batch_size, top_k=d.top_k, temperature=d.temperature,
                         on_policy_fraction=d.on_policy_fraction, prompt_len=d.prompt_len,
                         gen_temperature=d.on_policy_temperature, pool_size=d.pool_size, seed=seed,
-                        precision=d.teacher_precision)
+                        precision=d.teacher_precision, gen_batch=d.on_policy_batch)
     run_fp = fingerprint(data=data_fp, draft=cfg.model_dump(exclude={"measure"}), seed=seed)
     log(f"draft: layers {layers}, head {'full' if vocab is None else f'{vocab.numel()} tokens (coverage {coverage:.3f})'}, "
         f"{len(windows)} training windows of {d.seq_len} tokens")

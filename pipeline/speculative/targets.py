@@ -7,7 +7,9 @@ Two kinds of training sequence, both from the training corpus (C4), never from e
   on-policy   "gen:j"  the first `prompt_len` tokens of a corpus window, continued by the
                        verifier itself (sampled at `gen_temperature`, 0 = greedy), the text the
                        draft will actually have to predict at decode time.
-A record stores top-k log-probs as float16 and ids as int32, plus the exact log of the mass
+Keys name the record ("c4:17", "gen[p32,t0.7,b32,s0]:3"); the store's folder is named by a
+fingerprint of what every record depends on (verifier, corpus windows, top-k, temperature,
+precision). A record stores top-k log-probs as float16 and ids as int32, plus the exact log of the mass
 outside the top-k; values are rounded to the stored dtype immediately, so a run that reads them
 back after a kill sees exactly what an uninterrupted run used.
 """
@@ -105,7 +107,7 @@ def token_windows(tokenizer, texts: list[str], seq_len: int, max_windows: int | 
 
 
 class TargetStore:
-    """Records by key ("c4:17", "gen:3") in memory, mirrored to `folder` one file per batch,
+    """Records by key in memory, mirrored to `folder` one file per batch,
     written atomically. `folder` should be named by `fingerprint(...)` of what the records depend on."""
 
     def __init__(self, folder: Path | None):
@@ -146,12 +148,13 @@ class TrainingData:
     def __init__(self, teacher, windows: torch.Tensor, store: TargetStore, *, batch_size: int, top_k: int,
                  temperature: float, on_policy_fraction: float = 0.0, prompt_len: int = 32,
                  gen_temperature: float = 0.7, pool_size: int | None = None, seed: int = 0,
-                 precision: str = "fp32"):
+                 precision: str = "fp32", gen_batch: int = 32):
         self.teacher, self.windows, self.store = teacher, windows, store
         self.vocab_size = teacher.get_output_embeddings().weight.shape[0]
         self.batch_size, self.top_k, self.temperature, self.seed = batch_size, top_k, temperature, seed
         self.n_on = round(on_policy_fraction * batch_size)
         self.prompt_len, self.gen_temperature, self.precision = prompt_len, gen_temperature, precision
+        self.gen_batch = gen_batch
         n = windows.shape[0]
         self.pool_off = min(n, pool_size) if pool_size else n
         self.pool_on = min(n, pool_size) if pool_size else n
@@ -163,10 +166,12 @@ class TrainingData:
         return torch.randperm(size, generator=g)
 
     def _indices(self, step: int, per_step: int, pool: int, tag: int) -> list[int]:
+        """Corpus windows in a fresh seeded permutation each epoch; on-policy sequences (tag 1)
+        in order, so the chunks generated together are used together."""
         out = []
         for pos in range(step * per_step, (step + 1) * per_step):
             epoch, offset = divmod(pos, pool)
-            out.append(int(self._perm(tag, epoch, pool)[offset]))
+            out.append(offset if tag == 1 else int(self._perm(tag, epoch, pool)[offset]))
         return out
 
     def batch(self, step: int) -> Targets:
@@ -184,13 +189,20 @@ class TrainingData:
             parts.append(self._on_policy(self._indices(step, self.n_on, self.pool_on, tag=1)))
         return Targets.cat(parts)
 
+    def _gen_key(self, j: int) -> str:
+        # everything an on-policy record depends on beyond the store's fingerprint
+        return f"gen[p{self.prompt_len},t{self.gen_temperature},b{self.gen_batch},s{self.seed}]:{j}"
+
     def _on_policy(self, idx: list[int]) -> Targets:
-        keys = [f"gen:{j}" for j in idx]
-        missing = [(k, j) for k, j in zip(keys, idx) if k not in self.store]
-        if missing:
-            prompts = self.windows[[self.windows.shape[0] - 1 - j for _, j in missing], : self.prompt_len]
-            gens = [torch.Generator().manual_seed(self.seed * 7919 + j) for _, j in missing]
+        """On-policy records, generated `gen_batch` at a time (a chunk of consecutive indices, so
+        the same chunk is always generated together: batched decoding amortises the verifier's
+        weight reads, and the result does not depend on which step first asked for it)."""
+        keys = [self._gen_key(j) for j in idx]
+        for chunk in sorted({j // self.gen_batch for j, k in zip(idx, keys) if k not in self.store}):
+            js = list(range(chunk * self.gen_batch, min((chunk + 1) * self.gen_batch, self.pool_on)))
+            prompts = self.windows[[self.windows.shape[0] - 1 - j for j in js], : self.prompt_len]
+            gens = [torch.Generator().manual_seed(self.seed * 7919 + j) for j in js]
             new = self.windows.shape[1] - self.prompt_len
-            self.store.put([k for k, _ in missing], generate_with_targets(
+            self.store.put([self._gen_key(j) for j in js], generate_with_targets(
                 self.teacher, prompts, new, self.top_k, self.temperature, self.gen_temperature, gens, self.precision))
         return self.store.get(keys)

@@ -70,14 +70,15 @@ def test_top_k_coarsens_into_top_tokens_plus_rest():
     assert kd_loss(_logits(Q), _logits(P), "tvd", top_k=1).item() == pytest.approx(0.3, rel=1e-5)
 
 
-def test_tokens_the_student_cannot_emit_join_the_rest_bucket():
-    # the teacher's top-2 are full ids 0 and 1; the student (2 rows) has only token 0 (row 0)
+def test_the_teacher_is_conditioned_on_the_students_vocabulary():
+    # the teacher's top-2 are full ids 0 and 1 (rest 0.2); the student has a row for token 0 only
     teacher_logp = torch.tensor([[math.log(0.5), math.log(0.3)]])
     student_ids = torch.tensor([[0, -1]])
     rest = torch.tensor([math.log(0.2)])
     student_logits = torch.tensor([[math.log(0.6), math.log(0.4)]])
-    # buckets {0}, rest: p = (0.5, 0.3 + 0.2), q = (0.6, 0.4)
-    expected = 0.5 * math.log(0.5 / 0.6) + 0.5 * math.log(0.5 / 0.4)
+    # buckets {0}, rest; token 1 is dropped and p renormalised: p = (0.5, 0.2) / 0.7, q = (0.6, 0.4)
+    p0, pr = 0.5 / 0.7, 0.2 / 0.7
+    expected = p0 * math.log(p0 / 0.6) + pr * math.log(pr / 0.4)
     got = kd_loss_topk(student_logits, teacher_logp, student_ids, rest, "forward_kl")
     assert got.item() == pytest.approx(expected, rel=1e-5)
 
