@@ -256,7 +256,9 @@ def _message(cfg: PublishConfig, report: dict, export: Export, run: str) -> str:
     used = template_fields(cfg.commit_message)
     values: dict[str, Any] = {"variant": export.name, "run": run}
     if used & {"perplexity", "ppl_ratio"}:
-        entry_path = "draft" if export.kind == "draft" else f"variants.{export.name}"
+        # a draft has no perplexity of its own: its commit carries its verifier's figures
+        name = export.verifier if export.kind == "draft" else export.name
+        entry_path = "baseline" if name == "baseline" else f"variants.{name}"
         entry = dig(report, entry_path, "report.json")
         ppl = dig(entry, "perplexity.value", f"report.json {entry_path}")
         values["perplexity"] = float(ppl)
