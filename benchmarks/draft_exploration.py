@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from transformers import AutoTokenizer
 
 from pipeline.speculative.config import DraftConfig
 from pipeline.speculative.decode import SpecStats, speculative_generate
@@ -116,35 +117,8 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--verifier", default="/tmp/smol", help="HF folder of the fp32 verifier")
-    ap.add_argument("--work", default="/tmp/draft_exploration")
-    ap.add_argument("--configs", default="base")
-    ap.add_argument("--steps", type=int, default=120)
-    ap.add_argument("--batch-size", type=int, default=8)
-    ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is faster on a loaded machine)")
-    ap.add_argument("--undistilled", action="store_true", help="also measure the undistilled base draft")
-    ap.add_argument("--time-best", action="store_true", help="time the best config with measure_speculative")
-    ap.add_argument("--reuse", action="store_true", help="re-measure drafts already built in --work")
-    ap.add_argument("--out", default=None, help="append a markdown table to this file")
-    args = ap.parse_args()
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-    work = Path(args.work)
-    texts = pd.read_parquet(ROOT / "calibration/c4/c4_validation_2k.parquet")["text"].tolist()
-    raw = (ROOT / "calibration/wikitext-2-raw/wiki.test.raw").read_text()
-    prompt_texts = wikitext_prompts(raw, 32)[: args.prompts]
-    check_no_overlap(texts, prompt_texts)
-    verifier = load_causal_lm(args.verifier)
-    from transformers import AutoTokenizer
-    prompts = encode_prompts(AutoTokenizer.from_pretrained(args.verifier), prompt_texts, 64)
-    rows, detail = [], {}
+def explore(args, verifier, texts, prompts) -> None:
+    work, rows, detail = Path(args.work), [], {}
     for name in args.configs.split(","):
         cfg = merged(PRESETS[name], args.steps, {"batch_size": args.batch_size, "seq_len": args.seq_len})
         t0 = time.perf_counter()
@@ -155,17 +129,14 @@ def main() -> None:
         else:
             m = build_draft(Path(args.verifier), cfg, texts, work / name / "draft", work / name / "work", args.seed,
                             targets_root=work / "targets", progress=False)
-        ev = eval_acceptance(verifier, work / name / "draft", prompts, args.new_tokens, args.gamma, [0.0, 0.7])
         if args.undistilled and name == "base":
-            und = eval_acceptance(verifier, Path(m["undistilled_dir"]), prompts, args.new_tokens, args.gamma, [0.0, 0.7])
             zero = {**m, "steps": 0, "train_time_s": 0, "teacher_time_s": 0, "top1_agreement": float("nan")}
-            rows.append(row("base (undistilled)", cfg, zero, und))
-            print(json.dumps(rows[-1]), flush=True)
-            initial = work / name / "work" / "initial"
-            if initial.exists():
-                rows.append(row("base (tuned lens, no KD)", cfg, zero,
-                                eval_acceptance(verifier, initial, prompts, args.new_tokens, args.gamma, [0.0, 0.7])))
-                print(json.dumps(rows[-1]), flush=True)
+            for label, folder in (("undistilled", Path(m["undistilled_dir"])), ("tuned lens, no KD", work / name / "work" / "initial")):
+                if folder.exists():
+                    ev = eval_acceptance(verifier, folder, prompts, args.new_tokens, args.gamma, [0.0, 0.7])
+                    rows.append(row(f"base ({label})", cfg, zero, ev))
+                    print(json.dumps(rows[-1]), flush=True)
+        ev = eval_acceptance(verifier, work / name / "draft", prompts, args.new_tokens, args.gamma, [0.0, 0.7])
         rows.append(row(name, cfg, m, ev))
         detail[name] = {"metrics": m, "eval": ev, "config": cfg.model_dump()}
         print(json.dumps(rows[-1]), f"({time.perf_counter() - t0:.0f}s)", flush=True)
@@ -176,14 +147,54 @@ def main() -> None:
         with open(args.out, "a") as f:
             f.write(f"\n### steps={args.steps}, batch {args.batch_size}x{args.seq_len}, {args.prompts} prompts x "
                     f"{args.new_tokens} tokens, gamma={args.gamma}\n\n{table}\n")
-    if args.time_best:
-        best = max(rows, key=lambda r: r["pred_speedup"] if r["steps"] else 0)
-        cfg = merged(PRESETS[best["config"]], args.steps, {})
-        cfg.gamma = best["best_gamma"]
-        rep = measure_speculative(Path(args.verifier), work / best["config"] / "draft", wikitext_prompts(raw, 32),
-                                  cfg, args.seed)
-        (work / "timed_best.json").write_text(json.dumps(rep, indent=1))
-        print(json.dumps(rep, indent=1)[:4000])
+
+
+def validate_default(args, texts, prompt_texts) -> None:
+    """The default recipe end to end, from scratch (no shared teacher cache): build the draft
+    within its time budget, then measure_speculative on the held-out prompts."""
+    work = Path(args.work) / "default"
+    cfg = DraftConfig()
+    t0 = time.perf_counter()
+    m = build_draft(Path(args.verifier), cfg, texts, work / "draft", work / "work", args.seed, progress=False)
+    print(json.dumps(m, default=str), f"(build {time.perf_counter() - t0:.0f}s)", flush=True)
+    rep = measure_speculative(Path(args.verifier), work / "draft", prompt_texts, cfg, args.seed,
+                              undistilled_dir=Path(m["undistilled_dir"]))
+    rep["build"] = m
+    (work / "report.json").write_text(json.dumps(rep, indent=1, default=str))
+    print(json.dumps(rep, indent=1, default=str))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--verifier", default="/tmp/smol", help="HF folder of the fp32 verifier")
+    ap.add_argument("--work", default="/tmp/draft_exploration")
+    ap.add_argument("--configs", default="base", help=f"comma-separated presets: {','.join(PRESETS)}")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--gamma", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is faster on a loaded machine)")
+    ap.add_argument("--undistilled", action="store_true", help="also measure the base draft before distillation")
+    ap.add_argument("--reuse", action="store_true", help="re-measure drafts already built in --work")
+    ap.add_argument("--validate-default", action="store_true",
+                    help="instead: build the default DraftConfig from scratch and run measure_speculative")
+    ap.add_argument("--out", default=None, help="append the markdown table to this file")
+    args = ap.parse_args()
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    texts = pd.read_parquet(ROOT / "calibration/c4/c4_validation_2k.parquet")["text"].tolist()
+    raw = (ROOT / "calibration/wikitext-2-raw/wiki.test.raw").read_text()
+    all_prompts = wikitext_prompts(raw, 32)
+    check_no_overlap(texts, all_prompts)
+    if args.validate_default:
+        validate_default(args, texts, all_prompts)
+        return
+    verifier = load_causal_lm(args.verifier)
+    tok = AutoTokenizer.from_pretrained(args.verifier)
+    explore(args, verifier, texts, encode_prompts(tok, all_prompts[: args.prompts], 64))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 W4G64 = {"method": "gptq", "bits": 4, "group_size": 64}
-SEARCH = [  # (label, variant fields over W4G64, calibration overrides)
+SEARCH = [  # (label, variant fields over W4G64 with GPTQModel's defaults (mse 0), calibration overrides)
     ("gptqmodel defaults (GAR, damp 0.05)", {}, {}),
     ("act-order (desc_act)", {"desc_act": True}, {}),
     ("damp 0.01", {"damp_percent": 0.01}, {}),
@@ -46,6 +46,8 @@ SEARCH = [  # (label, variant fields over W4G64, calibration overrides)
     ("2x calibration length", {}, {"seq_len": 2}),
     ("chat-templated calibration", {}, {"chat_template": True}),
     ("RTN (reference, no calibration)", {"method": "rtn"}, {}),
+    ("mse 2.4 + asymmetric", {"mse": 2.4, "sym": False}, {}),
+    ("RTN asymmetric (reference)", {"method": "rtn", "sym": False}, {}),
 ]
 FIGURES = {"gptq-w4g64": W4G64, "rtn-w4g64": {"method": "rtn", "bits": 4, "group_size": 64},
            "gptq-w8": {"method": "gptq", "bits": 8, "group_size": -1}, "bnb-int8": {"method": "bnb-int8"},
@@ -132,8 +134,7 @@ def direct_gptqmodel(model: str, ids, out: str, fields: dict) -> float:
     import torch
     from gptqmodel import GPTQConfig, GPTQModel
 
-    cfg = GPTQConfig(bits=fields["bits"], group_size=fields["group_size"], desc_act=fields.get("desc_act", False),
-                     damp_percent=fields.get("damp_percent", 0.05), sym=True)
+    cfg = GPTQConfig(bits=fields["bits"], group_size=fields["group_size"], **quality_settings(fields))
     rows = [{"input_ids": r.tolist(), "attention_mask": [1] * r.numel()} for r in ids]
     Path(out).mkdir(parents=True, exist_ok=True)
     with contextlib.chdir(out), torch._dynamo.config.patch(disable=True):  # its logs/ into out, not the cwd
@@ -144,16 +145,28 @@ def direct_gptqmodel(model: str, ids, out: str, fields: dict) -> float:
         return time.perf_counter() - t0
 
 
+def quality_settings(fields: dict) -> dict:
+    """Every quality-relevant GPTQ setting of our variant (recipe defaults filled in), to pass verbatim."""
+    from pydantic import TypeAdapter
+
+    from pipeline.quant.config import QuantVariant
+    from pipeline.quant.gptq import act_group_aware
+
+    v = TypeAdapter(QuantVariant).validate_python({"name": "x", **fields})
+    return {"desc_act": v.desc_act, "act_group_aware": act_group_aware(v), "damp_percent": v.damp_percent,
+            "sym": v.sym, "true_sequential": v.true_sequential, "mse": v.mse}
+
+
 def transformers_gptq(model: str, ids, out: str, fields: dict) -> float:
     """transformers' GPTQConfig: optimum's GPTQ loop over gptqmodel's GPTQ class, same settings and ids."""
     import torch
     from transformers import AutoModelForCausalLM, GPTQConfig
 
     data = [{"input_ids": [r.tolist()], "attention_mask": [[1] * r.numel()]} for r in ids]  # optimum: [1, L] each
-    cfg = GPTQConfig(bits=fields["bits"], group_size=fields["group_size"], dataset=data,
-                     desc_act=fields.get("desc_act", False), damp_percent=fields.get("damp_percent", 0.05),
-                     sym=True, true_sequential=True, act_group_aware=fields.get("act_group_aware", True),
-                     model_seqlen=ids.shape[1])
+    q = quality_settings(fields)
+    if q.pop("mse"):
+        raise SystemExit("transformers' GPTQConfig has no MSE scale search: compare with mse = 0")
+    cfg = GPTQConfig(bits=fields["bits"], group_size=fields["group_size"], dataset=data, model_seqlen=ids.shape[1], **q)
     t0 = time.perf_counter()
     m = AutoModelForCausalLM.from_pretrained(model, quantization_config=cfg, dtype=torch.float32,
                                              device_map="cpu")
@@ -208,24 +221,26 @@ def compare(a) -> dict:
     work = Path(a.work)
     calib = save_ids(calibration_ids(tok, a.samples, a.seq_len, False, 0), work / "calib.safetensors")
     evals = save_ids(wikitext_ids(tok), work / "wikitext2.safetensors")
+    fields = {**W4G64, **json.loads(a.fields)}
     runs: dict[str, list[dict]] = {"ours": [], "direct": [], "transformers": []}
     for rep in range(a.reps):
         for kind in (("ours", "direct") if rep % 2 == 0 else ("direct", "ours")):
-            r = child(["_run", kind, a.model, calib, str(work / f"{kind}-{rep}"), json.dumps(W4G64)])
+            r = child(["_run", kind, a.model, calib, str(work / f"{kind}-{rep}"), json.dumps(fields)])
             runs[kind].append(r)
             log(f"rep {rep} {kind}: {r['seconds']:.1f} s")
     for rep in range(a.hf_reps):
-        r = child(["_run", "transformers", a.model, calib, str(work / f"transformers-{rep}"), json.dumps(W4G64)])
+        r = child(["_run", "transformers", a.model, calib, str(work / f"transformers-{rep}"), json.dumps(fields)])
         runs["transformers"].append(r)
         log(f"transformers GPTQConfig: {r['seconds']:.1f} s")
-    rtn = child(["_run", "ours", a.model, calib, str(work / "rtn-w4g64"), json.dumps(dict(W4G64, method="rtn"))])
+    rtn_fields = {k: v for k, v in fields.items() if k in ("bits", "group_size", "sym")}
+    rtn = child(["_run", "ours", a.model, calib, str(work / "rtn-w4g64"), json.dumps({"method": "rtn", **rtn_fields})])
     models = {"baseline": a.model, "ours": runs["ours"][0]["out"], "direct": runs["direct"][0]["out"],
               "rtn-w4g64": rtn["out"]}
     if runs["transformers"]:
         models["transformers"] = runs["transformers"][0]["out"]
     ppl = {k: child(["_ppl", d, evals, str(a.ppl_seq_len), str(a.ppl_windows)]) for k, d in models.items()}
     t = {k: spread([r["seconds"] for r in v]) for k, v in runs.items() if v}
-    res = {"settings": {**W4G64, "samples": a.samples, "seq_len": a.seq_len, "reps": a.reps,
+    res = {"settings": {**fields, "samples": a.samples, "seq_len": a.seq_len, "reps": a.reps,
                         "ppl": f"WikiText-2 test, {a.ppl_windows} windows x {a.ppl_seq_len} tokens"},
            "seconds": t, "ppl": {k: v["ppl"] for k, v in ppl.items()},
            "identical_weights_ours_direct": len({r["weights_sha256"] for r in runs["ours"] + runs["direct"]}) == 1,
@@ -249,9 +264,12 @@ def search(a) -> dict:
     base = child(["_ppl", a.model, evals, str(a.ppl_seq_len), str(a.ppl_windows)])["ppl"]
     rows = []
     for i, (label, fields, cal) in enumerate(SEARCH):
+        if a.only and str(i) not in a.only.split(","):
+            continue
         n, L = a.samples * cal.get("samples", 1), a.seq_len * cal.get("seq_len", 1)
         ids = save_ids(calibration_ids(tok, n, L, cal.get("chat_template", False), 0), work / f"calib-{i}.safetensors")
-        r = child(["_run", "ours", a.model, ids, str(work / f"search-{i}"), json.dumps({**W4G64, **fields})])
+        pinned = {"mse": 0.0} if fields.get("method", "gptq") == "gptq" else {}  # GPTQModel's own default
+        r = child(["_run", "ours", a.model, ids, str(work / f"search-{i}"), json.dumps({**W4G64, **pinned, **fields})])
         p = child(["_ppl", r["out"], evals, str(a.ppl_seq_len), str(a.ppl_windows)])["ppl"]
         rows.append({"label": label, "fields": fields, "calibration": [n, L, cal.get("chat_template", False)],
                      "ppl": p, "increase_pct": 100 * (p / base - 1), "seconds": r["seconds"]})
@@ -296,7 +314,9 @@ def main() -> None:
     p.add_argument("--hf-reps", type=int, default=1)
     p.add_argument("--ppl-seq-len", type=int, default=512)
     p.add_argument("--ppl-windows", type=int, default=16)
-    p.add_argument("--only", default="", help="figures: comma-separated subset of " + ",".join(FIGURES))
+    p.add_argument("--fields", default="{}", help="compare: variant fields over gptq w4g64, e.g. '{\"mse\": 0}'")
+    p.add_argument("--only", default="", help="figures: comma-separated subset of " + ",".join(FIGURES)
+                   + "; search: comma-separated row indices")
     p.add_argument("--out", default=None, help="write the results JSON here")
     a = p.parse_args()
     Path(a.work).mkdir(parents=True, exist_ok=True)

@@ -16,13 +16,13 @@ ParamGroup = Literal["layers", "norm", "head", "embed"]
 
 class DistillConfig(BaseModel, extra="forbid"):
     steps: int | None = Field(None, ge=1, description="optimizer steps (stops at whichever of steps/budget comes first)")
-    time_budget_s: float | None = Field(210.0, gt=0, description="wall-time budget for teacher targets + training")
+    time_budget_s: float | None = Field(180.0, gt=0, description="wall-time budget for teacher targets + training")
     batch_size: int = Field(8, ge=1)
     seq_len: int = Field(128, ge=8)
     lr: float = Field(1e-3, gt=0)
     schedule: Literal["cosine", "linear", "constant"] = "cosine"
     warmup: int = Field(10, ge=0, description="linear warm-up steps")
-    loss: Literal["forward_kl", "reverse_kl", "tvd", "jsd"] = "forward_kl"
+    loss: Literal["forward_kl", "reverse_kl", "tvd", "jsd"] = "jsd"
     temperature: float = Field(1.0, gt=0)
     train: list[ParamGroup] = Field(default_factory=lambda: ["layers", "norm", "head"])
     top_k: int = Field(64, ge=1, description="teacher top-k log-probs kept per position")
@@ -56,7 +56,7 @@ class MeasureConfig(BaseModel, extra="forbid"):
     prompt_len: int = Field(64, ge=1, description="prompt tokens")
     new_tokens: int = Field(64, ge=1)
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.7])
-    repeats: int = Field(3, ge=1, description="timed repeats per mode; the median is reported")
+    repeats: int = Field(1, ge=1, description="timed passes over the prompts (plain and speculative interleaved per prompt); median reported")
     warmup: int = Field(2, ge=0, description="untimed warm-up generations")
     compare_undistilled: bool = True
     compare_hf_assisted: bool = True
@@ -77,7 +77,7 @@ class DraftConfig(BaseModel, extra="forbid"):
     init_head: Literal["copy", "lens"] = Field("lens", description="copy the verifier's head, or fit it in closed form (tuned lens)")
     lens_tokens: int = Field(8192, ge=256, description="training tokens for the tuned-lens fit")
     vocab_size: int | None = Field(4096, ge=1, description="reduced draft head over the most frequent tokens; None = full")
-    gamma: int = Field(4, ge=1, le=32, description="tokens drafted per verifier forward")
+    gamma: int = Field(3, ge=1, le=32, description="tokens drafted per verifier forward")
     distill: DistillConfig = Field(default_factory=DistillConfig)
     measure: MeasureConfig = Field(default_factory=MeasureConfig)
 
@@ -89,7 +89,7 @@ class DraftConfig(BaseModel, extra="forbid"):
             if self.num_layers is not None and self.layers is not None:
                 raise ValueError("[draft] give num_layers or layers, not both")
             if self.num_layers is None and self.layers is None:
-                self.num_layers = 2
+                self.num_layers = 1
             if self.layers is not None and (not self.layers or len(set(self.layers)) != len(self.layers)
                                             or min(self.layers) < 0):
                 raise ValueError(f"[draft] layers must be distinct non-negative indices; got {self.layers}")

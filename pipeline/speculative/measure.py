@@ -83,31 +83,38 @@ def predicted_speedup(a: float, costs: dict, gamma: int) -> float:
 
 
 def compare_loops(target, draft, prompts: list[torch.Tensor], new_tokens: int, gamma: int, temperature: float,
-                  seed: int, vocab=None, warmup: int = 1) -> dict:
+                  seed: int, vocab=None, warmup: int = 1, repeats: int = 1) -> dict:
     """Plain and speculative decoding of the same verifier through the same loop, interleaved per
-    prompt. Speed-up = total plain time / total speculative time (and the median per prompt)."""
+    prompt (so machine noise hits both alike), `repeats` timed passes. Speed-up = total plain time
+    / total speculative time, median over passes; the median per-prompt ratio is reported too."""
     for ids in prompts[:warmup]:
         autoregressive_generate(target, ids, 8, temperature, torch.Generator().manual_seed(0))
         speculative_generate(target, draft, ids, 8, gamma, temperature, torch.Generator().manual_seed(0), vocab)
-    stats, plain_s, spec_s, ratios, reps, mismatches = SpecStats(), [], [], [], [], []
-    for i, ids in enumerate(prompts):
-        t0 = time.perf_counter()
-        plain, _ = autoregressive_generate(target, ids, new_tokens, temperature, torch.Generator().manual_seed(seed + i))
-        t1 = time.perf_counter()
-        spec, s = speculative_generate(target, draft, ids, new_tokens, gamma, temperature,
-                                       torch.Generator().manual_seed(seed + i), vocab)
-        t2 = time.perf_counter()
-        stats.merge(s)
-        plain_s.append(t1 - t0)
-        spec_s.append(t2 - t1)
-        ratios.append((t1 - t0) / (t2 - t1))
-        reps.append(repetition_rate(spec[0, ids.shape[1]:].tolist()))
-        if temperature == 0 and not torch.equal(plain, spec):
-            mismatches.append((i, _first_difference(plain, spec)))
+    stats, speedups, ratios, reps, mismatches = SpecStats(), [], [], [], []
+    plain_s = spec_s = 0.0
+    for r in range(repeats):
+        plain_s = spec_s = 0.0
+        for i, ids in enumerate(prompts):
+            t0 = time.perf_counter()
+            plain, _ = autoregressive_generate(target, ids, new_tokens, temperature,
+                                               torch.Generator().manual_seed(seed + i))
+            t1 = time.perf_counter()
+            spec, s = speculative_generate(target, draft, ids, new_tokens, gamma, temperature,
+                                           torch.Generator().manual_seed(seed + i), vocab)
+            t2 = time.perf_counter()
+            plain_s, spec_s = plain_s + t1 - t0, spec_s + t2 - t1
+            ratios.append((t1 - t0) / (t2 - t1))
+            if r == 0:  # same seeds: every pass generates the same tokens
+                stats.merge(s)
+                reps.append(repetition_rate(spec[0, ids.shape[1]:].tolist()))
+                if temperature == 0 and not torch.equal(plain, spec):
+                    mismatches.append((i, _first_difference(plain, spec)))
+        speedups.append(plain_s / spec_s)
     out = stats.as_dict()
-    out.update(speedup=sum(plain_s) / sum(spec_s),
-               speedup_median_per_prompt=statistics.median(ratios), plain_tokens_per_s=stats.new_tokens / sum(plain_s),
-               spec_tokens_per_s=stats.new_tokens / sum(spec_s), repetition_rate=statistics.mean(reps))
+    n = stats.new_tokens
+    out.update(speedup=statistics.median(speedups), speedup_per_pass=speedups,
+               speedup_median_per_prompt=statistics.median(ratios), plain_tokens_per_s=n / plain_s,
+               spec_tokens_per_s=n / spec_s, repetition_rate=statistics.mean(reps))
     if temperature == 0:
         out["greedy_mismatches"] = mismatches
     return out
@@ -149,3 +156,19 @@ def hf_assisted(target, draft, prompts: list[torch.Tensor], new_tokens: int, gam
     n = len(prompts) * new_tokens
     return {"hf_plain_tokens_per_s": n / sum(plain_s), "hf_assisted_tokens_per_s": n / sum(assisted_s),
             "hf_speedup": sum(plain_s) / sum(assisted_s), "identical_outputs": same, "prompts": len(prompts)}
+
+
+def speculative_gate(run: dict, costs: dict, device_type: str, min_speedup: float = 1.0) -> dict:
+    """Gate on one measured mode (an entry of compare_loops + its costs): "pass" when the measured
+    speed-up reaches `min_speedup`; otherwise "warn" on CPU when the measured per-token acceptance
+    is below the break-even the measured costs imply (the draft cannot win on this machine: say so,
+    do not fail the run), and "fail" elsewhere."""
+    be = costs["break_even_alpha_per_token"]
+    if run["speedup"] >= min_speedup:
+        return {"level": "pass", "message": f"speculative speed-up {run['speedup']:.2f}x"}
+    reach = "out of reach" if be is None else f"{be:.2f}"
+    message = (f"speculative decoding is slower than plain decoding ({run['speedup']:.2f}x): per-token acceptance "
+               f"{run['alpha_per_token']:.2f} vs break-even {reach} at c_d={costs['c_d']:.3f}, "
+               f"c_v({len(costs['c_v'])})={costs['c_v'][str(len(costs['c_v']))]:.2f}")
+    level = "warn" if device_type == "cpu" and (be is None or run["alpha_per_token"] < be) else "fail"
+    return {"level": level, "message": message}

@@ -13,7 +13,8 @@ from pipeline.speculative.config import DraftConfig
 from pipeline.speculative.distill import distill
 from pipeline.speculative.draft_model import (DraftStudent, check_tokenizers_match, evenly_spaced_layers,
                                               fit_output_map, init_draft_from_layers, load_draft_vocab, select_vocab, vocab_coverage)
-from pipeline.speculative.measure import compare_loops, hf_assisted, measure_costs, predicted_speedup
+from pipeline.speculative.measure import (compare_loops, hf_assisted, measure_costs, predicted_speedup,
+                                          speculative_gate)
 from pipeline.speculative.targets import TargetStore, TrainingData, fingerprint, token_windows
 
 
@@ -133,8 +134,9 @@ def measure_speculative(verifier_dir: Path, draft_dir: Path, prompts: list[str],
         entry = {"costs": costs, "draft_vocab_size": None if vocab is None else int(vocab.numel())}
         subset = ids if name == "distilled" else ids[: max(1, len(ids) // 4)]
         for t in m.temperatures:
-            run = compare_loops(verifier, draft, subset, m.new_tokens, cfg.gamma, t, seed, vocab, m.warmup)
+            run = compare_loops(verifier, draft, subset, m.new_tokens, cfg.gamma, t, seed, vocab, m.warmup, m.repeats)
             run["predicted_speedup"] = predicted_speedup(run["alpha_per_token"], costs, cfg.gamma)
+            run["gate"] = speculative_gate(run, costs, verifier.device.type)
             entry[f"t={t}"] = run
             log(f"speculative [{name}] T={t}: alpha {run['alpha']:.3f} (per token {run['alpha_per_token']:.3f}), "
                 f"{run['tokens_per_target_forward']:.2f} tok/forward, speed-up {run['speedup']:.2f}x, "
