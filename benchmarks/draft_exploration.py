@@ -4,12 +4,13 @@ Every configuration is distilled for the same number of steps on the same C4 bat
 teacher's top-k targets are computed once and shared, so the comparison is per step of student
 training) and measured on the same held-out WikiText-2 prompts: acceptance greedy and at T=0.7,
 the draft's and verifier's measured costs, and the speed-up those imply at the best gamma.
-The best configuration can then be timed for real (--time-best) through the same loop as plain
-decoding, with transformers' assisted generation as a reference.
+--validate-default builds the default DraftConfig from scratch and runs measure_speculative
+(timed against plain decoding through the same loop, transformers' assisted generation beside).
+Results and the exact commands: benchmarks/README_draft.md.
 
-  nice -n 5 python -m benchmarks.draft_exploration --steps 120 --prompts 8 \\
-      --configs base,layers2,layers4,even2,vocab2k,vocab8k,fullvocab,tvd,jsd,onpolicy,headfrozen \\
-      --out benchmarks/README_draft.md
+  nice -n 5 python -m benchmarks.draft_exploration --steps 60 --prompts 8 --new-tokens 48 \\
+      --configs base,pool,onpolicy,jsd,copyhead,headfrozen,layers2 --undistilled --work /tmp/dx
+  nice -n 5 python -m benchmarks.draft_exploration --validate-default --work /tmp/dx
 """
 from __future__ import annotations
 
@@ -128,7 +129,7 @@ def explore(args, verifier, texts, prompts) -> None:
             m = {**saved["distill"], "layers": saved["layers"], "undistilled_dir": str(work / name / "work" / "undistilled")}
         else:
             m = build_draft(Path(args.verifier), cfg, texts, work / name / "draft", work / name / "work", args.seed,
-                            targets_root=work / "targets", progress=False)
+                            targets_root=work / "targets", progress=False, save_initial=True)
         if args.undistilled and name == "base":
             zero = {**m, "steps": 0, "train_time_s": 0, "teacher_time_s": 0, "top1_agreement": float("nan")}
             for label, folder in (("undistilled", Path(m["undistilled_dir"])), ("tuned lens, no KD", work / name / "work" / "initial")):

@@ -292,7 +292,8 @@ def figures(a) -> dict:
         r = child(["_run", "ours", a.model, calib, str(work / name), json.dumps(fields)])
         out[name] = child(["_ppl", r["out"], evals, str(a.ppl_seq_len), str(a.ppl_windows)])["ppl"]
         log(f"{name}: {out[name]:.3f} (baseline {out['baseline']:.3f}), quantized in {r['seconds']:.0f} s")
-    return {"ppl": out, "eval": f"WikiText-2 test, {a.ppl_windows} x {a.ppl_seq_len}", "calibration": [a.samples, a.seq_len]}
+    return {"ppl": out, "eval": f"WikiText-2 test, {a.ppl_windows} x {a.ppl_seq_len}",
+            "calibration": [a.samples, a.seq_len]}
 
 
 def log(msg: str) -> None:

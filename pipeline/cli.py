@@ -120,21 +120,35 @@ def report(run_dir: str) -> None:
 @click.option("--dataset", default="wikitext2", show_default=True)
 @click.option("--seq-len", default=2048, show_default=True, type=int)
 @click.option("--stride", default=None, type=int, help="Sliding-window stride (default: non-overlapping windows).")
-@click.option("--max-windows", default=None, type=int)
+@click.option("--max-windows", default=None, type=int, help="Evaluate only the first N windows (default: all).")
 @click.option("--device", default="cpu", show_default=True)
-def eval(checkpoint: str, dataset: str, seq_len: int, stride: int | None, max_windows: int | None, device: str) -> None:  # noqa: A001
+@click.option("--threads", default=None, type=int, help="torch threads (default: all cores).")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="Keep the result (quality.json) and the evaluation log in this folder.")
+def eval(checkpoint: str, dataset: str, seq_len: int, stride: int | None, max_windows: int | None, device: str,  # noqa: A001
+         threads: int | None, out_dir: str | None) -> None:
     """Perplexity of any checkpoint folder on DATASET, outside a recipe."""
     import tempfile
+    import time
 
     from pipeline.recipe import PerplexityConfig, SmokeConfig
     from pipeline.worker import run_task
 
     cfg = PerplexityConfig(dataset=dataset, seq_len=seq_len, stride=stride, max_windows=max_windows)
     with tempfile.TemporaryDirectory() as tmp:
-        args = {"model_dir": checkpoint, "out": tmp, "perplexity": cfg.model_dump(),
+        out = Path(out_dir) if out_dir else Path(tmp)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RecipeError(f"--out {out_dir}: cannot create it ({e.strerror})") from None
+        args = {"model_dir": checkpoint, "out": str(out), "perplexity": cfg.model_dump(),
                 "smoke": SmokeConfig(enabled=False).model_dump(), "device": device, "reference": None,
                 "label": Path(checkpoint).name}
-        result = run_task("quality", args, Path(tmp))
+        t0 = time.perf_counter()
+        result = run_task("quality", args, out, threads)
+        result["wall_time_s"] = round(time.perf_counter() - t0, 1)
+        if out_dir:
+            (out / "quality.json").write_text(json.dumps(result, indent=2) + "\n")
     click.echo(json.dumps(result, indent=2))
 
 
@@ -143,7 +157,10 @@ def eval(checkpoint: str, dataset: str, seq_len: int, stride: int | None, max_wi
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a [validate.speed] field, e.g. --set batch_sizes=[1,4].")
 @click.option("--device", default="cpu", show_default=True)
-def bench(checkpoint: str, overrides: tuple[str, ...], device: str) -> None:
+@click.option("--threads", default=None, type=int, help="torch threads (default: all cores).")
+@click.option("--out", "out_json", default=None, type=click.Path(dir_okay=False),
+              help="Also write the result to this JSON file.")
+def bench(checkpoint: str, overrides: tuple[str, ...], device: str, threads: int | None, out_json: str | None) -> None:
     """Speed and memory of any checkpoint folder ([validate.speed] defaults), outside a recipe."""
     import tempfile
 
@@ -159,7 +176,8 @@ def bench(checkpoint: str, overrides: tuple[str, ...], device: str) -> None:
     except Exception as e:
         raise RecipeError(f"--set: {e}") from None
     with tempfile.TemporaryDirectory() as tmp:
-        result = run_speed_subprocess(Path(checkpoint), cfg, device, Path(tmp) / "speed.json")
+        target = Path(out_json) if out_json else Path(tmp) / "speed.json"
+        result = run_speed_subprocess(Path(checkpoint), cfg, device, target, threads=threads)
     click.echo(json.dumps(result, indent=2))
 
 

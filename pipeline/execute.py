@@ -40,7 +40,7 @@ def lock_text(recipe, vers: dict, runner_versions: dict) -> str:
 
     src = parse(recipe.model.source, recipe.model.gguf_file)
     files = {}
-    for ds in {recipe.calibration.dataset, recipe.validate_.perplexity.dataset}:
+    for ds in sorted({recipe.calibration.dataset, recipe.validate_.perplexity.dataset}):  # a set: sort for a stable lock
         ref = data.resolve(ds)
         files[ds] = data.fingerprint(ref) or "hf-cache"
     from pipeline.data import sha256_file

@@ -137,6 +137,10 @@ def _check_draft(recipe, info: ModelInfo) -> list[str]:
     if d.verifier != "baseline" and d.verifier not in names:
         problems.append(f"draft.verifier = {d.verifier!r} is neither 'baseline' nor a [[quantize]] variant "
                         f"(variants: {sorted(names) or 'none'})")
+    if d.measure.compare_fp_distilled and d.verifier == "baseline":
+        problems.append("draft.measure.compare_fp_distilled = true needs a quantized draft.verifier: with verifier = "
+                        "'baseline' the draft is already distilled against the full-precision model, so there is "
+                        "nothing to compare; name a [[quantize]] variant as draft.verifier or set it to false")
     n_layers = info.config.get("num_hidden_layers")
     if d.layers and n_layers and any(not 0 <= i < n_layers for i in d.layers):
         problems.append(f"draft.layers {d.layers} must be indices in 0..{n_layers - 1} (the verifier has {n_layers} layers)")

@@ -64,9 +64,10 @@ def _speculative(args: dict) -> dict:
     from pipeline.speculative.stage_api import measure_speculative
 
     und = Path(args["undistilled"]) if args.get("undistilled") else None
+    fp = Path(args["fp_distilled"]) if args.get("fp_distilled") else None
     return measure_speculative(Path(args["verifier"]), Path(args["draft"]), args["prompts"],
                                DraftConfig(**args["draft_cfg"]), args["seed"], logging.getLogger("compress").info,
-                               undistilled_dir=und)
+                               undistilled_dir=und, fp_distilled_dir=fp)
 
 
 def _peak_rss_bytes() -> int:

@@ -127,15 +127,18 @@ def _quality(report: dict) -> list[str]:
 def _params(p: Any) -> str:
     if not isinstance(p, dict):
         return "–"
-    shown = {k: v for k, v in p.items() if k not in ("name", "method") and v is not None}
+    shown = {k: v for k, v in p.items() if k not in ("name", "method", "modules_to_skip") and v is not None}
     return ", ".join(f"{k}={v}" for k, v in shown.items()) or "–"
 
 
 def _smoke(s: Any) -> str:
     if not isinstance(s, dict):
         return "–"
-    text = (s.get("text") or "").replace("\n", " ")[:60]
-    return f"{'ok' if s.get('ok') else 'FAILED'}: {text}"
+    outputs = s.get("outputs") or [s]
+    first = next((o for o in outputs if not o.get("ok", True)), outputs[0]) if outputs else {}
+    text = (first.get("text") or "").replace("\n", " ").replace("|", "\\|")[:60]
+    problem = f" ({first['problem']})" if first.get("problem") else ""
+    return f"{'ok' if s.get('ok') else 'FAILED'}{problem}: “{text}”"
 
 
 def _size(report: dict) -> list[str]:
@@ -192,23 +195,40 @@ def _ms(v: Any) -> float | None:
     return v * 1000 if isinstance(v, (int, float)) else None
 
 
+FP_DISTILLED = "fp-distilled"  # prefix of the rows of the draft distilled against the full-precision model
+
+
+def speculative_label(mode: str, verifier: Any) -> str:
+    """A speculative row's name, saying what its draft is when it is not the distilled draft itself."""
+    if mode.startswith(FP_DISTILLED + " "):
+        return f"{mode} (distilled against baseline, verified by {verifier or '?'})"
+    return mode
+
+
 def _speculative(report: dict) -> list[str]:
     lines = ["## Speculative decoding", ""]
     draft = report.get("draft")
     if not isinstance(draft, dict):
         return lines + ["No draft in this run (or not distilled yet).", ""]
+    verifier = draft.get("verifier", "?")
     lines += [f"Draft `{draft.get('name', '?')}` ({num(draft.get('layers'))} layers) for verifier "
-              f"`{draft.get('verifier', '?')}`. Speed-up is over plain decoding with the verifier in the same run.", ""]
+              f"`{verifier}`. Speed-up is over plain decoding with the verifier in the same run.", ""]
     body = []
-    for mode, s in (draft.get("speculative") or {}).items():
+    modes = draft.get("speculative") or {}
+    for mode, s in modes.items():
         if isinstance(s, dict):
-            body.append([mode, num(s.get("alpha"), 3), num(s.get("tokens_per_target_forward"), 3),
-                         num(s.get("speedup"), 3), num(s.get("tokens_per_s"), 3), num(s.get("c_d"), 3),
+            body.append([speculative_label(mode, verifier), num(s.get("alpha"), 3),
+                         num(s.get("tokens_per_target_forward"), 3), num(s.get("speedup"), 3), num(s.get("tokens_per_s"), 3), num(s.get("c_d"), 3),
                          num(s.get("c_v"), 3), num(s.get("break_even_alpha"), 3), num(s.get("repetition_rate"), 3)])
     if not body:
         return lines + ["Not measured yet.", ""]
-    return lines + table(["mode", "acceptance α", "tokens / target fwd", "speed-up", "tok/s", "c_d", "c_v",
-                          "break-even α", "repetition"], body) + [""]
+    lines += table(["mode", "acceptance α", "tokens / target fwd", "speed-up", "tok/s", "c_d", "c_v",
+                    "break-even α", "repetition"], body) + [""]
+    if any(m.startswith(FP_DISTILLED + " ") for m in modes):
+        lines += [f"{FP_DISTILLED} rows: a draft with the same settings and budget distilled against the "
+                  f"full-precision baseline instead of `{verifier}`, measured with `{verifier}` on the same prompts "
+                  f"(`draft/{FP_DISTILLED}`, not exported) — what distilling against the quantized verifier buys.", ""]
+    return lines
 
 
 def _gates(report: dict) -> list[str]:

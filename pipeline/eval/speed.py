@@ -16,6 +16,7 @@ Clocks are read only after synchronizing the device.
 from __future__ import annotations
 
 import argparse
+import codecs
 import importlib
 import inspect
 import json
@@ -24,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -201,10 +203,12 @@ def _attention_row(bench: Bench, name: str, cuda: bool) -> dict:
         model.set_attn_implementation(before)
 
 
-def technique_rows(bench: Bench, kv: dict) -> dict:
+def technique_rows(bench: Bench, kv: dict, bar=None) -> dict:
     """All requested technique rows; a row that raises records its error instead of ending the run."""
     rows = {}
     for name in bench.cfg.techniques:
+        if bar is not None:
+            bar.update()
         try:
             rows[name] = _technique(bench, name, kv)
         except Exception as exc:  # noqa: BLE001 - one failed row must not hide the others
@@ -235,12 +239,18 @@ def _load_tokenizer(model_dir: Path):
     return None
 
 
-def measure_speed(model_or_dir, tokenizer, cfg: SpeedConfig, device: str, *, loader: str | None = None) -> dict:
+def measure_speed(model_or_dir, tokenizer, cfg: SpeedConfig, device: str, *, loader: str | None = None,
+                  label: str | None = None) -> dict:
     """Time one model (a loaded model, or a checkpoint folder loaded here) -> the speed dict.
 
     Peak memory is measured from this call's entry: post-import when given a folder (the
-    model's own load counts), call-entry when given a model already in memory."""
+    model's own load counts), call-entry when given a model already in memory. A progress bar
+    (stderr) counts the cells: prefill, each decode batch, each technique row, the roofline."""
+    from tqdm.auto import tqdm
+
     memory = PeakMemory(device).start()
+    cells = 2 + len(cfg.batch_sizes) + len(cfg.techniques) + int(cfg.roofline)
+    bar = tqdm(total=cells, desc=f"speed {label or Path(str(model_or_dir)).name}", unit="cell", leave=False)
     load_s = None
     if isinstance(model_or_dir, (str, Path)):
         t0 = time.perf_counter()
@@ -253,16 +263,21 @@ def measure_speed(model_or_dir, tokenizer, cfg: SpeedConfig, device: str, *, loa
     model.eval()
     bench = Bench(model, tokenizer, cfg, device)
     bench.warm_up()
+    bar.update()
     result: dict[str, Any] = _header(model, cfg, device, load_s)
     result["prefill_tokens_per_s"] = bench.prefill()
-    decode = {str(b): bench.decode(b) for b in cfg.batch_sizes}
+    bar.update()
+    decode = {}
+    for b in cfg.batch_sizes:
+        decode[str(b)] = bench.decode(b)
+        bar.update()
     kv = decode["1"]
     result["ttft_s"] = kv["ttft_s"]
     result["decode"] = decode
     result["decode_tokens_per_s_b1"] = kv["tokens_per_s"]["median"]
     result["max_batch"] = max(cfg.batch_sizes)
     result["decode_tokens_per_s_max_batch"] = decode[str(result["max_batch"])]["tokens_per_s"]["median"]
-    result["techniques"] = technique_rows(bench, kv)
+    result["techniques"] = technique_rows(bench, kv, bar)
     no_kv = result["techniques"].get("no_kv_cache", {}).get("decode_tokens_per_s")
     result["kv_cache_speedup"] = kv["tokens_per_s"]["median"] / no_kv["median"] if no_kv else None
     result["peak_memory_bytes"] = memory.peak_above_base()
@@ -274,8 +289,10 @@ def measure_speed(model_or_dir, tokenizer, cfg: SpeedConfig, device: str, *, loa
         result["copy_bandwidth_bytes_per_s"] = bw
         result["roofline_fraction"] = roofline_fraction(
             result["weight_bytes_per_token"], 1.0 / result["decode_tokens_per_s_b1"], bw)
+        bar.update()
     else:
         result["copy_bandwidth_bytes_per_s"] = result["roofline_fraction"] = None
+    bar.close()
     return result
 
 
@@ -316,15 +333,30 @@ def run_speed_subprocess(model_dir: str | Path, cfg: SpeedConfig, device: str, o
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     from pipeline.worker import _die_with_parent  # a killed run kills its timing process too
 
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=cfg.timeout_s,
-                              preexec_fn=_die_with_parent)
-    except subprocess.TimeoutExpired as exc:
+    if model_name:
+        cmd += ["--label", model_name]
+    # stdout (library banners) goes to speed.log beside the result; stderr (our progress bar, warnings,
+    # a traceback) is passed through to the console and its tail kept for the error message
+    with open(out_json.with_suffix(".log"), "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+        expired = threading.Event()
+        timer = threading.Timer(cfg.timeout_s, lambda: (expired.set(), proc.kill()))
+        timer.start()
+        tail, decoder = bytearray(), codecs.getincrementaldecoder("utf-8")(errors="replace")
+        try:
+            while chunk := os.read(proc.stderr.fileno(), 4096):
+                sys.stderr.write(decoder.decode(chunk))
+                sys.stderr.flush()
+                tail = (tail + chunk)[-16384:]
+            code = proc.wait()
+        finally:
+            timer.cancel()
+    if expired.is_set():
         raise StageError(f"speed measurement of {model_dir} exceeded {cfg.timeout_s:.0f} s "
-                         "([validate.speed].timeout_s)") from exc
-    if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
-        raise StageError(f"speed measurement of {model_dir} failed (exit {proc.returncode}):\n{tail}")
+                         "([validate.speed].timeout_s)")
+    if code != 0:
+        lines = [ln for ln in tail.decode(errors="replace").replace("\r", "\n").splitlines() if ln.strip()]
+        raise StageError(f"speed measurement of {model_dir} failed (exit {code}):\n" + "\n".join(lines[-15:]))
     return json.loads(out_json.read_text())
 
 
@@ -354,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--loader", default=None, help="module:function(model_dir, device) -> model")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--label", default=None, help="name shown on the progress bar")
     args = parser.parse_args(argv)
     from pipeline.env import tame
 
@@ -364,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = _load_tokenizer(Path(args.model_dir))  # prompts only: not counted in peak memory
     result = measure_speed(args.model_dir, tokenizer, SpeedConfig.model_validate_json(args.config), args.device,
-                           loader=args.loader)
+                           loader=args.loader, label=args.label)
     tmp = Path(args.out).with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2))
     tmp.replace(args.out)

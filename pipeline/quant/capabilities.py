@@ -191,7 +191,8 @@ def _check_group_size(variant, arch: dict, c: MethodCaps) -> list[str]:
     sizes = sorted(set(bad.values()))
     what = "; ".join(f"{i} ({', '.join(k for k, v in bad.items() if v == i)})" for i in sizes)
     hidden = arch.get("hidden_size")
-    why = f"hidden size {hidden} is not a multiple of {g}" if hidden in sizes else f"{sizes[0]} is not a multiple of {g}"
+    first = f"hidden size {hidden}" if hidden in sizes else f"in-features {sizes[0]}"
+    why = f"{first} is not a multiple of {g}"
     return [f"group_size = {g} does not divide the in-features of every quantized linear: {what}; the {why}. "
             f"Use group_size = {suggest} (or -1 for per-channel)"]
 

@@ -58,8 +58,14 @@ class MeasureConfig(BaseModel, extra="forbid"):
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.7])
     repeats: int = Field(1, ge=1, description="timed passes over the prompts (plain and speculative interleaved per prompt); median reported")
     warmup: int = Field(2, ge=0, description="untimed warm-up generations")
-    compare_undistilled: bool = True
+    compare_undistilled: bool = Field(True, description="also measure the draft before distillation "
+                                                        "(draft/undistilled, a quarter of the prompts)")
     compare_hf_assisted: bool = True
+    compare_fp_distilled: bool = Field(
+        False, description="with a quantized [draft].verifier: the draft stage also distils a draft with the same "
+                           "settings and budget against the full-precision baseline (draft/fp-distilled, not "
+                           "exported), measured with the quantized verifier beside the distilled one; "
+                           "doubles the draft stage's time")
 
     @model_validator(mode="after")
     def _check(self) -> MeasureConfig:

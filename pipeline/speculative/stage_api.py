@@ -2,6 +2,7 @@
 these): build_draft (init, vocabulary subset, distillation, export) and measure_speculative."""
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -45,11 +46,13 @@ def init_draft(verifier, cfg: DraftConfig, base_dir: Path | None, verifier_tok) 
 
 def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], out_dir: Path, work_dir: Path,
                 seed: int, log=print, base_dir: Path | None = None, progress: bool = True,
-                fault_at_step: int | None = None, targets_root: Path | None = None) -> dict:
+                fault_at_step: int | None = None, targets_root: Path | None = None,
+                save_initial: bool = False) -> dict:
     """Initialise, distill and save the draft (HF checkpoint + tokenizer + draft_vocab.json when
     reduced + draft_manifest.json naming the verifier). The undistilled draft is saved to
     work_dir/undistilled for comparison. Teacher targets are kept under `targets_root` (default
     work_dir), in a folder named by what they depend on, so several drafts can share them.
+    `save_initial` also keeps the tuned-lens draft before distillation (work_dir/initial).
     Returns the distillation metrics."""
     t_start = time.perf_counter()
     torch.manual_seed(seed)
@@ -63,24 +66,11 @@ def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], ou
     undistilled_dir = work_dir / "undistilled"
     if not (undistilled_dir / "config.json").exists():
         DraftStudent(draft, vocab).export(undistilled_dir, tok, {"verifier": cfg.verifier, "distilled": False})
-    lens = None
-    if cfg.init_head == "lens":
-        t0 = time.perf_counter()
-        n = max(1, -(-cfg.lens_tokens // d.seq_len))
-        lens = {"unexplained": fit_output_map(draft, verifier, windows[-n:], precision=d.teacher_precision),
-                "time_s": time.perf_counter() - t0}
-        log(f"draft: tuned-lens head fitted on {n * d.seq_len} tokens in {lens['time_s']:.0f}s "
-            f"(unexplained variance {lens['unexplained']:.3f})")
+    lens = _tuned_lens(cfg, draft, verifier, windows, log) if cfg.init_head == "lens" else None
     student = DraftStudent(draft, vocab)
-    if lens is not None and not (work_dir / "initial" / "config.json").exists():
+    if save_initial and lens is not None and not (work_dir / "initial" / "config.json").exists():
         student.export(work_dir / "initial", tok, {"verifier": cfg.verifier, "distilled": False, "lens": lens})
-    data_fp = fingerprint(verifier=str(verifier_dir.resolve()), config=_read(verifier_dir / "config.json"),
-                          windows=_tensor_hash(windows), top_k=d.top_k, t=d.temperature, precision=d.teacher_precision)
-    store = TargetStore(Path(targets_root or work_dir) / f"targets-{data_fp}" if d.cache_teacher else None)
-    data = TrainingData(verifier, windows, store, batch_size=d.batch_size, top_k=d.top_k, temperature=d.temperature,
-                        on_policy_fraction=d.on_policy_fraction, prompt_len=d.prompt_len,
-                        gen_temperature=d.on_policy_temperature, pool_size=d.pool_size, seed=seed,
-                        precision=d.teacher_precision, gen_batch=d.on_policy_batch)
+    data, data_fp = _training_data(verifier_dir, verifier, windows, d, Path(targets_root or work_dir), seed)
     run_fp = fingerprint(data=data_fp, draft=cfg.model_dump(exclude={"measure"}), seed=seed)
     log(f"draft: layers {layers}, head {'full' if vocab is None else f'{vocab.numel()} tokens (coverage {coverage:.3f})'}, "
         f"{len(windows)} training windows of {d.seq_len} tokens")
@@ -93,6 +83,29 @@ def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], ou
     metrics.update(layers=layers, draft_vocab_size=manifest["draft_vocab_size"], vocab_coverage=coverage, lens=lens,
                    undistilled_dir=str(undistilled_dir), total_time_s=time.perf_counter() - t_start)
     return metrics
+
+
+def _tuned_lens(cfg: DraftConfig, draft, verifier, windows: torch.Tensor, log) -> dict:
+    """Closed-form head initialisation on the last corpus windows (see fit_output_map)."""
+    t0 = time.perf_counter()
+    n = max(1, -(-cfg.lens_tokens // windows.shape[1]))
+    unexplained = fit_output_map(draft, verifier, windows[-n:], precision=cfg.distill.teacher_precision)
+    lens = {"unexplained": unexplained, "tokens": n * windows.shape[1], "time_s": time.perf_counter() - t0}
+    log(f"draft: tuned-lens head fitted on {lens['tokens']} tokens in {lens['time_s']:.0f}s "
+        f"(unexplained variance {unexplained:.3f})")
+    return lens
+
+
+def _training_data(verifier_dir: Path, verifier, windows: torch.Tensor, d, targets_root: Path, seed: int):
+    """Batches of teacher targets; the store's folder is named by what its records depend on."""
+    data_fp = fingerprint(verifier=str(verifier_dir.resolve()), config=_read(verifier_dir / "config.json"),
+                          windows=_tensor_hash(windows), top_k=d.top_k, t=d.temperature, precision=d.teacher_precision)
+    store = TargetStore(targets_root / f"targets-{data_fp}" if d.cache_teacher else None)
+    data = TrainingData(verifier, windows, store, batch_size=d.batch_size, top_k=d.top_k, temperature=d.temperature,
+                        on_policy_fraction=d.on_policy_fraction, prompt_len=d.prompt_len,
+                        gen_temperature=d.on_policy_temperature, pool_size=d.pool_size, seed=seed,
+                        precision=d.teacher_precision, gen_batch=d.on_policy_batch)
+    return data, data_fp
 
 
 def _choose_vocab(cfg: DraftConfig, windows: torch.Tensor, verifier, tok):
@@ -112,14 +125,15 @@ def _read(path: Path) -> str:
 
 
 def _tensor_hash(t: torch.Tensor) -> str:
-    import hashlib
     return hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16]
 
 
 def measure_speculative(verifier_dir: Path, draft_dir: Path, prompts: list[str], cfg: DraftConfig, seed: int,
-                        log=print, undistilled_dir: Path | None = None) -> dict:
-    """Acceptance, speed-up and costs of the draft (and of the undistilled one) on held-out
-    prompts, greedy and at each configured temperature. See pipeline/speculative/measure.py."""
+                        log=print, undistilled_dir: Path | None = None, fp_distilled_dir: Path | None = None) -> dict:
+    """Acceptance, speed-up and costs of the draft on held-out prompts, greedy and at each configured
+    temperature; also of the undistilled draft (a quarter of the prompts) and of the draft distilled
+    against the full-precision model (all prompts, same verifier), when given and enabled in
+    cfg.measure. See pipeline/speculative/measure.py."""
     m = cfg.measure
     tok = AutoTokenizer.from_pretrained(str(verifier_dir))
     verifier = load_causal_lm(verifier_dir)
@@ -128,11 +142,13 @@ def measure_speculative(verifier_dir: Path, draft_dir: Path, prompts: list[str],
     drafts = {"distilled": Path(draft_dir)}
     if m.compare_undistilled and undistilled_dir is not None:
         drafts["undistilled"] = Path(undistilled_dir)
+    if m.compare_fp_distilled and fp_distilled_dir is not None:
+        drafts["fp-distilled"] = Path(fp_distilled_dir)
     for name, path in drafts.items():
         draft, vocab = load_causal_lm(path), load_draft_vocab(path)
         costs = measure_costs(verifier, draft, ids[0], cfg.gamma, vocab)
         entry = {"costs": costs, "draft_vocab_size": None if vocab is None else int(vocab.numel())}
-        subset = ids if name == "distilled" else ids[: max(1, len(ids) // 4)]
+        subset = ids if name != "undistilled" else ids[: max(1, len(ids) // 4)]
         for t in m.temperatures:
             run = compare_loops(verifier, draft, subset, m.new_tokens, cfg.gamma, t, seed, vocab, m.warmup, m.repeats)
             run["predicted_speedup"] = predicted_speedup(run["alpha_per_token"], costs, cfg.gamma)

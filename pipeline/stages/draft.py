@@ -37,6 +37,22 @@ def run(ctx: UnitContext, recipe) -> dict:
     if undistilled.is_dir():  # kept beside the draft so validate can measure what distillation bought
         shutil.move(str(undistilled), ctx.out / "undistilled")
     metrics["verifier"] = recipe.draft.verifier
+    if recipe.draft.measure.compare_fp_distilled and recipe.draft.verifier != "baseline":
+        metrics["fp_distilled"] = fp_distilled(ctx, recipe, texts)
+    return metrics
+
+
+def fp_distilled(ctx: UnitContext, recipe, texts: list[str]) -> dict:
+    """The same draft (settings, budget, seed) distilled against the full-precision baseline instead of the
+    quantized verifier, into draft/fp-distilled (never exported): validate measures it with the quantized
+    verifier, showing what distilling against the deployed model buys. Its scratch is ctx.work/fp."""
+    from pipeline.speculative.stage_api import build_draft
+
+    cfg = recipe.draft.model_copy(update={"verifier": "baseline"})
+    log.info("draft: also distilling against the full-precision baseline (draft.measure.compare_fp_distilled)")
+    metrics = build_draft(ctx.dep("load"), cfg, texts, ctx.out / "fp-distilled", ctx.work / "fp", ctx.seed,
+                          log=log.info, base_dir=ctx.dep("load"))
+    metrics.pop("undistilled_dir")  # the same layers as draft/undistilled: not kept twice
     return metrics
 
 

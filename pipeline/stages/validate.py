@@ -59,11 +59,12 @@ def speed(ctx: UnitContext, recipe, name: str, src: str) -> dict:
 def speculative(ctx: UnitContext, recipe) -> dict:
     from pipeline.stages.draft import verifier_key
 
-    cfg = recipe.draft
-    args = {"verifier": str(ctx.dep(verifier_key(recipe))), "draft": str(ctx.dep("draft")),
+    cfg, draft = recipe.draft, ctx.dep("draft")
+    args = {"verifier": str(ctx.dep(verifier_key(recipe))), "draft": str(draft),
             "prompts": held_out_prompts(cfg.measure.num_prompts, recipe.validate_.perplexity),
             "draft_cfg": cfg.model_dump(mode="json"), "seed": ctx.seed,
-            "undistilled": str(ctx.dep("draft") / "undistilled") if (ctx.dep("draft") / "undistilled").is_dir() else None}
+            "undistilled": str(draft / "undistilled") if (draft / "undistilled").is_dir() else None,
+            "fp_distilled": str(draft / "fp-distilled") if (draft / "fp-distilled").is_dir() else None}
     return run_task("speculative", args, ctx.out, recipe.run.threads)
 
 
@@ -98,16 +99,18 @@ def merge_speculative(report: dict, m: dict) -> None:
     report["draft"] = d
 
 
+DRAFT_KINDS = ("distilled", "undistilled", "fp-distilled")  # keys of measure_speculative's result
 FLAT_KEYS = ("alpha", "alpha_per_token", "tokens_per_target_forward", "speedup", "plain_tokens_per_s",
              "repetition_rate", "accepted_by_position", "drafted_by_position", "acceptance_by_position",
              "predicted_speedup", "greedy_mismatches")
 
 
 def speculative_modes(m: dict) -> dict:
-    """One flat row per (draft, temperature) — "greedy", "t0.7", "undistilled greedy" — for report and gates."""
+    """One flat row per (draft, temperature) — "greedy", "t0.7", "undistilled greedy", "fp-distilled t0.7"
+    (the draft distilled against the full-precision model, same verifier) — for report and gates."""
     gamma = m.get("gamma")
     modes = {}
-    for which in ("distilled", "undistilled"):
+    for which in DRAFT_KINDS:
         entry = m.get(which) or {}
         costs = entry.get("costs") or {}
         for key, run in entry.items():
@@ -121,5 +124,5 @@ def speculative_modes(m: dict) -> dict:
                        break_even_alpha=costs.get("break_even_alpha_per_token"), gamma=gamma)
             if "hf_reference" in run:
                 row["hf_assisted"] = run["hf_reference"]
-            modes[mode if which == "distilled" else f"undistilled {mode}"] = row
+            modes[mode if which == "distilled" else f"{which} {mode}"] = row
     return modes

@@ -248,3 +248,117 @@ def test_tuned_lens_head_fits_the_verifier_better_than_the_copied_head():
         assert kd_loss(lens(windows).logits, teacher) < 0.9 * kd_loss(copied(windows).logits, teacher)
     with pytest.raises(ValueError, match="untied"):
         fit_output_map(tiny_llama(1, tie=True), verifier, windows)
+
+
+# ---------------------------------------------------------------- draft stage and validate/draft/speculative units
+def _fake_quantized(seed: int = 0) -> LlamaForCausalLM:
+    """A stand-in for a quantized verifier: the baseline's weights rounded to a coarse grid."""
+    model = tiny_llama(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_((p * 4).round() / 4)
+    return model
+
+
+def _saver(make_model):
+    def fn(ctx):
+        make_model().save_pretrained(ctx.out)
+        tiny_tokenizer().save_pretrained(ctx.out)
+        return {}
+    return fn
+
+
+STAGE_RECIPE = """
+[run]
+name = "tiny"
+threads = 1
+
+[model]
+source = "config:tiny-llama"
+
+[[quantize]]
+name = "gptq-w4g32"
+method = "gptq"
+bits = 4
+group_size = 32
+
+[draft]
+verifier = "gptq-w4g32"
+num_layers = 2
+vocab_size = 32
+lens_tokens = 256
+
+[draft.distill]
+steps = 4
+time_budget_s = 60
+batch_size = 2
+seq_len = 32
+warmup = 1
+checkpoint_every = 2
+
+[draft.measure]
+num_prompts = 2
+prompt_len = 16
+new_tokens = 8
+warmup = 0
+temperatures = [0.0, 0.7]
+compare_hf_assisted = false
+"""
+
+
+def test_draft_stage_compares_a_draft_distilled_against_the_full_precision_model(tmp_path, monkeypatch):
+    """compare_fp_distilled: the draft unit also distils against the baseline into draft/fp-distilled,
+    validate measures it with the quantized verifier, the report labels its rows, export leaves it out."""
+    import pipeline.calib
+    from pipeline.eval.report import render_report
+    from pipeline.recipe import load_recipe
+    from pipeline.runner import Runner, Unit
+    from pipeline.stages import draft as draft_stage
+    from pipeline.stages import export as export_stage
+    from pipeline.stages import validate as validate_stage
+
+    monkeypatch.setattr(pipeline.calib, "training_documents", lambda cfg: texts(30))
+    monkeypatch.setattr(validate_stage, "held_out_prompts", lambda n, cfg: texts(n, seed=9))
+    tiny = tmp_path / "recipe.toml"
+    tiny.write_text(STAGE_RECIPE)
+    recipe = load_recipe(tiny, ["draft.measure.compare_fp_distilled=true"])
+    run_dir = tmp_path / "run"
+    runner = Runner(run_dir, seed=0, device="cpu", versions={"x": "1"}, report={})
+    runner.run_unit(Unit("load", {}, _saver(lambda: tiny_llama(0))))
+    runner.run_unit(Unit("quantize/gptq-w4g32", {}, _saver(_fake_quantized)))
+    unit = draft_stage.unit(recipe)
+    off = draft_stage.unit(load_recipe(tiny))
+    assert runner.inputs_hash(unit) != runner.inputs_hash(off), "the flag is part of the draft unit's config"
+
+    runner.run_unit(unit)
+    fp = run_dir / "draft" / "fp-distilled"
+    assert (fp / "config.json").is_file() and (fp / "draft_vocab.json").is_file()
+    fp_manifest = json.loads((fp / "draft_manifest.json").read_text())
+    assert fp_manifest["verifier"] == "baseline" and fp_manifest["verifier_dir"] == str(run_dir / "load")
+    assert fp_manifest["layers"] == json.loads((run_dir / "draft" / "draft_manifest.json").read_text())["layers"]
+    assert (run_dir / "draft" / "undistilled" / "config.json").is_file()
+    assert runner.report["draft"]["distill"]["fp_distilled"]["steps"] == 4
+    rerun = Runner(run_dir, seed=0, device="cpu", versions={"x": "1"}, report={})
+    rerun.manifests = dict(runner.manifests)
+    rerun.run_unit(unit)
+    assert rerun.report["stages"]["draft"]["status"] == "skipped", "an unchanged recipe reuses draft/fp-distilled"
+
+    spec = next(u for u in validate_stage.units(recipe) if u.key == "validate/draft/speculative")
+    runner.run_unit(spec)
+    detail = runner.report["draft"]["speculative_detail"]
+    assert {"distilled", "undistilled", "fp-distilled"} <= set(detail)
+    # measured on the same prompts as the distilled draft (2 prompts x 8 new tokens), unlike the undistilled one
+    assert detail["fp-distilled"]["t=0.0"]["new_tokens"] == detail["distilled"]["t=0.0"]["new_tokens"] == 2 * 8
+    assert detail["fp-distilled"]["t=0.0"]["greedy_mismatches"] == []
+    modes = runner.report["draft"]["speculative"]
+    assert {"greedy", "t0.7", "undistilled greedy", "fp-distilled greedy", "fp-distilled t0.7"} <= set(modes)
+    assert 0 <= modes["fp-distilled greedy"]["alpha"] <= 1
+
+    render_report(run_dir)
+    md = (run_dir / "report.md").read_text().split("## Speculative decoding")[1].split("## Gates")[0]
+    assert "| fp-distilled greedy (distilled against baseline, verified by gptq-w4g32) |" in md
+    assert "fp-distilled rows: a draft with the same settings and budget distilled against the full-precision" in md
+
+    exported = export_stage.checkpoint_files(run_dir / "draft")
+    assert "config.json" in {p.name for p in exported}
+    assert all(p.parent == run_dir / "draft" and p.is_file() for p in exported), "comparison drafts are not exported"

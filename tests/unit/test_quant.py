@@ -50,7 +50,8 @@ def tiny_tokenizer(out: Path) -> None:
     vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, VOCAB)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="t1", eos_token="t2").save_pretrained(out)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="t1", eos_token="t2")
+    fast.save_pretrained(out)
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,8 @@ def dequantized(folder: Path, module: str) -> torch.Tensor:
     from safetensors import safe_open
 
     with safe_open(folder / "model.safetensors", "pt") as f:
-        qweight, qzeros, scales, g_idx = (f.get_tensor(f"{module}.{t}") for t in ("qweight", "qzeros", "scales", "g_idx"))
+        qweight, qzeros, scales, g_idx = (f.get_tensor(f"{module}.{t}")
+                                          for t in ("qweight", "qzeros", "scales", "g_idx"))
     shifts = torch.arange(0, 32, 4)
     w = ((qweight[:, None, :] >> shifts[None, :, None]) & 15).reshape(-1, qweight.shape[1])  # [in, out]
     z = ((qzeros[:, :, None] >> shifts[None, None, :]) & 15).reshape(qzeros.shape[0], -1) + 1  # v1 stores zero-1

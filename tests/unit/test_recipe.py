@@ -126,3 +126,14 @@ def test_token_in_publish_is_rejected(tmp_path):
 def test_run_name_must_be_a_folder_name(tmp_path):
     msg = errors_of(tmp_path, BASE.replace('name = "t"', 'name = "../escape"'))
     assert "run.name" in msg
+
+
+def test_fp_distilled_comparison_needs_a_quantized_verifier(tmp_path):
+    text = BASE + '\n[draft]\nverifier = "baseline"\n\n[draft.measure]\ncompare_fp_distilled = true\n'
+    msg = errors_of(tmp_path, text, plan=True)
+    assert "draft.measure.compare_fp_distilled = true needs a quantized draft.verifier" in msg
+    assert "nothing to compare" in msg
+    r = load_recipe(write(tmp_path, text.replace('verifier = "baseline"', 'verifier = "w4"')))
+    assert r.draft.measure.compare_fp_distilled
+    check(r)
+    assert not load_recipe(write(tmp_path, BASE + "\n[draft]\n")).draft.measure.compare_fp_distilled, "off by default"

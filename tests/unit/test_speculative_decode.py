@@ -1,7 +1,5 @@
 """Speculative decoding on tiny random models: greedy exactness, sampling exactness (with a
 deliberately wrong rule shown to be detected), identical draft = full acceptance, stats."""
-import itertools
-
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM

@@ -166,6 +166,14 @@ def test_subprocess_failure_is_a_stage_error_with_the_cause(tmp_path):
         run_speed_subprocess(tmp_path / "empty", SpeedConfig(**CFG), "cpu", tmp_path / "speed.json")
 
 
+def test_subprocess_over_its_time_limit_is_killed_with_a_clear_error(tmp_path):
+    tiny_llama().save_pretrained(tmp_path / "ckpt")
+    cfg = SpeedConfig(**{**CFG, "timeout_s": 0.5})  # the child cannot even import torch in that time
+    with pytest.raises(StageError, match=r"exceeded 0 s|exceeded 1 s|\(\[validate.speed\].timeout_s\)"):
+        run_speed_subprocess(tmp_path / "ckpt", cfg, "cpu", tmp_path / "speed.json")
+    assert not (tmp_path / "speed.json").exists()
+
+
 def test_cuda_code_paths_by_construction(monkeypatch):
     """No GPU here: fake the torch.cuda calls and check what PeakMemory and sync do with them."""
     calls = []
