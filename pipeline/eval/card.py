@@ -3,11 +3,14 @@
 YAML metadata through huggingface_hub's ModelCardData (base_model, base_model_relation="quantized"
 for variants, library_name, tags, datasets, license, a model-index with the perplexity), then:
 provenance of the baseline, this run's results, how to load it, and the recipe excerpt + lock.
-The text depends only on report sections that are final once validate has run (never on run
-status or times), so re-rendering a finished run reproduces the same bytes.
+The text depends only on report sections that are final once validate has run and on the parts of
+recipe.lock.toml that describe how the weights were made (never on run status, times, the run
+folder's path or the [publish] table), so re-rendering or re-running an unchanged recipe
+reproduces the same bytes, and re-publishing it makes no new Hub commit.
 """
 from __future__ import annotations
 
+import copy
 import os
 import re
 import tomllib
@@ -16,7 +19,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from pipeline.eval.report import dig, num, size
+from pipeline.eval.report import dig, num, size, speculative_label
 
 # names of our datasets -> Hub dataset ids (metadata only lists ids the Hub can resolve)
 HUB_DATASETS = {"wikitext2": "Salesforce/wikitext", "wikitext-2": "Salesforce/wikitext",
@@ -138,10 +141,11 @@ def _results(report: dict, entry: dict) -> list[str]:
                      f"| {size(m.get('footprint_bytes'))} | {num(dig(m, 'speed', 'decode_tokens_per_s_b1'), 3)} |")
     if entry["kind"] == "draft":
         lines += ["", "| sampling | acceptance α | tokens per verifier forward | speed-up |", "|---|---|---|---|"]
+        verifier = dig(report, "draft", "verifier")
         for mode, s in (dig(report, "draft", "speculative") or {}).items():
             if isinstance(s, dict):
-                lines.append(f"| {mode} | {num(s.get('alpha'), 3)} | {num(s.get('tokens_per_target_forward'), 3)} "
-                             f"| {num(s.get('speedup'), 3)} |")
+                lines.append(f"| {speculative_label(mode, verifier)} | {num(s.get('alpha'), 3)} "
+                             f"| {num(s.get('tokens_per_target_forward'), 3)} | {num(s.get('speedup'), 3)} |")
     gates = [g for g in report.get("gates") or [] if g.get("model") == entry["name"]]
     if gates:
         ok = all(g.get("passed") or g.get("severity") == "warn" for g in gates)
@@ -183,13 +187,44 @@ def _usage(report: dict, entry: dict, repo: str) -> list[str]:
     return lines
 
 
+# Parts of recipe.lock.toml that say when, where or whither a run went, not what produced the weights.
+# The lock is rewritten by every `compress run`; a card that embedded them would change on every rerun
+# (its sha256 no longer the export manifest's, a new Hub commit on every re-publish) and would publish
+# local paths.
+_VOLATILE_LOCK = (("lock", "created"), ("lock", "model_file"), ("recipe", "run", "output_dir"), ("recipe", "publish"))
+
+
+def _drop(data: dict, paths) -> dict:
+    for path in paths:
+        parent = dig(data, *path[:-1])
+        if isinstance(parent, dict):
+            parent.pop(path[-1], None)
+    return data
+
+
+def card_recipe(recipe: dict) -> dict:
+    """The part of a resolved recipe (Recipe.dump()) that a card shows; the export stage hashes it."""
+    return _drop(copy.deepcopy(recipe), [p[1:] for p in _VOLATILE_LOCK if p[0] == "recipe"])
+
+
+def card_lock(lock_text: str) -> str:
+    """recipe.lock.toml as shown in a card: everything but the per-invocation and machine-local fields."""
+    import tomli_w
+
+    try:
+        data = tomllib.loads(lock_text)
+    except tomllib.TOMLDecodeError:
+        return lock_text.strip()
+    return tomli_w.dumps(_drop(data, _VOLATILE_LOCK)).strip()
+
+
 def _reproduce(report: dict, recipe_excerpt: str, lock_text: str) -> list[str]:
     versions = dig(report, "run", "versions") or {}
     return ["## Reproduce", "",
             "Made with compress" + (f" ({', '.join(f'{k} {v}' for k, v in versions.items())})" if versions else "")
             + ". The recipe excerpt that produced this folder:", "", "```toml", recipe_excerpt.strip(), "```", "",
             "<details><summary>recipe.lock.toml (resolved recipe, versions, sha256 of model and data)</summary>", "",
-            "```toml", lock_text.strip(), "```", "", "</details>", ""]
+            "```toml", card_lock(lock_text), "```", "", "</details>", ""]
 
 
 def card_text(report: dict, entry: dict, recipe_excerpt: str, lock_text: str) -> str:

@@ -1,6 +1,7 @@
 """export: publishable folders — untouched checkpoint files (hard-linked) plus a model card."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -12,6 +13,9 @@ SKIP_SUFFIXES = (".log", ".jsonl")
 
 
 def units(recipe, validate_keys: list[str]) -> list[Unit]:
+    from pipeline.eval.card import card_recipe
+
+    card_hash = hashlib.sha256(json.dumps(card_recipe(_drop_none(recipe.dump())), sort_keys=True).encode()).hexdigest()
     entries = [(q.name, "variant", f"quantize/{q.name}", None) for q in recipe.quantize]
     if recipe.export.include_baseline:
         entries.insert(0, ("baseline", "baseline", "load", None))
@@ -20,14 +24,18 @@ def units(recipe, validate_keys: list[str]) -> list[Unit]:
     out = []
     for name, kind, src, verifier in entries:
         entry = {"kind": kind, "name": name, "verifier": verifier}
-        cfg = {"export": recipe.export.model_dump(), "entry": entry}
+        # the model card shows the recipe (gates included): a change to it re-exports here, before publish,
+        # instead of the end-of-run card refresh rewriting README.md behind the export manifest
+        cfg = {"export": recipe.export.model_dump(), "entry": entry, "card_recipe": card_hash}
         out.append(Unit(f"export/{name}", cfg, lambda ctx, e=entry, s=src: run(ctx, recipe, e, s),
                         deps=[src] + validate_keys, merge=lambda r, m: r.setdefault("exports", {}).update({m["name"]: m}),
-                        code=("stages/export.py", "eval/card.py")))
+                        code=("stages/export.py", "eval/card.py", "eval/report.py")))  # card imports report
     return out
 
 
 def checkpoint_files(src: Path) -> list[Path]:
+    """The checkpoint's own files; subfolders (draft/undistilled, draft/fp-distilled: comparison
+    drafts) are never exported."""
     return sorted(p for p in src.iterdir()
                   if p.is_file() and p.name not in (MANIFEST, METRICS) and not p.name.startswith(".")
                   and p.suffix not in SKIP_SUFFIXES)
