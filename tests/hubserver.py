@@ -6,9 +6,12 @@
         hub.requests                               # every request: (method, path, kind)
 
 Implemented (model repos): whoami-v2, repos/create, validate-yaml, model info (+/revision/),
-preupload, NDJSON commit (base64 files, LFS pointers, deletes, create_pr, parentCommit),
-LFS batch + the upload/verify URLs it hands out, tree (recursive), paths-info, branch,
-refs, commits, resolve GET/HEAD with ETag / X-Repo-Commit / X-Linked-Etag / X-Linked-Size.
+preupload, NDJSON commit (base64 files, LFS pointers, deletes, create_pr, parentCommit; to a
+branch or to an open PR's refs/pr/N), LFS batch + the upload/verify URLs it hands out, tree
+(recursive), paths-info, branch, refs, commits, resolve GET/HEAD with ETag / X-Repo-Commit /
+X-Linked-Etag / X-Linked-Size, discussions: the paginated list (type / status / author filters;
+pull requests only, since only commits open them here) and one discussion's details (?diff=1).
+Every write is made by the token's user, USER.
 Set HF_HUB_DISABLE_XET=1 (and huggingface_hub.constants.HF_HUB_DISABLE_XET) in clients:
 Xet uploads need a Xet server. Injected failures use status 507, which the client does not
 retry, so failure tests stay fast.
@@ -23,8 +26,11 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from tests.hubstore import (HubError, Repo, commit_ndjson, file_entry, model_info_json, new_repo, tree_entries,
-                            validate_card)
+from tests.hubstore import (HubError, PullRequest, Repo, commit_ndjson, discussion_details_json, discussion_json,
+                            file_entry, model_info_json, new_repo, tree_entries, validate_card)
+
+USER = "loopback"  # whoami of the server's token: the author of every commit and pull request
+DISCUSSIONS_PAGE = 50  # the Hub's page size for GET /api/models/{repo}/discussions
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,11 @@ class HubServer:
 
     def commit_titles(self, repo_id: str, revision: str = "main") -> list[str]:
         return [c.title for c in self.repos[repo_id].history(revision)]
+
+    def pull_requests(self, repo_id: str) -> list[PullRequest]:
+        """Every pull request of the repo, oldest first (the objects themselves: a test may
+        set `.status = "closed"` or `.author = ...`)."""
+        return sorted(self.repos[repo_id].pulls.values(), key=lambda pr: pr.num)
 
     def _fault_for(self, kind: str) -> _Fault | None:
         with self.lock:
@@ -218,14 +229,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def whoami(self, *, query, body):
         self._require_auth()
-        self._send(200, {"type": "user", "name": "loopback", "orgs": [], "auth": {"type": "access_token"}})
+        self._send(200, {"type": "user", "name": USER, "orgs": [], "auth": {"type": "access_token"}})
 
     def create_repo(self, *, query, body):
         self._require_auth()
         data = json.loads(body or b"{}")
         if data.get("type", "model") != "model":
             raise HubError(400, "the loopback hub serves model repos only")
-        repo_id = f"{data.get('organization') or 'loopback'}/{data['name']}"
+        repo_id = f"{data.get('organization') or USER}/{data['name']}"
         with self.hub.lock:
             if repo_id in self.hub.repos:  # the Hub's 409 carries the url; create_repo reads it
                 self._send(409, {"error": "You already created this model repo", "url": f"{self.hub.url}/{repo_id}"},
@@ -270,6 +281,36 @@ class _Handler(BaseHTTPRequestHandler):
             history = repo.history(self._commit_at(repo, revision).oid)
         self._send(200, [{"id": c.oid, "title": c.title, "message": c.message, "date": c.date,
                           "authors": [{"user": "loopback", "avatar": ""}]} for c in history])
+
+    # -- discussions (pull requests)
+    def discussions(self, ns, name, *, query, body):
+        repo = self._repo(ns, name)
+        kind, status = query.get("type", "all"), query.get("status", "all")
+        if kind not in ("all", "discussion", "pull_request") or status not in ("all", "open", "closed"):
+            raise HubError(400, f"invalid type {kind!r} or status {status!r}")
+        try:
+            page = int(query.get("p", "0"))
+        except ValueError:
+            raise HubError(400, "p must be an integer") from None
+        with self.hub.lock:
+            # newest first, as on the Hub; "open" includes drafts, "closed" includes merged
+            pulls = [pr for pr in sorted(repo.pulls.values(), key=lambda pr: -pr.num)
+                     if kind != "discussion" and (status == "all" or (status == "open") == pr.is_open)
+                     and query.get("author") in (None, pr.author)]
+            start = page * DISCUSSIONS_PAGE
+            listed = [discussion_json(repo, pr) for pr in pulls[start:start + DISCUSSIONS_PAGE]]
+            closed = sum(not pr.is_open for pr in repo.pulls.values())
+        self._send(200, {"discussions": listed, "count": len(pulls), "start": start,
+                         "numClosedDiscussions": closed})
+
+    def discussion(self, ns, name, num, *, query, body):
+        repo = self._repo(ns, name)
+        with self.hub.lock:
+            pr = repo.pulls.get(int(num)) if num.isdigit() else None
+            if pr is None:
+                raise HubError(404, f"Discussion {num} not found", "DiscussionNotFound")
+            details = discussion_details_json(repo, pr)
+        self._send(200, details)
 
     # -- reading files
     def tree(self, ns, name, revision, *path, query, body):
@@ -356,11 +397,11 @@ class _Handler(BaseHTTPRequestHandler):
         lines = [json.loads(line) for line in body.decode().splitlines() if line.strip()]
         create_pr = query.get("create_pr") == "1"
         with self.hub.lock:
-            new, pr = commit_ndjson(repo, revision, lines, create_pr, drop=self.hub.drop_on_next_commit)
+            new, pr = commit_ndjson(repo, revision, lines, create_pr, USER, drop=self.hub.drop_on_next_commit)
             self.hub.drop_on_next_commit = set()
         self._send(200, {"success": True, "commitOid": new.oid, "hookOutput": "",
                          "commitUrl": f"{self.hub.url}/{repo.repo_id}/commit/{new.oid}",
-                         "pullRequestUrl": f"{self.hub.url}/{repo.repo_id}/discussions/{pr}" if pr else None})
+                         "pullRequestUrl": f"{self.hub.url}/{repo.repo_id}/discussions/{pr.num}" if create_pr else None})
 
 
 _H = _Handler
@@ -378,6 +419,8 @@ _ROUTES: list[tuple[str, tuple, str, object]] = [
     ("POST", ("api", "models", "*", "*", "branch", "*"), "create_branch", _H.create_branch),
     ("GET", ("api", "models", "*", "*", "refs"), "refs", _H.refs),
     ("GET", ("api", "models", "*", "*", "commits", "*"), "commits", _H.commits),
+    ("GET", ("api", "models", "*", "*", "discussions"), "discussions", _H.discussions),
+    ("GET", ("api", "models", "*", "*", "discussions", "*"), "discussion", _H.discussion),
     ("POST", ("*", "*", "info", "lfs", "objects", "batch"), "lfs_batch", _H.lfs_batch),
     ("PUT", ("_lfs", "*", "*", "*"), "lfs_upload", _H.lfs_upload),
     ("POST", ("_lfs", "*", "*", "*", "verify"), "lfs_verify", _H.lfs_verify),

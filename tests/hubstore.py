@@ -1,6 +1,8 @@
-"""In-memory storage of the loopback Hub (tests/hubserver.py): repos, branches, commits, LFS, cards.
+"""In-memory storage of the loopback Hub (tests/hubserver.py): repos, branches, commits, LFS, cards,
+pull requests.
 
-A commit is a full snapshot {path: Blob}; a branch or PR ref points at a commit.
+A commit is a full snapshot {path: Blob}; a branch or PR ref points at a commit. A pull request
+(`PullRequest`) is the discussion behind `refs/pr/N`: title, description, author, base branch, status.
 Plain data and plain functions; the HTTP handler holds the lock around them.
 """
 from __future__ import annotations
@@ -66,13 +68,35 @@ class Commit:
 
 
 @dataclass
+class PullRequest:
+    """A Hub pull request: the discussion `num` whose commits live on `refs/pr/{num}`."""
+
+    num: int
+    title: str
+    description: str
+    author: str
+    base: str  # the branch it targets, e.g. "main"
+    created_at: str
+    status: str = "open"  # "open" | "draft" | "closed" | "merged"
+    events: list[dict] = field(default_factory=list)  # Hub discussion events, oldest first
+
+    @property
+    def ref(self) -> str:
+        return f"refs/pr/{self.num}"
+
+    @property
+    def is_open(self) -> bool:
+        return self.status in ("open", "draft")
+
+
+@dataclass
 class Repo:
     repo_id: str
     private: bool
     refs: dict[str, str] = field(default_factory=dict)  # "main" or "refs/pr/1" -> commit oid
     commits: dict[str, Commit] = field(default_factory=dict)
     lfs: dict[str, bytes] = field(default_factory=dict)  # sha256 -> content
-    prs: int = 0
+    pulls: dict[int, PullRequest] = field(default_factory=dict)  # discussion number -> PR
 
     def resolve(self, revision: str) -> Commit | None:
         """A branch name, 'refs/heads/x', 'refs/pr/N' or a (full) commit oid."""
@@ -84,8 +108,7 @@ class Repo:
     def commit(self, parent: Commit | None, title: str, message: str, files: dict[str, Blob]) -> Commit:
         seed = f"{self.repo_id}{next(_counter)}{time.time_ns()}{title}".encode()
         oid = hashlib.sha1(seed).hexdigest()
-        date = time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())
-        c = Commit(oid, parent.oid if parent else None, title, message, date, dict(files))
+        c = Commit(oid, parent.oid if parent else None, title, message, _now(), dict(files))
         self.commits[oid] = c
         return c
 
@@ -203,28 +226,101 @@ def apply_operations(repo: Repo, files: dict[str, Blob], operations: list[dict])
     return files
 
 
-def commit_ndjson(repo: Repo, branch: str, lines: list[dict], create_pr: bool,
-                  drop: set[str] = frozenset()) -> tuple[Commit, int | None]:
-    """Apply a /commit NDJSON payload to a branch (or a new PR ref); returns (commit, PR number)."""
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S.000Z", time.gmtime())
+
+
+def _user(name: str) -> dict:
+    return {"name": name, "fullname": name, "type": "user", "avatarUrl": "", "isPro": False}
+
+
+def _event(kind: str, author: str, data: dict) -> dict:
+    seed = f"{kind}{author}{next(_counter)}{time.time_ns()}".encode()
+    return {"id": hashlib.sha1(seed).hexdigest()[:24], "type": kind, "author": _user(author),
+            "createdAt": _now(), "data": data}
+
+
+def _comment(author: str, text: str) -> dict:
+    latest = {"raw": text, "html": f"<p>{text}</p>", "updatedAt": _now(), "author": _user(author)}
+    return _event("comment", author, {"edited": False, "hidden": False, "latest": latest,
+                                      "numEdits": 0, "editors": [author], "reactions": [],
+                                      "isReport": False})
+
+
+def open_pull_request(repo: Repo, base: str, commit: Commit, author: str, description: str) -> PullRequest:
+    """A new PR against `base` whose head is `commit` (the Hub numbers PRs and discussions together)."""
+    num = max(repo.pulls, default=0) + 1
+    pr = PullRequest(num, commit.title, description, author, base, _now())
+    pr.events += [_comment(author, description), _event("commit", author, {"subject": commit.title,
+                                                                            "oid": commit.oid})]
+    repo.pulls[num] = pr
+    repo.refs[pr.ref] = commit.oid
+    return pr
+
+
+def pull_request_for_ref(repo: Repo, revision: str) -> PullRequest | None:
+    if not revision.startswith("refs/pr/") or not revision[len("refs/pr/"):].isdigit():
+        return None
+    return repo.pulls.get(int(revision[len("refs/pr/"):]))
+
+
+def commit_ndjson(repo: Repo, revision: str, lines: list[dict], create_pr: bool, author: str,
+                  drop: set[str] = frozenset()) -> tuple[Commit, PullRequest | None]:
+    """Apply a /commit NDJSON payload to a branch, to an open PR's `refs/pr/N`, or to a new PR
+    against a branch; returns (commit, the PR it opened or went onto)."""
     if not lines or lines[0].get("key") != "header":
         raise HubError(400, "commit payload must start with a header line")
     header = lines[0]["value"]
-    if branch not in repo.refs or branch.startswith("refs/"):
-        raise HubError(404, f"Invalid rev id: {branch} (commits go to a branch)", "RevisionNotFound")
-    base = repo.resolve(branch)
+    pr = pull_request_for_ref(repo, revision)
+    if pr is not None:
+        if create_pr:
+            raise HubError(400, f"cannot open a pull request from {revision}: it is a pull request ref")
+        if not pr.is_open:
+            raise HubError(403, f"pull request #{pr.num} is {pr.status}: it accepts no more commits")
+    elif revision not in repo.refs or revision.startswith("refs/"):
+        raise HubError(404, f"Invalid rev id: {revision} (commits go to a branch or an open PR)",
+                       "RevisionNotFound")
+    base = repo.resolve(revision)
     parent = header.get("parentCommit")
-    if parent and not create_pr and not base.oid.startswith(parent):
-        raise HubError(412, f"A commit has happened since parent {parent}; {branch} is at {base.oid}")
+    if parent:
+        found = [oid for oid in repo.commits if oid.startswith(parent)]
+        if not found:
+            raise HubError(404, f"parent commit {parent} not found", "RevisionNotFound")
+        if create_pr:  # the PR starts from parentCommit
+            base = repo.commits[found[0]]
+        elif not base.oid.startswith(parent):
+            raise HubError(412, f"A commit has happened since parent {parent}; {revision} is at {base.oid}")
     files = apply_operations(repo, dict(base.files), lines[1:])
     for path in drop:  # test hook: a Hub that silently loses a file
         files.pop(path, None)
     new = repo.commit(base, header["summary"], header.get("description", ""), files)
-    if not create_pr:
-        repo.refs[branch] = new.oid
-        return new, None
-    repo.prs += 1
-    repo.refs[f"refs/pr/{repo.prs}"] = new.oid
-    return new, repo.prs
+    if create_pr:
+        return new, open_pull_request(repo, revision, new, author, header.get("description", ""))
+    repo.refs[revision] = new.oid
+    if pr is not None:
+        pr.events.append(_event("commit", author, {"subject": new.title, "oid": new.oid}))
+    return new, pr
+
+
+def discussion_json(repo: Repo, pr: PullRequest) -> dict:
+    """One entry of GET /api/models/{repo}/discussions."""
+    return {"num": pr.num, "title": pr.title, "status": pr.status, "createdAt": pr.created_at,
+            "author": _user(pr.author), "repo": {"name": repo.repo_id, "type": "model"},
+            "isPullRequest": True, "pinned": False, "topReactions": [], "numReactionUsers": 0,
+            "numComments": sum(e["type"] == "comment" for e in pr.events)}
+
+
+def discussion_details_json(repo: Repo, pr: PullRequest) -> dict:
+    """GET /api/models/{repo}/discussions/{num}?diff=1."""
+    head, base = repo.resolve(pr.ref), repo.resolve(pr.base)
+    before, after = (base.files if base else {}), (head.files if head else {})
+    changed = sorted(p for p in set(before) | set(after)
+                     if p not in before or p not in after or before[p].oid != after[p].oid)
+    changes = {"base": f"refs/heads/{pr.base}"}
+    if pr.status == "merged":
+        changes["mergeCommitId"] = repo.refs.get(pr.base)
+    return {**discussion_json(repo, pr), "events": list(pr.events), "changes": changes,
+            "filesWithConflicts": [], "diff": "".join(f"diff --git a/{p} b/{p}\n" for p in changed)}
 
 
 def model_info_json(repo: Repo, commit: Commit, blobs: bool) -> dict:

@@ -56,6 +56,8 @@ class PublishConfig(BaseModel, extra="forbid", hide_input_in_errors=True):
     draft: Literal["repo", "folder"] = "repo"
     private: bool = False
     revision: str = "main"
+    # open a pull request instead of committing to the branch; reruns reuse the open PR that an
+    # earlier push opened for the same folder (commit onto refs/pr/N, or "up to date")
     create_pr: bool = False
     commit_message: str = DEFAULT_COMMIT_MESSAGE
     endpoint: str | None = None

@@ -5,6 +5,19 @@ and is atomic, so an interrupted push leaves the repo as it was and a rerun
 finishes it. Nothing local says "pushed" before the commit has been read back
 and verified. The token comes from HF_TOKEN or the user's login only, and every
 error from huggingface_hub is rethrown as a PublishError scrubbed of it.
+
+With `[publish] create_pr = true` a folder has at most one open pull request at a time:
+  * the target branch already holds the folder: "up to date", nothing is written;
+  * else the open PRs of the token's user against that branch are listed
+    (`get_repo_discussions` + `get_discussion_details`); ours is the one whose description
+    carries this folder's marker line (`compress-publish-target: <branch>:/<folder>`);
+    if one of them (or a PR from before the marker existed: same title, no marker) already
+    holds the folder, it is "up to date (open pull request #N)", nothing is written;
+  * else the folder's changes become one commit onto our open PR's `refs/pr/N`
+    (`create_commit(revision="refs/pr/N")`, guarded by `parent_commit`): "pull request updated";
+  * else (no open PR of ours: none yet, or it was merged or closed) one commit opens a new PR.
+The read-back then checks that `refs/pr/N` points at the verified commit. PRs of other
+users, closed or merged PRs and PRs for another branch or folder are never written to.
 """
 from __future__ import annotations
 
@@ -14,6 +27,7 @@ import os
 import re
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -29,6 +43,7 @@ RECORD = Path("publish") / "pushed.json"
 _TOKEN_LIKE = re.compile(r"\bhf_[A-Za-z0-9]{8,}")
 T = TypeVar("T")
 _CARD_KEYS = ("base_model", "base_model_relation", "tags", "library_name", "license", "datasets")
+PR_MARKER = "compress-publish-target"  # the line in a PR description naming the folder it carries
 
 
 # ---------------------------------------------------------------- token and errors
@@ -151,6 +166,64 @@ def verify_remote(api, item: PushItem, oid: str, token: str | None) -> list[dict
              "lfs": remote[item.remote_path(f.relpath)].lfs is not None} for f in item.files]
 
 
+def verify_pr_ref(api, item: PushItem, pr: OpenPR, oid: str, token: str | None) -> None:
+    """The pull request's ref points at the commit that was (or will be) read back."""
+    at = hub_call(f"reading back {item.repo_id}@{pr.ref}", token, api.repo_info,
+                  item.repo_id, revision=pr.ref).sha
+    if at != oid:
+        raise PublishError(f"read-back of {item.repo_id}: pull request #{pr.num} ({pr.ref}) is at "
+                           f"commit {str(at)[:12]}, not at the pushed commit {oid[:12]}")
+
+
+# ---------------------------------------------------------------- pull requests
+
+
+@dataclass(frozen=True)
+class OpenPR:
+    num: int
+    url: str
+    marked: bool = True  # carries this folder's marker; False: a pre-marker PR matched by title
+
+    @property
+    def ref(self) -> str:
+        return f"refs/pr/{self.num}"
+
+
+def pr_marker(item: PushItem) -> str:
+    return f"{PR_MARKER}: {item.revision}:/{item.path_in_repo}"
+
+
+def pr_description(item: PushItem) -> str:
+    return (f"Export folder `{item.name}` ({item.kind}) pushed by compress. While this pull request "
+            "is open, later pushes of this folder add their commits here instead of opening another "
+            f"one.\n\n{pr_marker(item)}\n")
+
+
+def open_prs(api, item: PushItem, token: str | None) -> list[OpenPR]:
+    """The token user's open PRs against item.revision for this folder: marked ones first, then
+    pre-marker ones with the item's commit title, newest first within each."""
+    from huggingface_hub.community import DiscussionComment
+
+    me = hub_call("reading the token's user (whoami)", token, api.whoami, cache=True)["name"]
+    listed = hub_call(f"listing pull requests of {item.repo_id}", token, lambda: list(api.get_repo_discussions(
+        item.repo_id, author=me, discussion_type="pull_request")))
+    marked, legacy = [], []
+    for d in sorted(listed, key=lambda d: -d.num):
+        if not d.is_pull_request or d.status not in ("open", "draft") or d.author != me:
+            continue
+        details = hub_call(f"reading pull request #{d.num} of {item.repo_id}", token,
+                           api.get_discussion_details, item.repo_id, d.num)
+        if details.target_branch not in (item.revision, f"refs/heads/{item.revision}"):
+            continue
+        description = next((e.content for e in details.events if isinstance(e, DiscussionComment)), "")
+        lines = [line.strip() for line in description.splitlines()]
+        if pr_marker(item) in lines:
+            marked.append(OpenPR(d.num, d.url))
+        elif not any(line.startswith(PR_MARKER + ":") for line in lines) and d.title == item.commit_message:
+            legacy.append(OpenPR(d.num, d.url, marked=False))
+    return marked + legacy
+
+
 # ---------------------------------------------------------------- push
 
 
@@ -181,27 +254,81 @@ def _operations(item: PushItem, changed: list[LocalFile], stale: list[str]) -> l
     return ops + [CommitOperationDelete(path_in_repo=p) for p in stale]
 
 
+def _log_upload(log: logging.Logger, item: PushItem, changed: list[LocalFile], stale: list[str],
+                where: str) -> None:
+    log.info("%s: uploading %d file(s) (%s), deleting %d, to %s", item.name, len(changed),
+             human(sum(f.size for f in changed)), len(stale), where)
+
+
+def _push_pr(api, item: PushItem, head: str, changed: list[LocalFile], stale: list[str], token: str,
+             log: logging.Logger) -> tuple[str, str, OpenPR]:
+    """create_pr: find our open PR for this folder, else open one. Returns (status, oid, PR)."""
+    onto = None  # (PR, its head, changed, stale): the newest marked PR, if none is up to date
+    for pr in open_prs(api, item, token):
+        pr_head = hub_call(f"reading {item.repo_id}@{pr.ref}", token, api.repo_info,
+                           item.repo_id, revision=pr.ref).sha
+        pr_changed, pr_stale = diff(item, hub_call(f"listing {item.repo_id}@{pr.ref}", token,
+                                                   _remote_files, api, item, pr_head))
+        if not pr_changed and not pr_stale:
+            log.info("%s: %s@%s is up to date (open pull request #%d) at commit %s: %s", item.name,
+                     item.repo_id, item.revision, pr.num, pr_head[:12], pr.url)
+            return "up to date", pr_head, pr
+        if pr.marked and onto is None:
+            onto = (pr, pr_head, pr_changed, pr_stale)
+    if onto is not None:
+        pr, pr_head, changed, stale = onto
+        _log_upload(log, item, changed, stale, f"open pull request #{pr.num} ({item.repo_id}@{pr.ref})")
+        info = hub_call(
+            f"pushing {item.name} onto pull request #{pr.num} of {item.repo_id}", token, api.create_commit,
+            item.repo_id, _operations(item, changed, stale), commit_message=item.commit_message,
+            commit_description=pr_description(item), revision=pr.ref, parent_commit=pr_head)
+        return "pull request updated", info.oid, pr
+    _log_upload(log, item, changed, stale, f"a new pull request against {item.repo_id}@{item.revision}")
+    info = hub_call(
+        f"opening a pull request for {item.name} against {item.repo_id}@{item.revision}", token,
+        api.create_commit, item.repo_id, _operations(item, changed, stale),
+        commit_message=item.commit_message, commit_description=pr_description(item),
+        revision=item.revision, create_pr=True, parent_commit=head)
+    if info.pr_num is None:
+        raise PublishError(f"pushing {item.name} to {item.repo_id}: the Hub opened no pull request "
+                           f"(commit {info.oid[:12]})")
+    return "pull request", info.oid, OpenPR(info.pr_num, info.pr_url)
+
+
 def _push_item(api, item: PushItem, cfg: PublishConfig, token: str, log: logging.Logger) -> dict:
     head = _prepare_target(api, item, cfg, token)
     remote = hub_call(f"listing {item.repo_id}@{item.revision}", token, _remote_files, api, item, head)
     changed, stale = diff(item, remote)
-    pr_url = None
+    pr = None
     if not changed and not stale:
         status, oid = "up to date", head
         log.info("%s: %s@%s is up to date (commit %s)", item.name, item.repo_id, item.revision, head[:12])
+    elif cfg.create_pr:
+        status, oid, pr = _push_pr(api, item, head, changed, stale, token, log)
     else:
-        log.info("%s: uploading %d file(s) (%s), deleting %d, to %s@%s", item.name, len(changed),
-                 human(sum(f.size for f in changed)), len(stale), item.repo_id, item.revision)
+        _log_upload(log, item, changed, stale, f"{item.repo_id}@{item.revision}")
         info = hub_call(
             f"pushing {item.name} to {item.repo_id}@{item.revision}", token, api.create_commit,
             item.repo_id, _operations(item, changed, stale), commit_message=item.commit_message,
-            revision=item.revision, create_pr=cfg.create_pr, parent_commit=None if cfg.create_pr else head)
-        status, oid, pr_url = ("pull request" if cfg.create_pr else "pushed"), info.oid, info.pr_url
+            revision=item.revision, parent_commit=head)
+        status, oid = "pushed", info.oid
+    if pr is not None:
+        verify_pr_ref(api, item, pr, oid, token)
     files = verify_remote(api, item, oid, token)
     return {"name": item.name, "kind": item.kind, "repo_id": item.repo_id, "revision": item.revision,
             "path_in_repo": item.path_in_repo, "status": status, "commit_oid": oid,
-            "commit_url": f"{api.endpoint}/{item.repo_id}/commit/{oid}", "pr_url": pr_url,
-            "files": files}
+            "commit_url": f"{api.endpoint}/{item.repo_id}/commit/{oid}",
+            "pr_url": pr.url if pr else None, "pr_num": pr.num if pr else None, "files": files}
+
+
+def describe(result: dict) -> str:
+    """One line for a pushed item: what happened and where to look."""
+    num = result.get("pr_num")
+    if num is None:
+        return f"{result['status']} {result['commit_url']}"
+    what = {"up to date": f"up to date (open pull request #{num})", "pull request": f"opened pull request #{num}",
+            "pull request updated": f"updated pull request #{num}"}.get(result["status"], result["status"])
+    return f"{what} {result['pr_url']}"
 
 
 def push(items: Plan | list[PushItem], cfg: PublishConfig, token: str | None = None,
@@ -260,5 +387,5 @@ def publish_run(run_dir: Path, cfg: PublishConfig, log: logging.Logger,
     results = push(the_plan, cfg, token=token, on_verified=save, log=log)
     save(results, complete=True)
     for r in results:
-        log.info("%s: %s %s", r["name"], r["status"], r["pr_url"] or r["commit_url"])
+        log.info("%s: %s", r["name"], describe(r))
     return {"status": "pushed", "endpoint": endpoint, "items": results, "skipped": the_plan.skipped}

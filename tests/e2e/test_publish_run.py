@@ -1,5 +1,6 @@
 """`compress run` with a [publish] table against the loopback Hub: push, read back, load, same logits;
-re-publish is a no-op; a failing gate pushes nothing; a dry run prints the plan and sends nothing."""
+re-publish is a no-op (also with create_pr: the open PR is found); a failing gate pushes nothing; a dry
+run prints the plan and sends nothing."""
 import json
 import os
 import re
@@ -105,6 +106,33 @@ def test_run_publishes_verifies_and_the_download_loads(run_dir, hub_server, tmp_
     assert {s["status"] for s in report(run_dir)["stages"].values()} == {"skipped"}
 
     # the token is nowhere: not in either run's output, not in any file of the run folder
+    assert_no_token(run_dir, p.stdout, p.stderr, p2.stdout, p2.stderr)
+
+
+def test_create_pr_rerun_finds_its_open_pull_requests(run_dir, hub_server, tmp_path):
+    p = compress_run(tmp_path, *to_hub(hub_server), "publish.create_pr=true")
+    assert p.returncode == 0, p.stderr[-4000:]
+    items = {i["name"]: i for i in report(run_dir)["publish"]["items"]}
+    assert set(items) == EXPORTS
+    for name, item in items.items():
+        assert (item["status"], item["pr_num"]) == ("pull request", 1), name
+        assert item["pr_url"] == f"{hub_server.url}/{item['repo_id']}/discussions/1"
+        assert item["commit_oid"] == hub_server.head(item["repo_id"], "refs/pr/1")
+        assert set(hub_server.files(item["repo_id"])) == {".gitattributes"}, "main stays as it was"
+        assert f"{name}: opened pull request #1 {item['pr_url']}" in p.stderr
+
+    # the scheduled rerun of the unchanged run: every folder's open PR is found up to date
+    writes = [r for r in hub_server.requests if r.kind in WRITES]
+    p2 = compress_run(tmp_path, *to_hub(hub_server), "publish.create_pr=true")
+    assert p2.returncode == 0, p2.stderr[-4000:]
+    again = {i["name"]: i for i in report(run_dir)["publish"]["items"]}
+    assert {n: (i["status"], i["pr_num"], i["pr_url"], i["commit_oid"]) for n, i in again.items()} == \
+        {n: ("up to date", 1, i["pr_url"], i["commit_oid"]) for n, i in items.items()}
+    assert [r for r in hub_server.requests if r.kind in WRITES] == writes, "the re-push wrote to the Hub"
+    assert {n: len(hub_server.pull_requests(i["repo_id"])) for n, i in items.items()} == dict.fromkeys(EXPORTS, 1)
+    for name in EXPORTS:
+        assert f"{name}: up to date (open pull request #1)" in p2.stderr
+    assert {s["status"] for s in report(run_dir)["stages"].values()} == {"skipped"}
     assert_no_token(run_dir, p.stdout, p.stderr, p2.stdout, p2.stderr)
 
 

@@ -17,11 +17,12 @@ from pipeline.publish.config import TOKEN_MESSAGE, PublishConfig
 from pipeline.publish.hub import plan, publish_run, render_dry_run
 from pipeline.publish.plan import PublishRefused
 from tests.conftest_hub import FAKE_TOKEN, hub_env, hub_server  # noqa: F401  (fixtures)
-from tests.publish_fixtures import build_run, set_gate
+from tests.publish_fixtures import EXPORTS, build_run, set_gate, write_manifest
 
 torch.set_num_threads(1)
 MODEL = "SmolLM2-135M-Instruct"
 IDS = torch.tensor([[1, 5, 9, 13, 40, 2]])
+WRITES = {"preupload", "lfs_batch", "lfs_upload", "lfs_verify", "commit", "create_branch"}
 
 
 def repo(variant: str) -> str:
@@ -64,6 +65,21 @@ def cfg(hub, **kwargs) -> PublishConfig:
 def record(run_dir) -> dict | None:
     path = run_dir / "publish" / "pushed.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def writes(hub) -> list:
+    """Requests that upload, commit or create a branch (create_repo with exist_ok only probes)."""
+    return [r for r in hub.requests if r.kind in WRITES]
+
+
+def change_export(run_dir, name: str) -> None:
+    """Change one file of an export folder, and its manifest as a re-export would."""
+    folder = run_dir / "export" / name
+    config = json.loads((folder / "config.json").read_text())
+    config["compress_test_revision"] = config.get("compress_test_revision", 0) + 1
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    kind, verifier = EXPORTS[name][:2]
+    write_manifest(folder, kind, verifier)
 
 
 # ---------------------------------------------------------------- push and read back
@@ -216,6 +232,101 @@ def test_create_pr_leaves_main_alone(run_dir, hub_server, log):
     assert item["status"] == "pull request" and item["pr_url"].endswith("/discussions/1")
     assert set(hub_server.files(repo("w8"))) == {".gitattributes"}
     assert set(hub_server.files(repo("w8"), "refs/pr/1")) == manifest_files(run_dir, "w8") | {".gitattributes"}
+
+
+def test_create_pr_rerun_reuses_its_open_pull_request(run_dir, hub_server, log, caplog):
+    caplog.set_level(logging.INFO)
+    config, target = cfg(hub_server, include=["w8"], create_pr=True), repo("w8")
+    first = publish_run(run_dir, config, log)["items"][0]
+    assert (first["status"], first["pr_num"]) == ("pull request", 1)
+    assert first["pr_url"] == f"{hub_server.url}/{target}/discussions/1"
+    assert first["commit_oid"] == hub_server.head(target, "refs/pr/1")
+    main = hub_server.head(target)
+
+    # unchanged: the open PR #1 already holds the folder; nothing is written, no PR is opened
+    before = len(hub_server.requests)
+    second = publish_run(run_dir, config, log)
+    item = second["items"][0]
+    assert (item["status"], item["pr_num"], item["pr_url"]) == ("up to date", 1, first["pr_url"])
+    assert item["commit_oid"] == first["commit_oid"]
+    assert [r for r in hub_server.requests[before:] if r.kind in WRITES] == []
+    assert len(hub_server.pull_requests(target)) == 1 and hub_server.head(target) == main
+    assert "w8: up to date (open pull request #1)" in caplog.text
+    assert record(run_dir)["items"][0]["pr_num"] == 1  # and the report's publish section:
+    assert second["items"][0]["pr_url"].endswith("/discussions/1")
+
+    # one file changed: exactly one new commit, onto PR #1; main and the PR count untouched
+    change_export(run_dir, "w8")
+    commits = len(hub_server.requests_of("commit"))
+    third = publish_run(run_dir, config, log)["items"][0]
+    assert (third["status"], third["pr_num"]) == ("pull request updated", 1)
+    assert len(hub_server.requests_of("commit")) == commits + 1
+    assert [pr.num for pr in hub_server.pull_requests(target)] == [1]
+    assert third["commit_oid"] == hub_server.head(target, "refs/pr/1") != first["commit_oid"]
+    assert hub_server.repos[target].history("refs/pr/1")[1].oid == first["commit_oid"]
+    assert json.loads(hub_server.files(target, "refs/pr/1")["config.json"])["compress_test_revision"] == 1
+    assert hub_server.head(target) == main
+    assert "w8: updated pull request #1" in caplog.text
+
+    # and unchanged again: up to date with PR #1 at its new head
+    before = len(hub_server.requests)
+    fourth = publish_run(run_dir, config, log)["items"][0]
+    assert (fourth["status"], fourth["pr_num"], fourth["commit_oid"]) == ("up to date", 1, third["commit_oid"])
+    assert [r for r in hub_server.requests[before:] if r.kind in WRITES] == []
+
+
+def test_create_pr_never_writes_to_a_closed_or_foreign_pull_request(run_dir, hub_server, log):
+    config, target = cfg(hub_server, include=["w8"], create_pr=True), repo("w8")
+    publish_run(run_dir, config, log)
+    hub_server.pull_requests(target)[0].status = "closed"  # a maintainer closed PR #1
+    second = publish_run(run_dir, config, log)["items"][0]
+    assert (second["status"], second["pr_num"]) == ("pull request", 2)
+    heads = {n: hub_server.head(target, f"refs/pr/{n}") for n in (1, 2)}
+    hub_server.pull_requests(target)[1].author = "someone-else"  # PR #2 is not the token user's
+    change_export(run_dir, "w8")
+    third = publish_run(run_dir, config, log)["items"][0]
+    assert (third["status"], third["pr_num"]) == ("pull request", 3)
+    assert {n: hub_server.head(target, f"refs/pr/{n}") for n in (1, 2)} == heads
+    assert [pr.num for pr in hub_server.pull_requests(target) if pr.is_open] == [2, 3]
+
+
+def test_create_pr_recognises_an_unmarked_pull_request_of_an_older_push(run_dir, hub_server, log):
+    from huggingface_hub import HfApi
+
+    config, target = cfg(hub_server, include=["w8"], create_pr=True), repo("w8")
+    api = HfApi(endpoint=hub_server.url, token=FAKE_TOKEN)
+    api.create_repo(target)
+    api.upload_folder(repo_id=target, folder_path=run_dir / "export" / "w8", create_pr=True,
+                      ignore_patterns=["manifest.json", "metrics.json"],
+                      commit_message=plan(run_dir, config).items[0].commit_message)
+    before = len(hub_server.requests)
+    item = publish_run(run_dir, config, log)["items"][0]
+    assert (item["status"], item["pr_num"]) == ("up to date", 1)
+    assert [r for r in hub_server.requests[before:] if r.kind in WRITES] == []
+    change_export(run_dir, "w8")  # an unmarked PR only counts when it already holds the folder
+    item = publish_run(run_dir, config, log)["items"][0]
+    assert (item["status"], item["pr_num"]) == ("pull request", 2)
+    assert len(hub_server.repos[target].history("refs/pr/1")) == 2  # PR #1 untouched
+
+
+def test_create_pr_with_branches_layout_keeps_one_pull_request_per_folder(run_dir, hub_server, log):
+    config = cfg(hub_server, layout="branches", repo_id="{org}/{model}-compressed", main_variant="w8",
+                 draft="folder", create_pr=True)
+    target = f"acme/{MODEL}-compressed"
+    first = {i["name"]: i for i in publish_run(run_dir, config, log)["items"]}
+    assert {n: (i["status"], i["pr_num"]) for n, i in first.items()} == {
+        "w4g64": ("pull request", 1), "w8": ("pull request", 2), "draft": ("pull request", 3)}
+    assert [pr.base for pr in hub_server.pull_requests(target)] == ["w4g64", "main", "w4g64"]
+    commits = len(hub_server.requests_of("commit"))
+    again = {i["name"]: i for i in publish_run(run_dir, config, log)["items"]}
+    assert {n: (i["status"], i["pr_num"]) for n, i in again.items()} == {
+        "w4g64": ("up to date", 1), "w8": ("up to date", 2), "draft": ("up to date", 3)}
+    assert len(hub_server.requests_of("commit")) == commits and len(hub_server.pull_requests(target)) == 3
+    change_export(run_dir, "draft")  # only the draft's PR gets a commit
+    third = {i["name"]: i for i in publish_run(run_dir, config, log)["items"]}
+    assert {n: i["status"] for n, i in third.items()} == {
+        "w8": "up to date", "w4g64": "up to date", "draft": "pull request updated"}
+    assert third["draft"]["pr_num"] == 3 and len(hub_server.requests_of("commit")) == commits + 1
 
 
 def test_private_repo_and_refusal_to_push_private_work_into_a_public_repo(run_dir, hub_server, log):
