@@ -77,6 +77,12 @@ def is_degenerate(text: str) -> str | None:
     top, count = Counter(words).most_common(1)[0]
     if count / len(words) > 0.5:
         return f"{top!r} is {count} of {len(words)} words"
+    for period in range(1, 9):  # a short tail loop, e.g. "…, la femme, la femme, la femme, la femme,"
+        gram, k = words[-period:], 1
+        while len(words) >= (k + 1) * period and words[-(k + 1) * period:-k * period] == gram:
+            k += 1
+        if k >= 3 and k * period >= 0.4 * len(words):
+            return f"ends in a loop: {' '.join(gram)!r} {k} times"
     return None
 
 

@@ -89,3 +89,26 @@ def test_truncated_kl_is_a_lower_bound():
     kl, agree = kl_top1(v, i, logq)
     assert (kl <= exact + 1e-5).all() and (kl >= 0).all()
     assert torch.equal(agree.bool(), logq.argmax(-1) == logp.argmax(-1))
+
+
+@pytest.mark.parametrize("text, why", [
+    ("", "only 0 word"),
+    ("the the the the the the the", "distinct words"),
+    ("L'Étoile, la Marseillaise, la femme, la femme, la femme, la femme, la femme,", "ends in a loop: 'la femme,' 5 times"),
+    ("Paris is nice. I like it. I like it. I like it. I like it.", "ends in a loop"),
+])
+def test_smoke_check_flags_empty_output_and_loops(text, why):
+    from pipeline.eval.quality import is_degenerate
+
+    assert why in (is_degenerate(text) or "")
+
+
+@pytest.mark.parametrize("text", [
+    "The capital of France is Paris.",
+    "The sea is a vast, mysterious, and awe-inspiring realm that exists beyond the boundaries of human comprehension.",
+    "Yes, yes, I know: the first rule is to measure, measure again, then cut.",
+])
+def test_smoke_check_accepts_normal_text(text):
+    from pipeline.eval.quality import is_degenerate
+
+    assert is_degenerate(text) is None
