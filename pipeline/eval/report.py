@@ -211,7 +211,8 @@ def _speculative(report: dict) -> list[str]:
     if not isinstance(draft, dict):
         return lines + ["No draft in this run (or not distilled yet).", ""]
     verifier = draft.get("verifier", "?")
-    lines += [f"Draft `{draft.get('name', '?')}` ({num(draft.get('layers'))} layers) for verifier "
+    head = f", {num(draft['vocab_size'])}-token head" if draft.get("vocab_size") else ", full-vocabulary head"
+    lines += [f"Draft `{draft.get('name', '?')}` (verifier layers {draft.get('layers', '?')}{head}) for verifier "
               f"`{verifier}`. Speed-up is over plain decoding with the verifier in the same run.", ""]
     body = []
     modes = draft.get("speculative") or {}
