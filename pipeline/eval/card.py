@@ -60,7 +60,9 @@ def _datasets(report: dict, entry: dict) -> list[str]:
 def card_data(report: dict, entry: dict) -> ModelCardData:
     kind, name = entry["kind"], entry["name"]
     model = report.get("model") or {}
-    base = hub_id(model.get("source")) or hub_id(model.get("name"))
+    from pipeline.sources import upstream_hub_id
+
+    base = upstream_hub_id(model.get("source")) or hub_id(model.get("source")) or hub_id(model.get("name"))
     data = entry_data(report, entry)
     tags = ["compress"]
     extra: dict[str, Any] = {}

