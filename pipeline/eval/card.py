@@ -60,9 +60,9 @@ def _datasets(report: dict, entry: dict) -> list[str]:
 def card_data(report: dict, entry: dict) -> ModelCardData:
     kind, name = entry["kind"], entry["name"]
     model = report.get("model") or {}
-    from pipeline.sources import upstream_hub_id
+    from pipeline.sources import packaged_upstream
 
-    base = upstream_hub_id(model.get("source")) or hub_id(model.get("source")) or hub_id(model.get("name"))
+    base = hub_id(model.get("source")) or packaged_upstream(model.get("source")) or hub_id(model.get("name"))
     data = entry_data(report, entry)
     tags = ["compress"]
     extra: dict[str, Any] = {}
