@@ -122,7 +122,7 @@ def report(run_dir: str) -> None:
 @click.option("--stride", default=None, type=int, help="Sliding-window stride (default: non-overlapping windows).")
 @click.option("--max-windows", default=None, type=int, help="Evaluate only the first N windows (default: all).")
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--threads", default=None, type=int, help="torch threads (default: all cores).")
+@click.option("--threads", default=None, type=click.IntRange(min=1), help="torch threads (default: all cores).")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="Keep the result (quality.json) and the evaluation log in this folder.")
 def eval(checkpoint: str, dataset: str, seq_len: int, stride: int | None, max_windows: int | None, device: str,  # noqa: A001
@@ -157,7 +157,7 @@ def eval(checkpoint: str, dataset: str, seq_len: int, stride: int | None, max_wi
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a [validate.speed] field, e.g. --set batch_sizes=[1,4].")
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--threads", default=None, type=int, help="torch threads (default: all cores).")
+@click.option("--threads", default=None, type=click.IntRange(min=1), help="torch threads (default: all cores).")
 @click.option("--out", "out_json", default=None, type=click.Path(dir_okay=False),
               help="Also write the result to this JSON file.")
 def bench(checkpoint: str, overrides: tuple[str, ...], device: str, threads: int | None, out_json: str | None) -> None:
@@ -177,6 +177,10 @@ def bench(checkpoint: str, overrides: tuple[str, ...], device: str, threads: int
         raise RecipeError(f"--set: {e}") from None
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(out_json) if out_json else Path(tmp) / "speed.json"
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RecipeError(f"--out {out_json}: cannot create its folder ({e.strerror})") from None
         result = run_speed_subprocess(Path(checkpoint), cfg, device, target, threads=threads)
     click.echo(json.dumps(result, indent=2))
 

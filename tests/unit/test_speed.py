@@ -202,3 +202,20 @@ def test_measure_speed_on_cuda():
                                                                    "flash_attention_2"]), "cuda")
     assert r["peak_memory_kind"] == "cuda_max_allocated" and r["peak_memory_bytes"] > 0
     assert 0 < r["roofline_fraction"] <= 1.5 and _finite_positive(r["kv_cache_speedup"])
+
+
+def test_eval_and_bench_refuse_bad_threads_and_unwritable_out(tmp_path):
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    tiny_llama().save_pretrained(tmp_path / "ckpt")
+    runner = CliRunner()
+    r = runner.invoke(cli, ["eval", str(tmp_path / "ckpt"), "--threads", "0"])
+    assert r.exit_code == 2 and "0 is not in the range x>=1" in r.output
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a file where the output folder should be
+    r = runner.invoke(cli, ["bench", str(tmp_path / "ckpt"), "--out", str(blocker / "speed.json")])
+    assert r.exit_code != 0 and "cannot create its folder" in str(r.output) + str(r.exception)
+    r = runner.invoke(cli, ["eval", str(tmp_path / "ckpt"), "--out", str(blocker / "q")])
+    assert r.exit_code != 0 and "cannot create it" in str(r.output) + str(r.exception)
