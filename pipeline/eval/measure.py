@@ -2,6 +2,7 @@
 median/min/max, peak memory above a baseline, copy bandwidth, weight bytes per token, roofline."""
 from __future__ import annotations
 
+import gc
 import re
 import statistics
 import threading
@@ -47,7 +48,8 @@ class PeakMemory:
     """Peak memory above a baseline taken at `start()`.
 
     CPU: resets the kernel's RSS high-water mark (write "5" to /proc/self/clear_refs) and reads
-    VmHWM; where that is refused, samples RSS in a thread every 2 ms. CUDA: max_memory_allocated.
+    VmHWM; where that is refused or has no effect, samples RSS in a thread every 2 ms (an allocation
+    freed within a few milliseconds can then be missed). CUDA: max_memory_allocated.
     """
 
     def __init__(self, device: str):
@@ -63,10 +65,15 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = torch.cuda.memory_allocated(self.device)
             return self
+        gc.collect()  # garbage freed mid-measurement would hide the allocations that follow it under the base
         self._base = _proc_status_kib("VmRSS") * 1024
         try:
             Path("/proc/self/clear_refs").write_text("5")
+            # a kernel (or sandbox) that accepts the write without resetting keeps an old, higher mark
+            reset = _proc_status_kib("VmHWM") * 1024 <= _proc_status_kib("VmRSS") * 1024 + 2**20
         except OSError:
+            reset = False
+        if not reset:
             self.kind = "rss_sampled"
             self._stop = threading.Event()
             self._sampled = self._base
@@ -83,6 +90,7 @@ class PeakMemory:
             sync(self.device)
             return int(torch.cuda.max_memory_allocated(self.device) - self._base)
         if self.kind == "rss_sampled":
+            self._sampled = max(self._sampled, _proc_status_kib("VmRSS") * 1024)
             return max(0, self._sampled - self._base)
         return max(0, _proc_status_kib("VmHWM") * 1024 - self._base)
 

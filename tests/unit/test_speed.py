@@ -1,6 +1,8 @@
 """Speed measurement on a tiny random Llama: the dict's shape and sanity, never thresholds on speed."""
 import json
 import math
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -122,6 +124,24 @@ def test_weight_bytes_count_tied_lm_head_once_and_skip_untied_embedding_table():
 def test_peak_memory_sees_a_transient_allocation():
     mem = PeakMemory("cpu").start()
     block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    time.sleep(0.1)  # long enough for the sampling fallback too; the high-water mark sees it at once
+    del block
+    assert mem.peak_above_base() >= 60 * 2**20, mem.kind
+
+
+def test_peak_memory_sampling_fallback_sees_a_held_allocation(monkeypatch):
+    real_write = Path.write_text
+
+    def refuse_clear_refs(self, *a, **k):
+        if str(self) == "/proc/self/clear_refs":
+            raise PermissionError("clear_refs refused")
+        return real_write(self, *a, **k)
+
+    monkeypatch.setattr(Path, "write_text", refuse_clear_refs)
+    mem = PeakMemory("cpu").start()
+    assert mem.kind == "rss_sampled"
+    block = torch.ones(64 * 2**20 // 4)
+    time.sleep(0.1)
     del block
     assert mem.peak_above_base() >= 60 * 2**20
 
