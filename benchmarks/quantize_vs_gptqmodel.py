@@ -48,6 +48,11 @@ SEARCH = [  # (label, variant fields over W4G64 with GPTQModel's defaults (mse 0
     ("RTN (reference, no calibration)", {"method": "rtn"}, {}),
     ("mse 2.4 + asymmetric", {"mse": 2.4, "sym": False}, {}),
     ("RTN asymmetric (reference)", {"method": "rtn", "sym": False}, {}),
+    ("mse 2.4 + GPTAQ (alpha 0.25)", {"mse": 2.4, "gptaq_alpha": 0.25}, {}),
+    ("mse 2.4 + FOEM (beta 0.2)", {"mse": 2.4, "foem_beta": 0.2}, {}),
+    ("mse 2.4 + GPTAQ 0.25 + FOEM 0.2", {"mse": 2.4, "gptaq_alpha": 0.25, "foem_beta": 0.2}, {}),
+    ("GPTAQ (alpha 0.25), mse 0", {"gptaq_alpha": 0.25}, {}),
+    ("mse 2.4 (reference, same run as the rows above)", {"mse": 2.4}, {}),
 ]
 FIGURES = {"gptq-w4g64": W4G64, "rtn-w4g64": {"method": "rtn", "bits": 4, "group_size": 64},
            "gptq-w8": {"method": "gptq", "bits": 8, "group_size": -1}, "bnb-int8": {"method": "bnb-int8"},

@@ -107,6 +107,15 @@ def _check_data(recipe) -> list[str]:
             data.resolve(name, field_)
         except RecipeError as e:
             problems.append(f"{where}: {e}")
+    prompts = recipe.draft.measure.prompts if recipe.draft is not None else None
+    if prompts is not None:
+        try:
+            data.resolve(prompts)
+        except RecipeError as e:
+            problems.append(f"draft.measure.prompts: {e}")
+        if prompts == cal.dataset and not cal.allow_overlap:
+            problems.append(f"draft.measure.prompts and calibration.dataset are both {prompts!r}: the draft is "
+                            "distilled on the calibration corpus, so acceptance would be measured on its training text")
     if cal.dataset == ppl.dataset and not cal.allow_overlap:
         problems.append(f"calibration.dataset and validate.perplexity.dataset are both {cal.dataset!r}: calibrating "
                         "or distilling on the evaluation text inflates every figure; use another corpus (c4) "
@@ -177,6 +186,15 @@ def _check_gates(recipe) -> list[str]:
     return gate_problems(v.gates, v.speed, [q.name for q in recipe.quantize], "draft" if recipe.draft else None)
 
 
+def _draft_weight_bytes(d, verifier_bytes: int) -> int:
+    if d.init == "model" and d.source:
+        try:
+            return 4 * describe(parse(d.source)).n_params
+        except RecipeError:
+            return verifier_bytes  # reported by the draft checks
+    return verifier_bytes
+
+
 def _estimate_memory(recipe, info: ModelInfo, plan: Plan) -> None:
     """Rough peak RSS per stage (bytes): weights in fp32 plus the largest activation buffers."""
     p = max(info.n_params, 1)
@@ -185,13 +203,18 @@ def _estimate_memory(recipe, info: ModelInfo, plan: Plan) -> None:
     w = 4 * p
     cal = recipe.calibration
     ppl = recipe.validate_.perplexity
-    plan.memory["load"] = 3 * w
+    # GGUF: dequantized tensor by tensor into the model (~1.2x); a checkpoint folder may pass through a
+    # second copy while transformers converts it
+    plan.memory["load"] = int(1.5 * w) if info.extra.get("gguf_file_type") else 3 * w
     if recipe.quantize:
         plan.memory["quantize"] = 2 * w + cal.num_samples * cal.seq_len * h * 4 * 4
     plan.memory["validate"] = w + ppl.seq_len * vocab * 4 * 4
     if recipe.draft is not None:
         dd = recipe.draft.distill
-        plan.memory["draft"] = 3 * w + dd.batch_size * dd.seq_len * vocab * 4 * 6
+        if dd.steps == 0:  # verifier + the draft, and a copy of it when saved in another dtype
+            plan.memory["draft"] = w + 2 * _draft_weight_bytes(recipe.draft, w)
+        else:
+            plan.memory["draft"] = 3 * w + dd.batch_size * dd.seq_len * vocab * 4 * 6
     for k in plan.memory:
         plan.memory[k] += RUNTIME_OVERHEAD
     limit = recipe.run.max_memory_gb

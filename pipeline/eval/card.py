@@ -105,9 +105,19 @@ def _intro(report: dict, entry: dict, base: str | None) -> list[str]:
         lines.append(f"A **{data.get('method', '?')}** quantization of {base_ref} "
                      f"({', '.join(f'{k}={v}' for k, v in params.items()) or 'default settings'}), made with compress.")
     elif entry["kind"] == "draft":
-        lines.append(f"A {num(data.get('layers'))}-layer **draft model for speculative decoding**, distilled against "
-                     f"the verifier `{entry.get('verifier') or data.get('verifier', '?')}` (a version of {base_ref}). "
-                     "It shares the verifier's tokenizer; use it as `assistant_model`.")
+        verifier = entry.get('verifier') or data.get('verifier', '?')
+        if data.get("source"):
+            made = f"**{data['source']}**, used as a **draft model for speculative decoding**"
+            made += (" (not distilled)" if (data.get("distill") or {}).get("steps") == 0
+                     else f", distilled against the verifier `{verifier}`")
+            lines.append(f"{made}, for {base_ref} (verifier `{verifier}`). "
+                         "It shares the verifier's tokenizer; use it as `assistant_model`.")
+        else:
+            layers = data.get("layers")
+            n_layers = data.get("num_layers") or (len(layers) if isinstance(layers, list) else layers)
+            lines.append(f"A {num(n_layers)}-layer **draft model "
+                         f"for speculative decoding**, distilled against the verifier `{verifier}` (a version of "
+                         f"{base_ref}). It shares the verifier's tokenizer; use it as `assistant_model`.")
     else:
         lines.append(f"The unquantized baseline of this run: {base_ref}.")
     if model.get("random_init"):

@@ -127,7 +127,9 @@ def _quality(report: dict) -> list[str]:
 def _params(p: Any) -> str:
     if not isinstance(p, dict):
         return "–"
-    shown = {k: v for k, v in p.items() if k not in ("name", "method", "modules_to_skip") and v is not None}
+    off = {"gptaq_alpha": 0, "foem_beta": 0}  # optional GPTQ refinements: shown only when on
+    shown = {k: v for k, v in p.items()
+             if k not in ("name", "method", "modules_to_skip") and v is not None and not (k in off and v == off[k])}
     return ", ".join(f"{k}={v}" for k, v in shown.items()) or "–"
 
 
@@ -212,7 +214,11 @@ def _speculative(report: dict) -> list[str]:
         return lines + ["No draft in this run (or not distilled yet).", ""]
     verifier = draft.get("verifier", "?")
     head = f", {num(draft['vocab_size'])}-token head" if draft.get("vocab_size") else ", full-vocabulary head"
-    lines += [f"Draft `{draft.get('name', '?')}` (verifier layers {draft.get('layers', '?')}{head}) for verifier "
+    what = f"`{draft['source']}`" if draft.get("source") else f"verifier layers {draft.get('layers', '?')}"
+    steps = (draft.get("distill") or {}).get("steps")
+    trained = ", not distilled ([draft.distill] steps = 0)" if steps == 0 else ""
+    dtype = f", {draft['dtype']} weights" if draft.get("dtype") not in (None, "float32") else ""
+    lines += [f"Draft `{draft.get('name', '?')}` ({what}{head}{dtype}{trained}) for verifier "
               f"`{verifier}`. Speed-up is over plain decoding with the verifier in the same run.", ""]
     body = []
     modes = draft.get("speculative") or {}

@@ -49,6 +49,11 @@ class GPTQVariant(_GPTQFormat):
     mse: float = Field(2.4, ge=0, description="scale search: shrink each group's min/max range to minimise the "
                                               "|error|^mse of its weights (GPTQ paper's norm 2.4); 0 = plain "
                                               "min/max (GPTQModel's default). ~2x quantization time")
+    gptaq_alpha: float = Field(0.0, ge=0, le=1, description="GPTAQ: also fit each layer to the full-precision "
+                                                           "model's inputs (asymmetric calibration), weight of that "
+                                                           "correction term (GPTAQ's recommended 0.25); 0 = off")
+    foem_beta: float = Field(0.0, ge=0, le=1, description="FOEM: first-order error compensation on top of GPTQ "
+                                                         "(or GPTAQ when gptaq_alpha > 0), 0.1-0.25 typical; 0 = off")
 
 
 class RTNVariant(_GPTQFormat):

@@ -51,9 +51,16 @@ def common_kwargs(variant) -> dict:
 
 def gptq_config(variant):
     from gptqmodel import GPTQConfig
+    from gptqmodel.quantization.config import FOEMConfig, GPTAQConfig
 
+    extra = {}
+    if variant.foem_beta > 0:  # GPTQModel: FOEM with alpha > 0 is FOEM + GPTAQ
+        extra["foem"] = FOEMConfig(alpha=variant.gptaq_alpha, beta=variant.foem_beta, device="cpu")
+    elif variant.gptaq_alpha > 0:
+        extra["gptaq"] = GPTAQConfig(alpha=variant.gptaq_alpha, device="cpu")
     return GPTQConfig(**common_kwargs(variant), desc_act=variant.desc_act, act_group_aware=act_group_aware(variant),
-                      damp_percent=variant.damp_percent, true_sequential=variant.true_sequential, mse=variant.mse)
+                      damp_percent=variant.damp_percent, true_sequential=variant.true_sequential, mse=variant.mse,
+                      **extra)
 
 
 def act_group_aware(variant) -> bool:
@@ -157,3 +164,27 @@ def _append_file(src: Path, log_file: Path) -> None:
         with open(log_file, "a") as out:
             out.write(f"\n===== {src.name} =====\n{src.read_text(errors='replace')}")
         src.unlink()
+
+
+def dequantize_to_linear(model: torch.nn.Module) -> int:
+    """Replace every GPTQModel quantized linear with a float32 `nn.Linear` holding its exactly dequantized
+    weights (GPTQModel's own `dequantize_weight`). The model then computes what the checkpoint encodes in float32,
+    with float32's row-independence: GPTQModel's CPU int4 kernel rounds scales and activations to bfloat16 and its
+    results change with the number of tokens per call, which breaks token-exact greedy comparisons. Memory and
+    speed become those of a float32 model. Call before any forward. Returns the number of modules replaced."""
+    from gptqmodel.nn_modules.qlinear import BaseQuantLinear
+
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, BaseQuantLinear)]
+    for name, m in targets:
+        if getattr(m, "linear_mode", None) == "inference":
+            raise RuntimeError(f"{name} is already packed for its CPU kernel: dequantize before any forward")
+        with torch.no_grad():
+            weight = m.dequantize_weight(num_itr=m.g_idx.shape[0] // m.in_features).to(torch.float32).t().contiguous()
+        lin = torch.nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, dtype=torch.float32)
+        with torch.no_grad():
+            lin.weight.copy_(weight)
+            if m.bias is not None:
+                lin.bias.copy_(m.bias.float())
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        setattr(parent, name.rpartition(".")[2], lin)
+    return len(targets)

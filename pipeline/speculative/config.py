@@ -7,15 +7,17 @@ vocabulary, tokenizer match) happen later, when the model config is known.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, model_validator
 
 ParamGroup = Literal["layers", "norm", "head", "embed"]
 
 
 class DistillConfig(BaseModel, extra="forbid"):
-    steps: int | None = Field(None, ge=1, description="optimizer steps (stops at whichever of steps/budget comes first)")
+    steps: int | None = Field(None, ge=0, description="optimizer steps (stops at whichever of steps/budget comes "
+                                                       "first); 0 = no distillation, the draft is used as initialised "
+                                                       "(e.g. a smaller model of the verifier's family)")
     time_budget_s: float | None = Field(180.0, gt=0, description="wall-time budget for teacher targets + training")
     batch_size: int = Field(8, ge=1)
     seq_len: int = Field(128, ge=8)
@@ -46,13 +48,16 @@ class DistillConfig(BaseModel, extra="forbid"):
             raise ValueError(f"[draft.distill].train must list distinct parameter groups; got {self.train}")
         if self.on_policy_fraction > 0 and self.prompt_len >= self.seq_len:
             raise ValueError(f"[draft.distill] on-policy prompt_len ({self.prompt_len}) must be < seq_len ({self.seq_len})")
-        if self.warmup and self.steps is not None and self.warmup >= self.steps:
+        if self.warmup and self.steps and self.warmup >= self.steps:
             raise ValueError(f"[draft.distill] warmup ({self.warmup}) must be shorter than steps ({self.steps})")
         return self
 
 
 class MeasureConfig(BaseModel, extra="forbid"):
-    num_prompts: int = Field(32, ge=1, description="held-out WikiText-2 test prompts")
+    num_prompts: int = Field(32, ge=1, description="held-out prompts")
+    prompts: str | None = Field(None, description="dataset the prompts come from (a shipped name such as "
+                                                  "'code-prompts', or a .jsonl/.txt path): each document is one "
+                                                  "prompt; None = paragraphs of the perplexity evaluation corpus")
     prompt_len: int = Field(64, ge=1, description="prompt tokens")
     new_tokens: int = Field(64, ge=1)
     temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.7])
@@ -82,8 +87,12 @@ class DraftConfig(BaseModel, extra="forbid"):
     source: str | None = Field(None, description="init='model': hf:, gguf:, pkg:, config: or a local dir")
     init_head: Literal["copy", "lens"] = Field("lens", description="copy the verifier's head, or fit it in closed form (tuned lens)")
     lens_tokens: int = Field(8192, ge=256, description="training tokens for the tuned-lens fit")
-    vocab_size: int | None = Field(4096, ge=1, description="reduced draft head over the most frequent tokens; None = full")
+    vocab_size: Annotated[int | None, BeforeValidator(lambda v: None if v == "full" else v)] = Field(
+        4096, ge=1, description='reduced draft head over the most frequent tokens; "full" = the whole vocabulary')
     gamma: int = Field(3, ge=1, le=32, description="tokens drafted per verifier forward")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="the draft's weights as saved and run (training stays float32). bfloat16 halves "
+                               "the bytes a draft step reads; the output stays exact (the verifier decides)")
     distill: DistillConfig = Field(default_factory=DistillConfig)
     measure: MeasureConfig = Field(default_factory=MeasureConfig)
 

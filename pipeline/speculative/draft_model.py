@@ -182,15 +182,19 @@ class DraftStudent(nn.Module):
                     chosen.append(p)
         return chosen
 
-    def export(self, out_dir: Path, tokenizer=None, manifest: dict | None = None) -> None:
-        """Save a standard HF checkpoint; a reduced head is written into its rows of the full head
-        and its ids go to draft_vocab.json."""
+    def export(self, out_dir: Path, tokenizer=None, manifest: dict | None = None, dtype: str = "float32") -> None:
+        """Save a standard HF checkpoint with weights in `dtype` (the model in memory is left as it is); a
+        reduced head is written into its rows of the full head and its ids go to draft_vocab.json."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         if self.head is not None:
             with torch.no_grad():
                 self.model.get_output_embeddings().weight[self.vocab] = self.head.detach()
-        self.model.save_pretrained(out_dir)
+        target = getattr(torch, dtype)
+        if target == self.model.dtype:
+            self.model.save_pretrained(out_dir)
+        else:
+            copy.deepcopy(self.model).to(target).save_pretrained(out_dir)
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
         if self.vocab is not None:

@@ -26,15 +26,16 @@ def load_causal_lm(path: Path):
 
 def init_draft(verifier, cfg: DraftConfig, base_dir: Path | None, verifier_tok) -> tuple[torch.nn.Module, list[int] | None]:
     """The undistilled draft: verifier layers (copied from `base_dir`, the unquantized model, if
-    the verifier is quantized) or another model with the same tokenizer."""
+    the verifier is quantized) or another model with the same tokenizer ([draft] source: any model
+    source, loaded in float32 like [model])."""
     untie = (cfg.vocab_size is not None or cfg.init_head == "lens"
              or bool({"head", "embed"} & set(cfg.distill.train)))
     if cfg.init == "model":
-        source = base_dir or (Path(cfg.source) if cfg.source and Path(cfg.source).is_dir() else None)
-        if source is None:
-            raise ValueError(f"[draft] source {cfg.source!r} must be resolved to a local folder (base_dir)")
-        check_tokenizers_match(verifier_tok, AutoTokenizer.from_pretrained(str(source)))
-        draft = load_causal_lm(source)
+        from pipeline.models import load_source
+        from pipeline.sources import parse
+
+        draft, draft_tok = load_source(parse(cfg.source), "float32", 0, None)
+        check_tokenizers_match(verifier_tok, draft_tok)
         if untie and draft.config.tie_word_embeddings:
             raise ValueError("[draft] a reduced or trainable head needs a draft with untied embeddings")
         return draft, None
@@ -65,21 +66,28 @@ def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], ou
     vocab, coverage = _choose_vocab(cfg, windows, verifier, tok)
     undistilled_dir = work_dir / "undistilled"
     if not (undistilled_dir / "config.json").exists():
-        DraftStudent(draft, vocab).export(undistilled_dir, tok, {"verifier": cfg.verifier, "distilled": False})
+        DraftStudent(draft, vocab).export(undistilled_dir, tok, {"verifier": cfg.verifier, "distilled": False},
+                                          dtype=cfg.dtype)
     lens = _tuned_lens(cfg, draft, verifier, windows, log) if cfg.init_head == "lens" else None
     student = DraftStudent(draft, vocab)
     if save_initial and lens is not None and not (work_dir / "initial" / "config.json").exists():
-        student.export(work_dir / "initial", tok, {"verifier": cfg.verifier, "distilled": False, "lens": lens})
-    data, data_fp = _training_data(verifier_dir, verifier, windows, d, Path(targets_root or work_dir), seed)
-    run_fp = fingerprint(data=data_fp, draft=cfg.model_dump(exclude={"measure"}), seed=seed)
+        student.export(work_dir / "initial", tok, {"verifier": cfg.verifier, "distilled": False, "lens": lens},
+                       dtype=cfg.dtype)
     log(f"draft: layers {layers}, head {'full' if vocab is None else f'{vocab.numel()} tokens (coverage {coverage:.3f})'}, "
         f"{len(windows)} training windows of {d.seq_len} tokens")
-    metrics = distill(student, data, d, work_dir, seed, log, fault_at_step=fault_at_step, progress=progress,
-                      run_fingerprint=run_fp)
+    if d.steps == 0:
+        log("draft: [draft.distill] steps = 0: no distillation, the draft is used as initialised")
+        metrics = {"steps": 0, "resumed_from_step": 0, "train_time_s": 0.0, "teacher_time_s": 0.0,
+                   "final_loss": None, "top1_agreement": None, "trainable_params": 0, "tokens_seen": 0}
+    else:
+        data, data_fp = _training_data(verifier_dir, verifier, windows, d, Path(targets_root or work_dir), seed)
+        run_fp = fingerprint(data=data_fp, draft=cfg.model_dump(exclude={"measure"}), seed=seed)
+        metrics = distill(student, data, d, work_dir, seed, log, fault_at_step=fault_at_step, progress=progress,
+                          run_fingerprint=run_fp)
     manifest = {"verifier": cfg.verifier, "verifier_dir": str(verifier_dir), "layers": layers,
                 "draft_vocab_size": None if vocab is None else int(vocab.numel()), "vocab_coverage": coverage,
                 "seed": seed, "distill": metrics, "config": cfg.model_dump(exclude={"measure"})}
-    student.export(out_dir, tok, manifest)
+    student.export(out_dir, tok, manifest, dtype=cfg.dtype)
     metrics.update(layers=layers, draft_vocab_size=manifest["draft_vocab_size"], vocab_coverage=coverage, lens=lens,
                    undistilled_dir=str(undistilled_dir), total_time_s=time.perf_counter() - t_start)
     return metrics

@@ -37,6 +37,8 @@ def run(ctx: UnitContext, recipe) -> dict:
     if undistilled.is_dir():  # kept beside the draft so validate can measure what distillation bought
         shutil.move(str(undistilled), ctx.out / "undistilled")
     metrics["verifier"] = recipe.draft.verifier
+    metrics["source"] = recipe.draft.source if recipe.draft.init == "model" else None
+    metrics["dtype"] = recipe.draft.dtype
     if recipe.draft.measure.compare_fp_distilled and recipe.draft.verifier != "baseline":
         metrics["fp_distilled"] = fp_distilled(ctx, recipe, texts)
     return metrics
@@ -62,4 +64,5 @@ def merge(report: dict, m: dict) -> None:
     d["layers"] = m.get("layers")
     d["num_layers"] = len(m.get("layers") or [])
     d["vocab_size"] = m.get("draft_vocab_size")
+    d["source"], d["dtype"] = m.get("source"), m.get("dtype", "float32")
     report["draft"] = d

@@ -61,17 +61,23 @@ def speculative(ctx: UnitContext, recipe) -> dict:
 
     cfg, draft = recipe.draft, ctx.dep("draft")
     args = {"verifier": str(ctx.dep(verifier_key(recipe))), "draft": str(draft),
-            "prompts": held_out_prompts(cfg.measure.num_prompts, recipe.validate_.perplexity),
+            "prompts": held_out_prompts(cfg.measure.num_prompts, recipe.validate_.perplexity, cfg.measure.prompts),
             "draft_cfg": cfg.model_dump(mode="json"), "seed": ctx.seed,
             "undistilled": str(draft / "undistilled") if (draft / "undistilled").is_dir() else None,
             "fp_distilled": str(draft / "fp-distilled") if (draft / "fp-distilled").is_dir() else None}
     return run_task("speculative", args, ctx.out, recipe.run.threads)
 
 
-def held_out_prompts(n: int, ppl_cfg) -> list[str]:
-    """Paragraphs of the evaluation corpus (never trained on): prompts for measuring acceptance."""
+def held_out_prompts(n: int, ppl_cfg, dataset: str | None = None) -> list[str]:
+    """Prompts for measuring acceptance, never trained on: `n` documents spread through `dataset` (each one
+    prompt), or by default paragraphs of the evaluation corpus."""
     from pipeline import data
 
+    if dataset is not None:
+        docs = data.documents(data.resolve(dataset))
+        if len(docs) < n:
+            raise ValueError(f"prompt set {dataset!r} has {len(docs)} prompts; [draft.measure] num_prompts asks for {n}")
+        return [docs[i * len(docs) // n] for i in range(n)]
     rows = data.documents(data.resolve(ppl_cfg.dataset, ppl_cfg.text_field))
     paragraphs = [r.strip() for r in rows if len(r) > 300 and not r.strip().startswith("=")]
     if len(paragraphs) < n:

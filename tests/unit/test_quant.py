@@ -31,6 +31,7 @@ VARIANTS = {  # name: (recipe fields, max |logit diff| in-memory vs reloaded)
     "gptq-w8": ({"method": "gptq", "bits": 8, "group_size": -1}, 1e-4),
     "gptq-w3-actorder": ({"method": "gptq", "bits": 3, "group_size": 32, "desc_act": True,
                           "modules_to_skip": SKIP_DOWN}, 1e-4),
+    "gptq-w4g32-foem": ({"method": "gptq", "bits": 4, "group_size": 32, "gptaq_alpha": 0.25, "foem_beta": 0.2}, 2e-2),
     "rtn-w4g32": ({"method": "rtn", "bits": 4, "group_size": 32}, 2e-2),
     "bnb-int8": ({"method": "bnb-int8"}, 1e-4),
     "bnb-nf4": ({"method": "bnb-nf4", "modules_to_skip": SKIP_DOWN}, 1e-4),
@@ -215,6 +216,36 @@ def test_quantize_variant_is_deterministic_and_writes_only_its_folder(tiny, tmp_
     assert m["calibration"]["sha256"] == hashlib.sha256(CALIB.numpy().tobytes()).hexdigest()
     assert m["time_s"] > 0 and m["peak_rss_above_baseline_bytes"] >= 0 and m["engine_version"]
     assert "self_attn.q_proj" in (tmp_path / "run1" / "gptqmodel.log").read_text()  # its per-module loss table
+
+
+@pytest.mark.parametrize("name", ["gptq-w4g32", "gptq-w3-actorder"])
+def test_dequantize_to_linear_matches_the_kernel_and_is_shape_invariant(checkpoints, name):
+    from gptqmodel.nn_modules.qlinear import BaseQuantLinear
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quant.gptq import dequantize_to_linear
+
+    folder, in_memory = checkpoints[name]
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert dequantize_to_linear(model) > 0
+    assert not any(isinstance(m, BaseQuantLinear) for m in model.modules())
+    with torch.no_grad():
+        full = model(PROBE).logits.float()
+        prefix = model(PROBE[:, :-1], use_cache=True)
+        last = model(PROBE[:, -1:], past_key_values=prefix.past_key_values).logits[:, -1].float()
+    assert (full - in_memory).abs().max() < VARIANTS[name][1]  # same weights as the quantized model
+    assert (full[:, -1] - last).abs().max() < 1e-4  # float32: one token at a time = all at once
+
+
+def test_gptaq_and_foem_reach_the_engine_and_change_the_weights(checkpoints):
+    meta = json.loads((checkpoints["gptq-w4g32-foem"][0] / "config.json").read_text())["quantization_config"]["meta"]
+    assert meta["foem"]["alpha"] == 0.25 and meta["foem"]["beta"] == 0.2
+    from safetensors.torch import load_file
+
+    plain = load_file(checkpoints["gptq-w4g32"][0] / "model.safetensors")
+    foem = load_file(checkpoints["gptq-w4g32-foem"][0] / "model.safetensors")
+    qweights = [k for k in plain if k.endswith("qweight")]
+    assert qweights and any(not torch.equal(plain[k], foem[k]) for k in qweights)
 
 
 def test_calibration_is_required_for_gptq_only(tiny, tmp_path):

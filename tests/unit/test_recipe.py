@@ -137,3 +137,18 @@ def test_fp_distilled_comparison_needs_a_quantized_verifier(tmp_path):
     assert r.draft.measure.compare_fp_distilled
     check(r)
     assert not load_recipe(write(tmp_path, BASE + "\n[draft]\n")).draft.measure.compare_fp_distilled, "off by default"
+
+
+def test_speculative_prompt_set_must_exist_and_not_be_the_training_corpus(tmp_path):
+    msg = errors_of(tmp_path, BASE + '\n[draft]\n\n[draft.measure]\nprompts = "code-prompt"\n', plan=True)
+    assert "draft.measure.prompts" in msg and "code-prompts" in msg  # names the close match
+    msg = errors_of(tmp_path, BASE + '\n[draft]\n\n[draft.measure]\nprompts = "c4"\n', plan=True)
+    assert "draft.measure.prompts and calibration.dataset are both 'c4'" in msg
+    r = load_recipe(write(tmp_path, BASE + '\n[draft]\n\n[draft.measure]\nprompts = "code-prompts"\nnum_prompts = 8\n'))
+    check(r)
+    from pipeline.stages.validate import held_out_prompts
+
+    prompts = held_out_prompts(8, r.validate_.perplexity, "code-prompts")
+    assert len(prompts) == len(set(prompts)) == 8 and all(p.startswith(("def ", "class ")) for p in prompts)
+    with pytest.raises(ValueError, match="has 32 prompts; .*asks for 40"):
+        held_out_prompts(40, r.validate_.perplexity, "code-prompts")
