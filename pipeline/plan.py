@@ -183,7 +183,8 @@ def _check_gates(recipe) -> list[str]:
     from pipeline.eval.config import gate_problems
 
     v = recipe.validate_
-    return gate_problems(v.gates, v.speed, [q.name for q in recipe.quantize], "draft" if recipe.draft else None)
+    return gate_problems(v.gates, v.speed, [q.name for q in recipe.quantize], "draft" if recipe.draft else None,
+                         smoke=v.smoke.enabled)
 
 
 def _draft_weight_bytes(d, verifier_bytes: int) -> int:

@@ -87,6 +87,8 @@ class GateBounds(BaseModel):
     min_decode_speed_ratio: float | None = Field(
         None, gt=0, description="batch-1 decode tokens/s / baseline's (needs speed for both)"
     )
+    min_smoke_ok: float | None = Field(None, ge=0, le=1, description="share of the smoke test's chat prompts "
+                                                                     "answered with non-degenerate text")
     min_acceptance: float | None = Field(None, ge=0, le=1, description="draft acceptance rate alpha")
     min_spec_speedup: float | None = Field(None, gt=0, description="speculative speed-up over the verifier alone")
 
@@ -94,6 +96,9 @@ class GateBounds(BaseModel):
 class GatesConfig(GateBounds):
     """`[validate.gates]`: global bounds, per-model overrides, and gates that only warn."""
 
+    min_smoke_ok: float | None = Field(1.0, ge=0, le=1, description="share of the smoke test's chat prompts "
+                                                                    "answered with non-degenerate text; on by default "
+                                                                    "(not applied to randomly initialised models)")
     warn_only: list[str] = Field(default_factory=list, description="gate names that warn instead of failing")
     speculative_mode: str = Field("greedy", description="which speculative measurement the draft gates read")
     models: dict[str, GateBounds] = Field(
@@ -124,6 +129,7 @@ GATE_METRICS: dict[str, tuple[str, str]] = {
     "min_top1": ("top1", "variant"),
     "max_footprint_ratio": ("footprint_ratio", "variant"),
     "min_decode_speed_ratio": ("decode_speed_ratio", "variant"),
+    "min_smoke_ok": ("smoke_ok", "variant"),
     "min_acceptance": ("acceptance", "draft"),
     "min_spec_speedup": ("spec_speedup", "draft"),
 }
@@ -135,9 +141,12 @@ def gate_metric_names() -> dict[str, str]:
 
 
 def gate_problems(gates: GatesConfig, speed: SpeedConfig | None, variants: list[str],
-                  draft: str | None) -> list[str]:
+                  draft: str | None, smoke: bool = True) -> list[str]:
     """Cross-stage checks for `compress check`: each problem is one readable line (empty = fine)."""
     problems = []
+    if not smoke and variants and any(gates.bounds_for(v).get("min_smoke_ok") for v in variants):
+        problems.append("[validate.gates].min_smoke_ok needs the smoke test, but [validate.smoke] enabled = false; "
+                        "enable it, or set min_smoke_ok = 0 to run without it")
     known = set(variants) | ({draft} if draft else set()) | {"baseline"}
     for name in gates.models:
         if name not in known:

@@ -71,12 +71,22 @@ def _speculative(key: str, label: str) -> Callable[[dict, str], Getter]:
     return make
 
 
+def _smoke_ok(report: dict, entry: dict, name: str) -> tuple[float | None, str]:
+    outputs = _dig(entry, "smoke", "outputs")
+    if not outputs:
+        return None, f"variants.{name}.smoke is not in the report (did the smoke test run?)"
+    bad = [o for o in outputs if not o.get("ok")]
+    reason = f"{len(bad)} of {len(outputs)} smoke prompts failed: {bad[0].get('problem')}" if bad else ""
+    return (len(outputs) - len(bad)) / len(outputs), reason
+
+
 _VARIANT_GETTERS: dict[str, Getter] = {
     "ppl_ratio": _ppl_ratio,
     "kl": _plain("kl"),
     "top1": _plain("top1"),
     "footprint_ratio": _footprint_ratio,
     "decode_speed_ratio": _decode_ratio,
+    "smoke_ok": _smoke_ok,
 }
 _DRAFT_GETTERS = {
     "acceptance": _speculative("alpha", "acceptance rate"),
@@ -101,9 +111,12 @@ def _record(model: str, gate: str, value: float | None, bound: float, reason: st
 def evaluate_gates(report: dict, cfg: GatesConfig) -> list[dict]:
     """Every configured gate for every model it applies to, in report order (variants, then draft)."""
     out = []
+    random_init = bool(_dig(report, "model", "random_init"))
     for name, entry in (report.get("variants") or {}).items():
         for gate, bound in cfg.bounds_for(name).items():
             metric, applies = GATE_METRICS[gate]
+            if metric == "smoke_ok" and (random_init or not bound):
+                continue  # random weights produce noise by construction; 0 turns the gate off
             if applies == "variant":
                 value, reason = _VARIANT_GETTERS[metric](report, entry or {}, name)
                 out.append(_record(name, gate, value, bound, reason, gate in cfg.warn_only))

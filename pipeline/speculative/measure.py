@@ -19,6 +19,7 @@ import statistics
 import time
 
 import torch
+from tqdm import tqdm
 from transformers import DynamicCache
 
 from pipeline.speculative.decode import SpecStats, autoregressive_generate, make_logits_fn, speculative_generate
@@ -83,7 +84,7 @@ def predicted_speedup(a: float, costs: dict, gamma: int) -> float:
 
 
 def compare_loops(target, draft, prompts: list[torch.Tensor], new_tokens: int, gamma: int, temperature: float,
-                  seed: int, vocab=None, warmup: int = 1, repeats: int = 1) -> dict:
+                  seed: int, vocab=None, warmup: int = 1, repeats: int = 1, label: str | None = None) -> dict:
     """Plain and speculative decoding of the same verifier through the same loop, interleaved per
     prompt (so machine noise hits both alike), `repeats` timed passes. Speed-up = total plain time
     / total speculative time, median over passes; the median per-prompt ratio is reported too."""
@@ -92,6 +93,8 @@ def compare_loops(target, draft, prompts: list[torch.Tensor], new_tokens: int, g
         speculative_generate(target, draft, ids, 8, gamma, temperature, torch.Generator().manual_seed(0), vocab)
     stats, speedups, ratios, reps, mismatches = SpecStats(), [], [], [], []
     plain_s = spec_s = 0.0
+    bar = tqdm(total=repeats * len(prompts), desc=label or f"speculative T={temperature:g}", unit="prompt",
+               leave=False, disable=label is None)
     for r in range(repeats):
         plain_s = spec_s = 0.0
         for i, ids in enumerate(prompts):
@@ -109,7 +112,10 @@ def compare_loops(target, draft, prompts: list[torch.Tensor], new_tokens: int, g
                 reps.append(repetition_rate(spec[0, ids.shape[1]:].tolist()))
                 if temperature == 0 and not torch.equal(plain, spec):
                     mismatches.append((i, _first_difference(plain, spec)))
+            bar.update(1)
+            bar.set_postfix(speedup=f"{plain_s / spec_s:.2f}x")
         speedups.append(plain_s / spec_s)
+    bar.close()
     out = stats.as_dict()
     n = stats.new_tokens
     out.update(speedup=statistics.median(speedups), speedup_per_pass=speedups,

@@ -65,7 +65,7 @@ def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], ou
     windows = token_windows(tok, train_texts, d.seq_len)
     vocab, coverage = _choose_vocab(cfg, windows, verifier, tok)
     undistilled_dir = work_dir / "undistilled"
-    if not (undistilled_dir / "config.json").exists():
+    if d.steps != 0 and not (undistilled_dir / "config.json").exists():  # steps = 0: it would be the draft itself
         DraftStudent(draft, vocab).export(undistilled_dir, tok, {"verifier": cfg.verifier, "distilled": False},
                                           dtype=cfg.dtype)
     lens = _tuned_lens(cfg, draft, verifier, windows, log) if cfg.init_head == "lens" else None
@@ -158,7 +158,8 @@ def measure_speculative(verifier_dir: Path, draft_dir: Path, prompts: list[str],
         entry = {"costs": costs, "draft_vocab_size": None if vocab is None else int(vocab.numel())}
         subset = ids if name != "undistilled" else ids[: max(1, len(ids) // 4)]
         for t in m.temperatures:
-            run = compare_loops(verifier, draft, subset, m.new_tokens, cfg.gamma, t, seed, vocab, m.warmup, m.repeats)
+            run = compare_loops(verifier, draft, subset, m.new_tokens, cfg.gamma, t, seed, vocab, m.warmup, m.repeats,
+                                label=f"speculative {name} T={t:g}")
             run["predicted_speedup"] = predicted_speedup(run["alpha_per_token"], costs, cfg.gamma)
             run["gate"] = speculative_gate(run, costs, verifier.device.type)
             entry[f"t={t}"] = run

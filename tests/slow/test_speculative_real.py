@@ -76,6 +76,38 @@ def test_greedy_speculative_equals_plain_greedy_on_the_real_model(verifier, prom
     print(f"\nreal-model greedy exactness: {checked} runs, {len(ties)} genuine ties {ties}")
 
 
+def test_greedy_exact_with_a_gptq_format_verifier_dequantized_to_float32(verifier, real_model_dir, prompts, tmp_path):
+    """An RTN w4g64 checkpoint (GPTQ format; reloads onto GPTQModel's CPU int4 kernel). That kernel's logits
+    change with the number of tokens per call, so greedy speculative output may leave plain greedy (counted and
+    printed, not asserted). Dequantized to float32 linears (pipeline.quant.gptq.dequantize_to_linear) the same
+    checkpoint is exact: equal to plain greedy, or different only at a genuine tie."""
+    import logging
+
+    from pydantic import TypeAdapter
+
+    from pipeline.quant.api import quantize_variant
+    from pipeline.quant.config import QuantVariant
+    from pipeline.quant.gptq import dequantize_to_linear
+
+    v = TypeAdapter(QuantVariant).validate_python({"name": "rtn", "method": "rtn", "bits": 4, "group_size": 64})
+    quantize_variant(real_model_dir, v, None, tmp_path / "rtn", logging.getLogger("test"), 0)
+    native = AutoModelForCausalLM.from_pretrained(tmp_path / "rtn").eval()
+    exact = AutoModelForCausalLM.from_pretrained(tmp_path / "rtn").eval()
+    assert dequantize_to_linear(exact) == 30 * 7
+    draft = init_draft_from_layers(verifier, [0, 29])
+    ties, native_mismatches = [], 0
+    for ids in prompts:
+        plain, _ = autoregressive_generate(exact, ids, 24)
+        for gamma in (1, 4, 8):
+            spec, _ = speculative_generate(exact, draft, ids, 24, gamma=gamma)
+            _check_exact_or_tie(exact, plain, spec, ties)
+        plain_native, _ = autoregressive_generate(native, ids, 24)
+        spec_native, _ = speculative_generate(native, draft, ids, 24, gamma=4)
+        native_mismatches += not torch.equal(plain_native, spec_native)
+    print(f"\nGPTQ-format verifier: dequantized {len(ties)} genuine ties {ties}; native int4 CPU kernel: "
+          f"{native_mismatches}/{len(prompts)} prompts differ from plain greedy")
+
+
 def test_exported_draft_as_transformers_assistant_model(verifier, prompts, tmp_path):
     DraftStudent(init_draft_from_layers(verifier, [0, 15, 29])).export(tmp_path)
     draft = AutoModelForCausalLM.from_pretrained(tmp_path).eval()

@@ -242,6 +242,7 @@ def test_pretrained_draft_without_distillation_in_bfloat16_stays_exact(tmp_path)
     metrics = build_draft(verifier_dir, cfg, texts(10), tmp_path / "draft", tmp_path / "work", seed=0,
                           log=lambda *_: None, progress=False)
     assert metrics["steps"] == 0 and metrics["layers"] is None and not (tmp_path / "work" / "checkpoint.pt").exists()
+    assert not (tmp_path / "work" / "undistilled").exists()  # it would be the draft itself
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "draft")
     assert saved.dtype == torch.bfloat16 and saved.config.num_hidden_layers == 1
     source = AutoModelForCausalLM.from_pretrained(source_dir)

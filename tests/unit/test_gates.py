@@ -20,12 +20,17 @@ def report(**variant_overrides):
     }
 
 
+def gates_cfg(**bounds) -> GatesConfig:
+    """The gates asked for, without the smoke gate that is on by default (tested on its own below)."""
+    return GatesConfig(**{"min_smoke_ok": None, **bounds})
+
+
 def by_gate(gates):
     return {g["gate"]: g for g in gates}
 
 
 def test_all_gates_pass_with_values_bounds_and_ops():
-    cfg = GatesConfig(max_ppl_ratio=1.2, max_kl=0.1, min_top1=0.8, max_footprint_ratio=0.5,
+    cfg = gates_cfg(max_ppl_ratio=1.2, max_kl=0.1, min_top1=0.8, max_footprint_ratio=0.5,
                       min_decode_speed_ratio=0.5, min_acceptance=0.5, min_spec_speedup=1.1)
     gates = evaluate_gates(report(), cfg)
     assert len(gates) == 7 and not failed_gates(gates)
@@ -38,7 +43,7 @@ def test_all_gates_pass_with_values_bounds_and_ops():
 
 
 def test_failures_and_boundaries():
-    cfg = GatesConfig(max_ppl_ratio=1.1, max_kl=0.01, min_top1=0.9)  # ppl and top1 exactly on the bound pass
+    cfg = gates_cfg(max_ppl_ratio=1.1, max_kl=0.01, min_top1=0.9)  # ppl and top1 exactly on the bound pass
     g = by_gate(evaluate_gates(report(), cfg))
     assert g["max_ppl_ratio"]["passed"] and g["min_top1"]["passed"]
     assert not g["max_kl"]["passed"]
@@ -46,7 +51,7 @@ def test_failures_and_boundaries():
 
 
 def test_warn_only_gates_never_fail_the_run():
-    cfg = GatesConfig(min_spec_speedup=2.0, min_acceptance=0.9, warn_only=["min_spec_speedup", "min_acceptance"])
+    cfg = gates_cfg(min_spec_speedup=2.0, min_acceptance=0.9, warn_only=["min_spec_speedup", "min_acceptance"])
     gates = evaluate_gates(report(), cfg)
     assert all(not g["passed"] and g["severity"] == "warn" for g in gates)
     assert failed_gates(gates) == []
@@ -56,7 +61,7 @@ def test_warn_only_gates_never_fail_the_run():
 def test_per_model_override_replaces_the_global_bound():
     rep = report()
     rep["variants"]["w3"] = dict(rep["variants"]["w4"], ppl_ratio=1.4)
-    cfg = GatesConfig(max_ppl_ratio=1.2, models={"w3": {"max_ppl_ratio": 1.5}, "draft": {"min_acceptance": 0.7}})
+    cfg = gates_cfg(max_ppl_ratio=1.2, models={"w3": {"max_ppl_ratio": 1.5}, "draft": {"min_acceptance": 0.7}})
     gates = evaluate_gates(rep, cfg)
     assert {(g["model"], g["bound"], g["passed"]) for g in gates if g["gate"] == "max_ppl_ratio"} == {
         ("w4", 1.2, True), ("w3", 1.5, True)}
@@ -65,7 +70,7 @@ def test_per_model_override_replaces_the_global_bound():
 
 
 def test_speculative_mode_is_selectable():
-    g = by_gate(evaluate_gates(report(), GatesConfig(min_spec_speedup=1.0, speculative_mode="t0.7")))
+    g = by_gate(evaluate_gates(report(), gates_cfg(min_spec_speedup=1.0, speculative_mode="t0.7")))
     assert g["min_spec_speedup"]["value"] == 0.9 and not g["min_spec_speedup"]["passed"]
 
 
@@ -81,7 +86,7 @@ def test_speculative_mode_is_selectable():
 def test_missing_metric_is_a_failed_gate_with_a_reason(gate, breaks, needle):
     rep = report()
     breaks(rep)
-    (g,) = evaluate_gates(rep, GatesConfig(**{gate: 100.0 if gate.startswith("max") else 0.0001}))
+    (g,) = evaluate_gates(rep, gates_cfg(**{gate: 100.0 if gate.startswith("max") else 0.0001}))
     if needle is None:
         assert g["passed"] and g["value"] == pytest.approx(1.1)
     else:
@@ -90,18 +95,18 @@ def test_missing_metric_is_a_failed_gate_with_a_reason(gate, breaks, needle):
 
 
 def test_nan_metric_fails():
-    (g,) = evaluate_gates(report(kl=math.nan), GatesConfig(max_kl=1.0))
+    (g,) = evaluate_gates(report(kl=math.nan), gates_cfg(max_kl=1.0))
     assert not g["passed"] and "not finite" in g["reason"]
 
 
 def test_no_gates_configured_and_empty_report():
-    assert evaluate_gates(report(), GatesConfig()) == []
-    assert evaluate_gates({}, GatesConfig(max_kl=0.1)) == []
+    assert evaluate_gates(report(), gates_cfg()) == []
+    assert evaluate_gates({}, gates_cfg(max_kl=0.1)) == []
     assert gates_table([]) == "no gates configured"
 
 
 def test_table_lists_every_gate_and_a_summary():
-    gates = evaluate_gates(report(), GatesConfig(max_kl=0.01, min_top1=0.5, min_acceptance=0.9,
+    gates = evaluate_gates(report(), gates_cfg(max_kl=0.01, min_top1=0.5, min_acceptance=0.9,
                                                  warn_only=["min_acceptance"]))
     text = gates_table(gates)
     lines = text.splitlines()
@@ -113,19 +118,43 @@ def test_table_lists_every_gate_and_a_summary():
 
 def test_config_validation():
     with pytest.raises(ValidationError, match="unknown gates"):
-        GatesConfig(warn_only=["min_speedup"])
+        gates_cfg(warn_only=["min_speedup"])
     with pytest.raises(ValidationError, match="extra"):
-        GatesConfig(max_perplexity=1.2)
+        gates_cfg(max_perplexity=1.2)
     with pytest.raises(ValidationError):
-        GatesConfig(min_top1=1.5)
+        gates_cfg(min_top1=1.5)
     assert gate_metric_names()["max_kl"] == "kl" and set(gate_metric_names()) == set(GATE_METRICS)
 
 
 def test_gate_problems_for_compress_check():
-    cfg = GatesConfig(min_acceptance=0.5, min_decode_speed_ratio=0.5, models={"w9": {"max_kl": 0.1}})
+    cfg = gates_cfg(min_acceptance=0.5, min_decode_speed_ratio=0.5, models={"w9": {"max_kl": 0.1}})
     problems = gate_problems(cfg, SpeedConfig(models=["w4"]), ["w4"], None)
     text = "\n".join(problems)
     assert "no variant or draft named 'w9'" in text
     assert "needs a [draft]" in text
     assert "needs speed for 'baseline'" in text
-    assert gate_problems(GatesConfig(max_kl=0.1), SpeedConfig(), ["w4"], "draft") == []
+    assert gate_problems(gates_cfg(max_kl=0.1), SpeedConfig(), ["w4"], "draft") == []
+
+
+def test_smoke_gate_is_on_by_default_and_names_the_failed_prompt():
+    ok = {"outputs": [{"prompt": "Hi", "text": "Hello! How can I help?", "ok": True, "problem": None}] * 2}
+    bad = {"outputs": [ok["outputs"][0], {"prompt": "Name a colour", "text": "the the the the", "ok": False,
+                                          "problem": "repeats one 4-gram"}]}
+    assert GatesConfig().min_smoke_ok == 1.0
+    [g] = evaluate_gates(report(smoke=ok), GatesConfig())
+    assert g["gate"] == "min_smoke_ok" and g["passed"] and g["value"] == 1.0
+    [g] = evaluate_gates(report(smoke=bad), GatesConfig())
+    assert not g["passed"] and g["value"] == 0.5 and "1 of 2 smoke prompts failed: repeats one 4-gram" in g["reason"]
+    [g] = evaluate_gates(report(), GatesConfig())
+    assert not g["passed"] and "smoke is not in the report" in g["reason"]
+    assert evaluate_gates(report(smoke=bad), GatesConfig(min_smoke_ok=0.5))[0]["passed"]
+    rand = report(smoke=bad)
+    rand["model"] = {"random_init": True}
+    assert evaluate_gates(rand, GatesConfig()) == []  # random weights: the smoke test says nothing
+
+
+def test_smoke_gate_without_the_smoke_test_is_refused_at_check():
+    problems = gate_problems(GatesConfig(), None, ["w4"], None, smoke=False)
+    assert any("min_smoke_ok needs the smoke test" in p and "min_smoke_ok = 0" in p for p in problems)
+    assert gate_problems(GatesConfig(min_smoke_ok=0), None, ["w4"], None, smoke=False) == []
+    assert evaluate_gates(report(), GatesConfig(min_smoke_ok=0)) == []
