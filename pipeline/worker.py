@@ -6,11 +6,13 @@ and it is loaded from disk exactly as a user would load it.
 """
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from pipeline.errors import StageError
@@ -25,23 +27,51 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child
         pass
 
 
+class ChildTimeout(Exception):
+    pass
+
+
+def run_child(cmd: list[str], log_path: Path, timeout_s: float | None = None, env: dict | None = None) -> tuple[int, str]:
+    """Run `cmd` in a child that dies with this process. Libraries print banners and INFO lines on stdout
+    (GPTQModel): they go to `log_path`. Our logging and progress bars use stderr: passed through to the console
+    as they come, the last lines kept for an error message. Returns (exit code, stderr tail); raises
+    ChildTimeout when `timeout_s` passes (the child is killed)."""
+    env = dict(env or os.environ, PYTHONUNBUFFERED="1")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+        expired = threading.Event()
+        timer = threading.Timer(timeout_s, lambda: (expired.set(), proc.kill())) if timeout_s else None
+        if timer:
+            timer.start()
+        tail, decoder = bytearray(), codecs.getincrementaldecoder("utf-8")(errors="replace")
+        try:
+            while chunk := os.read(proc.stderr.fileno(), 4096):
+                sys.stderr.write(decoder.decode(chunk))
+                sys.stderr.flush()
+                tail = (tail + chunk)[-16384:]
+            code = proc.wait()
+        finally:
+            if timer:
+                timer.cancel()
+            proc.stderr.close()
+    if expired.is_set():
+        raise ChildTimeout(f"exceeded its {timeout_s:.0f} s limit")
+    lines = [ln for ln in tail.decode(errors="replace").replace("\r", "\n").splitlines() if ln.strip()]
+    return code, "\n".join(lines[-15:])
+
+
 def run_task(task: str, args: dict, out_dir: Path, threads: int | None = None, timeout_s: float | None = None) -> dict:
     job, result = out_dir / f".job-{task}.json", out_dir / f".result-{task}.json"
     job.write_text(json.dumps({"task": task, "args": args, "threads": threads}, default=str))
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    # libraries print banners and INFO lines on stdout (GPTQModel): keep them in a log beside the results;
-    # our logging and progress bars use stderr and stay on the console
     try:
-        with open(out_dir / f"{task}.log", "w") as stdout:
-            proc = subprocess.run([sys.executable, "-m", "pipeline.worker", str(job), str(result)], env=env,
-                                  stdout=stdout, preexec_fn=_die_with_parent, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        raise StageError(f"{task} worker exceeded its {timeout_s:.0f} s limit") from None
-    try:
-        if proc.returncode != 0:
+        try:
+            code, tail = run_child([sys.executable, "-m", "pipeline.worker", str(job), str(result)],
+                                   out_dir / f"{task}.log", timeout_s)
+        except ChildTimeout as e:
+            raise StageError(f"{task} worker {e}") from None
+        if code != 0:
             detail = json.loads(result.read_text()).get("error") if result.exists() else None
-            raise StageError(f"{task} worker failed (exit code {proc.returncode})"
-                             + (f": {detail}" if detail else "; see its output above"))
+            raise StageError(f"{task} worker failed (exit code {code})" + (f": {detail}" if detail else f":\n{tail}"))
         return json.loads(result.read_text())
     finally:
         job.unlink(missing_ok=True)

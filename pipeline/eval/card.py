@@ -71,7 +71,9 @@ def card_data(report: dict, entry: dict) -> ModelCardData:
         if base:
             extra["base_model_relation"] = "quantized"
     elif kind == "draft":
-        tags += ["speculative-decoding", "draft-model", "assistant-model", "distillation"]
+        tags += ["speculative-decoding", "draft-model", "assistant-model"]
+        if dig(data, "distill", "steps") != 0:
+            tags.append("distillation")
     if model.get("random_init"):
         tags.append("random-weights")
     ppl = dig(data, "perplexity", "value")
@@ -107,7 +109,7 @@ def _intro(report: dict, entry: dict, base: str | None) -> list[str]:
     elif entry["kind"] == "draft":
         verifier = entry.get('verifier') or data.get('verifier', '?')
         if data.get("source"):
-            made = f"**{data['source']}**, used as a **draft model for speculative decoding**"
+            made = f"`{data['source']}`, used as a **draft model for speculative decoding**"
             made += (" (not distilled)" if (data.get("distill") or {}).get("steps") == 0
                      else f", distilled against the verifier `{verifier}`")
             lines.append(f"{made}, for {base_ref} (verifier `{verifier}`). "

