@@ -97,11 +97,10 @@ def _print_summary(run_dir: Path, wall: float) -> None:
         top1 = f"{e['top1']:.3f}" if e.get("top1") is not None else "-"
         disk = f"{e['size_on_disk_bytes'] / 2**20:.0f}" if e.get("size_on_disk_bytes") else "-"
         click.echo(f"{name:<20}{(f'{ppl:.3f}' if ppl else '-'):>10}{ratio:>8}{kl:>9}{top1:>7}{disk:>10}", err=True)
-    gates = report.get("gates", [])
-    warned = sum(1 for g in gates if not g["passed"] and g.get("severity") == "warn")
-    failed = sum(1 for g in gates if not g["passed"]) - warned
-    click.echo(f"\nstatus {report['run']['status']} in {wall:.0f} s; gates: {len(gates) - failed - warned} passed, "
-               f"{failed} failed, {warned} warning(s); report {run_dir / 'report.md'}", err=True)
+    from pipeline.eval.gates import gates_summary
+
+    click.echo(f"\nstatus {report['run']['status']} in {wall:.0f} s; gates: {gates_summary(report.get('gates', []))}; "
+               f"report {run_dir / 'report.md'}", err=True)
 
 
 @cli.command(epilog=EPILOG)

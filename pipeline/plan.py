@@ -20,6 +20,7 @@ TRACKED_PACKAGES = ("torch", "transformers", "gptqmodel", "bitsandbytes", "optim
 class Plan:
     model: ModelInfo
     stages: list[str]
+    draft_model: ModelInfo | None = None  # [draft] init = "model": its source, described once by the checks
     variants: list[dict] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)
     memory_limit: int = 0
@@ -61,7 +62,8 @@ def check(recipe) -> Plan:
     """Every cross-stage rule, before any weight is loaded. Raises RecipeError listing all problems."""
     problems: list[str] = []
     try:
-        info = describe(parse(recipe.model.source, recipe.model.gguf_file))
+        source = parse(recipe.model.source, recipe.model.gguf_file)
+        info = describe(source)
     except RecipeError as e:
         raise RecipeError(f"[model].source: {e}") from None
     except (OSError, ValueError) as e:
@@ -69,8 +71,8 @@ def check(recipe) -> Plan:
     plan = Plan(info, stage_names(recipe))
     problems += _check_data(recipe)
     problems += _check_variants(recipe, info, plan)
-    problems += _check_draft(recipe, info)
-    problems += _check_gates(recipe)
+    problems += _check_draft(recipe, info, plan)
+    problems += _check_gates(recipe, random_init=source.random_init)
     _estimate_memory(recipe, info, plan)
     if plan.peak_memory > plan.memory_limit:
         problems.append(f"estimated peak memory {plan.peak_memory / GiB:.1f} GiB exceeds the "
@@ -137,7 +139,7 @@ def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[str]:
     return problems
 
 
-def _check_draft(recipe, info: ModelInfo) -> list[str]:
+def _check_draft(recipe, info: ModelInfo, plan: Plan) -> list[str]:
     d = recipe.draft
     if d is None:
         return []
@@ -158,16 +160,16 @@ def _check_draft(recipe, info: ModelInfo) -> list[str]:
     if d.vocab_size and info.config.get("vocab_size") and d.vocab_size > info.config["vocab_size"]:
         problems.append(f"draft.vocab_size = {d.vocab_size} exceeds the verifier's vocabulary ({info.config['vocab_size']})")
     if d.init == "model":
-        problems += _check_draft_tokenizer(recipe, info)
+        problems += _check_draft_tokenizer(recipe, info, plan)
     return problems
 
 
-def _check_draft_tokenizer(recipe, info: ModelInfo) -> list[str]:
+def _check_draft_tokenizer(recipe, info: ModelInfo, plan: Plan) -> list[str]:
     d = recipe.draft
     if not d.source:
         return ["draft.init = 'model' needs draft.source (a model source with the verifier's tokenizer)"]
     try:
-        dinfo = describe(parse(d.source))
+        dinfo = plan.draft_model = describe(parse(d.source))
     except RecipeError as e:
         return [f"draft.source: {e}"]
     diffs = [f"{k}: verifier {info.config.get(k)} vs draft {dinfo.config.get(k)}" for k in ("vocab_size",)
@@ -179,22 +181,12 @@ def _check_draft_tokenizer(recipe, info: ModelInfo) -> list[str]:
     return [f"draft.source {d.source!r} has a different tokenizer than the verifier ({'; '.join(diffs)})"] if diffs else []
 
 
-def _check_gates(recipe) -> list[str]:
+def _check_gates(recipe, random_init: bool) -> list[str]:
     from pipeline.eval.config import gate_problems
 
-    v = recipe.validate_
-    random_init = recipe.model.source.startswith("config:")  # the smoke gate does not apply to random weights
+    v = recipe.validate_  # the smoke gate does not apply to random weights
     return gate_problems(v.gates, v.speed, [q.name for q in recipe.quantize], "draft" if recipe.draft else None,
                          smoke=v.smoke.enabled or random_init)
-
-
-def _draft_weight_bytes(d, verifier_bytes: int) -> int:
-    if d.init == "model" and d.source:
-        try:
-            return 4 * describe(parse(d.source)).n_params
-        except RecipeError:
-            return verifier_bytes  # reported by the draft checks
-    return verifier_bytes
 
 
 def _estimate_memory(recipe, info: ModelInfo, plan: Plan) -> None:
@@ -214,7 +206,8 @@ def _estimate_memory(recipe, info: ModelInfo, plan: Plan) -> None:
     if recipe.draft is not None:
         dd = recipe.draft.distill
         if dd.steps == 0:  # verifier + the draft, and a copy of it when saved in another dtype
-            plan.memory["draft"] = w + 2 * _draft_weight_bytes(recipe.draft, w)
+            draft_w = 4 * plan.draft_model.n_params if plan.draft_model else w  # layer drafts: at most the verifier
+            plan.memory["draft"] = w + 2 * draft_w
         else:
             plan.memory["draft"] = 3 * w + dd.batch_size * dd.seq_len * vocab * 4 * 6
     for k in plan.memory:

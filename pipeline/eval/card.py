@@ -19,7 +19,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from pipeline.eval.report import dig, num, size, speculative_label
+from pipeline.eval.report import dig, num, shown_params, size, speculative_label
 
 # names of our datasets -> Hub dataset ids (metadata only lists ids the Hub can resolve)
 HUB_DATASETS = {"wikitext2": "Salesforce/wikitext", "wikitext-2": "Salesforce/wikitext",
@@ -103,7 +103,7 @@ def _intro(report: dict, entry: dict, base: str | None) -> list[str]:
     base_ref = f"[{base}](https://huggingface.co/{base})" if base else f"`{model.get('source', '?')}`"
     lines = [f"# {entry['name']}", ""]
     if entry["kind"] == "variant":
-        params = {k: v for k, v in (data.get("params") or {}).items() if k not in ("name", "method") and v is not None}
+        params = shown_params(data.get("params"))
         lines.append(f"A **{data.get('method', '?')}** quantization of {base_ref} "
                      f"({', '.join(f'{k}={v}' for k, v in params.items()) or 'default settings'}), made with compress.")
     elif entry["kind"] == "draft":

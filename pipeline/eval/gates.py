@@ -168,7 +168,12 @@ def gates_table(gates: list[dict]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + ("  " + r[5] if r[5] else "") for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append(f"{len(gates)} gates: {gates_summary(gates)}")
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def gates_summary(gates: list[dict]) -> str:
+    """"N passed, F failed, W warnings" (warn-only gates that did not pass are warnings, not failures)."""
     n_fail = len(failed_gates(gates))
     n_warn = sum(1 for g in gates if gate_status(g) == "WARN")
-    lines.append(f"{len(gates)} gates: {len(gates) - n_fail - n_warn} passed, {n_fail} failed, {n_warn} warnings")
-    return "\n".join(line.rstrip() for line in lines)
+    return f"{len(gates) - n_fail - n_warn} passed, {n_fail} failed, {n_warn} warnings"

@@ -124,13 +124,18 @@ def _quality(report: dict) -> list[str]:
     return lines + table(["model", "method", "params", "perplexity", "ppl ratio", "KL", "top-1", "smoke"], body) + [""]
 
 
-def _params(p: Any) -> str:
+OFF_VALUES = {"gptaq_alpha": 0, "foem_beta": 0}  # optional GPTQ refinements: shown only when on
+
+
+def shown_params(p: Any, hide: tuple[str, ...] = ("name", "method")) -> dict:
+    """A variant's settings worth showing (report table, model card): set, and not an optional feature left off."""
     if not isinstance(p, dict):
-        return "–"
-    off = {"gptaq_alpha": 0, "foem_beta": 0}  # optional GPTQ refinements: shown only when on
-    shown = {k: v for k, v in p.items()
-             if k not in ("name", "method", "modules_to_skip") and v is not None and not (k in off and v == off[k])}
-    return ", ".join(f"{k}={v}" for k, v in shown.items()) or "–"
+        return {}
+    return {k: v for k, v in p.items() if k not in hide and v is not None and not (k in OFF_VALUES and v == OFF_VALUES[k])}
+
+
+def _params(p: Any) -> str:
+    return ", ".join(f"{k}={v}" for k, v in shown_params(p, ("name", "method", "modules_to_skip")).items()) or "–"
 
 
 def _smoke(s: Any) -> str:

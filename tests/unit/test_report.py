@@ -53,7 +53,8 @@ def full_report() -> dict:
         "baseline": {"perplexity": ppl, "size_on_disk_bytes": 538090000, "footprint_bytes": 538060288,
                      "speed": _speed(15.0, 40.0, 538060288)},
         "variants": {
-            "gptq-w4g64": _variant("gptq", {"bits": 4, "group_size": 64, "sym": True}, 21.0, 160e6, 9.0, 0.05, 0.9),
+            "gptq-w4g64": _variant("gptq", {"bits": 4, "group_size": 64, "sym": True, "gptaq_alpha": 0.0,
+                                            "foem_beta": 0.2}, 21.0, 160e6, 9.0, 0.05, 0.9),
             "rtn-w4g64": _variant("rtn", {"bits": 4, "group_size": 64}, 24.0, 160e6, 9.5, 0.12, 0.82),
             "nf4": _variant("bnb-nf4", {"double_quant": True}, 22.5, 170e6, 4.0, 0.08, 0.87),
             "int8": _variant("bnb-int8", {"threshold": 6.0}, 20.1, 280e6, 3.0, 0.01, 0.97),
@@ -192,6 +193,7 @@ def test_variant_card_metadata_and_round_trip(tmp_path):
     assert "GPTQModel.load" in text and "vllm serve" in text and "Kernel compatibility" in text
     assert "dequantized from a Q4_1 GGUF" in text and "```toml" in text and "[lock]" in text
     assert "| gptq-w4g64 | 21 |" in text
+    assert "foem_beta=0.2" in text and "gptaq_alpha" not in text  # optional refinements shown only when on
 
 
 def test_card_rewrite_is_byte_identical(tmp_path):
