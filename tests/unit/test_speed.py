@@ -121,11 +121,22 @@ def test_weight_bytes_count_tied_lm_head_once_and_skip_untied_embedding_table():
     assert weight_bytes_per_token(tied) == weight_bytes_per_token(untied)
 
 
+def _touch_fresh_pages(n: int) -> None:
+    """Map n bytes of new anonymous memory, write every page, hold it 100 ms (long enough for the sampling fallback),
+    unmap. Not a torch tensor: an allocator may hand back already-resident memory freed by earlier tests, which
+    (rightly) raises no RSS at all; that is what CI saw."""
+    import mmap
+
+    block = mmap.mmap(-1, n)
+    for off in range(0, n, mmap.PAGESIZE):
+        block[off] = 1
+    time.sleep(0.1)
+    block.close()
+
+
 def test_peak_memory_sees_a_transient_allocation():
     mem = PeakMemory("cpu").start()
-    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
-    time.sleep(0.1)  # long enough for the sampling fallback too; the high-water mark sees it at once
-    del block
+    _touch_fresh_pages(64 * 2**20)
     assert mem.peak_above_base() >= 60 * 2**20, mem.kind
 
 
@@ -140,9 +151,7 @@ def test_peak_memory_sampling_fallback_sees_a_held_allocation(monkeypatch):
     monkeypatch.setattr(Path, "write_text", refuse_clear_refs)
     mem = PeakMemory("cpu").start()
     assert mem.kind == "rss_sampled"
-    block = torch.ones(64 * 2**20 // 4)
-    time.sleep(0.1)
-    del block
+    _touch_fresh_pages(64 * 2**20)
     assert mem.peak_above_base() >= 60 * 2**20
 
 
