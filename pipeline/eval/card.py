@@ -19,7 +19,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from pipeline.eval.report import dig, num, shown_params, size, speculative_label
+from pipeline.eval.report import dig, is_distilled, num, shown_params, size, speculative_label
 
 # names of our datasets -> Hub dataset ids (metadata only lists ids the Hub can resolve)
 HUB_DATASETS = {"wikitext2": "Salesforce/wikitext", "wikitext-2": "Salesforce/wikitext",
@@ -72,7 +72,7 @@ def card_data(report: dict, entry: dict) -> ModelCardData:
             extra["base_model_relation"] = "quantized"
     elif kind == "draft":
         tags += ["speculative-decoding", "draft-model", "assistant-model"]
-        if dig(data, "distill", "steps") != 0:
+        if is_distilled(data):
             tags.append("distillation")
     if model.get("random_init"):
         tags.append("random-weights")
@@ -110,8 +110,7 @@ def _intro(report: dict, entry: dict, base: str | None) -> list[str]:
         verifier = entry.get('verifier') or data.get('verifier', '?')
         if data.get("source"):
             made = f"`{data['source']}`, used as a **draft model for speculative decoding**"
-            made += (" (not distilled)" if (data.get("distill") or {}).get("steps") == 0
-                     else f", distilled against the verifier `{verifier}`")
+            made += (f", distilled against the verifier `{verifier}`" if is_distilled(data) else " (not distilled)")
             lines.append(f"{made}, for {base_ref} (verifier `{verifier}`). "
                          "It shares the verifier's tokenizer; use it as `assistant_model`.")
         else:

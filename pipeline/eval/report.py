@@ -134,6 +134,11 @@ def shown_params(p: Any, hide: tuple[str, ...] = ("name", "method")) -> dict:
     return {k: v for k, v in p.items() if k not in hide and v is not None and not (k in OFF_VALUES and v == OFF_VALUES[k])}
 
 
+def is_distilled(draft: Any) -> bool:
+    """Whether a draft's report entry says it was distilled ([draft.distill] steps = 0 uses it as initialised)."""
+    return dig(draft, "distill", "steps") != 0
+
+
 def _params(p: Any) -> str:
     return ", ".join(f"{k}={v}" for k, v in shown_params(p, ("name", "method", "modules_to_skip")).items()) or "–"
 
@@ -220,8 +225,7 @@ def _speculative(report: dict) -> list[str]:
     verifier = draft.get("verifier", "?")
     head = f", {num(draft['vocab_size'])}-token head" if draft.get("vocab_size") else ", full-vocabulary head"
     what = f"`{draft['source']}`" if draft.get("source") else f"verifier layers {draft.get('layers', '?')}"
-    steps = (draft.get("distill") or {}).get("steps")
-    trained = ", not distilled ([draft.distill] steps = 0)" if steps == 0 else ""
+    trained = "" if is_distilled(draft) else ", not distilled ([draft.distill] steps = 0)"
     dtype = f", {draft['dtype']} weights" if draft.get("dtype") not in (None, "float32") else ""
     lines += [f"Draft `{draft.get('name', '?')}` ({what}{head}{dtype}{trained}) for verifier "
               f"`{verifier}`. Speed-up is over plain decoding with the verifier in the same run.", ""]
