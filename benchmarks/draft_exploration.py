@@ -72,21 +72,27 @@ def merged(preset: dict, steps: int, seed_cfg: dict) -> DraftConfig:
     return DraftConfig.model_validate(cfg)
 
 
+def acceptance(verifier, draft, vocab, prompts: list[torch.Tensor], new_tokens: int, gamma: int,
+               temperature: float) -> dict:
+    """Acceptance of `draft` over the prompts (prompt i sampled with seed i), untimed."""
+    stats, reps = SpecStats(), []
+    for i, ids in enumerate(prompts):
+        seq, s = speculative_generate(verifier, draft, ids, new_tokens, gamma, temperature,
+                                      torch.Generator().manual_seed(i), vocab)
+        stats.merge(s)
+        reps.append(repetition_rate(seq[0, ids.shape[1]:].tolist()))
+    return {"alpha": stats.alpha, "alpha_per_token": stats.alpha_per_token,
+            "tokens_per_forward": stats.tokens_per_target_forward,
+            "acceptance_by_position": stats.as_dict()["acceptance_by_position"],
+            "repetition": statistics.mean(reps)}
+
+
 def eval_acceptance(verifier, draft_dir: Path, prompts: list[torch.Tensor], new_tokens: int, gamma: int,
                     temperatures: list[float]) -> dict:
     draft, vocab = load_causal_lm(draft_dir), load_draft_vocab(draft_dir)
     out = {"costs": measure_costs(verifier, draft, prompts[0], gamma, vocab, reps=7)}
     for t in temperatures:
-        stats, reps = SpecStats(), []
-        for i, ids in enumerate(prompts):
-            seq, s = speculative_generate(verifier, draft, ids, new_tokens, gamma, t,
-                                          torch.Generator().manual_seed(i), vocab)
-            stats.merge(s)
-            reps.append(repetition_rate(seq[0, ids.shape[1]:].tolist()))
-        out[f"t={t}"] = {"alpha": stats.alpha, "alpha_per_token": stats.alpha_per_token,
-                         "tokens_per_forward": stats.tokens_per_target_forward,
-                         "acceptance_by_position": stats.as_dict()["acceptance_by_position"],
-                         "repetition": statistics.mean(reps)}
+        out[f"t={t}"] = acceptance(verifier, draft, vocab, prompts, new_tokens, gamma, t)
     return out
 
 
@@ -172,7 +178,8 @@ def validate_default(args, texts, prompt_texts) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--verifier", default="/tmp/smol", help="HF folder of the fp32 verifier")
+    ap.add_argument("--verifier", default=str(ROOT / "artifacts/default/load"),
+                    help="HF folder of the fp32 verifier (the load stage of any SmolLM2 run)")
     ap.add_argument("--work", default="/tmp/draft_exploration")
     ap.add_argument("--configs", default="base", help=f"comma-separated presets: {','.join(PRESETS)}")
     ap.add_argument("--steps", type=int, default=60)

@@ -12,13 +12,14 @@ uses, on prompts checked not to appear in the C4 training text. Results: benchma
       --segments 5 --segment-s 600 --work /tmp/dlong
   OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.draft_long --name l0-3-onpolicy --layers 0,1,2,3 \\
       --on-policy 0.5 --segments 5 --segment-s 600 --work /tmp/dlong
-(the verifier is an fp32 HF folder, e.g. artifacts/full/load)
+  .venv/bin/python -m benchmarks.draft_long table /tmp/dlong/*/curve.json
+(the verifier: the fp32 load stage of recipes/default.toml; artifacts/full/load holds the same bytes)
 """
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -26,11 +27,10 @@ import pandas as pd
 import torch
 from transformers import AutoTokenizer
 
+from benchmarks.draft_exploration import acceptance
 from pipeline.speculative.config import DraftConfig
-from pipeline.speculative.decode import SpecStats, speculative_generate
 from pipeline.speculative.distill import distill
 from pipeline.speculative.draft_model import DraftStudent, load_draft_vocab
-from pipeline.speculative.measure import repetition_rate
 from pipeline.speculative.stage_api import (_choose_vocab, _training_data, _tuned_lens, check_no_overlap,
                                             encode_prompts, init_draft, load_causal_lm, wikitext_prompts)
 from pipeline.speculative.targets import token_windows
@@ -38,22 +38,29 @@ from pipeline.speculative.targets import token_windows
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def acceptance(verifier, draft_dir: Path, prompts, new_tokens: int, gamma: int, temperature: float) -> dict:
-    draft, vocab = load_causal_lm(draft_dir), load_draft_vocab(draft_dir)
-    stats, reps = SpecStats(), []
-    for i, ids in enumerate(prompts):
-        seq, s = speculative_generate(verifier, draft, ids, new_tokens, gamma, temperature,
-                                      torch.Generator().manual_seed(i), vocab)
-        stats.merge(s)
-        reps.append(repetition_rate(seq[0, ids.shape[1]:].tolist()))
-    return {"alpha": round(stats.alpha, 4), "alpha_per_token": round(stats.alpha_per_token, 4),
-            "tokens_per_forward": round(stats.tokens_per_target_forward, 3),
-            "repetition": round(statistics.mean(reps), 3)}
+def table(curves: list[Path]) -> str:
+    """One markdown table from the curve.json files of several runs."""
+    lines = ["| draft | minutes distilled | steps | teacher share | train top-1 | alpha greedy | per-token greedy "
+             "| alpha T=0.7 | per-token T=0.7 |", "|---|---|---|---|---|---|---|---|---|"]
+    for path in curves:
+        run = json.loads(path.read_text())
+        name = f"layers {run['args']['layers']}" + (f", on-policy {run['args']['on_policy']}" if run["args"]["on_policy"] else "")
+        for r in run["rows"]:
+            g, s = r["t=0.0"], r["t=0.7"]
+            share = f"{r['teacher_s'] / r['train_s']:.2f}" if r["train_s"] else "–"
+            top1 = f"{r['top1_train']:.3f}" if r["top1_train"] is not None else "–"
+            lines.append(f"| {name} | {r['train_s'] / 60:.0f} | {r['steps']} | {share} | {top1} | {g['alpha']:.3f} "
+                         f"| {g['alpha_per_token']:.3f} | {s['alpha']:.3f} | {s['alpha_per_token']:.3f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "table":  # python -m benchmarks.draft_long table /tmp/dlong/*/curve.json
+        print(table([Path(p) for p in sys.argv[2:]]))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--verifier", default=str(ROOT / "artifacts/full/load"), help="HF folder of the fp32 verifier")
+    ap.add_argument("--verifier", default=str(ROOT / "artifacts/default/load"),
+                    help="HF folder of the fp32 verifier (the load stage of any SmolLM2 run)")
     ap.add_argument("--work", default="/tmp/dlong")
     ap.add_argument("--name", required=True)
     ap.add_argument("--layers", default="0", help="comma-separated verifier layers kept in the draft")
@@ -106,7 +113,9 @@ def main() -> None:
                "lens_unexplained": lens["unexplained"], "vocab_coverage": coverage}
         t0 = time.perf_counter()
         for t in (0.0, 0.7):
-            row[f"t={t}"] = acceptance(verifier, out, prompts, args.new_tokens, args.gamma, t)
+            a = acceptance(verifier, load_causal_lm(out), load_draft_vocab(out), prompts, args.new_tokens,
+                           args.gamma, t)
+            row[f"t={t}"] = {k: round(v, 4) for k, v in a.items() if k != "acceptance_by_position"}
         row["measure_s"] = round(time.perf_counter() - t0)
         rows.append(row)
         print(json.dumps(row), flush=True)
