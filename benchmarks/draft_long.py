@@ -5,7 +5,7 @@ does more time on this CPU get there, and how fast is it still climbing?
 
 Each segment resumes the same run from its checkpoint (pipeline/speculative/distill.py): with a
 constant schedule, the weights after segments of 10 + 10 + ... minutes are those of one run of the
-total length. Acceptance is measured greedy and at T = 0.7 with the same decoder the validate stage
+total length, and a rerun with more --segments extends a finished run. Acceptance is measured greedy and at T = 0.7 with the same decoder the validate stage
 uses, on prompts checked not to appear in the C4 training text. Results: benchmarks/README_draft.md.
 
   OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.draft_long --name l0 --layers 0 \\
@@ -33,7 +33,7 @@ from pipeline.speculative.distill import distill
 from pipeline.speculative.draft_model import DraftStudent, load_draft_vocab
 from pipeline.speculative.stage_api import (_choose_vocab, _training_data, _tuned_lens, check_no_overlap,
                                             encode_prompts, init_draft, load_causal_lm, wikitext_prompts)
-from pipeline.speculative.targets import token_windows
+from pipeline.speculative.targets import fingerprint, token_windows
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,11 +100,16 @@ def main() -> None:
     lens = _tuned_lens(cfg, draft, verifier, windows, print)
     student = DraftStudent(draft, vocab)
     data, _ = _training_data(verifier_dir, verifier, windows, d, work, args.seed)
-    rows = []
+    # the same run (settings, seed, verifier) resumes from its checkpoint; a longer --segments extends it
+    run_fp = fingerprint(draft=cfg.model_dump(exclude={"measure": True, "distill": {"time_budget_s"}}), seed=args.seed,
+                         verifier=str(verifier_dir.resolve()), segment_s=args.segment_s)
     results = work / "curve.json"
-    for seg in range(args.segments + 1):
+    rows = json.loads(results.read_text())["rows"] if results.exists() else []
+    if rows and json.loads(results.read_text()).get("fingerprint") != run_fp:
+        raise SystemExit(f"{results} is from other settings; use another --name or --work")
+    for seg in range(len(rows), args.segments + 1):  # segments already measured are kept
         d.time_budget_s = max(1e-3, seg * args.segment_s)
-        m = distill(student, data, d, work, args.seed, print, progress=False, run_fingerprint=args.name) if seg else \
+        m = distill(student, data, d, work, args.seed, print, progress=False, run_fingerprint=run_fp) if seg else \
             {"steps": 0, "train_time_s": 0.0, "teacher_time_s": 0.0, "top1_agreement": None, "tokens_seen": 0}
         out = work / f"draft-{seg}"
         student.export(out, tok, {"layers": layers, "distill": m})
@@ -119,7 +124,8 @@ def main() -> None:
         row["measure_s"] = round(time.perf_counter() - t0)
         rows.append(row)
         print(json.dumps(row), flush=True)
-        results.write_text(json.dumps({"args": vars(args), "layers": layers, "rows": rows}, indent=1))
+        results.write_text(json.dumps({"args": vars(args), "layers": layers, "fingerprint": run_fp, "rows": rows},
+                                      indent=1))
 
 
 if __name__ == "__main__":
