@@ -80,26 +80,27 @@ def run(recipe: str, overrides: tuple[str, ...]) -> None:
 
 
 def _print_summary(run_dir: Path, wall: float) -> None:
-    from pipeline.execute import load_report, summary_rows
+    from pipeline.results import schema
+    from pipeline.results.gates import gates_summary
 
-    report = load_report(run_dir)
+    try:
+        report = schema.load(run_dir)
+    except CompressError as e:
+        click.echo(f"no summary: {e}", err=True)
+        return
     click.echo(f"\n{'stage':<34}{'status':<10}{'time s':>9}{'peak MiB':>10}", err=True)
-    for key, status, t, mem in summary_rows(report):
-        click.echo(f"{key:<34}{status:<10}{t:>9}{mem:>10}", err=True)
-    b = report.get("baseline") or {}
-    rows = [("baseline", b)] + list((report.get("variants") or {}).items())
+    for key, s in report.stages.items():
+        click.echo(f"{key:<34}{s.status:<10}{s.time_s:>9.1f}{s.peak_rss_bytes / 2**20:>10.0f}", err=True)
+    rows = ([("baseline", report.baseline)] if report.baseline else []) + list(report.variants.items())
     click.echo(f"\n{'model':<20}{'ppl':>10}{'ratio':>8}{'KL':>9}{'top1':>7}{'disk MiB':>10}", err=True)
-    base = (b.get("perplexity") or {}).get("value")
     for name, e in rows:
-        ppl = (e.get("perplexity") or {}).get("value")
-        ratio = f"{ppl / base:.4f}" if ppl and base else "-"
-        kl = f"{e['kl']:.4f}" if e.get("kl") is not None else "-"
-        top1 = f"{e['top1']:.3f}" if e.get("top1") is not None else "-"
-        disk = f"{e['size_on_disk_bytes'] / 2**20:.0f}" if e.get("size_on_disk_bytes") else "-"
+        ppl = (e.perplexity or {}).get("value")
+        ratio = f"{e.ppl_ratio:.4f}" if e.ppl_ratio is not None else ("1.0000" if name == "baseline" and ppl else "-")
+        kl = f"{e.kl:.4f}" if e.kl is not None else "-"
+        top1 = f"{e.top1:.3f}" if e.top1 is not None else "-"
+        disk = f"{e.size_on_disk_bytes / 2**20:.0f}" if e.size_on_disk_bytes else "-"
         click.echo(f"{name:<20}{(f'{ppl:.3f}' if ppl else '-'):>10}{ratio:>8}{kl:>9}{top1:>7}{disk:>10}", err=True)
-    from pipeline.eval.gates import gates_summary
-
-    click.echo(f"\nstatus {report['run']['status']} in {wall:.0f} s; gates: {gates_summary(report.get('gates', []))}; "
+    click.echo(f"\nstatus {report.run.status} in {wall:.0f} s; gates: {gates_summary(report.gates)}; "
                f"report {run_dir / 'report.md'}", err=True)
 
 
@@ -107,11 +108,9 @@ def _print_summary(run_dir: Path, wall: float) -> None:
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
 def report(run_dir: str) -> None:
     """Re-render report.md, plots and model cards of RUN_DIR from its stage outputs (no recomputation)."""
-    from pipeline.eval.report import render_report
+    from pipeline.results.render import render_report
 
     path = Path(run_dir)
-    if not (path / "report.json").is_file():
-        raise RecipeError(f"{run_dir} has no report.json: is it a compress run folder?")
     render_report(path)
     click.echo(f"wrote {path / 'report.md'}")
 
@@ -189,31 +188,65 @@ def bench(checkpoint: str, overrides: tuple[str, ...], device: str, threads: int
 @cli.command(epilog=EPILOG)
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
 @click.option("--recipe", "recipe_path", type=click.Path(dir_okay=False), default=None,
-              help="Recipe with the [publish] table (default: the one recorded in the run folder's lock).")
-@click.option("--dry-run", is_flag=True, help="Print which files would go where; touch nothing.")
-@click.option("--partial", is_flag=True, help="Push the exports whose gates passed even if others failed.")
-def push(run_dir: str, recipe_path: str | None, dry_run: bool, partial: bool) -> None:
-    """Publish the export folders of a finished run (re-checks gates and file hashes first)."""
+              help="A recipe whose [publish] table says where to push (default: the one in the run's lock). "
+                   "Only its [publish] table is used: what is pushed is what the run's report lists.")
+@click.option("--dry-run/--no-dry-run", default=None, help="Print which files would go where; touch nothing "
+              "(default: the [publish] table's dry_run).")
+@click.option("--partial/--no-partial", default=None, help="Push the exports whose gates passed even if others "
+              "failed (default: the [publish] table's partial).")
+def push(run_dir: str, recipe_path: str | None, dry_run: bool | None, partial: bool | None) -> None:
+    """Publish the exports the finished run's report lists (re-checks the publish rule and file hashes first)."""
     import logging
 
     from pipeline.publish.hub import publish_run
-    from pipeline.recipe import load_recipe, validate
+    from pipeline.runner import RunLock
 
     path = Path(run_dir)
+    cfg = _publish_config(path, recipe_path)
+    cfg = cfg.model_copy(update={k: v for k, v in (("dry_run", dry_run), ("partial", partial)) if v is not None})
+    with RunLock(path):  # exit 3 while a run (or another push) holds the folder
+        try:
+            section = publish_run(path, cfg, logging.getLogger("compress"))
+        except CompressError as e:
+            _record_publish(path, getattr(e, "section", None) or _failed_section(e))
+            raise
+        _record_publish(path, section)
+    click.echo(json.dumps(section.model_dump(mode="json"), indent=2, default=str))
+
+
+def _publish_config(run_dir: Path, recipe_path: str | None):
+    import tomllib
+
+    from pipeline.recipe import load_recipe, validate
+
     if recipe_path:
         r = load_recipe(recipe_path)
     else:
-        import tomllib
-
-        lock = path / "recipe.lock.toml"
+        lock = run_dir / "recipe.lock.toml"
         if not lock.is_file():
             raise RecipeError(f"{run_dir} has no recipe.lock.toml: is it a compress run folder?")
         r = validate(tomllib.loads(lock.read_text())["recipe"], lock)
     if r.publish is None:
         raise RecipeError("the recipe has no [publish] table: nothing says where to push")
-    cfg = r.publish.model_copy(update={k: True for k, v in (("dry_run", dry_run), ("partial", partial)) if v})
-    result = publish_run(path, cfg, logging.getLogger("compress"))
-    click.echo(json.dumps(result, indent=2, default=str))
+    return r.publish
+
+
+def _failed_section(e: CompressError):
+    from pipeline.results.schema import PublishSection
+
+    return PublishSection(status="failed", reason=str(e))
+
+
+def _record_publish(run_dir: Path, section) -> None:
+    """`compress push` writes its outcome into the run's report (publish.items[] for a push)."""
+    from pipeline.results import schema
+
+    try:
+        report = schema.load(run_dir)
+    except CompressError:
+        return  # no readable report: the refusal itself already says so
+    report.publish = section
+    schema.save(report, run_dir)
 
 
 def main() -> None:
@@ -230,6 +263,9 @@ def main() -> None:
     except CompressError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
+    except OSError as e:  # outside any stage: e.g. the run folder's lock or report on a full disk
+        click.echo(f"error: {e.strerror or e}: {e.filename or ''}", err=True)
+        sys.exit(4)
     except KeyboardInterrupt:
         click.echo("interrupted; rerun the same command to resume", err=True)
         sys.exit(130)

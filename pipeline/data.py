@@ -8,7 +8,6 @@
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import tomllib
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from pipeline.errors import RecipeError, StageError
+from pipeline.fileio import sha256_file
 from pipeline.registry import Registry
 
 CALIBRATION_DIR = Path(__file__).resolve().parent.parent / "calibration"
@@ -59,14 +59,6 @@ def resolve(name: str, text_field: str = "text") -> DatasetRef:
     if name not in reg:
         raise RecipeError(reg.unknown_message(name) + " (or give a .txt/.jsonl/.parquet path, or hf:<id>)")
     return reg.get(name)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _verified(ref: DatasetRef) -> Path:

@@ -42,6 +42,17 @@ class PublishError(CompressError):
     exit_code = 6
 
 
+class Interrupted(CompressError):
+    """SIGINT (Ctrl-C, exit 130) or SIGTERM (exit 143) stopped the run; rerunning the command resumes it."""
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {name}; rerun the same command to resume")
+        self.exit_code = 128 + int(signum)
+
+
 EXIT_CODES = {
     0: "success",
     1: "internal error (a bug: please report it with the traceback)",
@@ -50,5 +61,6 @@ EXIT_CODES = {
     4: "a stage failed (missing file, unwritable output, library failure)",
     5: "the run finished but at least one gate failed (see report.md)",
     6: "publishing to the Hub failed or was refused",
-    130: "interrupted (Ctrl-C); rerun to resume",
+    130: "interrupted by Ctrl-C (SIGINT); rerun to resume",
+    143: "stopped by SIGTERM (e.g. a CI timeout); rerun to resume",
 }

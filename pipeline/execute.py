@@ -1,25 +1,32 @@
-"""`compress run`: lock the run folder, write the reproducibility lock, run the units in order,
-apply the gates, render the report, export, publish. Returns the process exit code."""
+"""`compress run`: lock the run folder, write the reproducibility lock, run the units in order, apply the
+gates, export, publish. Returns the process exit code.
+
+The run's status in report.json is always one of: running (this process is working, or was SIGKILLed),
+complete / gates_failed (final: every stage finished and the gates were evaluated), failed (exit 4, or the
+stage's own code), interrupted (SIGINT 130, SIGTERM 143). A rerun resumes from the stage manifests.
+"""
 from __future__ import annotations
 
-import json
 import logging
+import shutil
+import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.errors import CompressError, GateFailure
+from pipeline.errors import CompressError, GateFailure, Interrupted, StageError
+from pipeline.fileio import atomic_write_text
 from pipeline.plan import Plan, versions
-from pipeline.runner import Runner, RunLock, Unit, atomic_write_text
+from pipeline.results import schema
+from pipeline.runner import Runner, RunLock, Unit
 
 log = logging.getLogger("compress")
-SCHEMA_VERSION = 1
 
 
 def build_units(recipe) -> tuple[list[Unit], list[Unit]]:
     """(units up to validate, export units). Gates are applied between the two."""
-    from pipeline.stages import calibrate, draft, export, load, quantize, validate
-
     from pipeline.plan import stage_names
+    from pipeline.stages import calibrate, draft, export, load, quantize, validate
 
     units = [load.unit(recipe)]
     if "calibrate" in stage_names(recipe):
@@ -31,35 +38,24 @@ def build_units(recipe) -> tuple[list[Unit], list[Unit]]:
     return units + val, export.units(recipe, [u.key for u in val])
 
 
-def lock_text(recipe, vers: dict, runner_versions: dict) -> str:
+def lock_text(recipe, vers: dict, device: str, run_id: str) -> str:
     import tomli_w
 
     from pipeline import data
+    from pipeline.fileio import sha256_file
     from pipeline.sources import parse
     from pipeline.stages.export import _drop_none
 
     src = parse(recipe.model.source, recipe.model.gguf_file)
     files = {}
     for ds in sorted({recipe.calibration.dataset, recipe.validate_.perplexity.dataset}):  # a set: sort for a stable lock
-        ref = data.resolve(ds)
-        files[ds] = data.fingerprint(ref) or "hf-cache"
-    from pipeline.data import sha256_file
-
-    lock = {"lock": {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "versions": vers,
+        files[ds] = data.fingerprint(data.resolve(ds)) or "hf-cache"
+    lock = {"lock": {"run_id": run_id, "created": schema.now(), "versions": vers,
                      "model_file": str(src.path), "model_sha256": sha256_file(src.path) if src.path.is_file() else "",
-                     "data_sha256": files, "device": runner_versions.get("device", "")},
+                     "data_sha256": files, "device": device},
             "recipe": _drop_none(recipe.dump())}
     return "# Resolved recipe + versions + hashes: rerun with `compress run recipe.lock.toml` is not needed;\n" \
            "# this file records exactly what produced the run folder.\n" + tomli_w.dumps(lock)
-
-
-def new_report(recipe, recipe_path: Path, device: str, vers: dict) -> dict:
-    return {"schema_version": SCHEMA_VERSION,
-            "run": {"name": recipe.run.name, "recipe": str(recipe_path), "status": "running", "exit_code": None,
-                    "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "finished": None, "device": device,
-                    "seed": recipe.run.seed, "versions": vers},
-            "model": None, "baseline": None, "calibration": None, "variants": {}, "draft": None, "gates": [],
-            "exports": {}, "publish": None, "stages": {}}
 
 
 def execute(recipe, recipe_path: Path, plan: Plan) -> int:
@@ -70,14 +66,26 @@ def execute(recipe, recipe_path: Path, plan: Plan) -> int:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        from pipeline.errors import StageError
-
         raise StageError(f"cannot write to the run folder {run_dir}: {e.strerror}") from None
     with RunLock(run_dir):
-        return _execute_locked(recipe, recipe_path, plan, run_dir)
+        return _execute_locked(recipe, recipe_path, run_dir)
 
 
-def _execute_locked(recipe, recipe_path: Path, plan: Plan, run_dir: Path) -> int:
+@contextmanager
+def stop_signals():
+    """SIGTERM (and SIGINT) raise Interrupted in the main thread, so the run can say so in its report."""
+    def stop(signum, frame):
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+def _execute_locked(recipe, recipe_path: Path, run_dir: Path) -> int:
     from pipeline.env import tame
 
     tame()
@@ -89,77 +97,116 @@ def _execute_locked(recipe, recipe_path: Path, plan: Plan, run_dir: Path) -> int
         torch.set_num_threads(recipe.run.threads)
     device = resolve_device(recipe.run.device)
     torch.manual_seed(recipe.run.seed)
-    vers = versions()
-    atomic_write_text(run_dir / "recipe.lock.toml", lock_text(recipe, vers, {"device": device}))
-    report = new_report(recipe, recipe_path, device, vers)
-    runner = Runner(run_dir, recipe.run.seed, device, vers, report)
-    log.info("run %s -> %s (%s)", recipe.run.name, run_dir, device)
+    vers, run_id = versions(), schema.new_run_id()
+    report = schema.new_report(run_id=run_id, name=recipe.run.name, recipe=str(recipe_path), device=device,
+                               seed=recipe.run.seed, versions=vers)
+    runner = Runner(run_dir, recipe.run.seed, device, vers, report, run_id)
+    with stop_signals():
+        try:
+            # the report goes first: from here on, nothing earlier runs' report said can be pushed
+            schema.save(report, run_dir)
+            atomic_write_text(run_dir / "recipe.lock.toml", lock_text(recipe, vers, device, run_id))
+            log.info("run %s (%s) -> %s (%s)", recipe.run.name, run_id, run_dir, device)
+            head, exports = build_units(recipe)
+            remove_stale_exports(run_dir, [u.key for u in exports])
+            total = len(head) + len(exports)
+            for i, unit in enumerate(head, 1):
+                log.info("stage %d/%d: %s", i, total, unit.key)
+                runner.run_unit(unit)
+            apply_gates(report, recipe, run_dir)
+            for i, unit in enumerate(exports, len(head) + 1):
+                log.info("stage %d/%d: %s", i, total, unit.key)
+                runner.run_unit(unit)
+            from pipeline.results.gates import failed_gates
+
+            code = GateFailure.exit_code if failed_gates(report) else 0
+            finish(run_dir, report, "gates_failed" if code else "complete", code)
+        except CompressError as e:
+            _stopped(run_dir, report, "interrupted" if isinstance(e, Interrupted) else "failed", e.exit_code, str(e))
+            raise
+        except KeyboardInterrupt:
+            _stopped(run_dir, report, "interrupted", 130, "interrupted (SIGINT)")
+            raise Interrupted(signal.SIGINT) from None
+        except OSError as e:  # writing a manifest, the report or the lock (disk full, permissions)
+            err = StageError(f"could not write the run's results under {run_dir}: {e.strerror or e} "
+                             f"({e.filename or 'no file name'})")
+            _stopped(run_dir, report, "failed", err.exit_code, str(err))
+            raise err from None
+    if recipe.publish is not None:
+        code = publish_in_run(run_dir, recipe, report, code)
+    return code
+
+
+def remove_stale_exports(run_dir: Path, export_keys: list[str]) -> None:
+    """Export folders of models no longer in the recipe are removed: no report of this run lists them, and
+    nothing may ever push them."""
+    root, keep = run_dir / "export", {k.removeprefix("export/") for k in export_keys}
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        if folder.name not in keep:
+            log.info("removing %s: not an export of this recipe", folder)
+            shutil.rmtree(folder) if folder.is_dir() else folder.unlink()
+
+
+def apply_gates(report: schema.Report, recipe, run_dir: Path) -> None:
+    from pipeline.results.gates import evaluate_gates, gates_table
+
+    report.gates = evaluate_gates(report, recipe.validate_.gates)
+    report.run.gates_evaluated = True
+    schema.save(report, run_dir)
+    if report.gates:
+        log.info("gates:\n%s", gates_table(report.gates))
+
+
+def publish_in_run(run_dir: Path, recipe, report: schema.Report, code: int) -> int:
+    """The run's [publish] step, after the final report is on disk: the same rule as `compress push`. A
+    refusal because gates failed keeps the gates' exit code (5); any other publish problem is exit 6. The
+    run's own status stays what the stages and gates made it, so `compress push` can retry."""
+    from pipeline.errors import PublishError
+    from pipeline.publish.hub import publish_run
+    from pipeline.results.publishing import PublishRefused
+
     try:
-        head, exports = build_units(recipe)
-        total = len(head) + len(exports)
-        for i, unit in enumerate(head, 1):
-            log.info("stage %d/%d: %s", i, total, unit.key)
-            runner.run_unit(unit)
-        failed = apply_gates(report, recipe)
-        runner.save_report()
-        for i, unit in enumerate(exports, len(head) + 1):
-            log.info("stage %d/%d: %s", i, total, unit.key)
-            runner.run_unit(unit)
-        if recipe.publish is not None:
-            publish(run_dir, recipe, report, gates_failed=bool(failed))
-        code = GateFailure.exit_code if failed else 0
-        finish(runner, report, "gates_failed" if failed else "complete", code)
-        return code
-    except CompressError as e:
-        report["run"]["error"] = str(e)
-        finish(runner, report, "failed", e.exit_code)
-        raise
-    except KeyboardInterrupt:
-        finish(runner, report, "interrupted", 130)
-        raise
-
-
-def apply_gates(report: dict, recipe) -> list[dict]:
-    from pipeline.eval.gates import evaluate_gates, gates_table
-
-    gates = evaluate_gates(report, recipe.validate_.gates)
-    report["gates"] = gates
-    if gates:
-        log.info("gates:\n%s", gates_table(gates))
-    return [g for g in gates if not g["passed"] and g.get("severity", "fail") == "fail"]
-
-
-def publish(run_dir: Path, recipe, report: dict, gates_failed: bool) -> None:
-    """Push the exports. A refusal because gates failed is recorded; the exit code stays the gates' (5)."""
-    from pipeline.publish.hub import PublishRefused, publish_run
-
-    try:
-        report["publish"] = publish_run(run_dir, recipe.publish, log)
+        section = publish_run(run_dir, recipe.publish, log)
     except PublishRefused as e:
-        report["publish"] = e.section
-        if not gates_failed:
+        section = e.section
+        if code == 0:
+            _record_publish(run_dir, report, section, PublishError.exit_code)
             raise
         log.warning("publish: %s", e)
+    except PublishError as e:
+        _record_publish(run_dir, report, schema.PublishSection(status="failed", reason=str(e)), e.exit_code)
+        raise
+    _record_publish(run_dir, report, section, code)
+    return code
 
 
-def finish(runner: Runner, report: dict, status: str, code: int) -> None:
-    report["run"].update(status=status, exit_code=code, finished=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
-    runner.save_report()
+def _record_publish(run_dir: Path, report: schema.Report, section: schema.PublishSection, code: int) -> None:
+    report.publish, report.run.exit_code = section, code
+    schema.save(report, run_dir)
+    _render(run_dir)
+
+
+def finish(run_dir: Path, report: schema.Report, status: str, code: int, error: str | None = None) -> None:
+    report.run.status, report.run.exit_code, report.run.finished = status, code, schema.now()
+    if error is not None:
+        report.run.error = error
+    schema.save(report, run_dir)
+    _render(run_dir)
+
+
+def _stopped(run_dir: Path, report: schema.Report, status: str, code: int, error: str) -> None:
+    """Record a run that did not finish; a second failure while writing that record is only logged."""
     try:
-        from pipeline.eval.report import render_report
+        finish(run_dir, report, status, code, error)
+    except OSError as e:
+        log.error("could not record status %r in %s: %s", status, run_dir / schema.REPORT, e.strerror or e)
 
-        render_report(runner.run_dir)
+
+def _render(run_dir: Path) -> None:
+    try:
+        from pipeline.results.render import render_report
+
+        render_report(run_dir)
     except Exception as e:  # the report must never hide the run's own outcome
         log.warning("could not render report.md: %s: %s", type(e).__name__, e)
-    log.info("report: %s", runner.run_dir / "report.md")
-
-
-def summary_rows(report: dict) -> list[tuple[str, str, str, str]]:
-    rows = []
-    for key, s in report.get("stages", {}).items():
-        rows.append((key, s["status"], f"{s['time_s']:.1f}", f"{s['peak_rss_bytes'] / 2**20:.0f}"))
-    return rows
-
-
-def load_report(run_dir: Path) -> dict:
-    return json.loads((run_dir / "report.json").read_text())
+    log.info("report: %s", run_dir / "report.md")

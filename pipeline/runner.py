@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from pipeline.data import sha256_file
+from pipeline.fileio import sha256_file
 from pipeline.errors import CompressError, LockedError, StageError
 from pipeline.memory import PeakRSS
 
@@ -35,7 +35,6 @@ class Unit:
     config: Any  # JSON-able: everything from the recipe this unit depends on
     fn: Callable[["UnitContext"], dict]  # writes outputs into ctx.out, returns metrics
     deps: list[str] = field(default_factory=list)
-    merge: Callable[[dict, dict], None] | None = None  # merge(report, metrics)
     always: bool = False  # never skipped (cheap units whose output is the report itself)
     code: tuple[str, ...] = ()  # globs under pipeline/ of the code that computes this unit's outputs
 
@@ -106,12 +105,6 @@ def verify_outputs(folder: Path, manifest: dict) -> str | None:
     return None
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 class RunLock:
     """An OS lock on <run>/.lock: released by the kernel when the process dies, so never stale."""
 
@@ -141,9 +134,16 @@ class RunLock:
 
 
 class Runner:
-    def __init__(self, run_dir: Path, seed: int, device: str, versions: dict, report: dict) -> None:
+    """Runs units and records each one in the report (through pipeline.results, its only writer)."""
+
+    def __init__(self, run_dir: Path, seed: int, device: str, versions: dict, report=None,
+                 run_id: str | None = None) -> None:
+        from pipeline.results import schema
+
         self.run_dir, self.seed, self.device, self.versions = run_dir, seed, device, versions
-        self.report = report
+        self.run_id = run_id or schema.new_run_id()
+        self.report = report or schema.new_report(run_id=self.run_id, name=Path(run_dir).name, recipe="",
+                                                  device=device, seed=seed, versions=versions)
         self.manifests: dict[str, dict] = {}
 
     def inputs_hash(self, unit: Unit) -> str:
@@ -190,7 +190,7 @@ class Runner:
         fault_point(unit.key, "before_commit")
         (tmp / METRICS).write_text(json.dumps(metrics, indent=2, default=str))
         outputs = hash_outputs(tmp)
-        manifest = {"key": unit.key, "inputs_hash": h, "config": unit.config, "deps": unit.deps,
+        manifest = {"key": unit.key, "run_id": self.run_id, "inputs_hash": h, "config": unit.config, "deps": unit.deps,
                     "versions": self.versions, "seed": self.seed, "device": self.device,
                     "time_s": round(time.perf_counter() - t0, 3),
                     # a unit that measures in a fresh worker process reports that process's peak
@@ -208,13 +208,8 @@ class Runner:
         return manifest
 
     def _record(self, unit: Unit, manifest: dict, skipped: bool) -> None:
-        self.manifests[unit.key] = manifest
-        self.report.setdefault("stages", {})[unit.key] = {
-            "status": "skipped" if skipped else "done", "time_s": manifest["time_s"],
-            "peak_rss_bytes": manifest["peak_rss_bytes"], "dir": unit.key}
-        if unit.merge is not None:
-            unit.merge(self.report, manifest["metrics"])
-        self.save_report()
+        from pipeline.results import merge, schema
 
-    def save_report(self) -> None:
-        atomic_write_text(self.run_dir / "report.json", json.dumps(self.report, indent=2, default=str))
+        self.manifests[unit.key] = manifest
+        merge.record(self.report, unit.key, manifest, skipped)
+        schema.save(self.report, self.run_dir)

@@ -50,6 +50,10 @@ def run_child(cmd: list[str], log_path: Path, timeout_s: float | None = None, en
                 sys.stderr.flush()
                 tail = (tail + chunk)[-16384:]
             code = proc.wait()
+        except BaseException:  # SIGTERM/SIGINT in this process (Interrupted): the child goes with it
+            proc.kill()
+            proc.wait()
+            raise
         finally:
             if timer:
                 timer.cancel()

@@ -102,7 +102,8 @@ def smoke_test(model, tokenizer, cfg) -> dict:
         text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         problem = is_degenerate(text)
         outputs.append({"prompt": prompt, "text": text, "ok": problem is None, "problem": problem})
-    return {"ok": all(o["ok"] for o in outputs), "outputs": outputs}
+    # without a chat template the prompts went to the model as raw text: the report says so
+    return {"ok": all(o["ok"] for o in outputs), "outputs": outputs, "chat_template": bool(tokenizer.chat_template)}
 
 
 def evaluate(model_dir: Path, out: Path, ppl_cfg, smoke_cfg, device: str, reference: Path | None, label: str) -> dict:

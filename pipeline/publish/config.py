@@ -46,6 +46,24 @@ def _check_template(template: str, allowed: frozenset[str], what: str, sample: d
     return template
 
 
+LOOPBACK_HOSTS = ("localhost", "[::1]")
+
+
+def check_endpoint(url: str, what: str) -> str:
+    """An https URL, or http only to this machine (the token travels with every request)."""
+    m = re.match(r"(https?)://([^/\s]+)", url)
+    if not m:
+        raise ValueError(f"{what} {url!r} must be an http(s) URL, e.g. https://huggingface.co")
+    scheme, host = m.groups()
+    if "@" in host:
+        raise ValueError(f"{what} must not carry credentials; {TOKEN_MESSAGE}")
+    hostname = host.rsplit(":", 1)[0] if not host.startswith("[") else host.split("]")[0] + "]"
+    if scheme == "http" and not (hostname in LOOPBACK_HOSTS or re.fullmatch(r"127(\.\d{1,3}){3}", hostname)):
+        raise ValueError(f"{what} {url!r} is plain http to another machine: the Hub token would travel in "
+                         "clear; use https (http is accepted only for 127.0.0.1/localhost)")
+    return url.rstrip("/")
+
+
 class PublishConfig(BaseModel, extra="forbid", hide_input_in_errors=True):
     """Where and how `compress` pushes export folders to the Hugging Face Hub."""
 
@@ -54,7 +72,7 @@ class PublishConfig(BaseModel, extra="forbid", hide_input_in_errors=True):
     layout: Literal["repo-per-variant", "branches"] = "repo-per-variant"
     main_variant: str | None = None
     draft: Literal["repo", "folder"] = "repo"
-    private: bool = False
+    private: bool = True  # new repos are private until you say otherwise
     revision: str = "main"
     # open a pull request instead of committing to the branch; reruns reuse the open PR that an
     # earlier push opened for the same folder (commit onto refs/pr/N, or "up to date")
@@ -100,11 +118,7 @@ class PublishConfig(BaseModel, extra="forbid", hide_input_in_errors=True):
     def _endpoint(cls, v: str | None) -> str | None:
         if v is None:
             return v
-        if not re.match(r"https?://[^/\s]+", v):
-            raise ValueError(f"endpoint {v!r} must be an http(s) URL, e.g. https://huggingface.co")
-        if "@" in v.split("//", 1)[1].split("/", 1)[0]:
-            raise ValueError(f"endpoint must not carry credentials; {TOKEN_MESSAGE}")
-        return v.rstrip("/")
+        return check_endpoint(v, "endpoint")
 
     @field_validator("include")
     @classmethod
@@ -134,7 +148,7 @@ class PublishConfig(BaseModel, extra="forbid", hide_input_in_errors=True):
                     "layout 'branches' puts every variant in one repo: repo_id must not contain "
                     "{variant}, e.g. repo_id = '{org}/{model}-compressed'"
                 )
-            if "revision" in self.model_fields_set:
+            if "revision" in self.model_fields_set and self.revision != "main":
                 raise ValueError(
                     "revision does not apply to layout 'branches': each variant's branch is "
                     "its name ('main' for main_variant)"

@@ -33,7 +33,9 @@ from typing import TypeVar
 
 from pipeline.errors import PublishError
 from pipeline.publish.config import PublishConfig
-from pipeline.publish.plan import LocalFile, Plan, PublishRefused, PushItem, human, plan, render_dry_run
+from pipeline.publish.plan import LocalFile, Plan, PushItem, human, plan, render_dry_run
+from pipeline.results.publishing import PublishRefused
+from pipeline.results.schema import PublishSection
 
 __all__ = ["plan", "render_dry_run", "push", "publish_run", "resolve_token", "resolve_endpoint",
            "scrub", "PublishRefused", "PushItem", "Plan"]
@@ -91,7 +93,14 @@ def resolve_token() -> str:
 
 
 def resolve_endpoint(cfg: PublishConfig) -> str:
-    return (cfg.endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+    from pipeline.publish.config import check_endpoint
+
+    if cfg.endpoint:
+        return cfg.endpoint
+    try:
+        return check_endpoint(os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT, "HF_ENDPOINT")
+    except ValueError as e:
+        raise PublishError(str(e)) from None
 
 
 # ---------------------------------------------------------------- comparing trees
@@ -354,38 +363,36 @@ def push(items: Plan | list[PushItem], cfg: PublishConfig, token: str | None = N
 # ---------------------------------------------------------------- the stage entry point
 
 
-def _write_json_atomic(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def publish_run(run_dir: Path, cfg: PublishConfig, log: logging.Logger,
-                record_path: Path | None = None) -> dict:
-    """Plan, then dry-run or push; returns the report's `publish` section.
+                record_path: Path | None = None) -> PublishSection:
+    """Plan, then dry-run or push; returns the report's `publish` section (the caller records it).
 
     Raises PublishRefused (a PublishError; `.section` holds the refusal for the report)
-    when the gate rule forbids publishing, PublishError for anything else.
+    when the publish rule forbids publishing, PublishError for anything else.
     """
+    from pipeline.fileio import atomic_write_json
+
     run_dir = Path(run_dir)
     endpoint = resolve_endpoint(cfg)
     the_plan = plan(run_dir, cfg)  # PublishRefused / PublishError: the caller reports it
     text = render_dry_run(the_plan, endpoint)
+    planned = the_plan.as_dict()
     if cfg.dry_run:
         log.info("publish dry run (nothing sent):\n%s", text)
-        return {"status": "dry-run", "endpoint": endpoint, **the_plan.as_dict()}
+        return PublishSection(status="dry-run", endpoint=endpoint, run_id=the_plan.run_id, **planned)
     log.info("publishing:\n%s", text)
     token = resolve_token()
     record = record_path or run_dir / RECORD
     record.unlink(missing_ok=True)  # a record only ever describes verified commits of this push
 
     def save(results: list[dict], complete: bool = False) -> None:
-        _write_json_atomic(record, {"complete": complete, "endpoint": endpoint, "items": results,
-                                    "skipped": the_plan.skipped})
+        record.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(record, {"complete": complete, "endpoint": endpoint, "run_id": the_plan.run_id,
+                                   "items": results, "skipped": the_plan.skipped})
 
     results = push(the_plan, cfg, token=token, on_verified=save, log=log)
     save(results, complete=True)
     for r in results:
         log.info("%s: %s", r["name"], describe(r))
-    return {"status": "pushed", "endpoint": endpoint, "items": results, "skipped": the_plan.skipped}
+    return PublishSection(status="pushed", endpoint=endpoint, items=results, skipped=the_plan.skipped,
+                          run_id=the_plan.run_id)

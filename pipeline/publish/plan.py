@@ -1,12 +1,11 @@
 """Which export folder goes where on the Hub: a pure plan, no network.
 
-`plan(run_dir, cfg)` reads report.json and export/*/manifest.json, applies the
-gate rule, re-verifies every file's sha256 against its manifest and names the
-repo, branch and folder each model goes to. `render_dry_run` prints it.
+`plan(run_dir, cfg)` reads report.json, applies the publish rule (pipeline/results/publishing.py) to the
+exports it lists, re-verifies every file's sha256 against its manifest and names the repo, branch and
+folder each model goes to. `render_dry_run` prints it.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -14,20 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PublishError
+from pipeline.fileio import sha256_file
 from pipeline.publish.config import PublishConfig, template_fields
+from pipeline.results import schema
+from pipeline.results.publishing import PublishRefused, eligible
+from pipeline.results.schema import ExportEntry, Report
 
 MANIFEST = "manifest.json"
 LOCAL_ONLY = (MANIFEST, "metrics.json")  # run-folder metadata, never uploaded
 DRAFT_FOLDER = "draft"
-_KINDS = ("variant", "draft")
-
-
-class PublishRefused(PublishError):
-    """The gate rule forbids publishing; `section` is the report entry saying why."""
-
-    def __init__(self, message: str, failed_gates: list[dict] | None = None):
-        super().__init__(message)
-        self.section = {"status": "refused", "reason": message, "failed_gates": failed_gates or []}
+_KINDS = ("baseline", "variant", "draft")
 
 
 @dataclass(frozen=True)
@@ -77,6 +72,7 @@ class PushItem:
 class Plan:
     items: list[PushItem]
     skipped: dict[str, str] = field(default_factory=dict)  # export name -> why it is not pushed
+    run_id: str | None = None  # the run whose report allowed these exports
 
     def __iter__(self):
         return iter(self.items)
@@ -100,17 +96,6 @@ class Export:
 # ---------------------------------------------------------------- reading the run
 
 
-def dig(data: Any, path: str, where: str) -> Any:
-    """data['a']['b'] for path 'a.b', or a PublishError naming the missing key."""
-    cur = data
-    for i, key in enumerate(path.split(".")):
-        if not isinstance(cur, dict) or key not in cur:
-            got = ".".join(path.split(".")[:i]) or "top level"
-            raise PublishError(f"{where} has no key '{path}' (missing '{key}' under {got})")
-        cur = cur[key]
-    return cur
-
-
 def _read_json(path: Path) -> Any:
     if not path.is_file():
         raise PublishError(f"{path} not found: run the export stage first")
@@ -120,38 +105,27 @@ def _read_json(path: Path) -> Any:
         raise PublishError(f"{path} is not valid JSON: {err}") from None
 
 
-def load_exports(run_dir: Path) -> dict[str, Export]:
-    root = run_dir / "export"
-    folders = sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-    if not folders:
-        raise PublishError(f"no export folders under {root}: run the export stage first")
-    exports = {}
-    for folder in folders:
-        where = f"{folder / MANIFEST}"
-        man = _read_json(folder / MANIFEST)
-        # the runner's manifest: the export entry is the unit's metrics, the files its outputs
-        entry = dig(man, "metrics", where)
-        kind, name = dig(entry, "kind", where + " metrics"), dig(entry, "name", where + " metrics")
-        verifier = dig(entry, "verifier", where + " metrics")
-        files = {rel: meta.get("sha256") for rel, meta in dig(man, "outputs", where).items() if rel not in LOCAL_ONLY}
-        if kind not in _KINDS:
-            raise PublishError(f"{where}: kind {kind!r} is not one of {list(_KINDS)}")
-        if name != folder.name:
-            raise PublishError(f"{where}: name {name!r} differs from its folder name {folder.name!r}")
-        if kind == "draft" and not verifier:
-            raise PublishError(f"{where}: a draft must name its verifier")
-        if not isinstance(files, dict) or not files:
-            raise PublishError(f"{where}: 'files' must map each file to its sha256")
-        exports[name] = Export(name, kind, verifier, folder, dict(files))
-    return exports
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def load_export(run_dir: Path, listed: ExportEntry) -> Export:
+    """The export folder the report lists, read through its manifest; its manifest must be the one the
+    report's run recorded (same outputs_hash), so a folder rewritten since is refused."""
+    folder = run_dir / "export" / listed.name
+    where = f"{folder / MANIFEST}"
+    man = _read_json(folder / MANIFEST)
+    if not isinstance(man, dict) or man.get("outputs_hash") != listed.outputs_hash:
+        raise PublishError(f"{where} is not the export this run's report lists (outputs_hash "
+                           f"{str(man.get('outputs_hash'))[:12]}… != report {str(listed.outputs_hash)[:12]}…); "
+                           "rerun `compress run`")
+    outputs = man.get("outputs") if isinstance(man, dict) else None
+    if not isinstance(outputs, dict):
+        raise PublishError(f"{where} has no 'outputs' table: rerun `compress run`")
+    files = {rel: meta.get("sha256") for rel, meta in outputs.items() if rel not in LOCAL_ONLY}
+    if listed.kind not in _KINDS:
+        raise PublishError(f"export {listed.name!r}: kind {listed.kind!r} is not one of {list(_KINDS)}")
+    if listed.kind == "draft" and not listed.verifier:
+        raise PublishError(f"{where}: a draft must name its verifier")
+    if not files:
+        raise PublishError(f"{where}: the manifest lists no files")
+    return Export(listed.name, listed.kind, listed.verifier, folder, dict(files))
 
 
 def verify_files(export: Export) -> tuple[LocalFile, ...]:
@@ -173,7 +147,7 @@ def verify_files(export: Export) -> tuple[LocalFile, ...]:
     for rel in sorted(on_disk):
         if rel.startswith("/") or ".." in rel.split("/"):
             raise PublishError(f"{where}: unsafe file path {rel!r} in manifest")
-        digest = _sha256(on_disk[rel])
+        digest = sha256_file(on_disk[rel])
         if digest != export.files[rel]:
             raise PublishError(f"{where}: {rel} changed since export (sha256 {digest[:12]}… "
                                f"!= manifest {str(export.files[rel])[:12]}…); re-run the export stage")
@@ -181,52 +155,27 @@ def verify_files(export: Export) -> tuple[LocalFile, ...]:
     return tuple(out)
 
 
-# ---------------------------------------------------------------- the gate rule
+# ---------------------------------------------------------------- choosing what to push
 
 
-def _gates(report: dict) -> list[dict]:
-    gates = dig(report, "gates", "report.json")
-    if not isinstance(gates, list):
-        raise PublishError("report.json: 'gates' must be a list")
-    for i, g in enumerate(gates):
-        for key in ("model", "gate", "passed"):
-            dig(g, key, f"report.json gates[{i}]")
-    return gates
-
-
-def _describe(g: dict) -> str:
-    return f"{g['model']}/{g['gate']} (value {g.get('value')}, bound {g.get('bound')})"
-
-
-def select(exports: dict[str, Export], gates: list[dict], cfg: PublishConfig) -> tuple[list[str], dict[str, str]]:
-    """Names to push (variants first) and {name: reason} for the ones left out."""
-    wanted = list(cfg.include) if cfg.include is not None else list(exports)
-    unknown = [n for n in wanted if n not in exports]
+def select(exports: dict[str, Export], skipped: dict[str, str], cfg: PublishConfig) -> list[str]:
+    """Names to push (variants first) among the exports the publish rule allows; `skipped` gains
+    {name: reason} for the ones left out."""
+    listed = set(exports) | set(skipped)
+    wanted = list(cfg.include) if cfg.include is not None else sorted(listed)
+    unknown = [n for n in wanted if n not in listed]
     if unknown:
         raise PublishError(f"[publish].include names {unknown}, not exports of this run; "
-                           f"available: {sorted(exports)}")
-    skipped = {n: "not in [publish].include" for n in exports if n not in wanted}
-    failed = [g for g in gates if not g["passed"]]
-    if failed and not cfg.partial:
-        raise PublishRefused(
-            f"refusing to publish: {len(failed)} gate(s) failed: "
-            + "; ".join(_describe(g) for g in failed)
-            + ". Nothing was pushed; use --partial (or [publish].partial = true) to push "
-              "only the models whose gates passed", failed)
-    bad = {g["model"]: _describe(g) for g in failed}
+                           f"available: {sorted(listed)}")
+    skipped.update({n: "not in [publish].include" for n in exports if n not in wanted})
     chosen = []
-    for name in sorted(wanted, key=lambda n: (exports[n].kind == "draft", n)):
-        export = exports[name]
-        if name in bad:
-            skipped[name] = f"gate failed: {bad[name]}"
-        elif export.kind == "draft" and not _verifier_ok(export, exports, chosen, cfg, skipped):
-            continue
-        else:
+    for name in sorted((n for n in wanted if n in exports), key=lambda n: (exports[n].kind == "draft", n)):
+        if exports[name].kind != "draft" or _verifier_ok(exports[name], exports, chosen, cfg, skipped):
             chosen.append(name)
     if not chosen:
-        raise PublishRefused("refusing to publish: no export passed its gates ("
-                             + "; ".join(f"{k}: {v}" for k, v in skipped.items()) + ")", failed)
-    return chosen, skipped
+        raise PublishRefused("refusing to publish: nothing left to push ("
+                             + "; ".join(f"{k}: {v}" for k, v in skipped.items()) + ")")
+    return chosen
 
 
 def _verifier_ok(draft: Export, exports: dict[str, Export], chosen: list[str],
@@ -237,7 +186,7 @@ def _verifier_ok(draft: Export, exports: dict[str, Export], chosen: list[str],
             raise PublishError(f"draft {draft.name!r} verifies against the baseline model, which "
                                "is not published here: use [publish].draft = 'repo'")
         return True
-    if verifier not in exports:
+    if verifier not in exports and verifier not in skipped:
         raise PublishError(f"draft {draft.name!r} names verifier {verifier!r}, which is not an "
                            f"export of this run (exports: {sorted(exports)})")
     if verifier in chosen:
@@ -252,32 +201,22 @@ def _verifier_ok(draft: Export, exports: dict[str, Export], chosen: list[str],
 # ---------------------------------------------------------------- naming targets
 
 
-def _message(cfg: PublishConfig, report: dict, export: Export, run: str) -> str:
+def _message(cfg: PublishConfig, report: Report, export: Export, run: str) -> str:
     used = template_fields(cfg.commit_message)
     values: dict[str, Any] = {"variant": export.name, "run": run}
     if used & {"perplexity", "ppl_ratio"}:
         # a draft has no perplexity of its own: its commit carries its verifier's figures
         name = export.verifier if export.kind == "draft" else export.name
-        entry_path = "baseline" if name == "baseline" else f"variants.{name}"
-        entry = dig(report, entry_path, "report.json")
-        ppl = dig(entry, "perplexity.value", f"report.json {entry_path}")
+        entry = report.baseline if name == "baseline" else report.variants.get(name)
+        ppl = ((entry.perplexity if entry else None) or {}).get("value")
+        base = ((report.baseline.perplexity if report.baseline else None) or {}).get("value")
+        if ppl is None or ("ppl_ratio" in used and not base):
+            raise PublishError(f"report.json has no perplexity for {name!r} (or for the baseline), needed by the "
+                               "{perplexity}/{ppl_ratio} placeholders of [publish].commit_message")
         values["perplexity"] = float(ppl)
         if "ppl_ratio" in used:
-            values["ppl_ratio"] = _ratio(report, entry, float(ppl), entry_path)
+            values["ppl_ratio"] = float(ppl) / float(base)
     return cfg.commit_message.format(**values)
-
-
-def _ratio(report: dict, entry: dict, ppl: float, entry_path: str) -> float:
-    if isinstance(entry.get("perplexity"), dict) and "ratio" in entry["perplexity"]:
-        return float(entry["perplexity"]["ratio"])
-    for path in ("baseline.perplexity.value", "model.perplexity.value"):
-        try:
-            return ppl / float(dig(report, path, "report.json"))
-        except PublishError:
-            continue
-    raise PublishError(f"report.json has neither {entry_path}.perplexity.ratio nor a baseline "
-                       "perplexity (baseline.perplexity.value or model.perplexity.value), needed "
-                       "by the {ppl_ratio} placeholder of [publish].commit_message")
 
 
 def _repo(cfg: PublishConfig, model: str, variant: str) -> str:
@@ -303,15 +242,16 @@ def _target(cfg: PublishConfig, model: str, export: Export) -> tuple[str, str]:
 
 
 def plan(run_dir: Path, cfg: PublishConfig) -> Plan:
-    """What `push` would do. Raises PublishRefused per the gate rule, PublishError otherwise."""
+    """What `push` would do. Raises PublishRefused per the publish rule, PublishError otherwise."""
     run_dir = Path(run_dir)
-    report = _read_json(run_dir / "report.json")
-    model = str(dig(report, "model.name", "report.json")).rstrip("/").split("/")[-1]
-    exports = load_exports(run_dir)
-    if cfg.main_variant is not None and cfg.main_variant not in exports:
+    report = schema.load(run_dir)
+    allowed, skipped = eligible(run_dir, report, cfg.partial)
+    model = str((report.model and report.model.name) or run_dir.name).rstrip("/").split("/")[-1]
+    exports = {name: load_export(run_dir, listed) for name, listed in allowed.items()}
+    if cfg.main_variant is not None and cfg.main_variant not in report.exports:
         raise PublishError(f"[publish].main_variant {cfg.main_variant!r} is not an export "
-                           f"of this run; available: {sorted(exports)}")
-    chosen, skipped = select(exports, _gates(report), cfg)
+                           f"of this run; available: {sorted(report.exports)}")
+    chosen = select(exports, skipped, cfg)
     items, targets, seen = [], {}, set()
     for name in chosen:
         export = exports[name]
@@ -329,7 +269,7 @@ def plan(run_dir: Path, cfg: PublishConfig) -> Plan:
         targets[name] = (repo_id, revision)
         items.append(PushItem(name, export.kind, export.folder, repo_id, revision, path_in_repo,
                               files, _message(cfg, report, export, run_dir.name), keep))
-    return Plan(items, skipped)
+    return Plan(items, skipped, report.run.id)
 
 
 # ---------------------------------------------------------------- dry run

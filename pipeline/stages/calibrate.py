@@ -13,7 +13,7 @@ def unit(recipe) -> Unit:
     cfg = recipe.calibration
     ref = data.resolve(cfg.dataset, cfg.text_field)
     config = {"calibration": cfg.model_dump(), "data": ref.describe()}
-    return Unit("calibrate", config, lambda ctx: run(ctx, recipe), deps=["load"], merge=merge, code=CODE)
+    return Unit("calibrate", config, lambda ctx: run(ctx, recipe), deps=["load"], code=CODE)
 
 
 def run(ctx: UnitContext, recipe) -> dict:
@@ -34,6 +34,3 @@ def run(ctx: UnitContext, recipe) -> dict:
     (ctx.out / "calibration.json").write_text(json.dumps(info, indent=2))
     return info
 
-
-def merge(report: dict, m: dict) -> None:
-    report["calibration"] = {k: v for k, v in m.items() if k != "preview"}

@@ -21,7 +21,7 @@ def unit(recipe) -> Unit:
     cfg = recipe.draft
     deps = sorted({"load", verifier_key(recipe)})
     config = {"draft": cfg.model_dump(mode="json"), "calibration": recipe.calibration.model_dump(mode="json")}
-    return Unit("draft", config, lambda ctx: run(ctx, recipe), deps=deps, merge=merge, code=CODE)
+    return Unit("draft", config, lambda ctx: run(ctx, recipe), deps=deps, code=CODE)
 
 
 def run(ctx: UnitContext, recipe) -> dict:
@@ -57,12 +57,3 @@ def fp_distilled(ctx: UnitContext, recipe, texts: list[str]) -> dict:
     metrics.pop("undistilled_dir")  # the same layers as draft/undistilled: not kept twice
     return metrics
 
-
-def merge(report: dict, m: dict) -> None:
-    d = report.get("draft") or {}
-    d.update({"name": "draft", "verifier": m.get("verifier"), "checkpoint": "draft", "distill": m})
-    d["layers"] = m.get("layers")
-    d["num_layers"] = len(m.get("layers") or [])
-    d["vocab_size"] = m.get("draft_vocab_size")
-    d["source"], d["dtype"] = m.get("source"), m.get("dtype", "float32")
-    report["draft"] = d

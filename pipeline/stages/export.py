@@ -28,8 +28,8 @@ def units(recipe, validate_keys: list[str]) -> list[Unit]:
         # instead of the end-of-run card refresh rewriting README.md behind the export manifest
         cfg = {"export": recipe.export.model_dump(), "entry": entry, "card_recipe": card_hash}
         out.append(Unit(f"export/{name}", cfg, lambda ctx, e=entry, s=src: run(ctx, recipe, e, s),
-                        deps=[src] + validate_keys, merge=lambda r, m: r.setdefault("exports", {}).update({m["name"]: m}),
-                        code=("stages/export.py", "eval/card.py", "eval/report.py")))  # card imports report
+                        deps=[src] + validate_keys,
+                        code=("stages/export.py", "results/card.py", "results/query.py", "results/schema.py")))
     return out
 
 

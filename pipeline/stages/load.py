@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from pipeline.data import sha256_file
+from pipeline.fileio import sha256_file
 from pipeline.runner import Unit, UnitContext
 
 CODE = ("stages/load.py", "sources.py", "models.py", "gguf_header.py", "model_configs/*.json")
@@ -15,7 +15,7 @@ def unit(recipe) -> Unit:
     src = parse(cfg.source, cfg.gguf_file)
     # the source file's identity (not its path) is what the outputs depend on
     ident = sha256_file(src.path) if src.kind in ("gguf", "pkg", "config") else str(src.path)
-    return Unit("load", {"model": cfg.model_dump(), "source_sha256": ident}, lambda ctx: run(ctx, recipe), merge=merge, code=CODE)
+    return Unit("load", {"model": cfg.model_dump(), "source_sha256": ident}, lambda ctx: run(ctx, recipe), code=CODE)
 
 
 def run(ctx: UnitContext, recipe) -> dict:
@@ -40,7 +40,3 @@ def run(ctx: UnitContext, recipe) -> dict:
     (ctx.out / "model_info.json").write_text(json.dumps(metrics, indent=2))
     return metrics
 
-
-def merge(report: dict, m: dict) -> None:
-    report["model"] = {k: m.get(k) for k in ("source", "name", "architecture", "parameters", "dtype", "footprint_bytes",
-                                             "provenance", "random_init", "license", "source_sha256", "config")}

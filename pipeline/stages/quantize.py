@@ -17,8 +17,7 @@ def units(recipe) -> list[Unit]:
     for v in recipe.quantize:
         deps = ["load"] + (["calibrate"] if needs_calibration(v) else [])
         out.append(Unit(f"quantize/{v.name}", {"variant": v.model_dump(mode="json")},
-                        lambda ctx, v=v: run(ctx, v), deps=deps, merge=lambda r, m, v=v: merge(r, m, v),
-                        code=CODE))
+                        lambda ctx, v=v: run(ctx, v), deps=deps, code=CODE))
     return out
 
 
@@ -44,10 +43,3 @@ def serving_runtimes(model_dir, variant) -> list[dict]:
     config = json.loads((model_dir / "config.json").read_text())
     return runtimes(variant, linear_shapes_from_config(config))
 
-
-def merge(report: dict, m: dict, variant) -> None:
-    entry = report.setdefault("variants", {}).setdefault(variant.name, {})
-    entry.update({"method": variant.method, "params": variant.model_dump(mode="json"),
-                  "checkpoint": f"quantize/{variant.name}", "quantize_time_s": m.get("time_s"),
-                  "runtimes": m.get("runtimes", []),
-                  "quantize": {k: v for k, v in m.items() if k not in ("files", "runtimes")}})

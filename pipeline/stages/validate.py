@@ -18,27 +18,18 @@ def units(recipe) -> list[Unit]:
         deps = [src] if name == "baseline" else [src, "validate/baseline/quality"]
         cfg = {"perplexity": v.perplexity.model_dump(), "smoke": v.smoke.model_dump(), "device": recipe.run.device}
         out.append(Unit(f"validate/{name}/quality", cfg, lambda ctx, n=name, s=src: quality(ctx, recipe, n, s),
-                        deps=deps, merge=lambda r, m, n=name: merge_quality(r, m, n), code=QUALITY_CODE))
+                        deps=deps, code=QUALITY_CODE))
         if v.speed.enabled and (v.speed.models == "all" or name in v.speed.models):
             out.append(Unit(f"validate/{name}/speed", {"speed": v.speed.model_dump(), "device": recipe.run.device},
-                            lambda ctx, n=name, s=src: speed(ctx, recipe, n, s), deps=[src],
-                            merge=lambda r, m, n=name: _entry(r, n).update({"speed": m}), code=SPEED_CODE))
+                            lambda ctx, n=name, s=src: speed(ctx, recipe, n, s), deps=[src], code=SPEED_CODE))
     if recipe.draft is not None:
         from pipeline.stages.draft import verifier_key
 
         deps = ["draft", verifier_key(recipe)]
         cfg = {"draft": recipe.draft.model_dump(mode="json"), "device": recipe.run.device}
         out.append(Unit("validate/draft/speculative", cfg, lambda ctx: speculative(ctx, recipe), deps=deps,
-                        merge=merge_speculative, code=SPEC_CODE))
+                        code=SPEC_CODE))
     return out
-
-
-def _entry(report: dict, name: str) -> dict:
-    if name == "baseline":
-        if report.get("baseline") is None:
-            report["baseline"] = {}
-        return report["baseline"]
-    return report.setdefault("variants", {}).setdefault(name, {})
 
 
 def quality(ctx: UnitContext, recipe, name: str, src: str) -> dict:
@@ -84,51 +75,3 @@ def held_out_prompts(n: int, ppl_cfg, dataset: str | None = None) -> list[str]:
         raise ValueError(f"the evaluation corpus has only {len(paragraphs)} usable prompts; {n} requested")
     step = len(paragraphs) // n
     return [paragraphs[i * step][:600] for i in range(n)]
-
-
-def merge_quality(report: dict, m: dict, name: str) -> None:
-    entry = _entry(report, name)
-    entry.update({k: m[k] for k in ("perplexity", "footprint_bytes", "size_on_disk_bytes", "smoke") if k in m})
-    ppl = m.get("perplexity", {})
-    for k in ("kl", "top1"):
-        if k in ppl:
-            entry[k] = ppl[k]
-    base = ((report.get("baseline") or {}).get("perplexity") or {}).get("value")
-    if name != "baseline" and base and ppl.get("value"):
-        entry["ppl_ratio"] = ppl["value"] / base
-
-
-def merge_speculative(report: dict, m: dict) -> None:
-    d = report.get("draft") or {}
-    d["speculative"] = speculative_modes(m)
-    d["speculative_detail"] = m
-    report["draft"] = d
-
-
-DRAFT_KINDS = ("distilled", "undistilled", "fp-distilled")  # keys of measure_speculative's result
-FLAT_KEYS = ("alpha", "alpha_per_token", "tokens_per_target_forward", "speedup", "plain_tokens_per_s",
-             "repetition_rate", "accepted_by_position", "drafted_by_position", "acceptance_by_position",
-             "predicted_speedup", "greedy_mismatches")
-
-
-def speculative_modes(m: dict) -> dict:
-    """One flat row per (draft, temperature) — "greedy", "t0.7", "undistilled greedy", "fp-distilled t0.7"
-    (the draft distilled against the full-precision model, same verifier) — for report and gates."""
-    gamma = m.get("gamma")
-    modes = {}
-    for which in DRAFT_KINDS:
-        entry = m.get(which) or {}
-        costs = entry.get("costs") or {}
-        for key, run in entry.items():
-            if not key.startswith("t=") or not isinstance(run, dict):
-                continue
-            t = float(key[2:])
-            mode = "greedy" if t == 0 else f"t{t:g}"
-            row = {k: run.get(k) for k in FLAT_KEYS if k in run}
-            row.update(tokens_per_s=run.get("spec_tokens_per_s"), c_d=costs.get("c_d"),
-                       c_v=(costs.get("c_v") or {}).get(str(gamma + 1)) if gamma else None,
-                       break_even_alpha=costs.get("break_even_alpha_per_token"), gamma=gamma)
-            if "hf_reference" in run:
-                row["hf_assisted"] = run["hf_reference"]
-            modes[mode if which == "distilled" else f"{which} {mode}"] = row
-    return modes

@@ -339,7 +339,7 @@ def test_draft_stage_compares_a_draft_distilled_against_the_full_precision_model
     """compare_fp_distilled: the draft unit also distils against the baseline into draft/fp-distilled,
     validate measures it with the quantized verifier, the report labels its rows, export leaves it out."""
     import pipeline.calib
-    from pipeline.eval.report import render_report
+    from pipeline.results.render import render_report
     from pipeline.recipe import load_recipe
     from pipeline.runner import Runner, Unit
     from pipeline.stages import draft as draft_stage
@@ -352,7 +352,7 @@ def test_draft_stage_compares_a_draft_distilled_against_the_full_precision_model
     tiny.write_text(STAGE_RECIPE)
     recipe = load_recipe(tiny, ["draft.measure.compare_fp_distilled=true"])
     run_dir = tmp_path / "run"
-    runner = Runner(run_dir, seed=0, device="cpu", versions={"x": "1"}, report={})
+    runner = Runner(run_dir, seed=0, device="cpu", versions={"x": "1"})
     runner.run_unit(Unit("load", {}, _saver(lambda: tiny_llama(0))))
     runner.run_unit(Unit("quantize/gptq-w4g32", {}, _saver(_fake_quantized)))
     unit = draft_stage.unit(recipe)
@@ -366,20 +366,20 @@ def test_draft_stage_compares_a_draft_distilled_against_the_full_precision_model
     assert fp_manifest["verifier"] == "baseline" and fp_manifest["verifier_dir"] == str(run_dir / "load")
     assert fp_manifest["layers"] == json.loads((run_dir / "draft" / "draft_manifest.json").read_text())["layers"]
     assert (run_dir / "draft" / "undistilled" / "config.json").is_file()
-    assert runner.report["draft"]["distill"]["fp_distilled"]["steps"] == 4
-    rerun = Runner(run_dir, seed=0, device="cpu", versions={"x": "1"}, report={})
+    assert runner.report.draft.distill["fp_distilled"]["steps"] == 4
+    rerun = Runner(run_dir, seed=0, device="cpu", versions={"x": "1"})
     rerun.manifests = dict(runner.manifests)
     rerun.run_unit(unit)
-    assert rerun.report["stages"]["draft"]["status"] == "skipped", "an unchanged recipe reuses draft/fp-distilled"
+    assert rerun.report.stages["draft"].status == "skipped", "an unchanged recipe reuses draft/fp-distilled"
 
     spec = next(u for u in validate_stage.units(recipe) if u.key == "validate/draft/speculative")
     runner.run_unit(spec)
-    detail = runner.report["draft"]["speculative_detail"]
+    detail = runner.report.draft.speculative_detail
     assert {"distilled", "undistilled", "fp-distilled"} <= set(detail)
     # measured on the same prompts as the distilled draft (2 prompts x 8 new tokens), unlike the undistilled one
     assert detail["fp-distilled"]["t=0.0"]["new_tokens"] == detail["distilled"]["t=0.0"]["new_tokens"] == 2 * 8
     assert detail["fp-distilled"]["t=0.0"]["greedy_mismatches"] == []
-    modes = runner.report["draft"]["speculative"]
+    modes = runner.report.draft.speculative
     assert {"greedy", "t0.7", "undistilled greedy", "fp-distilled greedy", "fp-distilled t0.7"} <= set(modes)
     assert 0 <= modes["fp-distilled greedy"]["alpha"] <= 1
 

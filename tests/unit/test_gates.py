@@ -5,7 +5,7 @@ import pytest
 from pydantic import ValidationError
 
 from pipeline.eval.config import GATE_METRICS, GatesConfig, SpeedConfig, gate_metric_names, gate_problems
-from pipeline.eval.gates import evaluate_gates, failed_gates, gates_table
+from pipeline.results.gates import evaluate_gates, failed_gates, gates_table
 
 
 def report(**variant_overrides):

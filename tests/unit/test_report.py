@@ -7,9 +7,9 @@ import pytest
 import yaml
 from huggingface_hub import ModelCard
 
-from pipeline.eval.card import card_text, excerpt_from_lock, hub_id, write_model_card
-from pipeline.eval.plots import pareto
-from pipeline.eval.report import PLOTS, render_markdown, render_report
+from pipeline.results.card import card_text, excerpt_from_lock, hub_id, write_model_card
+from pipeline.results.plots import pareto
+from pipeline.results.render import PLOTS, render_markdown, render_report
 
 
 def _stats(m):

@@ -9,8 +9,8 @@ from pipeline.errors import LockedError, StageError
 from pipeline.runner import FAULT_ENV, MANIFEST, Runner, RunLock, Unit, verify_outputs
 
 
-def make_runner(tmp_path, report=None):
-    return Runner(tmp_path, seed=0, device="cpu", versions={"x": "1"}, report=report if report is not None else {})
+def make_runner(tmp_path):
+    return Runner(tmp_path, seed=0, device="cpu", versions={"x": "1"})
 
 
 def writer(name, text, calls):
@@ -34,7 +34,7 @@ def test_rerun_skips_and_changed_config_reruns_downstream(tmp_path):
     for u in units(1):
         r.run_unit(u)
     assert calls == ["a", "b", "c"], "second run must skip every unit"
-    assert r.report["stages"]["a"]["status"] == "skipped"
+    assert r.report.stages["a"].status == "skipped"
     r = make_runner(tmp_path)
     for u in units(2):
         r.run_unit(u)
@@ -78,7 +78,7 @@ KILL_SCRIPT = textwrap.dedent("""
         ctx.fault("mid")
         (ctx.out / "part2").write_text("2")
         return {}
-    Runner(Path(sys.argv[1]), 0, "cpu", {}, {}).run_unit(Unit("s", {}, fn))
+    Runner(Path(sys.argv[1]), 0, "cpu", {}).run_unit(Unit("s", {}, fn))
 """)
 
 

@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pipeline.eval.report import PLOTS, dig, models
+from pipeline.results.query import dig, models
+from pipeline.results.render import PLOTS
 
 _MIB = 2**20
 

@@ -19,7 +19,8 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from pipeline.eval.report import dig, is_distilled, num, shown_params, size, speculative_label
+from pipeline.results.query import dig, is_distilled, shown_params
+from pipeline.results.render import num, size, speculative_label
 
 # names of our datasets -> Hub dataset ids (metadata only lists ids the Hub can resolve)
 HUB_DATASETS = {"wikitext2": "Salesforce/wikitext", "wikitext-2": "Salesforce/wikitext",
@@ -159,11 +160,14 @@ def _results(report: dict, entry: dict) -> list[str]:
             if isinstance(s, dict):
                 lines.append(f"| {speculative_label(mode, verifier)} | {num(s.get('alpha'), 3)} "
                              f"| {num(s.get('tokens_per_target_forward'), 3)} | {num(s.get('speedup'), 3)} |")
-    gates = [g for g in report.get("gates") or [] if g.get("model") == entry["name"]]
+    from pipeline.results.gates import blocks, gate_status
+    from pipeline.results.schema import Gate
+
+    gates = [Gate.model_validate(g) for g in report.get("gates") or [] if g.get("model") == entry["name"]]
     if gates:
-        ok = all(g.get("passed") or g.get("severity") == "warn" for g in gates)
+        ok = not any(blocks(g) for g in gates)
         lines += ["", f"Gates: {'all passed' if ok else 'SOME FAILED'} ("
-                  + ", ".join(f"{g['gate']} {'ok' if g.get('passed') else 'failed'}" for g in gates) + ")."]
+                  + ", ".join(f"{g.gate} {gate_status(g).lower()}" for g in gates) + ")."]
     return lines + [""]
 
 

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pipeline.eval.gates import fmt_value, gate_status
+from pipeline.results.query import dig, is_distilled, models, shown_params
 
 PLOTS = {
     "frontier": "ppl_vs_size.png",
@@ -20,15 +20,6 @@ PLOTS = {
 
 
 # ---------------------------------------------------------------- formatting
-def dig(d: Any, *keys: Any) -> Any:
-    """d[k1][k2]... or None when any level is missing or not a dict."""
-    for k in keys:
-        if not isinstance(d, dict) or k not in d:
-            return None
-        d = d[k]
-    return d
-
-
 def sig(v: float, digits: int) -> str:
     """`digits` significant digits, without an exponent for large numbers (47,345 not 4.735e+04)."""
     if abs(v) >= 10**digits:
@@ -66,12 +57,6 @@ def spread(stats: Any, digits: int = 3) -> str:
 def table(header: list[str], rows: list[list[str]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     return out + ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
-
-
-def models(report: dict) -> list[tuple[str, dict]]:
-    """("baseline", baseline) then each variant: the rows of the quality, size and speed tables."""
-    rows = [("baseline", report["baseline"])] if isinstance(report.get("baseline"), dict) else []
-    return rows + [(n, v or {}) for n, v in (report.get("variants") or {}).items()]
 
 
 def baseline_label(report: dict) -> str:
@@ -122,21 +107,6 @@ def _quality(report: dict) -> list[str]:
                      num(dig(m, "perplexity", "value")), num(m.get("ppl_ratio") if name != "baseline" else 1.0),
                      num(m.get("kl")), num(m.get("top1")), _smoke(m.get("smoke"))])
     return lines + table(["model", "method", "params", "perplexity", "ppl ratio", "KL", "top-1", "smoke"], body) + [""]
-
-
-OFF_VALUES = {"gptaq_alpha": 0, "foem_beta": 0}  # optional GPTQ refinements: shown only when on
-
-
-def shown_params(p: Any, hide: tuple[str, ...] = ("name", "method")) -> dict:
-    """A variant's settings worth showing (report table, model card): set, and not an optional feature left off."""
-    if not isinstance(p, dict):
-        return {}
-    return {k: v for k, v in p.items() if k not in hide and v is not None and not (k in OFF_VALUES and v == OFF_VALUES[k])}
-
-
-def is_distilled(draft: Any) -> bool:
-    """Whether a draft's report entry says it was distilled ([draft.distill] steps = 0 uses it as initialised)."""
-    return dig(draft, "distill", "steps") != 0
 
 
 def _params(p: Any) -> str:
@@ -249,12 +219,14 @@ def _speculative(report: dict) -> list[str]:
 
 def _gates(report: dict) -> list[str]:
     lines = ["## Gates", ""]
-    gates = report.get("gates")
+    from pipeline.results.gates import fmt_value, gate_status
+    from pipeline.results.schema import Gate
+
+    gates = [Gate.model_validate(g) for g in report.get("gates") or []]
     if not gates:
         return lines + ["No gates evaluated.", ""]
-    body = [[g.get("model", "?"), g.get("gate", "?"), fmt_value(g.get("value")),
-             f"{g.get('op', '')} {fmt_value(g.get('bound'))}", f"**{gate_status(g)}**", g.get("reason") or ""]
-            for g in gates if isinstance(g, dict)]
+    body = [[g.model, g.gate, fmt_value(g.value), f"{g.op} {fmt_value(g.bound)}", f"**{gate_status(g)}**", g.reason]
+            for g in gates]
     return lines + table(["model", "gate", "value", "bound", "result", "note"], body) + [""]
 
 
@@ -289,13 +261,13 @@ def render_markdown(report: dict, plots: list[str]) -> str:
 def render_report(run_dir: Path) -> None:
     """Write report.md, plots/*.png and the model cards of existing export folders from
     run_dir/report.json and recipe.lock.toml (nothing is recomputed)."""
-    from pipeline.eval.card import render_cards
-    from pipeline.eval.plots import write_plots
+    from pipeline.fileio import atomic_write_text
+    from pipeline.results import schema
+    from pipeline.results.card import render_cards
+    from pipeline.results.plots import write_plots
 
     run_dir = Path(run_dir)
-    report = json.loads((run_dir / "report.json").read_text())
+    report = schema.load(run_dir).to_dict()
     plots = write_plots(report, run_dir / "plots")
-    tmp = run_dir / "report.md.tmp"
-    tmp.write_text(render_markdown(report, plots))
-    os.replace(tmp, run_dir / "report.md")
+    atomic_write_text(run_dir / "report.md", render_markdown(report, plots))
     render_cards(run_dir, report)

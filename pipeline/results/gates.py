@@ -1,0 +1,186 @@
+"""Quality and speed gates over the typed report, and the one verdict on them.
+
+Each configured gate gives one record per model it applies to (variants for quality, size and speed;
+the draft, with its verifier, for the speculative gates). A metric the report lacks is a failed gate whose
+reason says what is missing, never a crash. `severity` is "fail", or "warn" for gates listed in `warn_only`.
+
+`blocks(gate)` is the only place that decides whether a gate failed: the run's exit code, the summary
+line, report.md, the model cards and the publish rule all ask it (through `failed_gates`/`blocking_by_model`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from pipeline.eval.config import GATE_METRICS, GatesConfig
+from pipeline.results.schema import DraftEntry, Gate, ModelEntry, Report
+
+Getter = Callable[[Report, ModelEntry, str], tuple[float | None, str]]
+
+
+def blocks(g: Gate) -> bool:
+    """THE gate verdict: a gate fails the run and keeps its model off the Hub when it did not pass and is not
+    warn-only. Warn-only gates never block."""
+    return not g.passed and g.severity != "warn"
+
+
+def failed_gates(report: Report) -> list[Gate]:
+    return [g for g in report.gates if blocks(g)]
+
+
+def blocking_by_model(report: Report) -> dict[str, list[Gate]]:
+    """{model: its blocking gates}, only models with at least one."""
+    out: dict[str, list[Gate]] = {}
+    for g in failed_gates(report):
+        out.setdefault(g.model, []).append(g)
+    return out
+
+
+def gate_status(g: Gate) -> str:
+    if g.passed:
+        return "PASS"
+    return "FAIL" if blocks(g) else "WARN"
+
+
+def gates_summary(gates: list[Gate]) -> str:
+    """"N passed, F failed, W warnings" (warn-only gates that did not pass are warnings, not failures)."""
+    statuses = [gate_status(g) for g in gates]
+    return f"{statuses.count('PASS')} passed, {statuses.count('FAIL')} failed, {statuses.count('WARN')} warnings"
+
+
+# ---------------------------------------------------------------- reading metrics
+def _ratio(num: float | None, den: float | None, what: str) -> tuple[float | None, str]:
+    if num is None:
+        return None, f"{what}: the model's value is missing"
+    if den is None:
+        return None, f"{what}: the baseline's value is missing"
+    if not den:
+        return None, f"{what}: the baseline's value is zero"
+    return float(num) / float(den), ""
+
+
+def _ppl_ratio(report: Report, e: ModelEntry, name: str) -> tuple[float | None, str]:
+    if e.ppl_ratio is not None:
+        return e.ppl_ratio, ""
+    base = report.baseline.perplexity if report.baseline else None
+    return _ratio((e.perplexity or {}).get("value"), (base or {}).get("value"),
+                  f"variants.{name}.perplexity.value / baseline.perplexity.value")
+
+
+def _plain(key: str) -> Getter:
+    def get(report: Report, e: ModelEntry, name: str) -> tuple[float | None, str]:
+        value = getattr(e, key)
+        return (None, f"variants.{name}.{key} is not in the report") if value is None else (float(value), "")
+    return get
+
+
+def _footprint_ratio(report: Report, e: ModelEntry, name: str) -> tuple[float | None, str]:
+    base = (report.baseline.footprint_bytes if report.baseline else None) or (report.model and report.model.footprint_bytes)
+    return _ratio(e.footprint_bytes, base, f"variants.{name}.footprint_bytes / baseline's")
+
+
+def _decode_ratio(report: Report, e: ModelEntry, name: str) -> tuple[float | None, str]:
+    base = report.baseline.speed if report.baseline else None
+    return _ratio((e.speed or {}).get("decode_tokens_per_s_b1"), (base or {}).get("decode_tokens_per_s_b1"),
+                  f"variants.{name}.speed.decode_tokens_per_s_b1 / baseline's (is speed timed for both?)")
+
+
+def _smoke_ok(report: Report, e: ModelEntry, name: str) -> tuple[float | None, str]:
+    """Share of the prompts the baseline answered well that this variant answers well too: a prompt the
+    baseline itself fails (a base model looping on a chat prompt) is not held against the variant."""
+    outputs = (e.smoke or {}).get("outputs")
+    if not outputs:
+        return None, f"variants.{name}.smoke is not in the report (did the smoke test run?)"
+    base_ok = {o.get("prompt"): o.get("ok") for o in ((report.baseline and report.baseline.smoke) or {}).get("outputs") or []}
+    judged = [o for o in outputs if base_ok.get(o.get("prompt"), True)]
+    excused = len(outputs) - len(judged)
+    note = f"{excused} prompt(s) the baseline also failed not counted" if excused else ""
+    if not judged:
+        return 1.0, "not judged: the baseline itself failed every smoke prompt"
+    bad = [o for o in judged if not o.get("ok")]
+    reason = "; ".join(r for r in (f"{len(bad)} of {len(judged)} smoke prompts failed: {bad[0].get('problem')}"
+                                   if bad else "", note) if r)
+    return (len(judged) - len(bad)) / len(judged), reason
+
+
+_VARIANT_GETTERS: dict[str, Getter] = {
+    "ppl_ratio": _ppl_ratio,
+    "kl": _plain("kl"),
+    "top1": _plain("top1"),
+    "footprint_ratio": _footprint_ratio,
+    "decode_speed_ratio": _decode_ratio,
+    "smoke_ok": _smoke_ok,
+}
+_DRAFT_KEYS = {"acceptance": ("alpha", "acceptance rate"), "spec_speedup": ("speedup", "speculative speed-up")}
+
+
+def _draft_metric(draft: DraftEntry, metric: str, mode: str) -> tuple[float | None, str]:
+    key, label = _DRAFT_KEYS[metric]
+    value = ((draft.speculative or {}).get(mode) or {}).get(key)
+    if value is None:
+        return None, f"draft.speculative.{mode}.{key} ({label}) is not in the report"
+    return float(value), ""
+
+
+def _record(model: str, gate: str, value: float | None, bound: float, reason: str, warn: bool,
+            verifier: str | None = None) -> Gate:
+    metric = GATE_METRICS[gate][0]
+    op = "<=" if gate.startswith("max_") else ">="
+    if value is not None and not math.isfinite(value):
+        reason, passed, value = f"{metric} is not finite ({value})", False, None
+    elif value is None:
+        passed = False
+    else:
+        passed = value <= bound if op == "<=" else value >= bound
+    return Gate(model=model, gate=gate, metric=metric, value=value, bound=bound, op=op, passed=passed,
+                severity="warn" if warn else "fail", reason=reason, verifier=verifier)
+
+
+def evaluate_gates(report: Report, cfg: GatesConfig) -> list[Gate]:
+    """Every configured gate for every model it applies to, in report order (variants, then draft)."""
+    out = []
+    random_init = bool(report.model and report.model.random_init)
+    for name, e in report.variants.items():
+        for gate, bound in cfg.bounds_for(name).items():
+            metric, applies = GATE_METRICS[gate]
+            if metric == "smoke_ok" and (random_init or not bound):
+                continue  # random weights produce noise by construction; 0 turns the gate off
+            if applies == "variant":
+                value, reason = _VARIANT_GETTERS[metric](report, e, name)
+                out.append(_record(name, gate, value, bound, reason, gate in cfg.warn_only))
+    draft = report.draft
+    name = draft.name if draft else "draft"
+    key = name if name in cfg.models else "draft"  # overrides under its name or "draft"
+    for gate, bound in cfg.bounds_for(key).items():
+        if GATE_METRICS[gate][1] != "draft":
+            continue
+        if draft is None:
+            value, reason = None, "the report has no draft section (did the draft stage run?)"
+        else:
+            value, reason = _draft_metric(draft, GATE_METRICS[gate][0], cfg.speculative_mode)
+        out.append(_record(name, gate, value, bound, reason, gate in cfg.warn_only, draft.verifier if draft else None))
+    return out
+
+
+# ---------------------------------------------------------------- console
+def fmt_value(v: object) -> str:
+    if v is None:
+        return "missing"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def gates_table(gates: list[Gate]) -> str:
+    """Plain-text table of all gates for the console (one line per gate, then a summary)."""
+    if not gates:
+        return "no gates configured"
+    rows = [("model", "gate", "value", "bound", "result", "note")]
+    for g in gates:
+        model = g.model + (f" (verifier {g.verifier})" if g.verifier else "")
+        rows.append((model, g.gate, fmt_value(g.value), f"{g.op} {fmt_value(g.bound)}", gate_status(g), g.reason))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + ("  " + r[5] if r[5] else "") for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.append(f"{len(gates)} gates: {gates_summary(gates)}")
+    return "\n".join(line.rstrip() for line in lines)

@@ -1,0 +1,112 @@
+"""Every stage's contribution to the report, in one place: `record(report, key, manifest, skipped)` is
+what the runner calls after a unit ran or was found up to date. The unit's key says which section its
+metrics fill; nothing else writes report sections."""
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.results.schema import (Calibration, DraftEntry, ExportEntry, ModelEntry, ModelInfo, Report,
+                                     StageEntry)
+
+MODEL_KEYS = tuple(ModelInfo.model_fields)
+CALIBRATION_KEYS = tuple(Calibration.model_fields)
+
+
+def record(report: Report, key: str, manifest: dict, skipped: bool) -> None:
+    report.stages[key] = StageEntry(status="skipped" if skipped else "done", time_s=manifest["time_s"],
+                                    peak_rss_bytes=manifest["peak_rss_bytes"], dir=key)
+    metrics = manifest.get("metrics") or {}
+    kind, _, rest = key.partition("/")
+    if kind == "load":
+        report.model = ModelInfo(**{k: metrics.get(k) for k in MODEL_KEYS if metrics.get(k) is not None})
+    elif kind == "calibrate":
+        report.calibration = Calibration(**{k: metrics.get(k) for k in CALIBRATION_KEYS})
+    elif kind == "quantize":
+        _quantized(report, rest, metrics, (manifest.get("config") or {}).get("variant") or {})
+    elif kind == "draft":
+        _draft(report, metrics)
+    elif kind == "validate":
+        name, _, what = rest.rpartition("/")
+        if what == "quality":
+            _quality(report, name, metrics)
+        elif what == "speed":
+            entry(report, name).speed = metrics
+        elif what == "speculative":
+            _speculative(report, metrics)
+    elif kind == "export":
+        report.exports[rest] = ExportEntry(**{k: metrics.get(k) for k in ("kind", "name", "verifier", "folder", "files")},
+                                           outputs_hash=manifest.get("outputs_hash"), run_id=manifest.get("run_id"))
+
+
+def entry(report: Report, name: str) -> ModelEntry:
+    """The baseline's or a variant's entry, created empty when first written."""
+    if name == "baseline":
+        if report.baseline is None:
+            report.baseline = ModelEntry()
+        return report.baseline
+    return report.variants.setdefault(name, ModelEntry())
+
+
+def _quantized(report: Report, name: str, m: dict, params: dict) -> None:
+    e = entry(report, name)
+    e.method, e.params, e.checkpoint = params.get("method"), params, f"quantize/{name}"
+    e.quantize_time_s, e.runtimes = m.get("time_s"), m.get("runtimes", [])
+    e.quantize = {k: v for k, v in m.items() if k not in ("files", "runtimes")}
+
+
+def _quality(report: Report, name: str, m: dict) -> None:
+    e = entry(report, name)
+    for k in ("perplexity", "footprint_bytes", "size_on_disk_bytes", "smoke"):
+        if k in m:
+            setattr(e, k, m[k])
+    ppl = m.get("perplexity") or {}
+    e.kl, e.top1 = ppl.get("kl", e.kl), ppl.get("top1", e.top1)
+    base = ((report.baseline.perplexity if report.baseline else None) or {}).get("value")
+    if name != "baseline" and base and ppl.get("value"):
+        e.ppl_ratio = ppl["value"] / base
+
+
+def _draft(report: Report, m: dict) -> None:
+    d = report.draft or DraftEntry()
+    d.verifier, d.checkpoint, d.distill = m.get("verifier"), "draft", m
+    d.layers = m.get("layers")
+    d.num_layers = len(m.get("layers") or [])
+    d.vocab_size = m.get("draft_vocab_size")
+    d.source, d.dtype = m.get("source"), m.get("dtype", "float32")
+    report.draft = d
+
+
+def _speculative(report: Report, m: dict) -> None:
+    d = report.draft or DraftEntry()
+    d.speculative = speculative_modes(m)
+    d.speculative_detail = m
+    report.draft = d
+
+
+DRAFT_KINDS = ("distilled", "undistilled", "fp-distilled")  # keys of measure_speculative's result
+FLAT_KEYS = ("alpha", "alpha_per_token", "tokens_per_target_forward", "speedup", "plain_tokens_per_s",
+             "repetition_rate", "accepted_by_position", "drafted_by_position", "acceptance_by_position",
+             "predicted_speedup", "greedy_mismatches")
+
+
+def speculative_modes(m: dict) -> dict[str, dict[str, Any]]:
+    """One flat row per (draft, temperature) — "greedy", "t0.7", "undistilled greedy", "fp-distilled t0.7"
+    (the draft distilled against the full-precision model, same verifier) — for report and gates."""
+    gamma = m.get("gamma")
+    modes = {}
+    for which in DRAFT_KINDS:
+        section = m.get(which) or {}
+        costs = section.get("costs") or {}
+        for key, run in section.items():
+            if not key.startswith("t=") or not isinstance(run, dict):
+                continue
+            t = float(key[2:])
+            mode = "greedy" if t == 0 else f"t{t:g}"
+            row = {k: run.get(k) for k in FLAT_KEYS if k in run}
+            row.update(tokens_per_s=run.get("spec_tokens_per_s"), c_d=costs.get("c_d"),
+                       c_v=(costs.get("c_v") or {}).get(str(gamma + 1)) if gamma else None,
+                       break_even_alpha=costs.get("break_even_alpha_per_token"), gamma=gamma)
+            if "hf_reference" in run:
+                row["hf_assisted"] = run["hf_reference"]
+            modes[mode if which == "distilled" else f"{which} {mode}"] = row
+    return modes

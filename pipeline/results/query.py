@@ -1,0 +1,42 @@
+"""Questions every reader of a report asks, answered once: one `dig`, the model rows, a variant's shown
+settings, whether a draft was distilled."""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+
+def dig(d: Any, *keys: Any) -> Any:
+    """d[k1][k2]... (or attribute k of a typed section), None when any level is missing."""
+    for k in keys:
+        if isinstance(d, BaseModel):
+            d = getattr(d, k, None)
+        elif isinstance(d, dict):
+            d = d.get(k)
+        else:
+            return None
+        if d is None:
+            return None
+    return d
+
+
+def models(report: dict) -> list[tuple[str, dict]]:
+    """("baseline", baseline) then each variant: the rows of the quality, size and speed tables."""
+    rows = [("baseline", report["baseline"])] if isinstance(report.get("baseline"), dict) else []
+    return rows + [(n, v or {}) for n, v in (report.get("variants") or {}).items()]
+
+
+OFF_VALUES = {"gptaq_alpha": 0, "foem_beta": 0}  # optional GPTQ refinements: shown only when on
+
+
+def shown_params(p: Any, hide: tuple[str, ...] = ("name", "method")) -> dict:
+    """A variant's settings worth showing (report table, model card): set, and not an optional feature left off."""
+    if not isinstance(p, dict):
+        return {}
+    return {k: v for k, v in p.items() if k not in hide and v is not None and not (k in OFF_VALUES and v == OFF_VALUES[k])}
+
+
+def is_distilled(draft: Any) -> bool:
+    """Whether a draft's report entry says it was distilled ([draft.distill] steps = 0 uses it as initialised)."""
+    return dig(draft, "distill", "steps") != 0

@@ -1,0 +1,202 @@
+"""The shape of report.json (schema_version 1): typed sections, created, loaded and saved here only.
+
+Later versions only add keys; a key never changes meaning without a new SCHEMA_VERSION. Measurement
+payloads (a perplexity record, a smoke test, a speed run, a speculative row) are kept as the measuring
+code wrote them; everything that structures the report, and everything a gate or the publish rule reads,
+is a typed field.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from pipeline.errors import CompressError
+from pipeline.fileio import atomic_write_text
+
+SCHEMA_VERSION = 1
+REPORT = "report.json"
+
+RunStatus = Literal["running", "complete", "gates_failed", "failed", "interrupted"]
+FINAL = ("complete", "gates_failed")  # every stage finished and the gates were evaluated
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunInfo(_Section):
+    id: str | None = None  # this invocation of `compress run`; also in recipe.lock.toml and every manifest it wrote
+    name: str
+    recipe: str
+    status: RunStatus = "running"
+    exit_code: int | None = None
+    started: str
+    finished: str | None = None
+    device: str
+    seed: int
+    versions: dict[str, Any] = {}
+    error: str | None = None
+    gates_evaluated: bool = False
+
+
+class ModelInfo(_Section):
+    source: str | None = None
+    name: str | None = None
+    architecture: str | None = None
+    parameters: int | None = None
+    dtype: str | None = None
+    footprint_bytes: int | None = None
+    provenance: str | None = None
+    random_init: bool = False
+    license: str | None = None
+    source_sha256: str | None = None
+    config: dict[str, Any] = {}
+
+
+class Calibration(_Section):
+    dataset: str | None = None
+    documents_available: int | None = None
+    num_samples: int | None = None
+    seq_len: int | None = None
+    tokens: int | None = None
+    sampling: str | None = None
+    chat_template: bool | None = None
+
+
+class ModelEntry(_Section):
+    """The baseline or one quantized variant: what made it (variants only) and what validate measured."""
+    method: str | None = None
+    params: dict[str, Any] | None = None
+    checkpoint: str | None = None
+    quantize_time_s: float | None = None
+    quantize: dict[str, Any] | None = None
+    runtimes: list[dict[str, Any]] = []
+    perplexity: dict[str, Any] | None = None
+    ppl_ratio: float | None = None
+    kl: float | None = None
+    top1: float | None = None
+    smoke: dict[str, Any] | None = None
+    footprint_bytes: int | None = None
+    size_on_disk_bytes: int | None = None
+    speed: dict[str, Any] | None = None
+
+
+class DraftEntry(_Section):
+    name: str = "draft"
+    verifier: str | None = None
+    checkpoint: str | None = None
+    distill: dict[str, Any] | None = None
+    layers: list[int] | None = None
+    num_layers: int | None = None
+    vocab_size: int | None = None
+    source: str | None = None
+    dtype: str | None = None
+    speculative: dict[str, dict[str, Any]] | None = None  # one flat row per (draft, temperature)
+    speculative_detail: dict[str, Any] | None = None
+    speed: dict[str, Any] | None = None
+
+
+class Gate(_Section):
+    model: str
+    gate: str
+    metric: str
+    value: float | None
+    bound: float
+    op: Literal["<=", ">="]
+    passed: bool
+    severity: Literal["fail", "warn"]
+    reason: str = ""
+    verifier: str | None = None
+
+
+class ExportEntry(_Section):
+    kind: Literal["baseline", "variant", "draft"]
+    name: str
+    verifier: str | None = None
+    folder: str
+    files: dict[str, int]
+    outputs_hash: str | None = None  # the export manifest's, as this run verified or wrote it
+    run_id: str | None = None  # the run that wrote the folder (an unchanged folder is reused by later runs)
+
+
+class PublishSection(_Section):
+    status: Literal["dry-run", "pushed", "refused", "failed"]
+    endpoint: str | None = None
+    items: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    reason: str | None = None
+    failed_gates: list[dict[str, Any]] = []
+    run_id: str | None = None  # the run whose exports were planned or pushed
+
+
+class StageEntry(_Section):
+    status: Literal["done", "skipped"]
+    time_s: float
+    peak_rss_bytes: int
+    dir: str
+
+
+class Report(_Section):
+    schema_version: int = SCHEMA_VERSION
+    run: RunInfo
+    model: ModelInfo | None = None
+    calibration: Calibration | None = None
+    baseline: ModelEntry | None = None
+    variants: dict[str, ModelEntry] = {}
+    draft: DraftEntry | None = None
+    gates: list[Gate] = []
+    exports: dict[str, ExportEntry] = {}
+    publish: PublishSection | None = None
+    stages: dict[str, StageEntry] = {}
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:8]
+
+
+def new_report(*, run_id: str, name: str, recipe: str, device: str, seed: int, versions: dict) -> Report:
+    return Report(run=RunInfo(id=run_id, name=name, recipe=recipe, started=now(), device=device, seed=seed,
+                              versions=versions))
+
+
+def load(run_dir: Path) -> Report:
+    """The run folder's report, validated; one clear line (ReportError) when it is not a readable report."""
+    path = Path(run_dir) / REPORT
+    if not path.is_file():
+        raise ReportError(f"{path} not found: is {run_dir} a compress run folder?")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ReportError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+        got = data.get("schema_version") if isinstance(data, dict) else None
+        raise ReportError(f"{path}: schema_version {got!r}, this compress reads {SCHEMA_VERSION}")
+    try:
+        return Report.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise ReportError(f"{path}: {where}: {first['msg']} ({e.error_count()} problem(s)); "
+                          "rerun `compress run` to rewrite it") from None
+
+
+def save(report: Report, run_dir: Path) -> None:
+    atomic_write_text(Path(run_dir) / REPORT, json.dumps(report.to_dict(), indent=2, default=str))
+
+
+class ReportError(CompressError):
+    """report.json is missing or malformed: the folder given is not a run this compress can read."""
+
+    exit_code = 2
