@@ -19,8 +19,10 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from pipeline.results.format import local_name, num, public, public_text, public_tree, size, speculative_label
+from pipeline.results.gates import blocks, gate_status
 from pipeline.results.query import dig, is_distilled, shown_params
-from pipeline.results.render import num, size, speculative_label
+from pipeline.results.schema import DraftEntry, ModelEntry, ModelInfo, Report
 
 # names of our datasets -> Hub dataset ids (metadata only lists ids the Hub can resolve)
 HUB_DATASETS = {"wikitext2": "Salesforce/wikitext", "wikitext-2": "Salesforce/wikitext",
@@ -38,8 +40,8 @@ def hub_id(source: Any) -> str | None:
     return None
 
 
-def _variant_tags(entry: dict) -> list[str]:
-    method, params = entry.get("method") or "", entry.get("params") or {}
+def _variant_tags(entry: ModelEntry) -> list[str]:
+    method, params = entry.method or "", entry.params or {}
     bits = params.get("bits")
     if method == "gptq":
         return ["gptq", f"{bits}-bit"] if bits else ["gptq"]
@@ -51,19 +53,19 @@ def _variant_tags(entry: dict) -> list[str]:
     return [method] if method else []
 
 
-def _datasets(report: dict, entry: dict) -> list[str]:
+def _datasets(report: Report, entry: ModelEntry | DraftEntry) -> list[str]:
     names = [dig(report, "baseline", "perplexity", "dataset"), dig(report, "calibration", "dataset"),
              dig(entry, "params", "dataset"), dig(entry, "distill", "dataset")]
     ids = {HUB_DATASETS.get(str(n).lower()) for n in names if n}
     return sorted(i for i in ids if i)
 
 
-def card_data(report: dict, entry: dict) -> ModelCardData:
+def card_data(report: Report, entry: dict) -> ModelCardData:
     kind, name = entry["kind"], entry["name"]
-    model = report.get("model") or {}
+    model = report.model or ModelInfo()
     from pipeline.sources import packaged_upstream
 
-    base = hub_id(model.get("source")) or packaged_upstream(model.get("source")) or hub_id(model.get("name"))
+    base = hub_id(model.source) or packaged_upstream(model.source) or hub_id(model.name)
     data = entry_data(report, entry)
     tags = ["compress"]
     extra: dict[str, Any] = {}
@@ -75,84 +77,102 @@ def card_data(report: dict, entry: dict) -> ModelCardData:
         tags += ["speculative-decoding", "draft-model", "assistant-model"]
         if is_distilled(data):
             tags.append("distillation")
-    if model.get("random_init"):
+    if model.random_init:
         tags.append("random-weights")
     ppl = dig(data, "perplexity", "value")
     results = None
     if isinstance(ppl, (int, float)):
-        ds = dig(report, "baseline", "perplexity", "dataset") or "unknown"
+        ds = public(dig(report, "baseline", "perplexity", "dataset") or "unknown")
         results = [EvalResult(task_type="text-generation", dataset_type=HUB_DATASETS.get(str(ds).lower(), str(ds)),
                               dataset_name=str(ds), metric_type="perplexity", metric_value=round(float(ppl), 4),
                               metric_name=f"perplexity ({dig(data, 'perplexity', 'protocol') or 'unknown protocol'})")]
     return ModelCardData(base_model=base, library_name="transformers", pipeline_tag="text-generation",
-                         license=model.get("license") or None, tags=tags, datasets=_datasets(report, data) or None,
+                         license=model.license or None, tags=tags, datasets=_datasets(report, data) or None,
                          model_name=name, eval_results=results, **extra)
 
 
-def entry_data(report: dict, entry: dict) -> dict:
-    """The report section an export entry describes."""
+def entry_data(report: Report, entry: dict) -> ModelEntry | DraftEntry:
+    """The report section an export entry describes (empty when the report lacks it)."""
     if entry["kind"] == "variant":
-        return dig(report, "variants", entry["name"]) or {}
+        return report.variants.get(entry["name"]) or ModelEntry()
     if entry["kind"] == "draft":
-        return report.get("draft") or {}
-    return report.get("baseline") or {}
+        return report.draft or DraftEntry()
+    return report.baseline or ModelEntry()
+
+
+# ---------------------------------------------------------------- the base model, as a published file names it
+def _source_ref(model: ModelInfo) -> str:
+    """How the card names the source model: its source as written, or for a local file or folder its
+    metadata name and file name (a path of this machine never goes into a published card)."""
+    name = local_name(model.source)
+    if name is None:
+        return f"`{model.source or '?'}`"
+    return f"`{model.name or '?'}` from the local file `{name}`"
+
+
+def _source_line(model: ModelInfo) -> str:
+    name = local_name(model.source)
+    if name is None:
+        return f"- source: `{model.source or '?'}`"
+    sha = f" (sha256 `{model.source_sha256}`)" if model.source_sha256 else ""
+    return f"- source: local file `{name}`{sha}; model `{model.name or '?'}`"
 
 
 # ---------------------------------------------------------------- body sections
-def _intro(report: dict, entry: dict, base: str | None) -> list[str]:
-    model, data = report.get("model") or {}, entry_data(report, entry)
-    base_ref = f"[{base}](https://huggingface.co/{base})" if base else f"`{model.get('source', '?')}`"
+def _intro(report: Report, entry: dict, base: str | None) -> list[str]:
+    model, data = report.model or ModelInfo(), entry_data(report, entry)
+    base_ref = f"[{base}](https://huggingface.co/{base})" if base else _source_ref(model)
     lines = [f"# {entry['name']}", ""]
     if entry["kind"] == "variant":
-        params = shown_params(data.get("params"))
-        lines.append(f"A **{data.get('method', '?')}** quantization of {base_ref} "
+        params = shown_params(data.params)
+        lines.append(f"A **{data.method or '?'}** quantization of {base_ref} "
                      f"({', '.join(f'{k}={v}' for k, v in params.items()) or 'default settings'}), made with compress.")
     elif entry["kind"] == "draft":
-        verifier = entry.get('verifier') or data.get('verifier', '?')
-        if data.get("source"):
-            made = f"`{data['source']}`, used as a **draft model for speculative decoding**"
+        verifier = entry.get("verifier") or data.verifier or "?"
+        if data.source:
+            made = f"`{public(data.source)}`, used as a **draft model for speculative decoding**"
             made += (f", distilled against the verifier `{verifier}`" if is_distilled(data) else " (not distilled)")
             lines.append(f"{made}, for {base_ref} (verifier `{verifier}`). "
                          "It shares the verifier's tokenizer; use it as `assistant_model`.")
         else:
-            layers = data.get("layers")
-            n_layers = data.get("num_layers") or (len(layers) if isinstance(layers, list) else layers)
+            n_layers = data.num_layers or (len(data.layers) if data.layers else None)
             lines.append(f"A {num(n_layers)}-layer **draft model "
                          f"for speculative decoding**, distilled against the verifier `{verifier}` (a version of "
                          f"{base_ref}). It shares the verifier's tokenizer; use it as `assistant_model`.")
     else:
         lines.append(f"The unquantized baseline of this run: {base_ref}.")
-    if model.get("random_init"):
+    if model.random_init:
         lines += ["", "> **Random weights.** This model was randomly initialised to test the pipeline; "
                   "its outputs and quality figures mean nothing."]
     return lines + [""]
 
 
-def _provenance(report: dict) -> list[str]:
-    model, base = report.get("model") or {}, report.get("baseline") or {}
+def _provenance(report: Report) -> list[str]:
+    model, base = report.model or ModelInfo(), report.baseline or ModelEntry()
+    provenance = public_text(model.provenance or "", model.source) or "as published"
     return ["## Provenance of the baseline", "",
-            f"- source: `{model.get('source', '?')}` ({model.get('architecture', '?')}, "
-            f"{num(model.get('parameters'))} parameters, {model.get('dtype', '?')})",
-            f"- provenance: {model.get('provenance') or 'as published'}",
-            f"- license: {model.get('license') or 'unknown (check the source)'}",
+            f"{_source_line(model)} ({model.architecture or '?'}, "
+            f"{num(model.parameters)} parameters, {model.dtype or '?'})",
+            f"- provenance: {provenance}",
+            f"- license: {model.license or 'unknown (check the source)'}",
             f"- baseline perplexity in this run: {num(dig(base, 'perplexity', 'value'))}", ""]
 
 
-def _results(report: dict, entry: dict) -> list[str]:
+def _results(report: Report, entry: dict) -> list[str]:
     ppl = dig(report, "baseline", "perplexity") or {}
     lines = ["## Results from this run", "",
-             f"Perplexity: {ppl.get('protocol', '?')} protocol on {ppl.get('dataset', '?')} "
+             f"Perplexity: {ppl.get('protocol', '?')} protocol on {public(ppl.get('dataset', '?'))} "
              f"({num(ppl.get('tokens'))} tokens); KL and top-1 agreement against the baseline on the same tokens. "
-             f"Speed on {report.get('run', {}).get('device', '?')} (batch-1 decode).", "",
+             f"Speed on {report.run.device} (batch-1 decode).", "",
              "| model | perplexity | ppl ratio | KL | top-1 | on disk | in memory | decode tok/s |",
              "|---|---|---|---|---|---|---|---|"]
-    rows = [("baseline", report.get("baseline") or {})]
+    rows = [("baseline", report.baseline or ModelEntry())]
     if entry["kind"] == "variant":
         rows.append((entry["name"], entry_data(report, entry)))
     for name, m in rows:
-        lines.append(f"| {name} | {num(dig(m, 'perplexity', 'value'))} | {num(m.get('ppl_ratio') if name != 'baseline' else 1.0)} "
-                     f"| {num(m.get('kl'))} | {num(m.get('top1'))} | {size(m.get('size_on_disk_bytes'))} "
-                     f"| {size(m.get('footprint_bytes'))} | {num(dig(m, 'speed', 'decode_tokens_per_s_b1'), 3)} |")
+        lines.append(f"| {name} | {num(dig(m, 'perplexity', 'value'))} | {num(1.0 if name == 'baseline' else m.ppl_ratio)} "
+                     f"| {num(m.kl)} | {num(m.top1)} | {size(m.size_on_disk_bytes)} "
+                     f"| {size(m.footprint_bytes)} | {num(dig(m, 'speed', 'decode_tokens_per_s_b1'), 3)} |")
     if entry["kind"] == "draft":
         lines += ["", "| sampling | acceptance α | tokens per verifier forward | speed-up |", "|---|---|---|---|"]
         verifier = dig(report, "draft", "verifier")
@@ -160,25 +180,32 @@ def _results(report: dict, entry: dict) -> list[str]:
             if isinstance(s, dict):
                 lines.append(f"| {speculative_label(mode, verifier)} | {num(s.get('alpha'), 3)} "
                              f"| {num(s.get('tokens_per_target_forward'), 3)} | {num(s.get('speedup'), 3)} |")
-    from pipeline.results.gates import blocks, gate_status
-    from pipeline.results.schema import Gate
-
-    gates = [Gate.model_validate(g) for g in report.get("gates") or [] if g.get("model") == entry["name"]]
-    if gates:
-        ok = not any(blocks(g) for g in gates)
-        lines += ["", f"Gates: {'all passed' if ok else 'SOME FAILED'} ("
-                  + ", ".join(f"{g.gate} {gate_status(g).lower()}" for g in gates) + ")."]
-    return lines + [""]
+    return lines + _gate_line(report, entry["name"]) + [""]
 
 
-def _usage(report: dict, entry: dict, repo: str) -> list[str]:
+def _gate_line(report: Report, name: str) -> list[str]:
+    """The model's gates, in the words of the one verdict (results.gates): a warn-only gate that did not pass
+    is a warning, never a failure."""
+    gates = [g for g in report.gates if g.model == name]
+    if not gates:
+        return []
+    if any(blocks(g) for g in gates):
+        verdict = "SOME FAILED"
+    elif all(g.passed for g in gates):
+        verdict = "all passed"
+    else:
+        verdict = "passed, with warnings"
+    return ["", f"Gates: {verdict} (" + ", ".join(f"{g.gate} {gate_status(g).lower()}" for g in gates) + ")."]
+
+
+def _usage(report: Report, entry: dict, repo: str) -> list[str]:
     data = entry_data(report, entry)
-    method = data.get("method") or ""
+    method = (data.method if isinstance(data, ModelEntry) else None) or ""
     lines = ["## How to use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
              f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
              f'model = AutoModelForCausalLM.from_pretrained("{repo}")']
     if entry["kind"] == "draft":
-        verifier = entry.get("verifier") or data.get("verifier") or "verifier"
+        verifier = entry.get("verifier") or data.verifier or "verifier"
         lines[-2:] = [f'tokenizer = AutoTokenizer.from_pretrained("<{verifier} repo>")',
                       f'model = AutoModelForCausalLM.from_pretrained("<{verifier} repo>")  # the verifier',
                       f'draft = AutoModelForCausalLM.from_pretrained("{repo}")',
@@ -197,7 +224,7 @@ def _usage(report: dict, entry: dict, repo: str) -> list[str]:
         lines += ["The checkpoint is pre-quantized with bitsandbytes (`quantization_config` in config.json): "
                   "`pip install bitsandbytes` and load as above; no `BitsAndBytesConfig` is needed. "
                   "LLM.int8() picks outlier columns per batch, so outputs can differ slightly with batch composition.", ""]
-    runtimes = data.get("runtimes") or []
+    runtimes = data.runtimes if isinstance(data, ModelEntry) else []
     if runtimes:
         lines += ["| runtime | kernel | note |", "|---|---|---|"]
         lines += [f"| {r.get('runtime', '')} | {r.get('kernel', '')} | {r.get('note', '')} |" for r in runtimes] + [""]
@@ -207,7 +234,8 @@ def _usage(report: dict, entry: dict, repo: str) -> list[str]:
 # Parts of recipe.lock.toml that say when, where or whither a run went, not what produced the weights.
 # The lock is rewritten by every `compress run`; a card that embedded them would change on every rerun
 # (its sha256 no longer the export manifest's, a new Hub commit on every re-publish) and would publish
-# local paths.
+# local paths. What remains has every absolute local path (model source, tokenizer, datasets) reduced to
+# its file name: the lock's sha256 values identify the files.
 _VOLATILE_LOCK = (("lock", "created"), ("lock", "model_file"), ("recipe", "run", "output_dir"), ("recipe", "publish"))
 
 
@@ -221,7 +249,7 @@ def _drop(data: dict, paths) -> dict:
 
 def card_recipe(recipe: dict) -> dict:
     """The part of a resolved recipe (Recipe.dump()) that a card shows; the export stage hashes it."""
-    return _drop(copy.deepcopy(recipe), [p[1:] for p in _VOLATILE_LOCK if p[0] == "recipe"])
+    return public_tree(_drop(copy.deepcopy(recipe), [p[1:] for p in _VOLATILE_LOCK if p[0] == "recipe"]))
 
 
 def card_lock(lock_text: str) -> str:
@@ -232,11 +260,11 @@ def card_lock(lock_text: str) -> str:
         data = tomllib.loads(lock_text)
     except tomllib.TOMLDecodeError:
         return lock_text.strip()
-    return tomli_w.dumps(_drop(data, _VOLATILE_LOCK)).strip()
+    return tomli_w.dumps(public_tree(_drop(data, _VOLATILE_LOCK))).strip()
 
 
-def _reproduce(report: dict, recipe_excerpt: str, lock_text: str) -> list[str]:
-    versions = dig(report, "run", "versions") or {}
+def _reproduce(report: Report, recipe_excerpt: str, lock_text: str) -> list[str]:
+    versions = report.run.versions
     return ["## Reproduce", "",
             "Made with compress" + (f" ({', '.join(f'{k} {v}' for k, v in versions.items())})" if versions else "")
             + ". The recipe excerpt that produced this folder:", "", "```toml", recipe_excerpt.strip(), "```", "",
@@ -244,15 +272,17 @@ def _reproduce(report: dict, recipe_excerpt: str, lock_text: str) -> list[str]:
             "```toml", card_lock(lock_text), "```", "", "</details>", ""]
 
 
-def card_text(report: dict, entry: dict, recipe_excerpt: str, lock_text: str) -> str:
+def card_text(report: Report, entry: dict, recipe_excerpt: str, lock_text: str) -> str:
     data = card_data(report, entry)
     repo = entry.get("repo_id") or f"./{entry['name']}"
     body = (_intro(report, entry, data.base_model) + _provenance(report) + _results(report, entry)
             + _usage(report, entry, repo) + _reproduce(report, recipe_excerpt, lock_text))
-    return f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)
+    text = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)
+    # the sections above name a local source by its file name; this also catches the path in a caller's text
+    return public_text(text, dig(report, "model", "source"))
 
 
-def write_model_card(export_dir: Path, report: dict, entry: dict, recipe_excerpt: str, lock_text: str) -> None:
+def write_model_card(export_dir: Path, report: Report, entry: dict, recipe_excerpt: str, lock_text: str) -> None:
     """Write export_dir/README.md (validated by parsing it back with huggingface_hub, offline)."""
     text = card_text(report, entry, recipe_excerpt, lock_text)
     ModelCard(text)  # raises ValueError on metadata the Hub would reject (e.g. a malformed model-index)
@@ -274,20 +304,20 @@ def excerpt_from_lock(lock_text: str, entry: dict) -> str:
         keep["quantize"] = [q for q in recipe.get("quantize", []) if q.get("name") == entry["name"]]
     if entry["kind"] == "draft" and "draft" in recipe:
         keep["draft"] = recipe["draft"]
-    return tomli_w.dumps(keep)
+    return tomli_w.dumps(public_tree(keep))
 
 
-def render_cards(run_dir: Path, report: dict) -> list[str]:
-    """Re-render README.md of every export folder listed in report["exports"] (for `compress report`)."""
+def render_cards(run_dir: Path, report: Report) -> list[str]:
+    """Re-render README.md of every export folder listed in report.exports (for `compress report`)."""
     run_dir, done = Path(run_dir), []
     lock = run_dir / "recipe.lock.toml"
     if not lock.is_file():
         return done
     lock_text = lock.read_text()
-    for name, exp in (report.get("exports") or {}).items():
+    for name, exp in report.exports.items():
         folder = run_dir / "export" / name
-        if isinstance(exp, dict) and exp.get("kind") and folder.is_dir():
-            entry = {k: exp.get(k) for k in ("kind", "name", "verifier", "repo_id") if exp.get(k) is not None}
+        if folder.is_dir():
+            entry = {"kind": exp.kind, "name": exp.name, **({"verifier": exp.verifier} if exp.verifier else {})}
             write_model_card(folder, report, entry, excerpt_from_lock(lock_text, entry), lock_text)
             done.append(name)
     return done

@@ -8,13 +8,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pipeline.results.format import PLOTS
 from pipeline.results.query import dig, models
-from pipeline.results.render import PLOTS
+from pipeline.results.schema import Report
 
 _MIB = 2**20
 
 
-def write_plots(report: dict, out_dir: Path) -> list[str]:
+def write_plots(report: Report, out_dir: Path) -> list[str]:
     out_dir = Path(out_dir)
     written = []
     for key, draw in (("frontier", frontier_plot), ("decode", decode_plot), ("acceptance", acceptance_plot)):
@@ -37,10 +38,12 @@ def _figure(width: float = 7.0, height: float = 4.5):
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def _subtitle(report: dict) -> str:
-    model = report.get("model") or {}
-    bits = [str(model.get("name") or model.get("source") or "")]
-    if model.get("random_init"):
+def _subtitle(report: Report) -> str:
+    model = report.model
+    if model is None:
+        return ""
+    bits = [str(model.name or model.source or "")]
+    if model.random_init:
         bits.append("random init: quality meaningless")
     return " — ".join(b for b in bits if b)
 
@@ -55,13 +58,13 @@ def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return front
 
 
-def frontier_plot(report: dict):
+def frontier_plot(report: Report):
     """Perplexity vs size on disk for the baseline and every variant, with the Pareto front."""
     pts = []
     for name, m in models(report):
-        ppl, disk = dig(m, "perplexity", "value"), m.get("size_on_disk_bytes")
+        ppl, disk = dig(m, "perplexity", "value"), m.size_on_disk_bytes
         if isinstance(ppl, (int, float)) and isinstance(disk, (int, float)) and disk > 0:
-            pts.append((name, disk / _MIB, float(ppl), m.get("method") or "baseline"))
+            pts.append((name, disk / _MIB, float(ppl), m.method or "baseline"))
     if not pts:
         return None
     fig = _figure()
@@ -88,15 +91,14 @@ def frontier_plot(report: dict):
     return fig
 
 
-def _decode_rows(report: dict) -> list[tuple[str, Any]]:
-    rows = [(n, m.get("speed")) for n, m in models(report)]
-    draft = report.get("draft")
-    if isinstance(draft, dict):
-        rows.append((draft.get("name") or "draft", draft.get("speed")))
+def _decode_rows(report: Report) -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = [(n, m.speed) for n, m in models(report)]
+    if report.draft is not None:
+        rows.append((report.draft.name or "draft", report.draft.speed))
     return [(n, s) for n, s in rows if isinstance(s, dict) and isinstance(s.get("decode"), dict)]
 
 
-def decode_plot(report: dict):
+def decode_plot(report: Report):
     """Decode tokens/s per model: batch 1 and the largest batch, bars at the median, min-max whiskers."""
     rows = _decode_rows(report)
     if not rows:
@@ -127,7 +129,7 @@ def decode_plot(report: dict):
     return fig
 
 
-def acceptance_plot(report: dict):
+def acceptance_plot(report: Report):
     """Acceptance rate at each draft position (accepted / drafted), one line per sampling mode."""
     spec = dig(report, "draft", "speculative")
     if not isinstance(spec, dict):
@@ -150,8 +152,8 @@ def acceptance_plot(report: dict):
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("draft position (1 = first drafted token)")
     ax.set_ylabel("accepted / drafted at this position")
-    draft = report.get("draft") or {}
-    ax.set_title(f"Draft acceptance by position: {draft.get('name', 'draft')} → {draft.get('verifier', '?')}\n"
+    draft = report.draft
+    ax.set_title(f"Draft acceptance by position: {draft.name} → {draft.verifier or '?'}\n"
                  + _subtitle(report), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -6,6 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from pipeline.results.schema import ModelEntry, Report
+
 
 def dig(d: Any, *keys: Any) -> Any:
     """d[k1][k2]... (or attribute k of a typed section), None when any level is missing."""
@@ -21,10 +23,10 @@ def dig(d: Any, *keys: Any) -> Any:
     return d
 
 
-def models(report: dict) -> list[tuple[str, dict]]:
+def models(report: Report) -> list[tuple[str, ModelEntry]]:
     """("baseline", baseline) then each variant: the rows of the quality, size and speed tables."""
-    rows = [("baseline", report["baseline"])] if isinstance(report.get("baseline"), dict) else []
-    return rows + [(n, v or {}) for n, v in (report.get("variants") or {}).items()]
+    rows = [("baseline", report.baseline)] if report.baseline is not None else []
+    return rows + list(report.variants.items())
 
 
 OFF_VALUES = {"gptaq_alpha": 0, "foem_beta": 0}  # optional GPTQ refinements: shown only when on

@@ -5,144 +5,137 @@ stage. A run in progress has null or absent sections: those tables say "not meas
 """
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
+from pipeline.results.format import FP_DISTILLED, num, size, speculative_label, spread, table
+from pipeline.results.gates import fmt_value, gate_status
 from pipeline.results.query import dig, is_distilled, models, shown_params
-
-PLOTS = {
-    "frontier": "ppl_vs_size.png",
-    "decode": "decode_tokens_per_s.png",
-    "acceptance": "acceptance_by_position.png",
-}
+from pipeline.results.schema import ModelEntry, ModelInfo, Report
 
 
-# ---------------------------------------------------------------- formatting
-def sig(v: float, digits: int) -> str:
-    """`digits` significant digits, without an exponent for large numbers (47,345 not 4.735e+04)."""
-    if abs(v) >= 10**digits:
-        return f"{v:,.0f}"
-    return f"{v:.{digits}g}"
-
-
-def num(v: Any, digits: int = 4) -> str:
-    if v is None:
-        return "–"
-    if isinstance(v, bool):
-        return "yes" if v else "no"
-    if isinstance(v, (int, float)):
-        return sig(v, digits) if isinstance(v, float) else f"{v:,}"
-    return str(v)
-
-
-def size(v: Any) -> str:
-    if not isinstance(v, (int, float)):
-        return "–"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if v >= scale:
-            return f"{v / scale:.3g} {unit}"
-    return f"{int(v)} B"
-
-
-def spread(stats: Any, digits: int = 3) -> str:
-    """median (min–max) of a summarize() dict."""
-    if not isinstance(stats, dict) or stats.get("median") is None:
-        return num(stats, digits) if isinstance(stats, (int, float)) else "–"
-    return (f"{sig(stats['median'], digits)} ({sig(stats.get('min', 0), digits)}–"
-            f"{sig(stats.get('max', 0), digits)})")
-
-
-def table(header: list[str], rows: list[list[str]]) -> list[str]:
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    return out + ["| " + " | ".join(str(c).replace("|", "\\|") for c in r) + " |" for r in rows]
-
-
-def baseline_label(report: dict) -> str:
-    model = report.get("model") or {}
-    bits = [b for b in (model.get("dtype"), model.get("provenance")) if b]
-    if model.get("random_init"):
+def baseline_label(report: Report) -> str:
+    model = report.model or ModelInfo()
+    bits = [b for b in (model.dtype, model.provenance) if b]
+    if model.random_init:
         bits.append("RANDOM INIT: figures say nothing about quality")
     return "baseline" + (f" ({'; '.join(bits)})" if bits else "")
 
 
 # ---------------------------------------------------------------- sections
-def _header(report: dict) -> list[str]:
-    run, model = report.get("run") or {}, report.get("model") or {}
-    lines = [f"# compress report: {run.get('name', '?')}", ""]
-    lines += [f"- status: **{run.get('status', 'unknown')}** (exit code {num(run.get('exit_code'))})",
-              f"- recipe: `{run.get('recipe', '?')}`; seed {num(run.get('seed'))}; device {run.get('device', '?')}",
-              f"- started {run.get('started', '?')}, finished {run.get('finished') or 'not yet'}",
-              f"- model: `{model.get('source', '?')}` ({model.get('architecture', '?')}, "
-              f"{num(model.get('parameters'))} parameters, {model.get('dtype', '?')}); "
-              f"provenance: {model.get('provenance') or 'as published'}; license: {model.get('license') or 'unknown'}"]
-    if model.get("random_init"):
+def _header(report: Report) -> list[str]:
+    run, model = report.run, report.model or ModelInfo()
+    lines = [f"# compress report: {run.name}", ""]
+    lines += [f"- status: **{run.status}** (exit code {num(run.exit_code)})",
+              f"- recipe: `{run.recipe}`; seed {num(run.seed)}; device {run.device}",
+              f"- started {run.started}, finished {run.finished or 'not yet'}",
+              f"- model: `{model.source or '?'}` ({model.architecture or '?'}, "
+              f"{num(model.parameters)} parameters, {model.dtype or '?'}); "
+              f"provenance: {model.provenance or 'as published'}; license: {model.license or 'unknown'}"]
+    if model.random_init:
         lines.append("- **the model is randomly initialised: quality figures are meaningless, only the plumbing is tested**")
-    calib = report.get("calibration")
-    if isinstance(calib, dict) and calib:
+    if report.calibration is not None:
+        calib = report.calibration.model_dump()
         shown = {k: v for k, v in calib.items() if isinstance(v, (str, int, float)) and not isinstance(v, bool)}
-        lines.append("- calibration: " + ", ".join(f"{k}={v}" for k, v in list(shown.items())[:6]))
-    versions = run.get("versions") or {}
-    if versions:
-        lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    return lines + ["", f"Schema version {report.get('schema_version', '?')}. Plots are in `plots/`.", ""]
+        if shown:
+            lines.append("- calibration: " + ", ".join(f"{k}={v}" for k, v in list(shown.items())[:6]))
+    if run.versions:
+        lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in run.versions.items()))
+    return lines + ["", f"Schema version {report.schema_version}. Plots are in `plots/`.", ""]
 
 
-def _quality(report: dict) -> list[str]:
+def _quality(report: Report) -> list[str]:
     lines = ["## Quality", ""]
     rows = models(report)
     if not rows:
         return lines + ["Not measured yet.", ""]
-    protocol = dig(report, "baseline", "perplexity") or {}
+    protocol = (report.baseline.perplexity if report.baseline else None) or {}
     if protocol:
         lines += [f"Perplexity protocol: {protocol.get('protocol', '?')} on {protocol.get('dataset', '?')}, "
                   f"{num(protocol.get('tokens'))} tokens, {num(protocol.get('windows'))} windows of "
                   f"{num(protocol.get('window'))} (stride {num(protocol.get('stride'))}). "
                   "KL and top-1 agreement are against the baseline on the same tokens.", ""]
+    base_failed = _failed_prompts(report.baseline)
     body = []
     for name, m in rows:
-        label = baseline_label(report) if name == "baseline" else name
-        body.append([label, m.get("method", "–") if name != "baseline" else "–", _params(m.get("params")),
-                     num(dig(m, "perplexity", "value")), num(m.get("ppl_ratio") if name != "baseline" else 1.0),
-                     num(m.get("kl")), num(m.get("top1")), _smoke(m.get("smoke"))])
-    return lines + table(["model", "method", "params", "perplexity", "ppl ratio", "KL", "top-1", "smoke"], body) + [""]
+        base = name == "baseline"
+        body.append([baseline_label(report) if base else name, "–" if base else m.method or "–", _params(m.params),
+                     num(dig(m, "perplexity", "value")), num(1.0 if base else m.ppl_ratio),
+                     num(m.kl), num(m.top1), _smoke(m.smoke, set() if base else base_failed)])
+    lines += table(["model", "method", "params", "perplexity", "ppl ratio", "KL", "top-1", "smoke"], body) + [""]
+    return lines + _smoke_notes(rows, base_failed)
 
 
 def _params(p: Any) -> str:
     return ", ".join(f"{k}={v}" for k, v in shown_params(p, ("name", "method", "modules_to_skip")).items()) or "–"
 
 
-def _smoke(s: Any) -> str:
+def _outputs(s: Any) -> list[dict]:
+    """A smoke result's per-prompt outputs (an old single-output result is its own one output)."""
     if not isinstance(s, dict):
+        return []
+    return [o for o in (s.get("outputs") or [s]) if isinstance(o, dict)]
+
+
+def _failed_prompts(entry: ModelEntry | None) -> set:
+    return {o.get("prompt") for o in _outputs(entry.smoke if entry else None) if not o.get("ok", True)}
+
+
+def _smoke(s: Any, base_failed: set) -> str:
+    """ok, or FAILED with how many prompts failed and how many of those the baseline failed as well (the smoke
+    gate does not count those against a variant), then the first failure's problem and text."""
+    outputs = _outputs(s)
+    if not outputs:
         return "–"
-    outputs = s.get("outputs") or [s]
-    first = next((o for o in outputs if not o.get("ok", True)), outputs[0]) if outputs else {}
+    bad = [o for o in outputs if not o.get("ok", True)]
+    first = bad[0] if bad else outputs[0]
     text = (first.get("text") or "").replace("\n", " ").replace("|", "\\|")[:60]
     problem = f" ({first['problem']})" if first.get("problem") else ""
-    return f"{'ok' if s.get('ok') else 'FAILED'}{problem}: “{text}”"
+    if s.get("ok") and not bad:
+        return f"ok{problem}: “{text}”"
+    count = f" {len(bad)} of {len(outputs)}" if len(outputs) > 1 and bad else ""
+    shared = sum(1 for o in bad if o.get("prompt") in base_failed)
+    excused = f", {shared} also failed by the baseline" if shared else ""
+    return f"FAILED{count}{excused}{problem}: “{text}”"
 
 
-def _size(report: dict) -> list[str]:
+def _smoke_notes(rows: list[tuple[str, ModelEntry]], base_failed: set) -> list[str]:
+    raw = [name for name, m in rows if isinstance(m.smoke, dict) and m.smoke.get("chat_template") is False]
+    lines = []
+    if raw:
+        lines.append(f"Smoke test: {', '.join(f'`{n}`' for n in raw)} had no chat template: the smoke prompts were "
+                     "sent as raw text (a base model may continue them rather than answer).")
+    if base_failed:
+        lines.append(f"The baseline itself failed {len(base_failed)} smoke prompt(s); the smoke gate does not count "
+                     "those prompts against the variants (the smoke column still shows them).")
+    return lines + [""] if lines else []
+
+
+def _size(report: Report) -> list[str]:
     lines = ["## Size", ""]
-    base = models(report)
-    base_fp = dig(report, "baseline", "footprint_bytes") or dig(report, "model", "footprint_bytes")
-    if not base:
+    rows = models(report)
+    base_fp = (report.baseline and report.baseline.footprint_bytes) or (report.model and report.model.footprint_bytes)
+    if not rows:
         return lines + ["Not measured yet.", ""]
     body = []
-    for name, m in base:
-        ratio = m["footprint_bytes"] / base_fp if base_fp and m.get("footprint_bytes") else None
-        runtimes = "; ".join(f"{r.get('runtime')}: {r.get('kernel') or '–'}" for r in m.get("runtimes") or [])
-        body.append([name, size(m.get("size_on_disk_bytes")), size(m.get("footprint_bytes")), num(ratio, 3),
-                     num(m.get("quantize_time_s"), 3), runtimes or "–"])
+    for name, m in rows:
+        ratio = m.footprint_bytes / base_fp if base_fp and m.footprint_bytes else None
+        runtimes = "; ".join(f"{r.get('runtime')}: {r.get('kernel') or '–'}" for r in m.runtimes)
+        body.append([name, size(m.size_on_disk_bytes), size(m.footprint_bytes), num(ratio, 3),
+                     num(m.quantize_time_s, 3), runtimes or "–"])
     return lines + table(["model", "on disk", "in memory", "footprint ratio", "quantize s", "runtimes"], body) + [""]
 
 
-def _speed(report: dict) -> list[str]:
+def _timed(report: Report) -> list[tuple[str, dict]]:
+    timed = [(n, m.speed) for n, m in models(report) if isinstance(m.speed, dict)]
+    if report.draft is not None and isinstance(report.draft.speed, dict):
+        timed.append((report.draft.name, report.draft.speed))
+    return timed
+
+
+def _speed(report: Report) -> list[str]:
     lines = ["## Speed", ""]
-    timed = [(n, m["speed"]) for n, m in models(report) if isinstance(m.get("speed"), dict)]
-    if isinstance(dig(report, "draft", "speed"), dict):
-        timed.append((report["draft"].get("name", "draft"), report["draft"]["speed"]))
+    timed = _timed(report)
     if not timed:
         return lines + ["Not measured (speed disabled, or not run yet).", ""]
     first = timed[0][1]
@@ -154,8 +147,7 @@ def _speed(report: dict) -> list[str]:
     for name, s in timed:
         mb = s.get("max_batch")
         body.append([name, spread(s.get("prefill_tokens_per_s")), num(_ms(dig(s, "ttft_s", "median")), 3),
-                     spread(dig(s, "decode", "1", "tokens_per_s")),
-                     f"{spread(dig(s, 'decode', str(mb), 'tokens_per_s'))} @{mb}" if mb and mb != 1 else "–",
+                     spread(_decode(s, 1)), f"{spread(_decode(s, mb))} @{mb}" if mb and mb != 1 else "–",
                      size(s.get("peak_memory_bytes")), num(s.get("roofline_fraction"), 3),
                      num(s.get("kv_cache_speedup"), 3)])
     lines += table(["model", "prefill tok/s", "TTFT ms", "decode tok/s b1", "decode tok/s batch",
@@ -173,39 +165,32 @@ def _speed(report: dict) -> list[str]:
     return lines
 
 
+def _decode(speed: dict, batch: Any) -> Any:
+    """The decode tokens/s summary of one batch size in a speed payload, or None."""
+    return dig(speed, "decode", str(batch), "tokens_per_s")
+
+
 def _ms(v: Any) -> float | None:
     return v * 1000 if isinstance(v, (int, float)) else None
 
 
-FP_DISTILLED = "fp-distilled"  # prefix of the rows of the draft distilled against the full-precision model
-
-
-def speculative_label(mode: str, verifier: Any) -> str:
-    """A speculative row's name, saying what its draft is when it is not the distilled draft itself."""
-    if mode.startswith(FP_DISTILLED + " "):
-        return f"{mode} (distilled against baseline, verified by {verifier or '?'})"
-    return mode
-
-
-def _speculative(report: dict) -> list[str]:
+def _speculative(report: Report) -> list[str]:
     lines = ["## Speculative decoding", ""]
-    draft = report.get("draft")
-    if not isinstance(draft, dict):
+    draft = report.draft
+    if draft is None:
         return lines + ["No draft in this run (or not distilled yet).", ""]
-    verifier = draft.get("verifier", "?")
-    head = f", {num(draft['vocab_size'])}-token head" if draft.get("vocab_size") else ", full-vocabulary head"
-    what = f"`{draft['source']}`" if draft.get("source") else f"verifier layers {draft.get('layers', '?')}"
+    verifier = draft.verifier or "?"
+    head = f", {num(draft.vocab_size)}-token head" if draft.vocab_size else ", full-vocabulary head"
+    what = f"`{draft.source}`" if draft.source else f"verifier layers {draft.layers or '?'}"
     trained = "" if is_distilled(draft) else ", not distilled ([draft.distill] steps = 0)"
-    dtype = f", {draft['dtype']} weights" if draft.get("dtype") not in (None, "float32") else ""
-    lines += [f"Draft `{draft.get('name', '?')}` ({what}{head}{dtype}{trained}) for verifier "
+    dtype = f", {draft.dtype} weights" if draft.dtype not in (None, "float32") else ""
+    lines += [f"Draft `{draft.name}` ({what}{head}{dtype}{trained}) for verifier "
               f"`{verifier}`. Speed-up is over plain decoding with the verifier in the same run.", ""]
-    body = []
-    modes = draft.get("speculative") or {}
-    for mode, s in modes.items():
-        if isinstance(s, dict):
-            body.append([speculative_label(mode, verifier), num(s.get("alpha"), 3),
-                         num(s.get("tokens_per_target_forward"), 3), num(s.get("speedup"), 3), num(s.get("tokens_per_s"), 3), num(s.get("c_d"), 3),
-                         num(s.get("c_v"), 3), num(s.get("break_even_alpha"), 3), num(s.get("repetition_rate"), 3)])
+    modes = draft.speculative or {}
+    body = [[speculative_label(mode, verifier), num(s.get("alpha"), 3), num(s.get("tokens_per_target_forward"), 3),
+             num(s.get("speedup"), 3), num(s.get("tokens_per_s"), 3), num(s.get("c_d"), 3), num(s.get("c_v"), 3),
+             num(s.get("break_even_alpha"), 3), num(s.get("repetition_rate"), 3)]
+            for mode, s in modes.items() if isinstance(s, dict)]
     if not body:
         return lines + ["Not measured yet.", ""]
     lines += table(["mode", "acceptance α", "tokens / target fwd", "speed-up", "tok/s", "c_d", "c_v",
@@ -217,40 +202,32 @@ def _speculative(report: dict) -> list[str]:
     return lines
 
 
-def _gates(report: dict) -> list[str]:
+def _gates(report: Report) -> list[str]:
     lines = ["## Gates", ""]
-    from pipeline.results.gates import fmt_value, gate_status
-    from pipeline.results.schema import Gate
-
-    gates = [Gate.model_validate(g) for g in report.get("gates") or []]
-    if not gates:
+    if not report.gates:
         return lines + ["No gates evaluated.", ""]
     body = [[g.model, g.gate, fmt_value(g.value), f"{g.op} {fmt_value(g.bound)}", f"**{gate_status(g)}**", g.reason]
-            for g in gates]
+            for g in report.gates]
     return lines + table(["model", "gate", "value", "bound", "result", "note"], body) + [""]
 
 
-def _stages(report: dict) -> list[str]:
+def _stages(report: Report) -> list[str]:
     lines = ["## Stages", ""]
-    stages = report.get("stages") or {}
-    if not stages:
+    if not report.stages:
         return lines + ["No stage has run yet.", ""]
-    body = [[n, (s or {}).get("status", "?"), num((s or {}).get("time_s"), 3), size((s or {}).get("peak_rss_bytes"))]
-            for n, s in stages.items()]
+    body = [[n, s.status, num(s.time_s, 3), size(s.peak_rss_bytes)] for n, s in report.stages.items()]
     return lines + table(["stage", "status", "time s", "peak RSS"], body) + [""]
 
 
-def _exports(report: dict) -> list[str]:
-    exports = report.get("exports") or {}
-    if not exports:
+def _exports(report: Report) -> list[str]:
+    if not report.exports:
         return []
-    body = [[n, f"`{(e or {}).get('folder', '?')}`", num(len((e or {}).get("files") or {}))] for n, e in exports.items()]
-    publish = report.get("publish")
-    tail = [f"Publish: {publish.get('status', publish) if isinstance(publish, dict) else publish}", ""] if publish else []
+    body = [[n, f"`{e.folder}`", num(len(e.files))] for n, e in report.exports.items()]
+    tail = [f"Publish: {report.publish.status}", ""] if report.publish else []
     return ["## Exports", ""] + table(["name", "folder", "files"], body) + [""] + tail
 
 
-def render_markdown(report: dict, plots: list[str]) -> str:
+def render_markdown(report: Report, plots: list[str]) -> str:
     lines: list[str] = []
     for section in (_header, _quality, _size, _speed, _speculative, _gates, _stages, _exports):
         lines += section(report)
@@ -267,7 +244,7 @@ def render_report(run_dir: Path) -> None:
     from pipeline.results.plots import write_plots
 
     run_dir = Path(run_dir)
-    report = schema.load(run_dir).to_dict()
+    report = schema.load(run_dir)
     plots = write_plots(report, run_dir / "plots")
     atomic_write_text(run_dir / "report.md", render_markdown(report, plots))
     render_cards(run_dir, report)

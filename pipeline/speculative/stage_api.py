@@ -84,7 +84,8 @@ def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], ou
         run_fp = fingerprint(data=data_fp, draft=cfg.model_dump(exclude={"measure"}), seed=seed)
         metrics = distill(student, data, d, work_dir, seed, log, fault_at_step=fault_at_step, progress=progress,
                           run_fingerprint=run_fp)
-    manifest = {"verifier": cfg.verifier, "verifier_dir": str(verifier_dir), "layers": layers,
+    # published with the draft: the verifier checkpoint's folder name, never a path of this machine
+    manifest = {"verifier": cfg.verifier, "verifier_dir": verifier_dir.name, "layers": layers,
                 "draft_vocab_size": None if vocab is None else int(vocab.numel()), "vocab_coverage": coverage,
                 "seed": seed, "distill": metrics, "config": cfg.model_dump(exclude={"measure"})}
     student.export(out_dir, tok, manifest, dtype=cfg.dtype)

@@ -13,7 +13,7 @@ SKIP_SUFFIXES = (".log", ".jsonl")
 
 
 def units(recipe, validate_keys: list[str]) -> list[Unit]:
-    from pipeline.eval.card import card_recipe
+    from pipeline.results.card import card_recipe
 
     card_hash = hashlib.sha256(json.dumps(card_recipe(_drop_none(recipe.dump())), sort_keys=True).encode()).hexdigest()
     entries = [(q.name, "variant", f"quantize/{q.name}", None) for q in recipe.quantize]
@@ -42,7 +42,8 @@ def checkpoint_files(src: Path) -> list[Path]:
 
 
 def run(ctx: UnitContext, recipe, entry: dict, src_key: str) -> dict:
-    from pipeline.eval.card import write_model_card
+    from pipeline.results import schema
+    from pipeline.results.card import write_model_card
 
     src = ctx.dep(src_key)
     for f in checkpoint_files(src):
@@ -53,7 +54,7 @@ def run(ctx: UnitContext, recipe, entry: dict, src_key: str) -> dict:
             except OSError:
                 pass  # another filesystem: copy instead
         shutil.copy2(f, ctx.out / f.name)
-    report = json.loads((ctx.run_dir / "report.json").read_text())
+    report = schema.load(ctx.run_dir)
     lock_text = (ctx.run_dir / "recipe.lock.toml").read_text()
     write_model_card(ctx.out, report, entry, recipe_excerpt(recipe, entry), lock_text)
     files = {p.name: p.stat().st_size for p in ctx.out.iterdir() if p.is_file()}
@@ -61,7 +62,10 @@ def run(ctx: UnitContext, recipe, entry: dict, src_key: str) -> dict:
 
 
 def recipe_excerpt(recipe, entry: dict) -> str:
+    """The recipe tables that made this entry, as its card shows them (local paths reduced to file names)."""
     import tomli_w
+
+    from pipeline.results.format import public_tree
 
     data = recipe.dump()
     keep = {"model": data["model"], "calibration": data["calibration"]}
@@ -69,7 +73,7 @@ def recipe_excerpt(recipe, entry: dict) -> str:
         keep["quantize"] = [q for q in data["quantize"] if q["name"] == entry["name"]]
     if entry["kind"] == "draft":
         keep["draft"] = data["draft"]
-    return tomli_w.dumps(_drop_none(keep))
+    return tomli_w.dumps(public_tree(_drop_none(keep)))
 
 
 def _drop_none(obj):

@@ -363,7 +363,7 @@ def test_draft_stage_compares_a_draft_distilled_against_the_full_precision_model
     fp = run_dir / "draft" / "fp-distilled"
     assert (fp / "config.json").is_file() and (fp / "draft_vocab.json").is_file()
     fp_manifest = json.loads((fp / "draft_manifest.json").read_text())
-    assert fp_manifest["verifier"] == "baseline" and fp_manifest["verifier_dir"] == str(run_dir / "load")
+    assert fp_manifest["verifier"] == "baseline" and fp_manifest["verifier_dir"] == "load"
     assert fp_manifest["layers"] == json.loads((run_dir / "draft" / "draft_manifest.json").read_text())["layers"]
     assert (run_dir / "draft" / "undistilled" / "config.json").is_file()
     assert runner.report.draft.distill["fp_distilled"]["steps"] == 4

