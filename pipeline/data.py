@@ -3,6 +3,7 @@
     resolve("c4")            -> DatasetRef for a shipped corpus (sha256 verified on read)
     resolve("my.jsonl")      -> a local .txt / .jsonl / .parquet file
     resolve("hf:org/name")   -> a dataset in the local HF datasets cache
+    identity(ref)            -> what a stage that reads it depends on (a local file's sha256, not its path)
     documents(ref)           -> list[str]
     eval_text(ref)           -> the GPTQ-protocol evaluation text ("\\n\\n".join(rows))
 """
@@ -124,5 +125,15 @@ def eval_text(ref: DatasetRef) -> str:
 
 
 def fingerprint(ref: DatasetRef) -> str | None:
-    """sha256 of the data file (None for HF-cache datasets)."""
-    return sha256_file(ref.path) if ref.path is not None and ref.path.is_file() else None
+    """sha256 of the data file (None for HF-cache datasets), cached by the file's stats (pipeline/identity.py)."""
+    from pipeline.identity import content_id
+
+    return content_id(ref.path) if ref.path is not None and ref.path.is_file() else None
+
+
+def identity(ref: DatasetRef) -> dict:
+    """What a unit that reads this dataset depends on: its content, not where it lies. A shipped corpus is
+    its pinned sha256 (verified when read); a local file is hashed, so an edit in place changes it; an hf:
+    dataset is its name only (the cached copy is not hashed)."""
+    return {"format": ref.format, "text_field": ref.text_field, "license": ref.license,
+            "sha256": ref.sha256 or fingerprint(ref), "hf": ref.name if ref.format == "hf" else None}

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from pipeline.codehash import code_hash  # what a unit's code is: the files its entry modules import
 from pipeline.fileio import sha256_file
 from pipeline.errors import CompressError, LockedError, StageError
 from pipeline.memory import PeakRSS
@@ -36,7 +37,9 @@ class Unit:
     fn: Callable[["UnitContext"], dict]  # writes outputs into ctx.out, returns metrics
     deps: list[str] = field(default_factory=list)
     always: bool = False  # never skipped (cheap units whose output is the report itself)
-    code: tuple[str, ...] = ()  # globs under pipeline/ of the code that computes this unit's outputs
+    # entry modules (and data files) under pipeline/ that compute this unit's outputs; what they import is
+    # found by pipeline.codehash, so the list names where the code starts, not every file it uses
+    code: tuple[str, ...] = ()
 
 
 @dataclass
@@ -65,18 +68,6 @@ def fault_point(key: str, point: str) -> None:
 
 def canonical_hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
-
-
-PACKAGE_DIR = Path(__file__).resolve().parent
-
-
-def code_hash(globs: tuple[str, ...]) -> str:
-    """sha256 of the source files a unit's outputs come from: editing them reruns the unit, editing others does not."""
-    h = hashlib.sha256()
-    for pattern in ("runner.py",) + tuple(globs):
-        for p in sorted(PACKAGE_DIR.glob(pattern)):
-            h.update(p.relative_to(PACKAGE_DIR).as_posix().encode() + b"\0" + p.read_bytes())
-    return h.hexdigest()
 
 
 def hash_outputs(folder: Path) -> dict[str, dict]:

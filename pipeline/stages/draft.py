@@ -7,7 +7,13 @@ from pathlib import Path
 
 from pipeline.runner import Unit, UnitContext
 
-CODE = ("stages/draft.py", "calib.py", "data.py", "speculative/*.py")
+CODE = ("stages/draft.py",)  # the entry module: what it imports is found by pipeline/codehash.py
+# [draft] fields only the speculative measurement reads (validate/draft/speculative): changing them never
+# re-distils. measure.compare_fp_distilled is not among them: the draft stage distils the fp comparison draft.
+MEASURE_ONLY = {"gamma": True, "measure": {"num_prompts", "prompts", "prompt_len", "new_tokens", "temperatures",
+                                           "repeats", "warmup", "compare_undistilled", "compare_hf_assisted"}}
+# the [calibration] fields training_documents() reads (the distillation corpus)
+CORPUS_FIELDS = {"dataset", "text_field", "held_out_docs"}
 
 log = logging.getLogger("compress")
 
@@ -18,10 +24,21 @@ def verifier_key(recipe) -> str:
 
 
 def unit(recipe) -> Unit:
-    cfg = recipe.draft
-    deps = sorted({"load", verifier_key(recipe)})
-    config = {"draft": cfg.model_dump(mode="json"), "calibration": recipe.calibration.model_dump(mode="json")}
-    return Unit("draft", config, lambda ctx: run(ctx, recipe), deps=deps, code=CODE)
+    return Unit("draft", unit_config(recipe), lambda ctx: run(ctx, recipe), deps=sorted({"load", verifier_key(recipe)}),
+                code=CODE)
+
+
+def unit_config(recipe) -> dict:
+    """The draft's identity: the recipe fields distillation reads (not gamma or how the draft is measured), the
+    training corpus by content, and an init='model' source by content."""
+    from pipeline import data
+    from pipeline.sources import content_identity, parse
+
+    cfg, cal = recipe.draft, recipe.calibration
+    return {"draft": cfg.model_dump(mode="json", exclude=MEASURE_ONLY),
+            "calibration": cal.model_dump(mode="json", include=CORPUS_FIELDS),
+            "corpus": data.identity(data.resolve(cal.dataset, cal.text_field)),
+            "source_sha256": content_identity(parse(cfg.source)) if cfg.init == "model" else None}
 
 
 def run(ctx: UnitContext, recipe) -> dict:

@@ -5,17 +5,21 @@ import json
 
 from pipeline.fileio import sha256_file
 from pipeline.runner import Unit, UnitContext
+from pipeline.sources import content_identity, describe, parse
 
-CODE = ("stages/load.py", "sources.py", "models.py", "gguf_header.py", "model_configs/*.json")
-from pipeline.sources import describe, parse
+CODE = ("stages/load.py",)  # the entry module: what it imports is found by pipeline/codehash.py
 
 
 def unit(recipe) -> Unit:
+    from pipeline.models import DEFAULT_TOKENIZER
+
     cfg = recipe.model
     src = parse(cfg.source, cfg.gguf_file)
-    # the source file's identity (not its path) is what the outputs depend on
-    ident = sha256_file(src.path) if src.kind in ("gguf", "pkg", "config") else str(src.path)
-    return Unit("load", {"model": cfg.model_dump(), "source_sha256": ident}, lambda ctx: run(ctx, recipe), code=CODE)
+    tokenizer = cfg.tokenizer or (DEFAULT_TOKENIZER if src.kind == "config" else None)
+    # what the outputs depend on is the content of the source (file or folder) and of the tokenizer's, not paths
+    config = {"model": cfg.model_dump(), "source_sha256": content_identity(src),
+              "tokenizer_sha256": content_identity(parse(tokenizer)) if tokenizer else None}
+    return Unit("load", config, lambda ctx: run(ctx, recipe), code=CODE)
 
 
 def run(ctx: UnitContext, recipe) -> dict:

@@ -5,7 +5,7 @@ import logging
 
 from pipeline.runner import Unit, UnitContext
 
-CODE = ("stages/quantize.py", "quant/*.py", "env.py")
+CODE = ("stages/quantize.py",)  # the entry module: what it imports is found by pipeline/codehash.py
 
 log = logging.getLogger("compress")
 

@@ -5,31 +5,47 @@ from __future__ import annotations
 from pipeline.runner import Unit, UnitContext
 from pipeline.worker import run_task
 
-QUALITY_CODE = ("stages/validate.py", "worker.py", "models.py", "data.py", "eval/quality.py", "eval/perplexity.py")
-SPEED_CODE = ("stages/validate.py", "eval/speed.py", "eval/measure.py", "models.py")
-SPEC_CODE = ("stages/validate.py", "worker.py", "speculative/*.py")
+# the entry module; what it imports (the worker, the eval and speculative code it runs) is found by pipeline/codehash.py
+CODE = ("stages/validate.py",)
 
 
 def units(recipe) -> list[Unit]:
+    from pipeline import data
+
     v = recipe.validate_
     models = [("baseline", "load")] + [(q.name, f"quantize/{q.name}") for q in recipe.quantize]
+    ppl = v.perplexity
+    eval_data = data.identity(data.resolve(ppl.dataset, ppl.text_field))  # the evaluation text, by content
     out = []
     for name, src in models:
         deps = [src] if name == "baseline" else [src, "validate/baseline/quality"]
-        cfg = {"perplexity": v.perplexity.model_dump(), "smoke": v.smoke.model_dump(), "device": recipe.run.device}
+        cfg = {"perplexity": ppl.model_dump(), "smoke": v.smoke.model_dump(), "device": recipe.run.device,
+               "data": eval_data}
         out.append(Unit(f"validate/{name}/quality", cfg, lambda ctx, n=name, s=src: quality(ctx, recipe, n, s),
-                        deps=deps, code=QUALITY_CODE))
+                        deps=deps, code=CODE))
         if v.speed.enabled and (v.speed.models == "all" or name in v.speed.models):
             out.append(Unit(f"validate/{name}/speed", {"speed": v.speed.model_dump(), "device": recipe.run.device},
-                            lambda ctx, n=name, s=src: speed(ctx, recipe, n, s), deps=[src], code=SPEED_CODE))
+                            lambda ctx, n=name, s=src: speed(ctx, recipe, n, s), deps=[src], code=CODE))
     if recipe.draft is not None:
-        from pipeline.stages.draft import verifier_key
-
-        deps = ["draft", verifier_key(recipe)]
-        cfg = {"draft": recipe.draft.model_dump(mode="json"), "device": recipe.run.device}
-        out.append(Unit("validate/draft/speculative", cfg, lambda ctx: speculative(ctx, recipe), deps=deps,
-                        code=SPEC_CODE))
+        out.append(speculative_unit(recipe))
     return out
+
+
+def speculative_unit(recipe) -> Unit:
+    """Acceptance and speed-up of the draft: every [draft] field (gamma and [draft.measure] are read here, and
+    only here) and the held-out prompts by content."""
+    from pipeline import data
+    from pipeline.stages.draft import verifier_key
+
+    cfg, ppl = recipe.draft, recipe.validate_.perplexity
+    if cfg.measure.prompts is not None:
+        prompts = {"dataset": cfg.measure.prompts, "data": data.identity(data.resolve(cfg.measure.prompts))}
+    else:  # paragraphs of the evaluation corpus
+        prompts = {"dataset": ppl.dataset, "text_field": ppl.text_field,
+                   "data": data.identity(data.resolve(ppl.dataset, ppl.text_field))}
+    config = {"draft": cfg.model_dump(mode="json"), "prompts": prompts, "device": recipe.run.device}
+    return Unit("validate/draft/speculative", config, lambda ctx: speculative(ctx, recipe),
+                deps=["draft", verifier_key(recipe)], code=CODE)
 
 
 def quality(ctx: UnitContext, recipe, name: str, src: str) -> dict:

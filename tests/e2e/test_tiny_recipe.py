@@ -78,6 +78,15 @@ def test_set_reruns_only_downstream(first_run, tmp_path):
     assert stages["export/gptq-w4g32"]["status"] == "done"
 
 
+def test_changing_gamma_remeasures_without_redistilling(first_run, tmp_path):
+    run_dir, _ = first_run
+    shutil.copytree(run_dir, tmp_path / "tiny", ignore=shutil.ignore_patterns(".lock"))
+    run_tiny(tmp_path, "draft.gamma=2")
+    stages = json.loads((tmp_path / "tiny" / "report.json").read_text())["stages"]
+    assert stages["draft"]["status"] == "skipped", "gamma is how the draft is used, not how it is distilled"
+    assert stages["validate/draft/speculative"]["status"] == "done"
+
+
 def test_kill_mid_stage_then_rerun_completes_with_identical_weights(first_run, tmp_path):
     p = run_tiny(tmp_path, env={"COMPRESS_FAULT": "quantize/gptq-w4g32:before_commit"}, rc=-9)
     run_dir = tmp_path / "tiny"

@@ -109,3 +109,28 @@ def test_lock_of_killed_process_is_not_stale(tmp_path):
     assert subprocess.run([sys.executable, "-c", code]).returncode == -9
     with RunLock(tmp_path):
         pass
+
+
+def test_editing_a_module_the_unit_imports_reruns_it(tmp_path, monkeypatch):
+    """Unit.code names entry modules; the runner hashes everything they import (pipeline/codehash.py)."""
+    import functools
+
+    import pipeline.runner
+    from pipeline.codehash import code_hash
+
+    pkg = tmp_path / "src" / "pipeline"
+    (pkg / "stages").mkdir(parents=True)
+    (pkg / "stages" / "s.py").write_text("def run():\n    from pipeline.algo import f\n    return f()\n")
+    (pkg / "algo.py").write_text("def f():\n    return 1\n")
+    (pkg / "other.py").write_text("x = 1\n")
+    monkeypatch.setattr(pipeline.runner, "code_hash", functools.partial(code_hash, root=pkg))
+    calls = []
+    run_dir = tmp_path / "run"
+    rerun = lambda: make_runner(run_dir).run_unit(Unit("s", {}, writer("s", "S", calls), code=("stages/s.py",)))  # noqa: E731
+    rerun()
+    (pkg / "other.py").write_text("x = 2\n")
+    rerun()
+    assert calls == ["s"], "a module the unit does not import is not its code"
+    (pkg / "algo.py").write_text("def f():\n    return 2\n")
+    rerun()
+    assert calls == ["s", "s"], "a module imported inside a function is its code"

@@ -1,0 +1,137 @@
+"""The code a unit's outputs come from, found by reading imports instead of listing files by hand.
+
+A unit names its entry modules and any data files it reads, as paths under pipeline/:
+
+    Unit("quantize/w4", ..., code=("stages/quantize.py",))
+    Unit("load", ..., code=("stages/load.py", "model_configs/*.json"))
+
+`code_files` follows, from each entry module, transitively within the pipeline package:
+  - `import pipeline.x`, `from pipeline.x import y` (y itself when it is a module), `from . import y`,
+    at module level and inside functions alike (a lazy import is still an import);
+  - string constants naming a pipeline module: "pipeline.quant.gptq" in a capability table that
+    importlib loads, "-m", "pipeline.worker" in a subprocess command, "pipeline.x:function";
+  - the package __init__.py files Python runs on the way to a module;
+  - data files a module declares it reads, as a module-level `CODE_DATA = ("model_configs/*.json",)`.
+`code_hash` is the sha256 of those files' paths and bytes: editing a file a unit imports reruns it, editing
+any other file does not.
+
+The harness is never followed: pipeline.runner records outputs, it does not compute them, so its report and
+manifest code (which imports the report renderers) is in no unit's identity; this module and
+pipeline.identity compute cache keys (a change to them changes the keys anyway).
+"""
+from __future__ import annotations
+
+import ast
+import hashlib
+import re
+from functools import lru_cache
+from pathlib import Path
+
+PACKAGE = "pipeline"
+PACKAGE_DIR = Path(__file__).resolve().parent
+HARNESS = frozenset({"pipeline.runner", "pipeline.codehash", "pipeline.identity"})
+DATA_DECLARATION = "CODE_DATA"
+_MODULE_STRING = re.compile(r"pipeline(?:\.[A-Za-z_]\w*)*(?::[A-Za-z_]\w*)?")
+
+
+def module_name(path: Path, root: Path = PACKAGE_DIR) -> str:
+    rel = path.relative_to(root).with_suffix("")
+    parts = [PACKAGE, *rel.parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_file(name: str, root: Path = PACKAGE_DIR) -> Path | None:
+    """The file Python runs for module `name` (a .py or a package's __init__.py); None for a namespace
+    package (a folder without __init__.py) or a name that is not a module of the package."""
+    parts = name.split(".")
+    if parts[0] != PACKAGE:
+        return None
+    base = root.joinpath(*parts[1:])
+    for p in (base.with_suffix(".py"), base / "__init__.py"):
+        if p.is_file():
+            return p
+    return None
+
+
+def _is_module(name: str, root: Path) -> bool:
+    return module_file(name, root) is not None or (name != PACKAGE and root.joinpath(*name.split(".")[1:]).is_dir())
+
+
+def _scan(path: Path, root: Path) -> tuple[set[str], tuple[str, ...]]:
+    """(pipeline module names `path` imports or names, data globs it declares)."""
+    return _scan_source(path.read_bytes(), module_name(path, root), path.name == "__init__.py")
+
+
+@lru_cache(maxsize=512)
+def _scan_source(source: bytes, module: str, is_package: bool) -> tuple[frozenset[str], tuple[str, ...]]:
+    tree = ast.parse(source)
+    package = module if is_package else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{a.name}" for a in node.names if a.name != "*")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _MODULE_STRING.fullmatch(node.value):
+            names.add(node.value.partition(":")[0])
+    data: tuple[str, ...] = ()
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == DATA_DECLARATION
+                                                for t in node.targets):
+            data = tuple(ast.literal_eval(node.value))
+    return frozenset(n for n in names if n == PACKAGE or n.startswith(PACKAGE + ".")), data
+
+
+def _with_parents(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def _glob(pattern: str, root: Path) -> list[Path]:
+    found = sorted(p for p in root.glob(pattern) if p.is_file())
+    if not found:
+        raise ValueError(f"code entry {pattern!r} matches no file under {root}")
+    return found
+
+
+def code_files(entries: tuple[str, ...], root: Path = PACKAGE_DIR) -> list[Path]:
+    """Every file under `root` that the entries' code runs or reads (see the module docstring), sorted."""
+    root = Path(root).resolve()
+    files: set[Path] = set()
+    todo: list[str] = []
+    for pattern in entries:
+        for p in _glob(pattern, root):
+            if p.suffix == ".py":
+                todo.append(module_name(p, root))
+            else:
+                files.add(p)
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in seen or name in HARNESS:
+            continue
+        seen.add(name)
+        todo.extend(n for n in _with_parents(name)[:-1] if n not in seen)
+        path = module_file(name, root)
+        if path is None:
+            continue  # a namespace package, or an attribute imported with `from pipeline.x import name`
+        files.add(path)
+        imported, data = _scan(path, root)
+        todo.extend(n for n in imported if n not in seen and _is_module(n, root))
+        for pattern in data:
+            files.update(_glob(pattern, root))
+    return sorted(files)
+
+
+def code_hash(entries: tuple[str, ...], root: Path = PACKAGE_DIR) -> str:
+    """sha256 of the source and data files a unit's outputs come from (paths and bytes)."""
+    root = Path(root).resolve()
+    h = hashlib.sha256()
+    for p in code_files(tuple(entries), root):
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
