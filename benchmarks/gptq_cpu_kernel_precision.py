@@ -6,17 +6,15 @@ with that kernel, and with the checkpoint's weights dequantized exactly to float
 `nn.Linear` modules: `pipeline.quant.gptq.dequantize_to_linear`), which is what the checkpoint itself encodes.
 
 Usage (after `compress run recipes/full.toml`):
-    .venv/bin/python benchmarks/gptq_cpu_kernel_precision.py --windows 4 \
+    .venv/bin/python -m benchmarks.gptq_cpu_kernel_precision --windows 4 \
         artifacts/full/quantize/gptq-w4g64 artifacts/full/quantize/rtn-w4g64
 """
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pipeline.env import tame  # noqa: E402
+from pipeline.env import tame
 
 tame()
 import torch  # noqa: E402

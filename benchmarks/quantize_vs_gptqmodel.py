@@ -14,9 +14,9 @@ Same model, same calibration token ids, same quantization settings, same machine
 Every quantization and every evaluation runs in a fresh interpreter; wall times cover load + quantize +
 save and exclude interpreter start, imports and GPTQModel's one-time C++ build (cached per machine).
 
-  nice -n 5 python benchmarks/quantize_vs_gptqmodel.py compare --reps 3 --samples 32 --seq-len 256
-  nice -n 5 python benchmarks/quantize_vs_gptqmodel.py search --samples 32 --seq-len 256
-  nice -n 5 python benchmarks/quantize_vs_gptqmodel.py figures --samples 128 --seq-len 256
+  nice -n 5 python -m benchmarks.quantize_vs_gptqmodel compare --reps 3 --samples 32 --seq-len 256
+  nice -n 5 python -m benchmarks.quantize_vs_gptqmodel search --samples 32 --seq-len 256
+  nice -n 5 python -m benchmarks.quantize_vs_gptqmodel figures --samples 128 --seq-len 256
 """
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 W4G64 = {"method": "gptq", "bits": 4, "group_size": 64}
 SEARCH = [  # (label, variant fields over W4G64 with GPTQModel's defaults (mse 0), calibration overrides)
@@ -98,7 +97,8 @@ def heldout_c4_ids(tokenizer):
 
 def child(args: list[str], timeout: float = 3600) -> dict:
     """Run this script's `_run`/`_ppl` in a fresh interpreter; its last stdout line is a JSON result."""
-    r = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, timeout=timeout)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.quantize_vs_gptqmodel", *args], capture_output=True,
+                       text=True, timeout=timeout, cwd=ROOT)
     if r.returncode != 0:
         raise RuntimeError(f"{args[:2]} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -327,7 +327,7 @@ def main() -> None:
     a = p.parse_args()
     Path(a.work).mkdir(parents=True, exist_ok=True)
     res = {"compare": compare, "search": search, "figures": figures}[a.command](a)
-    res["command"] = " ".join(["nice -n 5 python benchmarks/quantize_vs_gptqmodel.py", *sys.argv[1:]])
+    res["command"] = " ".join(["nice -n 5 python -m benchmarks.quantize_vs_gptqmodel", *sys.argv[1:]])
     text = json.dumps(res, indent=2)
     print(text)
     if a.out:

@@ -1,7 +1,7 @@
 """Why gptq-w8 answers the smoke prompt differently from the baseline: the top-5 first tokens of both.
-Usage: .venv/bin/python benchmarks/smoke_first_token.py  (after compress run recipes/full.toml)
+Usage: .venv/bin/python -m benchmarks.smoke_first_token  (after compress run recipes/full.toml)
 """
-import torch, sys
+import torch
 from pathlib import Path
 from pipeline.env import tame; tame()
 torch.set_num_threads(1)

@@ -2,7 +2,7 @@
 which prompts. Plain and speculative decoding of the same verifier, interleaved per prompt in one process
 (pipeline.speculative.measure.compare_loops), after measure_costs.
 
-    .venv/bin/python benchmarks/speculative_pair.py --verifier-dtype float32 --draft-dtype bfloat16 \
+    .venv/bin/python -m benchmarks.speculative_pair --verifier-dtype float32 --draft-dtype bfloat16 \
         --prompts wikitext2 --num-prompts 8 --new-tokens 48 --gamma 4
 
 Defaults: the Qwen2.5-Coder 1.5B / 0.5B pair from PyPI (recipes/qwen-pair.toml says how to install it).
@@ -14,16 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import torch  # noqa: E402
+import torch
 
-from pipeline import data  # noqa: E402
-from pipeline.models import load_source  # noqa: E402
-from pipeline.recipe import PerplexityConfig  # noqa: E402
-from pipeline.sources import parse  # noqa: E402
-from pipeline.speculative.measure import compare_loops, measure_costs  # noqa: E402
-from pipeline.speculative.stage_api import encode_prompts  # noqa: E402
-from pipeline.stages.validate import held_out_prompts  # noqa: E402
+from pipeline.models import load_source
+from pipeline.recipe import PerplexityConfig
+from pipeline.sources import parse
+from pipeline.speculative.measure import compare_loops, measure_costs
+from pipeline.speculative.stage_api import encode_prompts
+from pipeline.stages.validate import held_out_prompts
 
 
 def main() -> None:

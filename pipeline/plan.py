@@ -182,11 +182,13 @@ def _check_draft_tokenizer(recipe, info: ModelInfo, plan: Plan) -> list[str]:
 
 
 def _check_gates(recipe, random_init: bool) -> list[str]:
-    from pipeline.eval.config import gate_problems
+    """[validate.gates] and [validate.speed]: every model they name exists, every gate can be measured."""
+    from pipeline.eval.config import gate_problems, speed_problems
 
     v = recipe.validate_  # the smoke gate does not apply to random weights
-    return gate_problems(v.gates, v.speed, [q.name for q in recipe.quantize], "draft" if recipe.draft else None,
-                         smoke=v.smoke.enabled or random_init)
+    variants, draft = [q.name for q in recipe.quantize], "draft" if recipe.draft else None
+    return (gate_problems(v.gates, v.speed, variants, draft, smoke=v.smoke.enabled or random_init)
+            + speed_problems(v.speed, variants, draft))
 
 
 def _estimate_memory(recipe, info: ModelInfo, plan: Plan) -> None:

@@ -1,14 +1,19 @@
 """Fresh-process workers: every model is measured in its own interpreter, so its memory is its own
 and it is loaded from disk exactly as a user would load it.
 
-    result = run_task("quality", {...}, out_dir, threads)   # in the stage
+    result = run_task("quality", {...}, out_dir, threads)   # in the stage (tasks: TASKS below)
     python -m pipeline.worker JOB.json RESULT.json          # what that spawns
+
+Its stdout (library banners, library warnings) goes to out_dir/<task>.log; its stderr (our log lines,
+progress bars) to the console and that log, less the known-harmless library lines (HARMLESS_STDERR).
 """
 from __future__ import annotations
 
 import codecs
 import json
 import os
+import re
+import select
 import signal
 import subprocess
 import sys
@@ -31,24 +36,95 @@ class ChildTimeout(Exception):
     pass
 
 
+# Known-harmless lines that libraries print on stderr, most of them at import time, before a worker has set up
+# logging (so no logger level reaches them). They look like errors and are not: run_child keeps them off the
+# console; the task's log file still has them. Add a pattern only with the reason it is harmless.
+HARMLESS_STDERR: tuple[re.Pattern[str], ...] = tuple(re.compile(p) for p in (
+    # torchao loads its optional CUDA/MX kernel libraries (_C_mxfp8, _C_cutlass_90a) on import; the CPU build
+    # has none of them and needs none (logger "torchao", WARNING)
+    r"^Failed to load \S*torchao/_C\w*\S*\.so: ",
+    # bitsandbytes on an AVX512-BF16 CPU looks for the optional `kernels` package for a faster 4-bit CPU gemm
+    # and falls back to its own kernel (logger "bitsandbytes.backends.cpu.ops", WARNING)
+    r"^Failed to load CPU gemm_4bit_forward from kernels-community",
+    # torch 2.13 deprecates register_constant() on Enum subclasses, which torchao calls on import
+    # (torch's own log handler: "W<date> <pid> .../torch/utils/_pytree.py:630] <enum ...> is an Enum subclass")
+    r"torch/utils/_pytree\.py:\d+\] <enum '\w+'> is an Enum subclass and is now natively supported",
+))
+
+
+def harmless(line: str) -> bool:
+    """Whether a stderr line is one of HARMLESS_STDERR (line ending ignored)."""
+    text = line.rstrip("\r\n")
+    return any(p.search(text) for p in HARMLESS_STDERR)
+
+
+class _StderrRelay:
+    """A child's stderr, as it comes: every byte to the task's log; to the console all but HARMLESS_STDERR
+    lines. Output is cut into pieces that end in "\n" or "\r", each checked whole. The unfinished piece after
+    the last one is held until it ends, except a progress bar's redraw (a piece after "\r", as tqdm writes
+    them), which is shown when the child pauses (`flush_redraw`), so the bar still moves."""
+
+    def __init__(self, log, console) -> None:
+        self.log, self.console = log, console
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.partial = ""
+        self.after_cr = False  # the held piece follows a "\r": a redraw, not the start of a line
+        self.tail = ""  # the end of what reached the console, for an error message
+
+    def feed(self, chunk: bytes) -> None:
+        self.log.write(chunk)
+        pieces = re.split(r"(?<=[\r\n])", self.partial + self.decoder.decode(chunk))
+        self.partial = pieces.pop()
+        if pieces:
+            self.after_cr = pieces[-1].endswith("\r")
+        self._show("".join(p for p in pieces if not harmless(p)))
+
+    @property
+    def redraw_pending(self) -> bool:
+        return bool(self.partial) and self.after_cr
+
+    def flush_redraw(self) -> None:
+        if self.redraw_pending and not harmless(self.partial):
+            self._show(self.partial)
+            self.partial = ""
+
+    def close(self) -> None:
+        rest = self.partial + self.decoder.decode(b"", final=True)
+        self.partial = ""
+        if not harmless(rest):
+            self._show(rest)
+
+    def _show(self, text: str) -> None:
+        if text:
+            self.console.write(text)
+            self.console.flush()
+            self.tail = (self.tail + text)[-16384:]
+
+
 def run_child(cmd: list[str], log_path: Path, timeout_s: float | None = None, env: dict | None = None) -> tuple[int, str]:
     """Run `cmd` in a child that dies with this process. Libraries print banners and INFO lines on stdout
     (GPTQModel): they go to `log_path`. Our logging and progress bars use stderr: passed through to the console
-    as they come, the last lines kept for an error message. Returns (exit code, stderr tail); raises
-    ChildTimeout when `timeout_s` passes (the child is killed)."""
+    as they come (all but the known-harmless library lines, HARMLESS_STDERR) and written to `log_path` too;
+    the last lines kept for an error message. Returns (exit code, stderr tail); raises ChildTimeout when
+    `timeout_s` passes (the child is killed)."""
     env = dict(env or os.environ, PYTHONUNBUFFERED="1")
-    with open(log_path, "w") as log:
+    with open(log_path, "wb", buffering=0) as log:  # the child's stdout and our copy of its stderr share it
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
         expired = threading.Event()
         timer = threading.Timer(timeout_s, lambda: (expired.set(), proc.kill())) if timeout_s else None
         if timer:
             timer.start()
-        tail, decoder = bytearray(), codecs.getincrementaldecoder("utf-8")(errors="replace")
+        relay, fd = _StderrRelay(log, sys.stderr), proc.stderr.fileno()
         try:
-            while chunk := os.read(proc.stderr.fileno(), 4096):
-                sys.stderr.write(decoder.decode(chunk))
-                sys.stderr.flush()
-                tail = (tail + chunk)[-16384:]
+            while True:
+                if relay.redraw_pending and not select.select([fd], [], [], 0.2)[0]:
+                    relay.flush_redraw()  # the child paused mid-redraw of a progress bar: show it now
+                    continue
+                chunk = os.read(fd, 4096)
+                if not chunk:
+                    break
+                relay.feed(chunk)
+            relay.close()
             code = proc.wait()
         except BaseException:  # SIGTERM/SIGINT in this process (Interrupted): the child goes with it
             proc.kill()
@@ -60,19 +136,25 @@ def run_child(cmd: list[str], log_path: Path, timeout_s: float | None = None, en
             proc.stderr.close()
     if expired.is_set():
         raise ChildTimeout(f"exceeded its {timeout_s:.0f} s limit")
-    lines = [ln for ln in tail.decode(errors="replace").replace("\r", "\n").splitlines() if ln.strip()]
+    lines = [ln for ln in relay.tail.replace("\r", "\n").splitlines() if ln.strip()]
     return code, "\n".join(lines[-15:])
 
 
-def run_task(task: str, args: dict, out_dir: Path, threads: int | None = None, timeout_s: float | None = None) -> dict:
+def run_task(task: str, args: dict, out_dir: Path, threads: int | None = None, timeout_s: float | None = None,
+             limit_setting: str | None = None) -> dict:
+    """Run TASKS[task](args) in a fresh worker process; its log is out_dir/<task>.log. `limit_setting` names
+    the setting behind `timeout_s` in the error when it is exceeded."""
     job, result = out_dir / f".job-{task}.json", out_dir / f".result-{task}.json"
     job.write_text(json.dumps({"task": task, "args": args, "threads": threads}, default=str))
+    # the child runs this very code, wherever it is run from
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     try:
         try:
             code, tail = run_child([sys.executable, "-m", "pipeline.worker", str(job), str(result)],
-                                   out_dir / f"{task}.log", timeout_s)
+                                   out_dir / f"{task}.log", timeout_s, env)
         except ChildTimeout as e:
-            raise StageError(f"{task} worker {e}") from None
+            raise StageError(f"{task} worker {e}" + (f" ({limit_setting})" if limit_setting else "")) from None
         if code != 0:
             detail = json.loads(result.read_text()).get("error") if result.exists() else None
             raise StageError(f"{task} worker failed (exit code {code})" + (f": {detail}" if detail else f":\n{tail}"))
@@ -104,21 +186,14 @@ def _speculative(args: dict) -> dict:
                                undistilled_dir=und, fp_distilled_dir=fp)
 
 
-def _peak_rss_bytes() -> int:
-    """This process's high-water RSS. VmHWM restarts at exec; ru_maxrss would include the parent's pages."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # pragma: no cover - non-Linux
-        pass
-    import resource
+def _speed(args: dict) -> dict:
+    from pipeline.eval.config import SpeedConfig
+    from pipeline.eval.speed import measure_checkpoint
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return measure_checkpoint(Path(args["model_dir"]), SpeedConfig(**args["cfg"]), args["device"], args.get("label"))
 
 
-TASKS = {"quality": _quality, "speculative": _speculative}
+TASKS = {"quality": _quality, "speculative": _speculative, "speed": _speed}
 
 
 def main(argv: list[str]) -> int:
@@ -126,11 +201,12 @@ def main(argv: list[str]) -> int:
     job = json.loads(job_path.read_text())
     from pipeline.cli_logging import setup_logging
     from pipeline.env import tame
+    from pipeline.memory import peak_rss_bytes
 
     tame()
     import torch  # before setup_logging: torch installs its own log handlers on import
 
-    setup_logging()
+    setup_logging(library_log=sys.stdout)  # library warnings to the task's log (run_child sends stdout there)
 
     if job.get("threads"):
         torch.set_num_threads(int(job["threads"]))
@@ -139,7 +215,7 @@ def main(argv: list[str]) -> int:
     except Exception as e:
         result_path.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
         raise
-    result["worker_peak_rss_bytes"] = _peak_rss_bytes()
+    result["worker_peak_rss_bytes"] = peak_rss_bytes()
     result_path.write_text(json.dumps(result, default=float))
     return 0
 

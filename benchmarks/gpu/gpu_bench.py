@@ -1,7 +1,7 @@
 """One-shot CUDA benchmark of our speed stage against a plain hand-written generate loop.
 
-    python benchmarks/gpu/gpu_bench.py --device cuda --out "$OUT"        # on the GPU machine
-    python benchmarks/gpu/gpu_bench.py --tiny --device cpu --out /tmp/gb  # rehearsal, ~1-2 min
+    python -m benchmarks.gpu.gpu_bench --device cuda --out "$OUT"        # on the GPU machine
+    python -m benchmarks.gpu.gpu_bench --tiny --device cpu --out /tmp/gb  # rehearsal, ~1-2 min
 
 In one process: the device's copy bandwidth; a randomly initialised model of SmolLM2-1.7B's
 shape in bf16 (--tiny: a 2-layer toy); its bitsandbytes int8 and NF4 variants. Cells (8):
@@ -25,13 +25,10 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent)]
-
-from pipeline.eval.config import SpeedConfig  # noqa: E402
-from pipeline.eval.measure import copy_bandwidth  # noqa: E402
-from pipeline.eval.speed import Bench, measure_speed  # noqa: E402
-from speed_vs_reference import reference_decode, reference_prefill  # noqa: E402
+from benchmarks.speed_vs_reference import reference_decode, reference_prefill
+from pipeline.eval.config import SpeedConfig
+from pipeline.eval.measure import copy_bandwidth
+from pipeline.eval.speed import Bench, measure_speed
 
 # SmolLM2-1.7B (HuggingFaceTB/SmolLM2-1.7B config.json), random weights: speed does not need trained ones.
 FULL_SHAPE = dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,

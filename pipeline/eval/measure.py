@@ -1,18 +1,12 @@
 """Measurement primitives shared by the speed stage and the benchmarks: synchronized clocks,
-median/min/max, peak memory above a baseline, copy bandwidth, weight bytes per token, roofline."""
+median/min/max, copy bandwidth, weight bytes per token, roofline. Peak memory: pipeline/memory.py."""
 from __future__ import annotations
 
-import gc
-import re
 import statistics
-import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
-
-from pipeline.errors import StageError
 
 
 # ---------------------------------------------------------------- small pure helpers
@@ -43,65 +37,7 @@ def timed_runs(fn: Callable[[], Any], warmup: int, repeats: int) -> list[Any]:
     return [fn() for _ in range(repeats)]
 
 
-# ---------------------------------------------------------------- memory
-class PeakMemory:
-    """Peak memory above a baseline taken at `start()`.
-
-    CPU: resets the kernel's RSS high-water mark (write "5" to /proc/self/clear_refs) and reads
-    VmHWM; where that is refused or has no effect, samples RSS in a thread every 2 ms (an allocation
-    freed within a few milliseconds can then be missed). CUDA: max_memory_allocated.
-    """
-
-    def __init__(self, device: str):
-        self.device = torch.device(device)
-        self.kind = "cuda_max_allocated" if self.device.type == "cuda" else "rss_hwm"
-        self._base = 0
-        self._sampled = 0
-        self._stop: threading.Event | None = None
-
-    def start(self) -> "PeakMemory":
-        if self.device.type == "cuda":
-            sync(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._base = torch.cuda.memory_allocated(self.device)
-            return self
-        gc.collect()  # garbage freed mid-measurement would hide the allocations that follow it under the base
-        self._base = _proc_status_kib("VmRSS") * 1024
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-            # a kernel (or sandbox) that accepts the write without resetting keeps an old, higher mark
-            reset = _proc_status_kib("VmHWM") * 1024 <= _proc_status_kib("VmRSS") * 1024 + 2**20
-        except OSError:
-            reset = False
-        if not reset:
-            self.kind = "rss_sampled"
-            self._stop = threading.Event()
-            self._sampled = self._base
-            threading.Thread(target=self._sample, daemon=True).start()
-        return self
-
-    def _sample(self) -> None:
-        assert self._stop is not None
-        while not self._stop.wait(0.002):
-            self._sampled = max(self._sampled, _proc_status_kib("VmRSS") * 1024)
-
-    def peak_above_base(self) -> int:
-        if self.device.type == "cuda":
-            sync(self.device)
-            return int(torch.cuda.max_memory_allocated(self.device) - self._base)
-        if self.kind == "rss_sampled":
-            self._sampled = max(self._sampled, _proc_status_kib("VmRSS") * 1024)
-            return max(0, self._sampled - self._base)
-        return max(0, _proc_status_kib("VmHWM") * 1024 - self._base)
-
-
-def _proc_status_kib(field: str) -> int:
-    match = re.search(rf"^{field}:\s+(\d+)\s+kB", Path("/proc/self/status").read_text(), re.M)
-    if match is None:
-        raise StageError(f"cannot read {field} from /proc/self/status (peak memory needs Linux)")
-    return int(match.group(1))
-
-
+# ---------------------------------------------------------------- weights and bandwidth
 def weight_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes of weights a batch-1 decode step reads: every parameter and buffer once
     (quantized storage as stored, plus bitsandbytes' scales kept as tensor attributes), except an untied input

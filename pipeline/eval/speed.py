@@ -1,4 +1,5 @@
-"""Speed and memory of one model, meant to run in a fresh process (`run_speed_subprocess`).
+"""Speed and memory of one model, meant to run in a fresh worker process (`run_speed_subprocess`, which
+runs pipeline/worker.py's "speed" task).
 
 What is timed (every cell: `warmup` untimed runs, then `repeats` timed runs; median, min, max):
 - prefill: one forward over a `prompt_len` prompt at batch 1 -> prompt tokens/s;
@@ -7,22 +8,19 @@ What is timed (every cell: `warmup` untimed runs, then `repeats` timed runs; med
   prefill (TTFT from the call), stamps 1..N span N-1 decode forwards. Decode is timed at
   each batch size; batches > 1 are prompts of different lengths left-padded into one batch.
 - technique rows at batch 1: KV cache vs none, static cache, torch.compile, attention kernels;
-- peak memory above the baseline (post-import when this process loads the model): CPU = RSS
-  high-water mark (VmHWM, reset via /proc/self/clear_refs), CUDA = max_memory_allocated;
+- peak memory above the baseline (post-import when this process loads the model), by pipeline/memory.py:
+  CPU = RSS high-water mark (VmHWM, reset via /proc/self/clear_refs), CUDA = max_memory_allocated;
 - roofline: weight bytes read per decoded token / time per token, over the copy bandwidth
   (STREAM convention: bytes read + bytes written) measured in the same process on the same device.
 Clocks are read only after synchronizing the device.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import inspect
 import json
 import math
-import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,8 +29,12 @@ import torch
 
 from pipeline.errors import StageError
 from pipeline.eval.config import SpeedConfig
-from pipeline.eval.measure import (PeakMemory, copy_bandwidth, roofline_fraction, summarize, sync,  # noqa: F401
+from pipeline.eval.measure import (copy_bandwidth, roofline_fraction, summarize, sync,  # noqa: F401
                                    timed_runs, weight_bytes_per_token)
+from pipeline.dtypes import dtype_name
+from pipeline.fileio import atomic_write_json
+from pipeline.memory import PeakMemory
+from pipeline.models import load_checkpoint
 
 SPEED_SCHEMA = "speed/1"
 _PROMPT_TEXT = (
@@ -149,7 +151,7 @@ class Bench:
 
 def _technique(bench: Bench, name: str, kv: dict) -> dict:
     """One named technique row at batch 1 (or {"skipped": reason})."""
-    model, cuda = bench.model, torch.device(bench.device).type == "cuda"
+    cuda = torch.device(bench.device).type == "cuda"
     if name == "kv_cache":
         return {"decode_tokens_per_s": kv["tokens_per_s"], "note": "dynamic KV cache (the default)"}
     if name == "no_kv_cache":
@@ -217,17 +219,6 @@ def technique_rows(bench: Bench, kv: dict, bar=None) -> dict:
 
 
 # ---------------------------------------------------------------- entry points
-def load_model(model_dir: str | Path, device: str, loader: str | None = None):
-    """Load a checkpoint folder for timing: `loader` ("module:function(model_dir, device)") when
-    given, else the pipeline's own loader (plain, GPTQ or bitsandbytes folders, as quality loads them)."""
-    if loader:
-        module, _, func = loader.partition(":")
-        return getattr(importlib.import_module(module), func)(str(model_dir), device)
-    from pipeline.models import load_checkpoint
-
-    return load_checkpoint(Path(model_dir), device)
-
-
 def _load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
@@ -236,8 +227,7 @@ def _load_tokenizer(model_dir: Path):
     return None
 
 
-def measure_speed(model_or_dir, tokenizer, cfg: SpeedConfig, device: str, *, loader: str | None = None,
-                  label: str | None = None) -> dict:
+def measure_speed(model_or_dir, tokenizer, cfg: SpeedConfig, device: str, *, label: str | None = None) -> dict:
     """Time one model (a loaded model, or a checkpoint folder loaded here) -> the speed dict.
 
     Peak memory is measured from this call's entry: post-import when given a folder (the
@@ -251,7 +241,7 @@ def measure_speed(model_or_dir, tokenizer, cfg: SpeedConfig, device: str, *, loa
     load_s = None
     if isinstance(model_or_dir, (str, Path)):
         t0 = time.perf_counter()
-        model = load_model(model_or_dir, device, loader)
+        model = load_checkpoint(Path(model_or_dir), device)  # plain, GPTQ or bitsandbytes, as quality loads them
         load_s = time.perf_counter() - t0
         if tokenizer is None:
             tokenizer = _load_tokenizer(Path(model_or_dir))
@@ -277,7 +267,7 @@ def measure_speed(model_or_dir, tokenizer, cfg: SpeedConfig, device: str, *, loa
     result["techniques"] = technique_rows(bench, kv, bar)
     no_kv = result["techniques"].get("no_kv_cache", {}).get("decode_tokens_per_s")
     result["kv_cache_speedup"] = kv["tokens_per_s"]["median"] / no_kv["median"] if no_kv else None
-    result["peak_memory_bytes"] = memory.peak_above_base()
+    result["peak_memory_bytes"] = memory.stop().peak_above_base()
     result["peak_memory_kind"] = memory.kind
     result["peak_memory_basis"] = "post-import" if load_s is not None else "call-entry"
     result["weight_bytes_per_token"] = weight_bytes_per_token(model)
@@ -299,7 +289,7 @@ def _header(model, cfg: SpeedConfig, device: str, load_s: float | None) -> dict:
     quant = getattr(getattr(model, "config", None), "quantization_config", None)
     return {
         "schema": SPEED_SCHEMA, "device": device, "device_name": name, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "threads": torch.get_num_threads(), "dtype": dtype_name(next(model.parameters()).dtype),
         "quantization": (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)),
         "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "repeats": cfg.repeats, "warmup": cfg.warmup,
         "attn_implementation": model.config._attn_implementation, "load_s": load_s,
@@ -308,38 +298,35 @@ def _header(model, cfg: SpeedConfig, device: str, load_s: float | None) -> dict:
 
 
 def run_speed_subprocess(model_dir: str | Path, cfg: SpeedConfig, device: str, out_json: str | Path, *,
-                         model_name: str | None = None, loader: str | None = None,
-                         threads: int | None = None) -> dict:
-    """Time a checkpoint folder in a fresh interpreter (its memory is its own); write and return the dict.
+                         model_name: str | None = None, threads: int | None = None) -> dict:
+    """Time a checkpoint folder in a fresh worker process (`run_task("speed", ...)`: its memory is its own);
+    write the dict to `out_json` (the worker's log, speed.log, beside it) and return it.
 
     model_name ("baseline", a variant, the draft) applies `cfg.for_model` (technique rows only for
     `technique_models`); threads sets torch's CPU threads in the child (None: torch's default)."""
+    from pipeline.worker import run_task  # a killed run kills its timing process too
+
     if model_name is not None:
         cfg = cfg.for_model(model_name)
-    out_json = Path(out_json)
     if not Path(model_dir).is_dir():
         raise StageError(f"speed measurement: checkpoint folder {model_dir} does not exist")
+    out_json = Path(out_json)
     out_json.parent.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pipeline.eval.speed", "--model-dir", str(model_dir), "--device", device,
-           "--config", cfg.model_dump_json(), "--out", str(out_json)]
-    if loader:
-        cmd += ["--loader", loader]
-    if threads:
-        cmd += ["--threads", str(threads)]
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    from pipeline.worker import ChildTimeout, run_child  # a killed run kills its timing process too
+    args = {"model_dir": str(model_dir), "cfg": cfg.model_dump(mode="json"), "device": device, "label": model_name}
+    try:
+        result = run_task("speed", args, out_json.parent, threads, cfg.timeout_s,
+                          limit_setting="[validate.speed].timeout_s")
+    except StageError as e:
+        raise StageError(f"speed measurement of {model_dir}: {e}") from None
+    atomic_write_json(out_json, result)
+    return result
 
-    if model_name:
-        cmd += ["--label", model_name]
-    try:  # library banners to speed.log beside the result; our progress bar and errors to the console
-        code, tail = run_child(cmd, out_json.with_suffix(".log"), cfg.timeout_s, env)
-    except ChildTimeout:
-        raise StageError(f"speed measurement of {model_dir} exceeded {cfg.timeout_s:.0f} s "
-                         "([validate.speed].timeout_s)") from None
-    if code != 0:
-        raise StageError(f"speed measurement of {model_dir} failed (exit {code}):\n{tail}")
-    return json.loads(out_json.read_text())
+
+def measure_checkpoint(model_dir: Path, cfg: SpeedConfig, device: str, label: str | None = None) -> dict:
+    """The worker's "speed" task: imports first, then the memory baseline, then load and time the folder."""
+    _preimport(model_dir)  # before measure_speed takes the memory baseline
+    tokenizer = _load_tokenizer(model_dir)  # prompts only: not counted in peak memory
+    return measure_speed(model_dir, tokenizer, cfg, device, label=label)
 
 
 def _preimport(model_dir: Path) -> None:
@@ -358,33 +345,3 @@ def _preimport(model_dir: Path) -> None:
     module = {"gptq": "gptqmodel", "bitsandbytes": "bitsandbytes"}.get(quant.get("quant_method"))
     if module:
         importlib.import_module(module)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Time one checkpoint folder (run in a fresh process).")
-    parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--config", default="{}", help="SpeedConfig as JSON")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--loader", default=None, help="module:function(model_dir, device) -> model")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--label", default=None, help="name shown on the progress bar")
-    args = parser.parse_args(argv)
-    from pipeline.env import tame
-
-    tame()  # before GPTQModel can be imported by the loader
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    _preimport(Path(args.model_dir))  # before measure_speed takes the memory baseline
-
-    tokenizer = _load_tokenizer(Path(args.model_dir))  # prompts only: not counted in peak memory
-    result = measure_speed(args.model_dir, tokenizer, SpeedConfig.model_validate_json(args.config), args.device,
-                           loader=args.loader, label=args.label)
-    tmp = Path(args.out).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    tmp.replace(args.out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

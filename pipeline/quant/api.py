@@ -10,7 +10,7 @@ import torch
 
 from pipeline.env import tame
 from pipeline.errors import StageError
-from pipeline.memory import PeakRSS
+from pipeline.memory import PeakMemory
 from pipeline.quant.capabilities import caps
 from pipeline.quant.common import calibration_fingerprint, captured_output
 
@@ -40,7 +40,7 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.LongTensor | None
         importlib.import_module(c.engine)  # import-time memory is not the variant's: import before measuring
         torch.manual_seed(seed)
         try:
-            with PeakRSS() as mem, impl.session(out_dir):
+            with PeakMemory() as mem, impl.session(out_dir):
                 t0 = time.perf_counter()
                 model = impl.quantize(base_dir, variant, calib_ids if c.needs_calibration else None, console, device)
                 details = impl.save(model, base_dir, out_dir, variant)

@@ -15,7 +15,8 @@ from typing import IO
 
 import torch
 
-from pipeline.quant.common import DTYPES, base_dtype, finish_checkpoint, nullcontext_session
+from pipeline.dtypes import torch_dtype
+from pipeline.quant.common import base_dtype, finish_checkpoint, nullcontext_session
 
 ENGINE = "bitsandbytes"
 
@@ -28,8 +29,8 @@ def bnb_config(variant):
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=variant.threshold, llm_int8_skip_modules=skip)
     return BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type=variant.method.removeprefix("bnb-"),
-        bnb_4bit_use_double_quant=variant.double_quant, bnb_4bit_compute_dtype=DTYPES[variant.compute_dtype],
-        bnb_4bit_quant_storage=getattr(torch, variant.quant_storage), llm_int8_skip_modules=skip)
+        bnb_4bit_use_double_quant=variant.double_quant, bnb_4bit_compute_dtype=torch_dtype(variant.compute_dtype),
+        bnb_4bit_quant_storage=torch_dtype(variant.quant_storage), llm_int8_skip_modules=skip)
 
 
 session = nullcontext_session
@@ -40,7 +41,7 @@ def quantize(base_dir: Path, variant, calib_ids: torch.Tensor | None, console: I
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=bnb_config(variant),
-                                                device_map={"": device}, dtype=DTYPES[base_dtype(base_dir)])
+                                                device_map={"": device}, dtype=torch_dtype(base_dtype(base_dir)))
 
 
 def save(model, base_dir: Path, out_dir: Path, variant) -> dict:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from pipeline.dtypes import DTYPE_NAMES
 from pipeline.registry import Registry
 
 # GPTQModel 7.6 QuantizeConfig accepts these group sizes; its CPU/torch kernel (TorchLinear) takes them all.
@@ -33,8 +34,8 @@ class MethodCaps:
 
 METHODS: Registry[MethodCaps] = Registry("quantization method")
 
-_GPTQ_DTYPES = ("float32", "bfloat16", "float16")
-_BNB_DTYPES = ("float32", "bfloat16", "float16")
+_GPTQ_DTYPES = DTYPE_NAMES
+_BNB_DTYPES = DTYPE_NAMES
 
 for _caps in (
     MethodCaps("gptq", "gptqmodel", "pipeline.quant.gptq", "gptq", (2, 3, 4, 8), GPTQ_GROUP_SIZES,
@@ -147,18 +148,6 @@ def check_variant(variant, arch: dict, device: str) -> list[str]:
     elif getattr(variant, "group_size", None) is not None and variant.group_size not in c.group_sizes:
         problems.append(f"group_size = {variant.group_size} is not supported by {c.name} "
                         f"(supported: {', '.join(map(str, c.group_sizes))})")
-    return problems
-
-
-def check_variants(variants: list) -> list[str]:
-    """List-level rules: variant names are unique."""
-    seen: dict[str, int] = {}
-    problems = []
-    for i, v in enumerate(variants):
-        if v.name in seen:
-            problems.append(f"quantize.{i}: two variants are named {v.name!r} (also quantize.{seen[v.name]}); "
-                            "names must be unique")
-        seen.setdefault(v.name, i)
     return problems
 
 

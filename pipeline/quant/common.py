@@ -13,10 +13,11 @@ from typing import IO, Iterator
 
 import torch
 
+from pipeline.dtypes import config_dtype
+
 # Tokenizer files a checkpoint folder may carry (copied verbatim from the base checkpoint).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def calibration_fingerprint(ids: torch.Tensor | None) -> dict | None:
@@ -28,9 +29,7 @@ def calibration_fingerprint(ids: torch.Tensor | None) -> dict | None:
 
 
 def base_dtype(base_dir: Path) -> str:
-    cfg = json.loads((base_dir / "config.json").read_text())
-    d = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    return d if d in DTYPES else "float32"
+    return config_dtype(json.loads((base_dir / "config.json").read_text()))
 
 
 @contextlib.contextmanager

@@ -95,5 +95,3 @@ QuantVariant = Annotated[
     Field(discriminator="method"),
     BeforeValidator(_known_method),
 ]
-
-VARIANT_TYPES = (GPTQVariant, RTNVariant, BnbInt8Variant, BnbNF4Variant, BnbFP4Variant)

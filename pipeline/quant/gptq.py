@@ -20,7 +20,8 @@ from typing import IO, Iterator
 import torch
 
 from pipeline.quant.capabilities import skip_pattern
-from pipeline.quant.common import DTYPES, LayerProgress, base_dtype, finish_checkpoint
+from pipeline.dtypes import torch_dtype
+from pipeline.quant.common import LayerProgress, base_dtype, finish_checkpoint
 
 ENGINE = "gptqmodel"
 
@@ -100,7 +101,7 @@ def quantize_with(base_dir: Path, qcfg, calibration: list[dict] | None, console:
     n_layers = json.loads((base_dir / "config.json").read_text()).get("num_hidden_layers", 0)
     progress = LayerProgress(n_layers, label, console)
     try:
-        model = GPTQModel.load(str(base_dir.resolve()), qcfg, device=device, dtype=DTYPES[dtype])
+        model = GPTQModel.load(str(base_dir.resolve()), qcfg, device=device, dtype=torch_dtype(dtype))
         model.layer_callback = progress.layer_done
         model.quantize(calibration, batch_size=1)
         progress.finish()

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import time
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
+
+from pipeline.errors import StageError
 
 LOSSES = ("forward_kl", "reverse_kl", "tvd", "jsd")
 _LOG_FLOOR = -1e4
@@ -199,7 +202,15 @@ def _save_checkpoint(path: Path, student, opt, state: dict, run_fingerprint: str
 
 
 def _load_checkpoint(path: Path, student, opt, run_fingerprint: str, log) -> dict | None:
-    blob = torch.load(path, weights_only=False)
+    """Tensors, dicts, lists, numbers and strings only (weights_only=True): unpickling anything else could run
+    code, and a checkpoint is a file on disk that anything may have replaced."""
+    try:
+        blob = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()] or [type(e).__name__]
+        reason = next((ln for ln in lines if "unsupported" in ln.lower()), lines[0])  # torch: "Unsupported global: …"
+        raise StageError(f"draft checkpoint {path} holds more than tensors and plain values, so it was not loaded "
+                         f"({reason}); delete it to distil afresh") from None
     if blob["fingerprint"] != run_fingerprint:
         log(f"draft: ignoring checkpoint {path} from a different configuration; starting afresh")
         return None

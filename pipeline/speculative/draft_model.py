@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipeline.dtypes import torch_dtype
 from pipeline.speculative.targets import autocast
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
@@ -148,9 +149,6 @@ class DraftStudent(nn.Module):
         hidden = self.model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
         return F.linear(hidden, self.head)
 
-    def to_full_ids(self, student_ids: torch.Tensor) -> torch.Tensor:
-        return student_ids if self.vocab is None else self.vocab[student_ids]
-
     def full_to_student(self, full_vocab: int) -> torch.Tensor:
         """Map full id -> student index (-1 where the student has no row)."""
         if self.vocab is None:
@@ -190,7 +188,7 @@ class DraftStudent(nn.Module):
         if self.head is not None:
             with torch.no_grad():
                 self.model.get_output_embeddings().weight[self.vocab] = self.head.detach()
-        target = getattr(torch, dtype)
+        target = torch_dtype(dtype)
         if target == self.model.dtype:
             self.model.save_pretrained(out_dir)
         else:

@@ -162,19 +162,3 @@ def hf_assisted(target, draft, prompts: list[torch.Tensor], new_tokens: int, gam
     n = len(prompts) * new_tokens
     return {"hf_plain_tokens_per_s": n / sum(plain_s), "hf_assisted_tokens_per_s": n / sum(assisted_s),
             "hf_speedup": sum(plain_s) / sum(assisted_s), "identical_outputs": same, "prompts": len(prompts)}
-
-
-def speculative_gate(run: dict, costs: dict, device_type: str, min_speedup: float = 1.0) -> dict:
-    """Gate on one measured mode (an entry of compare_loops + its costs): "pass" when the measured
-    speed-up reaches `min_speedup`; otherwise "warn" on CPU when the measured per-token acceptance
-    is below the break-even the measured costs imply (the draft cannot win on this machine: say so,
-    do not fail the run), and "fail" elsewhere."""
-    be = costs["break_even_alpha_per_token"]
-    if run["speedup"] >= min_speedup:
-        return {"level": "pass", "message": f"speculative speed-up {run['speedup']:.2f}x"}
-    reach = "out of reach" if be is None else f"{be:.2f}"
-    message = (f"speculative decoding is slower than plain decoding ({run['speedup']:.2f}x): per-token acceptance "
-               f"{run['alpha_per_token']:.2f} vs break-even {reach} at c_d={costs['c_d']:.3f}, "
-               f"c_v({len(costs['c_v'])})={costs['c_v'][str(len(costs['c_v']))]:.2f}")
-    level = "warn" if device_type == "cpu" and (be is None or run["alpha_per_token"] < be) else "fail"
-    return {"level": level, "message": message}

@@ -14,8 +14,7 @@ from pipeline.speculative.config import DraftConfig
 from pipeline.speculative.distill import distill
 from pipeline.speculative.draft_model import (DraftStudent, check_tokenizers_match, evenly_spaced_layers,
                                               fit_output_map, init_draft_from_layers, load_draft_vocab, select_vocab, vocab_coverage)
-from pipeline.speculative.measure import (compare_loops, hf_assisted, measure_costs, predicted_speedup,
-                                          speculative_gate)
+from pipeline.speculative.measure import compare_loops, hf_assisted, measure_costs, predicted_speedup
 from pipeline.speculative.targets import TargetStore, TrainingData, fingerprint, token_windows
 
 
@@ -47,7 +46,7 @@ def init_draft(verifier, cfg: DraftConfig, base_dir: Path | None, verifier_tok) 
 
 def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], out_dir: Path, work_dir: Path,
                 seed: int, log=print, base_dir: Path | None = None, progress: bool = True,
-                fault_at_step: int | None = None, targets_root: Path | None = None,
+                targets_root: Path | None = None,
                 save_initial: bool = False) -> dict:
     """Initialise, distill and save the draft (HF checkpoint + tokenizer + draft_vocab.json when
     reduced + draft_manifest.json naming the verifier). The undistilled draft is saved to
@@ -82,8 +81,7 @@ def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], ou
     else:
         data, data_fp = _training_data(verifier_dir, verifier, windows, d, Path(targets_root or work_dir), seed)
         run_fp = fingerprint(data=data_fp, draft=cfg.model_dump(exclude={"measure"}), seed=seed)
-        metrics = distill(student, data, d, work_dir, seed, log, fault_at_step=fault_at_step, progress=progress,
-                          run_fingerprint=run_fp)
+        metrics = distill(student, data, d, work_dir, seed, log, progress=progress, run_fingerprint=run_fp)
     # published with the draft: the verifier checkpoint's folder name, never a path of this machine
     manifest = {"verifier": cfg.verifier, "verifier_dir": verifier_dir.name, "layers": layers,
                 "draft_vocab_size": None if vocab is None else int(vocab.numel()), "vocab_coverage": coverage,
@@ -162,7 +160,6 @@ def measure_speculative(verifier_dir: Path, draft_dir: Path, prompts: list[str],
             run = compare_loops(verifier, draft, subset, m.new_tokens, cfg.gamma, t, seed, vocab, m.warmup, m.repeats,
                                 label=f"speculative {name} T={t:g}")
             run["predicted_speedup"] = predicted_speedup(run["alpha_per_token"], costs, cfg.gamma)
-            run["gate"] = speculative_gate(run, costs, verifier.device.type)
             entry[f"t={t}"] = run
             log(f"speculative [{name}] T={t}: alpha {run['alpha']:.3f} (per token {run['alpha_per_token']:.3f}), "
                 f"{run['tokens_per_target_forward']:.2f} tok/forward, speed-up {run['speedup']:.2f}x, "

@@ -179,6 +179,31 @@ def test_a_killed_run_resumes_to_the_same_weights(tmp_path):
         assert torch.equal(a, b), name
 
 
+class _Planted:
+    """Unpickling this runs code: it writes `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('code ran')",)
+
+
+def test_a_planted_pickle_in_the_resume_checkpoint_is_refused_and_never_runs(tmp_path):
+    from pipeline.errors import StageError
+
+    marker = tmp_path / "ran.txt"
+    ckpt = tmp_path / "run" / "work" / "checkpoint.pt"
+    ckpt.parent.mkdir(parents=True)
+    torch.save({"fingerprint": "test", "state": {"step": 2}, "params": {}, "payload": _Planted(marker)}, ckpt)
+    with pytest.raises(StageError, match=r"draft checkpoint .*checkpoint\.pt holds more than tensors and plain "
+                                         r"values, so it was not loaded \(.*exec.*\); delete it"):
+        _run(tmp_path / "run")
+    assert not marker.exists(), "the planted code ran"
+    torch.load(ckpt, weights_only=False)  # the plant is real: an unrestricted load runs it
+    assert marker.read_text() == "code ran"
+
+
 def test_distillation_lowers_the_loss(tmp_path):
     _, short = _run(tmp_path / "a", on_policy=0.0, steps=2)
     _, long = _run(tmp_path / "b", on_policy=0.0, steps=40)

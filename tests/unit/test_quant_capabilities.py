@@ -8,7 +8,7 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from pipeline.errors import RecipeError
-from pipeline.quant.capabilities import (METHODS, check_variant, check_variants, linear_shapes_from_config,
+from pipeline.quant.capabilities import (METHODS, check_variant, linear_shapes_from_config,
                                          needs_calibration, runtimes)
 from pipeline.quant.config import QuantVariant
 
@@ -67,13 +67,6 @@ def test_bnb_on_a_device_it_cannot_run_on(smol):
         (msg,) = check_variant(variant(name="b", method=method), smol, "mps")
         assert msg == f"{method} cannot run on device 'mps' (it runs on: cpu, cuda)"
         assert check_variant(variant(name="b", method=method), smol, "cpu") == []
-
-
-def test_duplicate_variant_names():
-    vs = [variant(name="a", method="gptq"), variant(name="b", method="rtn"), variant(name="a", method="bnb-int8")]
-    (msg,) = check_variants(vs)
-    assert "quantize.2: two variants are named 'a' (also quantize.0)" in msg
-    assert check_variants(vs[:2]) == []
 
 
 def test_unknown_method_says_did_you_mean():

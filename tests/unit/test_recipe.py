@@ -152,3 +152,12 @@ def test_speculative_prompt_set_must_exist_and_not_be_the_training_corpus(tmp_pa
     assert len(prompts) == len(set(prompts)) == 8 and all(p.startswith(("def ", "class ")) for p in prompts)
     with pytest.raises(ValueError, match="has 32 prompts; .*asks for 40"):
         held_out_prompts(40, r.validate_.perplexity, "code-prompts")
+
+
+def test_a_speed_model_name_that_does_not_exist_fails_at_check(tmp_path):
+    """A typo in [validate.speed].models would otherwise time nothing, silently."""
+    msg = errors_of(tmp_path, BASE + '\n[validate.speed]\nmodels = ["baseline", "w4g"]\ntechnique_models = ["basline"]\n',
+                    plan=True)
+    assert "[validate.speed].models: no model named 'w4g'; known: ['baseline', 'w4']" in msg
+    assert "[validate.speed].technique_models: no model named 'basline'" in msg
+    check(load_recipe(write(tmp_path, BASE + '\n[validate.speed]\nmodels = ["baseline", "w4"]\n')))

@@ -180,17 +180,12 @@ def test_speculative_sampling_matches_the_verifier_distribution(vocab, monkeypat
     assert chi2_pvalue(wrong, exact) < 1e-6, "the statistical test must catch a wrong acceptance rule"
 
 
-# ---------------------------------------------------------------- the cost model and the gate
-def test_cost_model_break_even_and_gate():
-    from pipeline.speculative.measure import break_even_alpha, expected_tokens, repetition_rate, speculative_gate
+# ---------------------------------------------------------------- the cost model
+def test_cost_model_and_break_even():
+    from pipeline.speculative.measure import break_even_alpha, expected_tokens, repetition_rate
     assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     a = break_even_alpha(1.8, 4)
     assert expected_tokens(a, 4) == pytest.approx(1.8, abs=1e-6)
     assert break_even_alpha(6.0, 4) is None  # costs more than gamma + 1 tokens: never pays
     assert repetition_rate([1, 2, 3, 4] * 4, n=4) == pytest.approx(1 - 4 / 13)
     assert repetition_rate(list(range(20))) == 0.0
-    costs = {"c_d": 0.05, "c_v": {"1": 1.0, "2": 1.2, "3": 1.3, "4": 1.5}, "break_even_alpha_per_token": 0.4}
-    slow = {"speedup": 0.8, "alpha_per_token": 0.25}
-    assert speculative_gate(slow, costs, "cpu")["level"] == "warn"
-    assert speculative_gate(slow, costs, "cuda")["level"] == "fail"
-    assert speculative_gate({"speedup": 1.2, "alpha_per_token": 0.5}, costs, "cpu")["level"] == "pass"

@@ -191,7 +191,7 @@ def test_subprocess_failure_is_a_stage_error_with_the_cause(tmp_path):
     with pytest.raises(StageError, match="does not exist"):
         run_speed_subprocess(tmp_path / "missing", SpeedConfig(**CFG), "cpu", tmp_path / "speed.json")
     (tmp_path / "empty").mkdir()  # no config.json: the child fails, its stderr tail is in the message
-    with pytest.raises(StageError, match=r"(?s)speed measurement of .* failed \(exit 1\):.*config"):
+    with pytest.raises(StageError, match=r"(?s)speed measurement of .* failed \(exit code 1\):.*config"):
         run_speed_subprocess(tmp_path / "empty", SpeedConfig(**CFG), "cpu", tmp_path / "speed.json")
 
 
@@ -248,3 +248,13 @@ def test_eval_and_bench_refuse_bad_threads_and_unwritable_out(tmp_path):
     assert r.exit_code != 0 and "cannot create its folder" in str(r.output) + str(r.exception)
     r = runner.invoke(cli, ["eval", str(tmp_path / "ckpt"), "--out", str(blocker / "q")])
     assert r.exit_code != 0 and "cannot create it" in str(r.output) + str(r.exception)
+
+
+def test_nested_meters_each_keep_their_peak():
+    """An inner meter resets the process's high-water mark; the outer one still sees the peak from before it."""
+    outer = PeakMemory("cpu").start()
+    _touch_fresh_pages(64 * 2**20)  # the outer block's peak, freed before the inner meter starts
+    with PeakMemory("cpu") as inner:
+        _touch_fresh_pages(8 * 2**20)
+    assert outer.stop().peak_above_base() >= 60 * 2**20, outer.kind
+    assert inner.above_start_bytes < 60 * 2**20 or inner.kind == "rss_sampled"

@@ -1,0 +1,1 @@
+"""CUDA benchmark: `python -m benchmarks.gpu.gpu_bench` (README.md here)."""
