@@ -60,10 +60,17 @@ class UnitContext:
 
 
 def fault_point(key: str, point: str) -> None:
-    if os.environ.get(FAULT_ENV) == f"{key}:{point}":
+    """Tests' fault injection: COMPRESS_FAULT="<key>:<point>" SIGKILLs the process there;
+    "<key>:<point>:pause" holds it there (lock held, stage not started) until a signal ends it."""
+    wanted = os.environ.get(FAULT_ENV, "")
+    if wanted == f"{key}:{point}":
         log.warning("fault injection: killing the process at %s:%s", key, point)
         logging.shutdown()
         os.kill(os.getpid(), signal.SIGKILL)
+    if wanted == f"{key}:{point}:pause":
+        log.warning("fault injection: pausing at %s:%s", key, point)
+        while True:
+            time.sleep(0.1)
 
 
 def canonical_hash(obj: Any) -> str:
