@@ -33,8 +33,9 @@ from benchmarks.draft_exploration import acceptance
 from pipeline.speculative.config import DraftConfig
 from pipeline.speculative.distill import distill
 from pipeline.speculative.draft_model import DraftStudent, load_draft_vocab
-from pipeline.speculative.stage_api import (_choose_vocab, _training_data, _tuned_lens, check_no_overlap,
-                                            encode_prompts, init_draft, load_causal_lm, wikitext_prompts)
+from pipeline.speculative.draft_model import load_causal_lm
+from pipeline.speculative.evaluate import check_no_overlap, encode_prompts, wikitext_prompts
+from pipeline.speculative.stage_api import choose_vocab, init_draft, training_data, tuned_lens
 from pipeline.speculative.targets import fingerprint, token_windows
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,10 +102,10 @@ def main() -> None:
     draft, layers = init_draft(verifier, cfg, None, tok)
     d = cfg.distill
     windows = token_windows(tok, texts, d.seq_len)
-    vocab, coverage = _choose_vocab(cfg, windows, verifier, tok)
-    lens = _tuned_lens(cfg, draft, verifier, windows, print)
+    vocab, coverage = choose_vocab(cfg, windows, verifier, tok)
+    lens = tuned_lens(cfg, draft, verifier, windows, print)
     student = DraftStudent(draft, vocab)
-    data, _ = _training_data(verifier_dir, verifier, windows, d, work, args.seed)
+    data, _ = training_data(verifier_dir, verifier, windows, d, work, args.seed)
     # the same run (settings, seed, verifier) resumes from its checkpoint; a longer --segments extends it
     run_fp = fingerprint(draft=cfg.model_dump(exclude={"measure": True, "distill": {"time_budget_s"}}), seed=args.seed,
                          verifier=str(verifier_dir.resolve()), segment_s=args.segment_s)

@@ -20,7 +20,7 @@ from pipeline.models import load_source
 from pipeline.recipe import PerplexityConfig
 from pipeline.sources import parse
 from pipeline.speculative.measure import compare_loops, measure_costs
-from pipeline.speculative.stage_api import encode_prompts
+from pipeline.speculative.evaluate import encode_prompts
 from pipeline.stages.validate import held_out_prompts
 
 

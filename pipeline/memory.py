@@ -148,4 +148,3 @@ class PeakMemory:
 
 
 # The CPU meter's former name; pipeline/runner.py still imports it.
-PeakRSS = PeakMemory

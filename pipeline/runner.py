@@ -22,7 +22,7 @@ from typing import Any, Callable
 from pipeline.codehash import code_hash  # what a unit's code is: the files its entry modules import
 from pipeline.fileio import sha256_file
 from pipeline.errors import CompressError, LockedError, StageError
-from pipeline.memory import PeakRSS
+from pipeline.memory import PeakMemory
 
 MANIFEST = "manifest.json"
 METRICS = "metrics.json"  # an output like any other, so downstream hashes see changed figures
@@ -179,7 +179,7 @@ class Runner:
         fault_point(unit.key, "start")
         t0 = time.perf_counter()
         try:
-            with PeakRSS() as mem:
+            with PeakMemory() as mem:
                 metrics = unit.fn(ctx) or {}
         except CompressError:
             raise

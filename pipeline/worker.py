@@ -177,7 +177,7 @@ def _speculative(args: dict) -> dict:
     import logging
 
     from pipeline.speculative.config import DraftConfig
-    from pipeline.speculative.stage_api import measure_speculative
+    from pipeline.speculative.evaluate import measure_speculative
 
     und = Path(args["undistilled"]) if args.get("undistilled") else None
     fp = Path(args["fp_distilled"]) if args.get("fp_distilled") else None

@@ -135,11 +135,6 @@ GATE_METRICS: dict[str, tuple[str, str]] = {
 }
 
 
-def gate_metric_names() -> dict[str, str]:
-    """Gate name -> metric name it reads (e.g. "max_kl" -> "kl")."""
-    return {gate: metric for gate, (metric, _) in GATE_METRICS.items()}
-
-
 def gate_problems(gates: GatesConfig, speed: SpeedConfig | None, variants: list[str],
                   draft: str | None, smoke: bool = True) -> list[str]:
     """Cross-stage checks for `compress check`: each problem is one readable line (empty = fine)."""

@@ -19,7 +19,8 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from pipeline.results.format import local_name, num, public, public_text, public_tree, size, speculative_label
+from pipeline.public import local_name, public, public_text, public_tree
+from pipeline.results.format import num, size, speculative_label
 from pipeline.results.gates import blocks, gate_status
 from pipeline.results.query import dig, is_distilled, shown_params
 from pipeline.results.schema import DraftEntry, ModelEntry, ModelInfo, Report

@@ -230,3 +230,10 @@ def check_tokenizers_match(verifier_tok, draft_tok) -> None:
     diffs = tokenizer_differences(verifier_tok, draft_tok)
     if diffs:
         raise ValueError("the draft's tokenizer differs from the verifier's: " + "; ".join(diffs))
+
+
+def load_causal_lm(path: Path):
+    """Any checkpoint from_pretrained can read (fp32, GPTQ, bitsandbytes), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path)).eval()

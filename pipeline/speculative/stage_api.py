@@ -1,26 +1,24 @@
 """Entry points for the draft stage and the speculative part of validate (thin stage files call
-these): build_draft (init, vocabulary subset, distillation, export) and measure_speculative."""
+these): build_draft (init, vocabulary subset, distillation, export). Measuring a draft is
+pipeline/speculative/evaluate.py, so that changing how a draft is measured never re-distils it."""
 from __future__ import annotations
 
 import hashlib
-import json
 import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
+from pipeline.public import public_tree
 from pipeline.speculative.config import DraftConfig
 from pipeline.speculative.distill import distill
 from pipeline.speculative.draft_model import (DraftStudent, check_tokenizers_match, evenly_spaced_layers,
-                                              fit_output_map, init_draft_from_layers, load_draft_vocab, select_vocab, vocab_coverage)
-from pipeline.speculative.measure import compare_loops, hf_assisted, measure_costs, predicted_speedup
+                                              fit_output_map, init_draft_from_layers, load_causal_lm, select_vocab,
+                                              vocab_coverage)
 from pipeline.speculative.targets import TargetStore, TrainingData, fingerprint, token_windows
 
-
-def load_causal_lm(path: Path):
-    """Any checkpoint from_pretrained can read (fp32, GPTQ, bitsandbytes), in eval mode."""
-    return AutoModelForCausalLM.from_pretrained(str(path)).eval()
+MEASURE_ONLY = {"measure", "gamma"}  # read only when the draft is measured: never part of what a draft is
 
 
 def init_draft(verifier, cfg: DraftConfig, base_dir: Path | None, verifier_tok) -> tuple[torch.nn.Module, list[int] | None]:
@@ -62,12 +60,12 @@ def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], ou
     draft, layers = init_draft(verifier, cfg, base_dir, tok)
     d = cfg.distill
     windows = token_windows(tok, train_texts, d.seq_len)
-    vocab, coverage = _choose_vocab(cfg, windows, verifier, tok)
+    vocab, coverage = choose_vocab(cfg, windows, verifier, tok)
     undistilled_dir = work_dir / "undistilled"
     if d.steps != 0 and not (undistilled_dir / "config.json").exists():  # steps = 0: it would be the draft itself
         DraftStudent(draft, vocab).export(undistilled_dir, tok, {"verifier": cfg.verifier, "distilled": False},
                                           dtype=cfg.dtype)
-    lens = _tuned_lens(cfg, draft, verifier, windows, log) if cfg.init_head == "lens" else None
+    lens = tuned_lens(cfg, draft, verifier, windows, log) if cfg.init_head == "lens" else None
     student = DraftStudent(draft, vocab)
     if save_initial and lens is not None and not (work_dir / "initial" / "config.json").exists():
         student.export(work_dir / "initial", tok, {"verifier": cfg.verifier, "distilled": False, "lens": lens},
@@ -79,20 +77,20 @@ def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], ou
         metrics = {"steps": 0, "resumed_from_step": 0, "train_time_s": 0.0, "teacher_time_s": 0.0,
                    "final_loss": None, "top1_agreement": None, "trainable_params": 0, "tokens_seen": 0}
     else:
-        data, data_fp = _training_data(verifier_dir, verifier, windows, d, Path(targets_root or work_dir), seed)
-        run_fp = fingerprint(data=data_fp, draft=cfg.model_dump(exclude={"measure"}), seed=seed)
+        data, data_fp = training_data(verifier_dir, verifier, windows, d, Path(targets_root or work_dir), seed)
+        run_fp = fingerprint(data=data_fp, draft=cfg.model_dump(exclude=MEASURE_ONLY), seed=seed)
         metrics = distill(student, data, d, work_dir, seed, log, progress=progress, run_fingerprint=run_fp)
-    # published with the draft: the verifier checkpoint's folder name, never a path of this machine
+    # published with the draft: the verifier checkpoint's folder name and file names, never a path of this machine
     manifest = {"verifier": cfg.verifier, "verifier_dir": verifier_dir.name, "layers": layers,
                 "draft_vocab_size": None if vocab is None else int(vocab.numel()), "vocab_coverage": coverage,
-                "seed": seed, "distill": metrics, "config": cfg.model_dump(exclude={"measure"})}
+                "seed": seed, "distill": metrics, "config": public_tree(cfg.model_dump(mode="json", exclude=MEASURE_ONLY))}
     student.export(out_dir, tok, manifest, dtype=cfg.dtype)
     metrics.update(layers=layers, draft_vocab_size=manifest["draft_vocab_size"], vocab_coverage=coverage, lens=lens,
                    undistilled_dir=str(undistilled_dir), total_time_s=time.perf_counter() - t_start)
     return metrics
 
 
-def _tuned_lens(cfg: DraftConfig, draft, verifier, windows: torch.Tensor, log) -> dict:
+def tuned_lens(cfg: DraftConfig, draft, verifier, windows: torch.Tensor, log) -> dict:
     """Closed-form head initialisation on the last corpus windows (see fit_output_map)."""
     t0 = time.perf_counter()
     n = max(1, -(-cfg.lens_tokens // windows.shape[1]))
@@ -103,7 +101,7 @@ def _tuned_lens(cfg: DraftConfig, draft, verifier, windows: torch.Tensor, log) -
     return lens
 
 
-def _training_data(verifier_dir: Path, verifier, windows: torch.Tensor, d, targets_root: Path, seed: int):
+def training_data(verifier_dir: Path, verifier, windows: torch.Tensor, d, targets_root: Path, seed: int):
     """Batches of teacher targets; the store's folder is named by what its records depend on."""
     data_fp = fingerprint(verifier=str(verifier_dir.resolve()), config=_read(verifier_dir / "config.json"),
                           windows=_tensor_hash(windows), top_k=d.top_k, t=d.temperature, precision=d.teacher_precision)
@@ -115,7 +113,7 @@ def _training_data(verifier_dir: Path, verifier, windows: torch.Tensor, d, targe
     return data, data_fp
 
 
-def _choose_vocab(cfg: DraftConfig, windows: torch.Tensor, verifier, tok):
+def choose_vocab(cfg: DraftConfig, windows: torch.Tensor, verifier, tok):
     if cfg.vocab_size is None:
         return None, 1.0
     full = verifier.get_output_embeddings().weight.shape[0]
@@ -133,66 +131,3 @@ def _read(path: Path) -> str:
 
 def _tensor_hash(t: torch.Tensor) -> str:
     return hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16]
-
-
-def measure_speculative(verifier_dir: Path, draft_dir: Path, prompts: list[str], cfg: DraftConfig, seed: int,
-                        log=print, undistilled_dir: Path | None = None, fp_distilled_dir: Path | None = None) -> dict:
-    """Acceptance, speed-up and costs of the draft on held-out prompts, greedy and at each configured
-    temperature; also of the undistilled draft (a quarter of the prompts) and of the draft distilled
-    against the full-precision model (all prompts, same verifier), when given and enabled in
-    cfg.measure. See pipeline/speculative/measure.py."""
-    m = cfg.measure
-    tok = AutoTokenizer.from_pretrained(str(verifier_dir))
-    verifier = load_causal_lm(verifier_dir)
-    ids = encode_prompts(tok, prompts[: m.num_prompts], m.prompt_len)
-    result = {"gamma": cfg.gamma, "prompts": len(ids), "prompt_len": m.prompt_len, "new_tokens": m.new_tokens}
-    drafts = {"distilled": Path(draft_dir)}
-    if m.compare_undistilled and undistilled_dir is not None:
-        drafts["undistilled"] = Path(undistilled_dir)
-    if m.compare_fp_distilled and fp_distilled_dir is not None:
-        drafts["fp-distilled"] = Path(fp_distilled_dir)
-    for name, path in drafts.items():
-        draft, vocab = load_causal_lm(path), load_draft_vocab(path)
-        costs = measure_costs(verifier, draft, ids[0], cfg.gamma, vocab)
-        entry = {"costs": costs, "draft_vocab_size": None if vocab is None else int(vocab.numel())}
-        subset = ids if name != "undistilled" else ids[: max(1, len(ids) // 4)]
-        for t in m.temperatures:
-            run = compare_loops(verifier, draft, subset, m.new_tokens, cfg.gamma, t, seed, vocab, m.warmup, m.repeats,
-                                label=f"speculative {name} T={t:g}")
-            run["predicted_speedup"] = predicted_speedup(run["alpha_per_token"], costs, cfg.gamma)
-            entry[f"t={t}"] = run
-            log(f"speculative [{name}] T={t}: alpha {run['alpha']:.3f} (per token {run['alpha_per_token']:.3f}), "
-                f"{run['tokens_per_target_forward']:.2f} tok/forward, speed-up {run['speedup']:.2f}x, "
-                f"break-even per-token alpha {costs['break_even_alpha_per_token']}")
-            if m.compare_hf_assisted and name == "distilled":
-                run["hf_reference"] = hf_assisted(verifier, draft, ids[: max(1, len(ids) // 4)], m.new_tokens,
-                                                  cfg.gamma, t, seed)
-        result[name] = entry
-    return json.loads(json.dumps(result))
-
-
-def encode_prompts(tok, prompts: list[str], prompt_len: int) -> list[torch.Tensor]:
-    """Each prompt's first `prompt_len` tokens as a [1, T] tensor (shorter prompts kept whole)."""
-    out = [torch.tensor([tok(p, add_special_tokens=False)["input_ids"][:prompt_len]]) for p in prompts]
-    empty = [i for i, t in enumerate(out) if t.shape[1] == 0]
-    if empty:
-        raise ValueError(f"prompts {empty} are empty after tokenization")
-    return out
-
-
-def wikitext_prompts(raw_text: str, n: int, min_chars: int = 300) -> list[str]:
-    """`n` held-out prompts: WikiText-2 paragraphs (not headings) of at least `min_chars`,
-    spread evenly through the file."""
-    paras = [p.strip() for p in raw_text.split("\n") if len(p.strip()) >= min_chars and not p.strip().startswith("=")]
-    if len(paras) < n:
-        raise ValueError(f"only {len(paras)} WikiText paragraphs of >= {min_chars} characters; asked for {n}")
-    step = len(paras) / n
-    return [paras[int(i * step)] for i in range(n)]
-
-
-def check_no_overlap(train_texts: list[str], prompts: list[str], probe_chars: int = 80) -> None:
-    """Fail if any held-out prompt's opening appears in the training texts."""
-    for p in prompts:
-        probe = p[:probe_chars]
-        if any(probe in t for t in train_texts):
-            raise ValueError(f"held-out prompt appears in the training data: {probe!r}")

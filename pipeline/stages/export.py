@@ -29,7 +29,7 @@ def units(recipe, validate_keys: list[str]) -> list[Unit]:
         cfg = {"export": recipe.export.model_dump(), "entry": entry, "card_recipe": card_hash}
         out.append(Unit(f"export/{name}", cfg, lambda ctx, e=entry, s=src: run(ctx, recipe, e, s),
                         deps=[src] + validate_keys,
-                        code=("stages/export.py", "results/card.py", "results/query.py", "results/schema.py")))
+                        code=("stages/export.py",)))  # its imports: the card renderer and the report schema
     return out
 
 
@@ -65,7 +65,7 @@ def recipe_excerpt(recipe, entry: dict) -> str:
     """The recipe tables that made this entry, as its card shows them (local paths reduced to file names)."""
     import tomli_w
 
-    from pipeline.results.format import public_tree
+    from pipeline.public import public_tree
 
     data = recipe.dump()
     keep = {"model": data["model"], "calibration": data["calibration"]}

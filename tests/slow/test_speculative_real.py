@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.speculative.decode import autoregressive_generate, speculative_generate
 from pipeline.speculative.draft_model import DraftStudent, init_draft_from_layers
-from pipeline.speculative.stage_api import encode_prompts, wikitext_prompts
+from pipeline.speculative.evaluate import encode_prompts, wikitext_prompts
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

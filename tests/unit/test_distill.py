@@ -15,7 +15,8 @@ from pipeline.speculative.decode import autoregressive_generate, speculative_gen
 from pipeline.speculative.distill import InjectedFault, distill, divergence, kd_loss, kd_loss_topk
 from pipeline.speculative.draft_model import (DraftStudent, evenly_spaced_layers, fit_output_map, init_draft_from_layers,
                                               load_draft_vocab, select_vocab, tokenizer_differences)
-from pipeline.speculative.stage_api import build_draft, measure_speculative
+from pipeline.speculative.evaluate import measure_speculative
+from pipeline.speculative.stage_api import build_draft
 from pipeline.speculative.targets import TargetStore, TrainingData
 
 torch.set_num_threads(1)

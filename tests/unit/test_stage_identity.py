@@ -47,7 +47,10 @@ HAND_LISTS = {
 }
 # files a hand list named that the stage does not import: quant/config.py is the recipe schema (QuantVariant);
 # what the unit reads from it is the variant's fields, already in the unit's config
-NOT_IMPORTED = {"quantize": {"quant/config.py"}}
+# the draft stage does not measure drafts: speculative/evaluate.py (and the decoder and measurement it uses) belong
+# to validate/draft/speculative, so changing how a draft is measured never re-distils it
+NOT_IMPORTED = {"quantize": {"quant/config.py"},
+                "draft": {"speculative/evaluate.py", "speculative/measure.py", "speculative/decode.py"}}
 
 
 @pytest.mark.parametrize("stage", sorted(HAND_LISTS))
@@ -70,6 +73,8 @@ def test_measurement_and_reports_are_not_in_the_producing_stages():
     sets = stage_sets()
     for stage in ("load", "calibrate", "quantize", "draft"):
         assert not {f for f in sets[stage] if f.startswith("eval/")}, f"editing eval/* would rerun {stage}"
+    assert not {"speculative/evaluate.py", "speculative/measure.py"} & sets["draft"], "measuring re-distils"
+    assert {"speculative/evaluate.py", "speculative/measure.py", "speculative/decode.py"} <= sets["validate"]
     for stage, files in sets.items():
         assert not {f for f in files if f.startswith("results/")}, f"{stage} depends on the report code"
         assert "runner.py" not in files and "codehash.py" not in files, "the harness is in no unit's identity"
