@@ -59,6 +59,10 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
             click.echo(f"            {rt['runtime']}: {rt['kernel']}{note}")
     mem = ", ".join(f"{k} {b / GiB:.1f}" for k, b in plan.memory.items())
     click.echo(f"memory    estimated peak {plan.peak_memory / GiB:.1f} GiB of {plan.memory_limit / GiB:.1f} GiB ({mem} GiB)")
+    if r.publish is not None:
+        from pipeline.publish.config import describe
+
+        click.echo(f"publish   {describe(r.publish)}")
     for w in plan.warnings:
         click.echo(f"warning   {w}")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import shutil
 import signal
-import time
 from contextlib import contextmanager
 from pathlib import Path
 

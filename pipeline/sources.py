@@ -14,13 +14,13 @@ import fnmatch
 import hashlib
 import importlib.metadata
 import json
-import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import RecipeError
 from pipeline.gguf_header import read_header
+from pipeline.fileio import atomic_path
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 CODE_DATA = ("model_configs/*.json",)  # data this module reads: part of the code identity of every unit importing it
@@ -150,17 +150,13 @@ def _resolve_pkg_parts(pattern: str) -> ModelSource:
     out = cache_root() / "compress" / "gguf-parts" / f"{_norm(pattern).replace('*', '')}-{key}.gguf"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        try:
+        with atomic_path(out) as tmp:
             with open(tmp, "wb") as dst:
                 for _, part in ordered:
                     with open(part, "rb") as src:
                         while chunk := src.read(64 * 2**20):
                             dst.write(chunk)
             _check_complete_gguf(tmp, pattern, len(ordered))
-            os.replace(tmp, out)
-        finally:
-            tmp.unlink(missing_ok=True)
     return ModelSource("pkg", pattern, out, out.name)
 
 

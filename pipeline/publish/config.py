@@ -49,6 +49,15 @@ def _check_template(template: str, allowed: frozenset[str], what: str, sample: d
 LOOPBACK_HOSTS = ("localhost", "[::1]")
 
 
+def describe(cfg: "PublishConfig") -> str:
+    """One line: where, how visible, and whether anything is sent (`compress check` and the dry run say it)."""
+    visibility = "new repos private" if cfg.private else "new repos PUBLIC ([publish] private = false)"
+    mode = "dry run: nothing is sent" if cfg.dry_run else "pushes when every gate passes" + (
+        " (partial: the passing models)" if cfg.partial else "")
+    where = cfg.repo_id + (f" ({cfg.layout})" if cfg.layout != "repo-per-variant" else "")
+    return f"{where} for org {cfg.org}; {visibility}; {'pull requests; ' if cfg.create_pr else ''}{mode}"
+
+
 def check_endpoint(url: str, what: str) -> str:
     """An https URL, or http only to this machine (the token travels with every request)."""
     m = re.match(r"(https?)://([^/\s]+)", url)

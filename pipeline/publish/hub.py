@@ -375,7 +375,9 @@ def publish_run(run_dir: Path, cfg: PublishConfig, log: logging.Logger,
     run_dir = Path(run_dir)
     endpoint = resolve_endpoint(cfg)
     the_plan = plan(run_dir, cfg)  # PublishRefused / PublishError: the caller reports it
-    text = render_dry_run(the_plan, endpoint)
+    from pipeline.publish.config import describe
+
+    text = render_dry_run(the_plan, endpoint) + "\n" + describe(cfg)
     planned = the_plan.as_dict()
     if cfg.dry_run:
         log.info("publish dry run (nothing sent):\n%s", text)

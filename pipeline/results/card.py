@@ -11,7 +11,6 @@ reproduces the same bytes, and re-publishing it makes no new Hub commit.
 from __future__ import annotations
 
 import copy
-import os
 import re
 import tomllib
 from pathlib import Path
@@ -24,6 +23,7 @@ from pipeline.results.format import num, size, speculative_label
 from pipeline.results.gates import blocks, gate_status
 from pipeline.results.query import dig, is_distilled, shown_params
 from pipeline.results.schema import DraftEntry, ModelEntry, ModelInfo, Report
+from pipeline.fileio import atomic_write_text
 
 # names of our datasets -> Hub dataset ids (metadata only lists ids the Hub can resolve)
 HUB_DATASETS = {"wikitext2": "Salesforce/wikitext", "wikitext-2": "Salesforce/wikitext",
@@ -290,9 +290,7 @@ def write_model_card(export_dir: Path, report: Report, entry: dict, recipe_excer
     path = Path(export_dir) / "README.md"
     if path.exists() and path.read_text() == text:
         return  # unchanged: keep the file (and the export manifest's hash) as it is
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write_text(path, text)
 
 
 def excerpt_from_lock(lock_text: str, entry: dict) -> str:

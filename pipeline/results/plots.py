@@ -4,13 +4,13 @@ Each plot is drawn only when the report holds its data; `write_plots` returns th
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 from pipeline.results.format import PLOTS
 from pipeline.results.query import dig, models
 from pipeline.results.schema import Report
+from pipeline.fileio import atomic_path
 
 _MIB = 2**20
 
@@ -25,9 +25,8 @@ def write_plots(report: Report, out_dir: Path) -> list[str]:
             path.unlink(missing_ok=True)  # stale plot from an earlier render: its data is gone
             continue
         out_dir.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.png")
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, dpi=110, bbox_inches="tight")
         written.append(path.name)
     return written
 

@@ -20,7 +20,6 @@ conditioned on S (those tokens dropped, p renormalised), since q is 0 there anyw
 from __future__ import annotations
 
 import math
-import os
 import pickle
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 from tqdm.auto import tqdm
 
 from pipeline.errors import StageError
+from pipeline.fileio import atomic_path
 
 LOSSES = ("forward_kl", "reverse_kl", "tvd", "jsd")
 _LOG_FLOOR = -1e4
@@ -195,10 +195,9 @@ def _trainable_state(student) -> dict:
 
 def _save_checkpoint(path: Path, student, opt, state: dict, run_fingerprint: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"fingerprint": run_fingerprint, "state": state, "params": _trainable_state(student),
-                "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()}, tmp)
-    os.replace(tmp, path)  # atomic: a kill never leaves a half-written checkpoint
+    with atomic_path(path) as tmp:  # a kill never leaves a half-written checkpoint
+        torch.save({"fingerprint": run_fingerprint, "state": state, "params": _trainable_state(student),
+                    "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state()}, tmp)
 
 
 def _load_checkpoint(path: Path, student, opt, run_fingerprint: str, log) -> dict | None:

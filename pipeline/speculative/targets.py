@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pipeline.fileio import atomic_path
 from transformers import DynamicCache
 
 
@@ -131,10 +131,9 @@ class TargetStore:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
         name = hashlib.sha1("|".join(keys).encode()).hexdigest()[:16]
-        tmp = self.folder / f".{name}.tmp"
-        torch.save({"keys": keys, "ids": targets.ids, "logprobs": targets.logprobs,
-                    "top_ids": targets.top_ids, "rest": targets.rest}, tmp)
-        os.replace(tmp, self.folder / f"{name}.pt")
+        with atomic_path(self.folder / f"{name}.pt") as tmp:
+            torch.save({"keys": keys, "ids": targets.ids, "logprobs": targets.logprobs,
+                        "top_ids": targets.top_ids, "rest": targets.rest}, tmp)
 
 
 def fingerprint(**parts) -> str:

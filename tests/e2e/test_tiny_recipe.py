@@ -88,7 +88,7 @@ def test_changing_gamma_remeasures_without_redistilling(first_run, tmp_path):
 
 
 def test_kill_mid_stage_then_rerun_completes_with_identical_weights(first_run, tmp_path):
-    p = run_tiny(tmp_path, env={"COMPRESS_FAULT": "quantize/gptq-w4g32:before_commit"}, rc=-9)
+    run_tiny(tmp_path, env={"COMPRESS_FAULT": "quantize/gptq-w4g32:before_commit"}, rc=-9)
     run_dir = tmp_path / "tiny"
     assert (run_dir / "load" / "manifest.json").is_file()
     assert not (run_dir / "quantize" / "gptq-w4g32").exists(), "a killed stage never looks complete"

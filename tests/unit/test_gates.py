@@ -4,7 +4,7 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from pipeline.eval.config import GATE_METRICS, GatesConfig, SpeedConfig, gate_problems
+from pipeline.eval.config import GatesConfig, SpeedConfig, gate_problems
 from pipeline.results.gates import blocks, evaluate_gates, failed_gates, gates_table
 from pipeline.results.schema import Report
 
