@@ -60,9 +60,9 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
     mem = ", ".join(f"{k} {b / GiB:.1f}" for k, b in plan.memory.items())
     click.echo(f"memory    estimated peak {plan.peak_memory / GiB:.1f} GiB of {plan.memory_limit / GiB:.1f} GiB ({mem} GiB)")
     if r.publish is not None:
-        from pipeline.publish.config import describe
+        from pipeline.publish.config import summary
 
-        click.echo(f"publish   {describe(r.publish)}")
+        click.echo(f"publish   {summary(r.publish)}")
     for w in plan.warnings:
         click.echo(f"warning   {w}")
 

@@ -375,9 +375,9 @@ def publish_run(run_dir: Path, cfg: PublishConfig, log: logging.Logger,
     run_dir = Path(run_dir)
     endpoint = resolve_endpoint(cfg)
     the_plan = plan(run_dir, cfg)  # PublishRefused / PublishError: the caller reports it
-    from pipeline.publish.config import describe
+    from pipeline.publish.config import summary
 
-    text = render_dry_run(the_plan, endpoint) + "\n" + describe(cfg)
+    text = render_dry_run(the_plan, endpoint) + "\n" + summary(cfg)
     planned = the_plan.as_dict()
     if cfg.dry_run:
         log.info("publish dry run (nothing sent):\n%s", text)
