@@ -183,7 +183,7 @@ def _speculative(args: dict) -> dict:
     fp = Path(args["fp_distilled"]) if args.get("fp_distilled") else None
     return measure_speculative(Path(args["verifier"]), Path(args["draft"]), args["prompts"],
                                DraftConfig(**args["draft_cfg"]), args["seed"], logging.getLogger("compress").info,
-                               undistilled_dir=und, fp_distilled_dir=fp)
+                               undistilled_dir=und, fp_distilled_dir=fp, device=args.get("device", "cpu"))
 
 
 def _speed(args: dict) -> dict:

@@ -131,15 +131,16 @@ def _crop(cache: DynamicCache, length: int) -> None:
         cache.crop(-extra)
 
 
-class _Timed:
+class Timed:
     """Wall-clock accumulator around model calls (synchronizes CUDA before reading clocks)."""
 
     def __init__(self, device: torch.device):
         self.device, self.seconds, self.calls = device, 0.0, 0
 
-    def __enter__(self):
+    def __enter__(self) -> "Timed":
         _sync(self.device)
         self.t0 = time.perf_counter()
+        return self
 
     def __exit__(self, *exc):
         _sync(self.device)
@@ -180,7 +181,7 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens:
     target_fn = make_logits_fn(target)
     draft_fn = make_logits_fn(draft, draft_vocab) if gamma > 0 else None
     t_cache, d_cache = DynamicCache(), DynamicCache()
-    t_clock, d_clock = _Timed(input_ids.device), _Timed(input_ids.device)
+    t_clock, d_clock = Timed(input_ids.device), Timed(input_ids.device)
     stats, seq, prompt_len = SpecStats(), input_ids[0], input_ids.shape[1]
     while seq.numel() - prompt_len < max_new_tokens:
         # never overshoot: an iteration emits at most g + 1 tokens

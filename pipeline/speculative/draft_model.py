@@ -232,8 +232,9 @@ def check_tokenizers_match(verifier_tok, draft_tok) -> None:
         raise ValueError("the draft's tokenizer differs from the verifier's: " + "; ".join(diffs))
 
 
-def load_causal_lm(path: Path):
-    """Any checkpoint from_pretrained can read (fp32, GPTQ, bitsandbytes), in eval mode."""
+def load_causal_lm(path: Path, device: str = "cpu"):
+    """Any checkpoint from_pretrained can read (fp32, GPTQ, bitsandbytes), in eval mode, on `device`."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(path)).eval()
+    placed = {} if device == "cpu" else {"device_map": {"": device}}
+    return AutoModelForCausalLM.from_pretrained(str(path), **placed).eval()

@@ -14,14 +14,15 @@ from pipeline.speculative.measure import compare_loops, hf_assisted, measure_cos
 
 
 def measure_speculative(verifier_dir: Path, draft_dir: Path, prompts: list[str], cfg: DraftConfig, seed: int,
-                        log=print, undistilled_dir: Path | None = None, fp_distilled_dir: Path | None = None) -> dict:
+                        log=print, undistilled_dir: Path | None = None, fp_distilled_dir: Path | None = None,
+                        device: str = "cpu") -> dict:
     """Acceptance, speed-up and costs of the draft on held-out prompts, greedy and at each configured
     temperature; also of the undistilled draft (a quarter of the prompts) and of the draft distilled
     against the full-precision model (all prompts, same verifier), when given and enabled in
     cfg.measure. See pipeline/speculative/measure.py."""
     m = cfg.measure
     tok = AutoTokenizer.from_pretrained(str(verifier_dir))
-    verifier = load_causal_lm(verifier_dir)
+    verifier = load_causal_lm(verifier_dir, device)
     ids = encode_prompts(tok, prompts[: m.num_prompts], m.prompt_len)
     result = {"gamma": cfg.gamma, "prompts": len(ids), "prompt_len": m.prompt_len, "new_tokens": m.new_tokens}
     drafts = {"distilled": Path(draft_dir)}
@@ -30,7 +31,7 @@ def measure_speculative(verifier_dir: Path, draft_dir: Path, prompts: list[str],
     if m.compare_fp_distilled and fp_distilled_dir is not None:
         drafts["fp-distilled"] = Path(fp_distilled_dir)
     for name, path in drafts.items():
-        draft, vocab = load_causal_lm(path), load_draft_vocab(path)
+        draft, vocab = load_causal_lm(path, device), load_draft_vocab(path)
         costs = measure_costs(verifier, draft, ids[0], cfg.gamma, vocab)
         entry = {"costs": costs, "draft_vocab_size": None if vocab is None else int(vocab.numel())}
         subset = ids if name != "undistilled" else ids[: max(1, len(ids) // 4)]

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from pipeline.speculative.decode import SpecStats, autoregressive_generate, make_logits_fn, speculative_generate
+from pipeline.speculative.decode import SpecStats, Timed, autoregressive_generate, make_logits_fn, speculative_generate
 
 
 def repetition_rate(tokens: list[int], n: int = 4) -> float:
@@ -50,6 +50,7 @@ def break_even_alpha(cost: float, gamma: int) -> float | None:
 def measure_costs(target, draft, ids: torch.Tensor, gamma: int, vocab=None, reps: int = 9) -> dict:
     """Median ms of: verifier scoring k = 1..gamma+1 tokens after a cached prompt, draft one token.
     Interleaved so that machine noise hits all of them alike."""
+    ids = ids.to(target.device)
     t_fn, d_fn = make_logits_fn(target), make_logits_fn(draft, vocab)
     t_cache, d_cache = DynamicCache(), DynamicCache()
     t_fn(ids, t_cache, 1)
@@ -60,13 +61,13 @@ def measure_costs(target, draft, ids: torch.Tensor, gamma: int, vocab=None, reps
     extra = ids[:, : gamma + 1]
     for _ in range(reps):
         for k in times:
-            t0 = time.perf_counter()
-            t_fn(extra[:, :k], t_cache, k)
-            times[k].append(time.perf_counter() - t0)
+            with Timed(ids.device) as clock:
+                t_fn(extra[:, :k], t_cache, k)
+            times[k].append(clock.seconds)
             t_cache.crop(-k)
-        t0 = time.perf_counter()
-        d_fn(extra[:, :1], d_cache, 1)
-        draft_times.append(time.perf_counter() - t0)
+        with Timed(ids.device) as clock:
+            d_fn(extra[:, :1], d_cache, 1)
+        draft_times.append(clock.seconds)
         d_cache.crop(-1)
     assert t_cache.get_seq_length() == base
     one = statistics.median(times[1])
@@ -88,9 +89,12 @@ def compare_loops(target, draft, prompts: list[torch.Tensor], new_tokens: int, g
     """Plain and speculative decoding of the same verifier through the same loop, interleaved per
     prompt (so machine noise hits both alike), `repeats` timed passes. Speed-up = total plain time
     / total speculative time, median over passes; the median per-prompt ratio is reported too."""
+    dev = target.device
+    gen = lambda s: torch.Generator(device=dev).manual_seed(s)  # noqa: E731  (sampling happens on the target's device)
+    prompts = [ids.to(dev) for ids in prompts]
     for ids in prompts[:warmup]:
-        autoregressive_generate(target, ids, 8, temperature, torch.Generator().manual_seed(0))
-        speculative_generate(target, draft, ids, 8, gamma, temperature, torch.Generator().manual_seed(0), vocab)
+        autoregressive_generate(target, ids, 8, temperature, gen(0))
+        speculative_generate(target, draft, ids, 8, gamma, temperature, gen(0), vocab)
     stats, speedups, ratios, reps, mismatches = SpecStats(), [], [], [], []
     plain_s = spec_s = 0.0
     bar = tqdm(total=repeats * len(prompts), desc=label or f"speculative T={temperature:g}", unit="prompt",
@@ -99,11 +103,9 @@ def compare_loops(target, draft, prompts: list[torch.Tensor], new_tokens: int, g
         plain_s = spec_s = 0.0
         for i, ids in enumerate(prompts):
             t0 = time.perf_counter()
-            plain, _ = autoregressive_generate(target, ids, new_tokens, temperature,
-                                               torch.Generator().manual_seed(seed + i))
+            plain, _ = autoregressive_generate(target, ids, new_tokens, temperature, gen(seed + i))
             t1 = time.perf_counter()
-            spec, s = speculative_generate(target, draft, ids, new_tokens, gamma, temperature,
-                                           torch.Generator().manual_seed(seed + i), vocab)
+            spec, s = speculative_generate(target, draft, ids, new_tokens, gamma, temperature, gen(seed + i), vocab)
             t2 = time.perf_counter()
             plain_s, spec_s = plain_s + t1 - t0, spec_s + t2 - t1
             ratios.append((t1 - t0) / (t2 - t1))
@@ -147,6 +149,7 @@ def hf_assisted(target, draft, prompts: list[torch.Tensor], new_tokens: int, gam
     plain_s, assisted_s, same = [], [], 0
     try:
         for i, ids in enumerate(prompts):
+            ids = ids.to(target.device)
             torch.manual_seed(seed + i)
             t0 = time.perf_counter()
             plain = target.generate(ids, **kw)

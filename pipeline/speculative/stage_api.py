@@ -36,7 +36,7 @@ def init_draft(verifier, cfg: DraftConfig, base_dir: Path | None, verifier_tok) 
         if untie and draft.config.tie_word_embeddings:
             raise ValueError("[draft] a reduced or trainable head needs a draft with untied embeddings")
         return draft, None
-    base = load_causal_lm(base_dir) if base_dir else verifier
+    base = load_causal_lm(base_dir, str(verifier.device)) if base_dir else verifier
     total = base.config.num_hidden_layers
     layers = cfg.layers if cfg.layers is not None else evenly_spaced_layers(total, cfg.num_layers)
     return init_draft_from_layers(base, layers, untie_head=untie), layers
@@ -45,7 +45,7 @@ def init_draft(verifier, cfg: DraftConfig, base_dir: Path | None, verifier_tok) 
 def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], out_dir: Path, work_dir: Path,
                 seed: int, log=print, base_dir: Path | None = None, progress: bool = True,
                 targets_root: Path | None = None,
-                save_initial: bool = False) -> dict:
+                save_initial: bool = False, device: str = "cpu") -> dict:
     """Initialise, distill and save the draft (HF checkpoint + tokenizer + draft_vocab.json when
     reduced + draft_manifest.json naming the verifier). The undistilled draft is saved to
     work_dir/undistilled for comparison. Teacher targets are kept under `targets_root` (default
@@ -56,7 +56,7 @@ def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], ou
     torch.manual_seed(seed)
     verifier_dir, out_dir, work_dir = Path(verifier_dir), Path(out_dir), Path(work_dir)
     tok = AutoTokenizer.from_pretrained(str(verifier_dir))
-    verifier = load_causal_lm(verifier_dir)
+    verifier = load_causal_lm(verifier_dir, device)
     draft, layers = init_draft(verifier, cfg, base_dir, tok)
     d = cfg.distill
     windows = token_windows(tok, train_texts, d.seq_len)

@@ -49,7 +49,7 @@ def run(ctx: UnitContext, recipe) -> dict:
     # layers are copied from the unquantized model (a GPTQ verifier's packed weights cannot be sliced);
     # distillation targets come from the verifier itself. ctx.work survives a kill: checkpoints live there.
     metrics = build_draft(ctx.dep(verifier_key(recipe)), recipe.draft, texts, ctx.out, ctx.work, ctx.seed,
-                          log=log.info, base_dir=ctx.dep("load"))
+                          log=log.info, base_dir=ctx.dep("load"), device=ctx.device)
     undistilled = Path(metrics.pop("undistilled_dir"))
     if undistilled.is_dir():  # kept beside the draft so validate can measure what distillation bought
         shutil.move(str(undistilled), ctx.out / "undistilled")
@@ -70,7 +70,7 @@ def fp_distilled(ctx: UnitContext, recipe, texts: list[str]) -> dict:
     cfg = recipe.draft.model_copy(update={"verifier": "baseline"})
     log.info("draft: also distilling against the full-precision baseline (draft.measure.compare_fp_distilled)")
     metrics = build_draft(ctx.dep("load"), cfg, texts, ctx.out / "fp-distilled", ctx.work / "fp", ctx.seed,
-                          log=log.info, base_dir=ctx.dep("load"))
+                          log=log.info, base_dir=ctx.dep("load"), device=ctx.device)
     metrics.pop("undistilled_dir")  # the same layers as draft/undistilled: not kept twice
     return metrics
 

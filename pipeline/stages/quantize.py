@@ -29,7 +29,7 @@ def run(ctx: UnitContext, variant) -> dict:
     calib = None
     if "calibrate" in ctx.manifests:
         calib = load_file(ctx.dep("calibrate") / "calibration.safetensors")["input_ids"]
-    metrics = quantize_variant(ctx.dep("load"), variant, calib, ctx.out, log, ctx.seed)
+    metrics = quantize_variant(ctx.dep("load"), variant, calib, ctx.out, log, ctx.seed, device=ctx.device)
     metrics["runtimes"] = serving_runtimes(ctx.dep("load"), variant)
     return metrics
 

@@ -69,7 +69,7 @@ def speculative(ctx: UnitContext, recipe) -> dict:
     cfg, draft = recipe.draft, ctx.dep("draft")
     args = {"verifier": str(ctx.dep(verifier_key(recipe))), "draft": str(draft),
             "prompts": held_out_prompts(cfg.measure.num_prompts, recipe.validate_.perplexity, cfg.measure.prompts),
-            "draft_cfg": cfg.model_dump(mode="json"), "seed": ctx.seed,
+            "draft_cfg": cfg.model_dump(mode="json"), "seed": ctx.seed, "device": ctx.device,
             "undistilled": str(draft / "undistilled") if (draft / "undistilled").is_dir() else None,
             "fp_distilled": str(draft / "fp-distilled") if (draft / "fp-distilled").is_dir() else None}
     return run_task("speculative", args, ctx.out, recipe.run.threads)
