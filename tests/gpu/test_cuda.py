@@ -1,0 +1,90 @@
+"""GPU-only tests (`pytest -m gpu`): skipped on machines without CUDA (tests/conftest.py), never faked.
+benchmarks/gpu/check.py runs them on a lent GPU machine and records the outcome."""
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+GPU_RECIPE = Path("tests/gpu/inline.toml")  # where validate() says an inline recipe came from
+
+
+def tiny_llama(seed: int = 0, layers: int = 2):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_greedy_speculative_output_equals_plain_greedy_on_cuda():
+    """Exactness of our decoder on the GPU: an fp32 verifier, a different draft, greedy: token-identical."""
+    from pipeline.speculative.decode import autoregressive_generate, speculative_generate
+
+    target, draft = tiny_llama(0, 4).to("cuda"), tiny_llama(1, 1).to("cuda")
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3)).to("cuda")
+    plain, _ = autoregressive_generate(target, ids, 24, 0.0, torch.Generator(device="cuda").manual_seed(0))
+    spec, stats = speculative_generate(target, draft, ids, 24, 4, 0.0, torch.Generator(device="cuda").manual_seed(0))
+    assert torch.equal(plain, spec) and stats.new_tokens == 24
+
+
+def test_identical_draft_accepts_everything_on_cuda():
+    from pipeline.speculative.decode import speculative_generate
+
+    target = tiny_llama(0, 2).to("cuda")
+    ids = torch.randint(0, 256, (1, 8), generator=torch.Generator().manual_seed(1)).to("cuda")
+    _, stats = speculative_generate(target, target, ids, 16, 4, 0.7, torch.Generator(device="cuda").manual_seed(0))
+    assert stats.alpha == pytest.approx(1.0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")
+@pytest.mark.parametrize("method", ["bnb-int8", "bnb-nf4"])
+def test_bnb_quantize_save_and_reload_on_cuda(tmp_path, method):
+    from pipeline.models import load_checkpoint
+    from pipeline.quant.api import quantize_variant
+    from pipeline.recipe import validate
+
+    tiny_llama().save_pretrained(tmp_path / "base")
+    recipe = validate({"run": {"name": "gpu"}, "model": {"source": "config:tiny-llama"}, "quantize": [{"name": "q", "method": method}]}, GPU_RECIPE)
+    quantize_variant(tmp_path / "base", recipe.quantize[0], None, tmp_path / "q", _log(), 0, device="cuda")
+    model = load_checkpoint(tmp_path / "q", "cuda")
+    ids = torch.arange(10, device="cuda")[None]
+    with torch.inference_mode():
+        a, b = model(ids).logits.float(), tiny_llama().to("cuda")(ids).logits
+    assert torch.isfinite(a).all() and (a - b).abs().max() < 0.5
+
+
+@pytest.mark.skipif(importlib.util.find_spec("gptqmodel") is None, reason="gptqmodel is not installed")
+def test_gptq_quantize_and_reload_on_cuda(tmp_path):
+    from pipeline.models import load_checkpoint
+    from pipeline.quant.api import quantize_variant
+    from pipeline.recipe import validate
+
+    tiny_llama().save_pretrained(tmp_path / "base")
+    recipe = validate({"run": {"name": "gpu"}, "model": {"source": "config:tiny-llama"},
+                       "quantize": [{"name": "q", "method": "gptq", "bits": 4, "group_size": 32}]}, GPU_RECIPE)
+    calib = torch.randint(0, 256, (8, 64))
+    quantize_variant(tmp_path / "base", recipe.quantize[0], calib, tmp_path / "q", _log(), 0, device="cuda")
+    model = load_checkpoint(tmp_path / "q", "cuda")
+    with torch.inference_mode():
+        logits = model(torch.arange(10, device="cuda")[None]).logits
+    assert torch.isfinite(logits).all()
+
+
+def test_peak_memory_is_cuda_max_allocated_above_the_entry():
+    from pipeline.memory import PeakMemory
+
+    keep = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")  # allocated before: not counted
+    with PeakMemory("cuda") as mem:
+        tmp = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+        del tmp
+    assert 256 * 2**20 <= mem.peak_above_base() < 300 * 2**20
+    del keep
+
+
+def _log():
+    import logging
+
+    return logging.getLogger("test.gpu")
