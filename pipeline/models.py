@@ -58,9 +58,12 @@ def load_source(source: ModelSource, dtype: str, seed: int, tokenizer_source: st
 
 
 def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None = None):
-    """A checkpoint folder written by a stage (plain, GPTQ or bitsandbytes), ready for inference."""
+    """A checkpoint folder written by a stage (plain, GPTQ, bitsandbytes, or one .gguf file), ready for inference."""
     from transformers import AutoModelForCausalLM
 
+    gguf_file = single_gguf(folder)
+    if gguf_file is not None:
+        return load_gguf(folder, gguf_file, device, dtype)
     config = json.loads((folder / "config.json").read_text())
     kwargs: dict = {}
     if "quantization_config" not in config:
@@ -73,5 +76,28 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
     return model.eval()
 
 
-def folder_bytes(folder: Path, suffixes: tuple[str, ...] = (".safetensors",)) -> int:
+def single_gguf(folder: Path) -> str | None:
+    """The name of the .gguf file a folder holds instead of config.json + safetensors (a `method = "gguf"`
+    variant), or None for an HF checkpoint folder."""
+    folder = Path(folder)
+    if (folder / "config.json").is_file():
+        return None
+    files = sorted(p.name for p in folder.glob("*.gguf") if not p.name.startswith("."))
+    if len(files) > 1:
+        raise StageError(f"{folder} holds {len(files)} .gguf files {files} and no config.json: which one is the model?")
+    return files[0] if files else None
+
+
+def load_gguf(folder: Path, gguf_file: str, device: str = "cpu", dtype: torch.dtype | None = None):
+    """A GGUF file as transformers loads it: every tensor dequantized (gguf's numpy dequantizers) into a dense
+    model, the Q/K permutation of llama-arch files undone. float32 by default: llama.cpp computes in float32
+    on the dequantized blocks, so the figures measure the file's weights, not a second rounding."""
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype or torch.float32,
+                                                 device_map=device, quantization_config=GgufConfig(dequantize=True))
+    return model.eval()
+
+
+def folder_bytes(folder: Path, suffixes: tuple[str, ...] = (".safetensors", ".gguf")) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.suffix in suffixes)

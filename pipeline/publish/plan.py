@@ -140,7 +140,9 @@ def verify_files(export: Export) -> tuple[LocalFile, ...]:
     if unlisted or missing:
         raise PublishError(f"{where} does not match its manifest: "
                            f"missing files {missing}, files not in the manifest {unlisted}")
-    for rel in ("config.json", "README.md"):
+    # an HF checkpoint needs its config.json; a GGUF folder (a `method = "gguf"` variant) its one .gguf file
+    gguf = "config.json" not in on_disk and any(rel.endswith(".gguf") and "/" not in rel for rel in on_disk)
+    for rel in ("README.md",) if gguf else ("config.json", "README.md"):
         if rel not in on_disk:
             raise PublishError(f"{where} has no {rel}: a publishable checkpoint needs one")
     out = []

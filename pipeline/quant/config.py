@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from pipeline.quant.capabilities import METHODS
+from pipeline.quant.capabilities import GGUF_TYPES, METHODS
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -83,6 +83,21 @@ class BnbFP4Variant(_Bnb4bit):
     method: Literal["bnb-fp4"]
 
 
+class GGUFVariant(_Variant):
+    """A GGUF file for llama.cpp, Ollama and LM Studio, converted from the baseline (pipeline/quant/gguf_export.py);
+    what each type needs is in capabilities.gguf_problems."""
+
+    method: Literal["gguf"]
+    type: Literal[GGUF_TYPES] = Field(  # type: ignore[valid-type]
+        "Q8_0", description="llama.cpp file type: Q8_0 (8-bit, blocks of 32) or F16, written here; K-quants "
+                            "(Q4_K_M, ...) are made by llama.cpp's quantizer (extra gguf-kquants)")
+    modules_to_skip: list[str] = Field([], description=SKIP_HELP + "; written in the checkpoint's float type "
+                                       "('lm_head' of a tied model keeps the embedding unquantized)")
+    allow_fallback: bool = Field(False, description="accept tensors whose rows do not fit the type's blocks in a "
+                                                    "fallback type (F16 for Q8_0, llama.cpp's for K-quants); off: "
+                                                    "compress check refuses such a model")
+
+
 def _known_method(value: object) -> object:
     """Turn pydantic's tag error into the registry's 'Unknown quantization method ... Did you mean' line."""
     if isinstance(value, dict) and "method" in value and value["method"] not in METHODS:
@@ -91,7 +106,7 @@ def _known_method(value: object) -> object:
 
 
 QuantVariant = Annotated[
-    Union[GPTQVariant, RTNVariant, BnbInt8Variant, BnbNF4Variant, BnbFP4Variant],
+    Union[GPTQVariant, RTNVariant, BnbInt8Variant, BnbNF4Variant, BnbFP4Variant, GGUFVariant],
     Field(discriminator="method"),
     BeforeValidator(_known_method),
 ]

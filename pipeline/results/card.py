@@ -51,6 +51,8 @@ def _variant_tags(entry: ModelEntry) -> list[str]:
     if method.startswith("bnb-"):
         kind = method.removeprefix("bnb-")
         return ["bitsandbytes", "8-bit" if kind == "int8" else "4-bit", kind]
+    if method == "gguf":  # the Hub lists GGUF repos by the `gguf` tag and the file type
+        return ["gguf", "llama.cpp", str(params.get("type") or "")] if params.get("type") else ["gguf", "llama.cpp"]
     return [method] if method else []
 
 
@@ -87,7 +89,10 @@ def card_data(report: Report, entry: dict) -> ModelCardData:
         results = [EvalResult(task_type="text-generation", dataset_type=HUB_DATASETS.get(str(ds).lower(), str(ds)),
                               dataset_name=str(ds), metric_type="perplexity", metric_value=round(float(ppl), 4),
                               metric_name=f"perplexity ({dig(data, 'perplexity', 'protocol') or 'unknown protocol'})")]
-    return ModelCardData(base_model=base, library_name="transformers", pipeline_tag="text-generation",
+    library = "transformers"
+    if getattr(data, "method", None) == "gguf":  # Hub GGUF conventions: library gguf, who quantized it
+        library, extra["quantized_by"] = "gguf", "compress"
+    return ModelCardData(base_model=base, library_name=library, pipeline_tag="text-generation",
                          license=model.license or None, tags=tags, datasets=_datasets(report, data) or None,
                          model_name=name, eval_results=results, **extra)
 
@@ -202,6 +207,8 @@ def _gate_line(report: Report, name: str) -> list[str]:
 def _usage(report: Report, entry: dict, repo: str) -> list[str]:
     data = entry_data(report, entry)
     method = (data.method if isinstance(data, ModelEntry) else None) or ""
+    if method == "gguf":
+        return _gguf_usage(data, repo)
     lines = ["## How to use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
              f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
              f'model = AutoModelForCausalLM.from_pretrained("{repo}")']
@@ -230,6 +237,32 @@ def _usage(report: Report, entry: dict, repo: str) -> list[str]:
         lines += ["| runtime | kernel | note |", "|---|---|---|"]
         lines += [f"| {r.get('runtime', '')} | {r.get('kernel', '')} | {r.get('note', '')} |" for r in runtimes] + [""]
     return lines
+
+
+def _gguf_usage(data: ModelEntry, repo: str) -> list[str]:
+    """A GGUF variant: its file, then llama.cpp, Ollama, LM Studio and transformers, and the recorded runtimes."""
+    q = data.quantize or {}
+    name, gguf_type = q.get("gguf_file") or "<model>.gguf", q.get("type") or dig(data, "params", "type") or "?"
+    hub = repo if not repo.startswith((".", "/")) else "<namespace>/<repo>"
+    local = f"{repo}/{name}" if repo.startswith((".", "/")) else name
+    types = ", ".join(f"{k} × {v}" for k, v in (q.get("tensor_types") or {}).items()) or "–"
+    lines = ["## Files", "", "| file | type | size | tensors |", "|---|---|---|---|",
+             f"| `{name}` | {gguf_type} | {size(q.get('file_bytes'))} | {types} |", "",
+             "The tokenizer is embedded in the file (tokens, merges, special tokens, chat template); the tokenizer "
+             "files beside it are for transformers.", "", "## How to use", "",
+             "[llama.cpp](https://github.com/ggml-org/llama.cpp):", "", "```sh",
+             f'llama-cli -m {local} -p "The history of measurement"', f"llama-server -m {local}   # OpenAI-compatible server",
+             f"llama-cli -hf {hub}   # or straight from the Hub", "```", "",
+             f"[Ollama](https://ollama.com): `ollama run hf.co/{hub}`, or a Modelfile with `FROM ./{name}`. "
+             "LM Studio loads the file as it is.", "",
+             "transformers dequantizes every tensor on load (`pip install gguf`); figures in this card were measured "
+             "this way, in float32:", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+             f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+             f'model = AutoModelForCausalLM.from_pretrained("{repo}", gguf_file="{name}")', "```", ""]
+    if data.runtimes:
+        lines += ["| runtime | kernel | note |", "|---|---|---|"]
+        lines += [f"| {r.get('runtime', '')} | {r.get('kernel', '')} | {r.get('note', '')} |" for r in data.runtimes]
+    return lines + [""]
 
 
 # Parts of recipe.lock.toml that say when, where or whither a run went, not what produced the weights.
