@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import types
 from pathlib import Path
 
 import torch
@@ -73,7 +74,24 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
 
         tame()
     model = AutoModelForCausalLM.from_pretrained(folder, device_map=device, **kwargs)
+    if config.get("quantization_config", {}).get("quant_method") == "torchao":
+        # transformers counts a torchao weight (a tensor subclass) at the dense dtype it stands for
+        model.get_memory_footprint = types.MethodType(footprint_bytes, model)
     return model.eval()
+
+
+def footprint_bytes(model, return_buffers: bool = True) -> int:
+    """get_memory_footprint that counts a wrapper tensor subclass (torchao's Int8Tensor, ...) by the
+    inner tensors it stores (int8 data, scales), not by its nominal dtype."""
+    tensors = list(model.parameters()) + (list(model.buffers()) if return_buffers else [])
+    return sum(_stored_bytes(t) for t in tensors)
+
+
+def _stored_bytes(t: torch.Tensor) -> int:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(_stored_bytes(getattr(t, n)) for n in names if getattr(t, n) is not None)
+    return t.nelement() * t.element_size()
 
 
 def single_gguf(folder: Path) -> str | None:

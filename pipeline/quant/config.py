@@ -11,7 +11,7 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from pipeline.quant.capabilities import GGUF_TYPES, METHODS
+from pipeline.quant.capabilities import GGUF_TYPES, METHODS, TORCHAO_SCHEMES
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -83,6 +83,24 @@ class BnbFP4Variant(_Bnb4bit):
     method: Literal["bnb-fp4"]
 
 
+class TorchAoVariant(_Variant):
+    """PyTorch-native quantization through torchao (transformers' TorchAoConfig), no calibration; what each
+    scheme takes and where it runs is in capabilities.TORCHAO_SCHEMES."""
+
+    method: Literal["torchao"]
+    scheme: Literal[tuple(TORCHAO_SCHEMES)] = Field(  # type: ignore[valid-type]
+        description="int8-weight-only (int8 weights, 16/32-bit matmul), int8-dynamic (int8 weights and per-token "
+                    "int8 activations, integer matmul) or int4-weight-only (CUDA only)")
+    group_size: int = Field(-1, description="-1 = one scale per output channel (the int8 schemes); "
+                                            "int4-weight-only takes 32, 64, 128 or 256")
+    dtype: Optional[Dtype] = Field(None, description="dtype the model is loaded and run in; None = the loaded "
+                                                     "checkpoint's (int4-weight-only needs bfloat16)")
+    act_mapping: Literal["asymmetric", "symmetric"] = Field(
+        "asymmetric", description="int8-dynamic only: each token's activation grid, with a zero point (asymmetric) "
+                                  "or centred on 0; on SmolLM2 (recipes/methods.toml) asymmetric measured a perplexity "
+                                  "ratio of 1.018 vs 1.039 symmetric")
+
+
 class GGUFVariant(_Variant):
     """A GGUF file for llama.cpp, Ollama and LM Studio, converted from the baseline (pipeline/quant/gguf_export.py);
     what each type needs is in capabilities.gguf_problems."""
@@ -106,7 +124,7 @@ def _known_method(value: object) -> object:
 
 
 QuantVariant = Annotated[
-    Union[GPTQVariant, RTNVariant, BnbInt8Variant, BnbNF4Variant, BnbFP4Variant, GGUFVariant],
+    Union[GPTQVariant, RTNVariant, BnbInt8Variant, BnbNF4Variant, BnbFP4Variant, TorchAoVariant, GGUFVariant],
     Field(discriminator="method"),
     BeforeValidator(_known_method),
 ]

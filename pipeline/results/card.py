@@ -51,6 +51,11 @@ def _variant_tags(entry: ModelEntry) -> list[str]:
     if method.startswith("bnb-"):
         kind = method.removeprefix("bnb-")
         return ["bitsandbytes", "8-bit" if kind == "int8" else "4-bit", kind]
+    if method == "torchao":
+        from pipeline.quant.capabilities import TORCHAO_SCHEMES
+
+        scheme = TORCHAO_SCHEMES.get(params.get("scheme"))
+        return ["torchao", f"{scheme.bits}-bit", params["scheme"]] if scheme else ["torchao"]
     if method == "gguf":  # the Hub lists GGUF repos by the `gguf` tag and the file type
         return ["gguf", "llama.cpp", str(params.get("type") or "")] if params.get("type") else ["gguf", "llama.cpp"]
     return [method] if method else []
@@ -232,6 +237,15 @@ def _usage(report: Report, entry: dict, repo: str) -> list[str]:
         lines += ["The checkpoint is pre-quantized with bitsandbytes (`quantization_config` in config.json): "
                   "`pip install bitsandbytes` and load as above; no `BitsAndBytesConfig` is needed. "
                   "LLM.int8() picks outlier columns per batch, so outputs can differ slightly with batch composition.", ""]
+    elif method == "torchao":
+        version = dig(data, "quantize", "engine_version")
+        pin = f"torchao=={version}" if version else "torchao"
+        lines += [f"The checkpoint is quantized with torchao (`quant_method: \"torchao\"` in config.json, scheme "
+                  f"`{dig(data, 'params', 'scheme') or '?'}`): `pip install {pin}` and load as above; no `TorchAoConfig` "
+                  "is needed. transformers rebuilds torchao's quantized tensors from the safetensors metadata, so "
+                  "the torchao that reads it must understand this version's format. torchao's kernels are fastest "
+                  "under `torch.compile(model)`.", "",
+                  f"vLLM (CUDA): `vllm serve {repo}` (its `torchao` quantization method). What this run recorded:", ""]
     runtimes = data.runtimes if isinstance(data, ModelEntry) else []
     if runtimes:
         lines += ["| runtime | kernel | note |", "|---|---|---|"]
