@@ -164,13 +164,14 @@ def verify_remote(api, item: PushItem, oid: str, token: str | None) -> list[dict
     if changed or stale:
         raise PublishError(f"read-back of {where} does not match {item.folder}: missing or different "
                            f"{[item.remote_path(f.relpath) for f in changed]}, unexpected {stale}")
+    local = {f.relpath for f in item.files}
+    checks = [(name, fn) for name, fn in (("config.json", _check_config), ("README.md", _check_card))
+              if name in local]  # a GGUF folder has no config.json: its .gguf's bytes were verified above
     with tempfile.TemporaryDirectory(prefix="compress-readback-") as tmp:
-        config, card = (
-            hub_call(f"downloading {item.remote_path(name)} from {where}", token, api.hf_hub_download,
-                     item.repo_id, item.remote_path(name), revision=oid, cache_dir=tmp)
-            for name in ("config.json", "README.md"))
-        hub_call(f"checking config.json read back from {where}", token, _check_config, item, config)
-        hub_call(f"checking README.md read back from {where}", token, _check_card, item, card)
+        for name, fn in checks:
+            got = hub_call(f"downloading {item.remote_path(name)} from {where}", token, api.hf_hub_download,
+                           item.repo_id, item.remote_path(name), revision=oid, cache_dir=tmp)
+            hub_call(f"checking {name} read back from {where}", token, fn, item, got)
     return [{"path": item.remote_path(f.relpath), "size": f.size, "sha256": f.sha256,
              "lfs": remote[item.remote_path(f.relpath)].lfs is not None} for f in item.files]
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.conftest_hub import hub_env, hub_server  # noqa: F401  (fixtures)
 import torch
 from pydantic import TypeAdapter
 
@@ -265,8 +267,11 @@ def test_check_rules_name_the_fix():
 # ---------------------------------------------------------------- a recipe through the CLI
 
 
-def test_tiny_recipe_with_a_gguf_variant_runs_validates_exports_and_plans_a_push(tmp_path):
+def test_tiny_recipe_with_a_gguf_variant_runs_validates_exports_and_pushes(tmp_path, hub_server):  # noqa: F811
+    import logging
+
     from pipeline.publish.config import PublishConfig
+    from pipeline.publish.hub import publish_run
     from pipeline.publish.plan import plan
 
     recipe = tmp_path / "tiny-gguf.toml"
@@ -292,6 +297,11 @@ def test_tiny_recipe_with_a_gguf_variant_runs_validates_exports_and_plans_a_push
     items = plan(run, PublishConfig(org="someone")).items
     assert [sorted(f.relpath for f in i.files) for i in items] == [
         ["README.md", "chat_template.jinja", "tiny-llama-Q8_0.gguf", "tokenizer.json", "tokenizer_config.json"]]
+    # pushed to the loopback Hub and read back: a GGUF folder has no config.json to check, its bytes are
+    section = publish_run(run, PublishConfig(org="someone", endpoint=hub_server.url), logging.getLogger("t"))
+    assert [i["status"] for i in section.items] == ["pushed"]
+    remote = hub_server.files(section.items[0]["repo_id"])
+    assert remote["tiny-llama-Q8_0.gguf"] == (export / "tiny-llama-Q8_0.gguf").read_bytes()
 
 
 # ---------------------------------------------------------------- llama.cpp itself
