@@ -31,3 +31,39 @@ def config_dtype(config: dict, default: str = "float32") -> str:
     declares none or one outside DTYPE_NAMES."""
     name = config.get("dtype") or config.get("torch_dtype")
     return name if name in DTYPE_NAMES else default
+
+
+# [model] dtype: "auto" (the precision follows the checkpoint) or one of DTYPE_NAMES.
+AUTO = "auto"
+MODEL_DTYPES: tuple[str, ...] = (AUTO, *DTYPE_NAMES)
+# A GGUF's blocks are 2-8 bit integers with fp16 scales: no stored float dtype to keep. "auto" dequantizes
+# them to this (half the memory of float32; recipes whose figures need float32 say so).
+GGUF_AUTO_DTYPE = "bfloat16"
+# safetensors header dtype codes of the floating-point dtypes above
+SAFETENSORS_DTYPES: dict[str, str] = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
+
+
+def resolve_dtype(requested: str, source_kind: str, stored: str | None) -> str:
+    """The dtype a recipe's baseline is loaded, measured and saved in: [model].dtype with "auto" resolved.
+
+    requested    [model].dtype: "auto" or a name in DTYPE_NAMES (kept as asked)
+    source_kind  the source's kind (pipeline/sources.py): "dir" and "hf" (safetensors checkpoint folders),
+                 "config" (random weights from a config.json), "gguf" and "pkg" (GGUF files)
+    stored       the dtype the source declares or stores (config.json `dtype`/`torch_dtype`, else the
+                 safetensors header); None when unknown or not a float dtype (a GGUF)
+    "auto": a checkpoint folder or a config keeps `stored` (float32 when it declares none, as transformers
+    does), a GGUF is dequantized to GGUF_AUTO_DTYPE.
+    """
+    if requested != AUTO:
+        if requested not in DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {requested!r}; known: {', '.join(MODEL_DTYPES)}")
+        return requested
+    if source_kind in ("gguf", "pkg"):
+        return GGUF_AUTO_DTYPE
+    return stored if stored in DTYPE_NAMES else "float32"
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a dtype named in STORAGE_DTYPE_NAMES."""
+    return _BYTES[name]

@@ -35,7 +35,19 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
 
 def load_source(source: ModelSource, dtype: str, seed: int, tokenizer_source: str | None,
                 trust_remote_code: bool = False):
-    """(model, tokenizer) for a recipe's [model] source, as a normal savable HF model on CPU."""
+    """(model, tokenizer) for a recipe's [model] source, as a normal savable HF model on CPU, in `dtype` (a name
+    in DTYPE_NAMES: "auto" is resolved before, pipeline/dtypes.py resolve_dtype)."""
+    model = load_model(source, dtype, seed, trust_remote_code)
+    tokenizer = source_tokenizer(source, tokenizer_source, trust_remote_code)
+    check_vocab(tokenizer, model.config.vocab_size)
+    return model, tokenizer
+
+
+def load_model(source: ModelSource, dtype: str, seed: int, trust_remote_code: bool = False):
+    """One copy of the source's weights in memory, in `dtype`: a GGUF through transformers (its whole state
+    dict is read first: the load stage streams GGUFs instead, pipeline/materialize.py), a config: model built
+    directly in `dtype` (transformers creates the parameters in it: no float32 copy), a checkpoint folder
+    converted while loading."""
     from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
 
     dtype_ = torch_dtype(dtype)
@@ -49,13 +61,21 @@ def load_source(source: ModelSource, dtype: str, seed: int, tokenizer_source: st
         model = AutoModelForCausalLM.from_config(config, dtype=dtype_, trust_remote_code=trust_remote_code)
     else:
         model = AutoModelForCausalLM.from_pretrained(source.path, dtype=dtype_, trust_remote_code=trust_remote_code)
+    return model.eval()
+
+
+def source_tokenizer(source: ModelSource, tokenizer_source: str | None, trust_remote_code: bool = False):
+    """The tokenizer a [model] source runs with: [model].tokenizer, else the source's own (the SmolLM2 one
+    for config: models)."""
     tok_src = parse(tokenizer_source) if tokenizer_source else (
         parse(DEFAULT_TOKENIZER) if source.kind == "config" else source)
-    tokenizer = load_tokenizer(tok_src, trust_remote_code)
-    if len(tokenizer) > model.config.vocab_size:
+    return load_tokenizer(tok_src, trust_remote_code)
+
+
+def check_vocab(tokenizer, vocab_size: int) -> None:
+    if len(tokenizer) > vocab_size:
         raise StageError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
-                         f"{model.config.vocab_size}; pick a matching [model].tokenizer")
-    return model.eval(), tokenizer
+                         f"{vocab_size}; pick a matching [model].tokenizer")
 
 
 def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None = None):

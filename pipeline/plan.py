@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 from pipeline import data
 from pipeline.errors import RecipeError
-from pipeline.sources import ModelInfo, describe, parse
+from pipeline.dtypes import dtype_bytes, resolve_dtype
+from pipeline.sources import ModelInfo, describe, link_problem, parse
 
 GiB = 1 << 30
 RUNTIME_OVERHEAD = int(1.5 * GiB)  # interpreter + torch + transformers + GPTQModel imported
@@ -20,6 +21,7 @@ TRACKED_PACKAGES = ("torch", "transformers", "gptqmodel", "bitsandbytes", "optim
 class Plan:
     model: ModelInfo
     stages: list[str]
+    dtype: str = "float32"  # the baseline's precision: [model].dtype with "auto" resolved
     draft_model: ModelInfo | None = None  # [draft] init = "model": its source, described once by the checks
     variants: list[dict] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)
@@ -68,12 +70,12 @@ def check(recipe) -> Plan:
         raise RecipeError(f"[model].source: {e}") from None
     except (OSError, ValueError) as e:
         raise RecipeError(f"[model].source {recipe.model.source!r} cannot be read: {e}") from None
-    plan = Plan(info, stage_names(recipe))
+    plan = Plan(info, stage_names(recipe), resolve_dtype(recipe.model.dtype, source.kind, info.dtype))
     problems += _check_data(recipe)
     problems += _check_variants(recipe, info, plan)
     problems += _check_draft(recipe, info, plan)
     problems += _check_gates(recipe, random_init=source.random_init)
-    _estimate_memory(recipe, info, plan)
+    _estimate_memory(recipe, info, plan, source)
     if plan.peak_memory > plan.memory_limit:
         problems.append(f"estimated peak memory {plan.peak_memory / GiB:.1f} GiB exceeds the "
                         f"{plan.memory_limit / GiB:.1f} GiB available ([run].max_memory_gb or this machine's); "
@@ -191,17 +193,27 @@ def _check_gates(recipe, random_init: bool) -> list[str]:
             + speed_problems(v.speed, variants, draft))
 
 
-def _estimate_memory(recipe, info: ModelInfo, plan: Plan) -> None:
-    """Rough peak RSS per stage (bytes): weights in fp32 plus the largest activation buffers."""
+def _estimate_memory(recipe, info: ModelInfo, plan: Plan, source) -> None:
+    """Rough peak RSS per stage (bytes): weights in the baseline's dtype plus the largest activation buffers
+    (float32)."""
     p = max(info.n_params, 1)
     h = info.config.get("hidden_size") or 0
     vocab = info.config.get("vocab_size") or 0
-    w = 4 * p
+    inter = info.config.get("intermediate_size") or 0
+    w = dtype_bytes(plan.dtype) * p
     cal = recipe.calibration
     ppl = recipe.validate_.perplexity
-    # GGUF: dequantized tensor by tensor into the model (~1.2x); a checkpoint folder may pass through a
-    # second copy while transformers converts it
-    plan.memory["load"] = int(1.5 * w) if info.extra.get("gguf_file_type") else 3 * w
+    # load: a checkpoint folder kept in its dtype is linked (headers read, no weights in memory); a GGUF is
+    # dequantized tensor by tensor into safetensors (its largest tensor in float32 and converted; MoE GGUFs whose
+    # tensors transformers merges are loaded whole instead, not estimated here); a config: model is built once in
+    # its dtype; a folder converted to another dtype is loaded (one copy) and saved from memory
+    largest = 4 * max(vocab * h, h * inter, 1)
+    if source.kind in ("dir", "hf") and link_problem(source, plan.dtype) is None:
+        plan.memory["load"] = 0
+    elif source.kind in ("gguf", "pkg"):
+        plan.memory["load"] = 2 * largest
+    else:
+        plan.memory["load"] = w + largest
     if recipe.quantize:
         plan.memory["quantize"] = 2 * w + cal.num_samples * cal.seq_len * h * 4 * 4
     plan.memory["validate"] = w + ppl.seq_len * vocab * 4 * 4
@@ -211,7 +223,8 @@ def _estimate_memory(recipe, info: ModelInfo, plan: Plan) -> None:
             draft_w = 4 * plan.draft_model.n_params if plan.draft_model else w  # layer drafts: at most the verifier
             plan.memory["draft"] = w + 2 * draft_w
         else:
-            plan.memory["draft"] = 3 * w + dd.batch_size * dd.seq_len * vocab * 4 * 6
+            # the verifier in its dtype; the draft (at most the verifier) and its gradients train in float32
+            plan.memory["draft"] = w + 2 * 4 * p + dd.batch_size * dd.seq_len * vocab * 4 * 6
     for k in plan.memory:
         plan.memory[k] += RUNTIME_OVERHEAD
     limit = recipe.run.max_memory_gb

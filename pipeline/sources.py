@@ -18,6 +18,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipeline.dtypes import SAFETENSORS_DTYPES, config_dtype
 from pipeline.errors import RecipeError
 from pipeline.gguf_header import read_header
 from pipeline.fileio import atomic_path
@@ -55,7 +56,7 @@ class ModelInfo:
     architecture: str
     config: dict
     n_params: int
-    dtype: str
+    dtype: str | None  # the stored float dtype (config.json, else the safetensors headers); None for a GGUF
     provenance: str
     name: str
     license: str | None = None
@@ -82,7 +83,7 @@ def _resolve(kind: str, spec: str, gguf_file: str | None) -> ModelSource:
         return ModelSource("gguf", spec, p, p.name)
     if kind == "config":
         p = Path(spec).expanduser()
-        if not p.suffix and (CONFIG_DIR / f"{spec}.json").is_file():
+        if not p.exists() and "/" not in spec and (CONFIG_DIR / f"{spec}.json").is_file():  # smollm2-1.7b too
             p = CONFIG_DIR / f"{spec}.json"
         if p.is_dir():
             p = p / "config.json"
@@ -205,8 +206,8 @@ def describe(src: ModelSource) -> ModelInfo:
     qc = config.get("quantization_config")
     if qc:
         prov += f" (already quantized: {qc.get('quant_method', 'unknown method')})"
-    return ModelInfo(arch, config, estimate_params(config), str(config.get("torch_dtype") or config.get("dtype") or "float32"),
-                     prov, Path(src.spec).name or src.spec, config.get("license"))
+    return ModelInfo(arch, config, estimate_params(config), stored_dtype(src, config), prov,
+                     Path(src.spec).name or src.spec, config.get("license"))
 
 
 def _describe_gguf(src: ModelSource) -> ModelInfo:
@@ -226,9 +227,72 @@ def _describe_gguf(src: ModelSource) -> ModelInfo:
     if md.get("general.basename") and md.get("general.size_label"):
         name = f"{md['general.basename']}-{md['general.size_label']}"
     prov = f"dequantized from a {h.file_type} GGUF ({src.path.name}); its weights are already {h.file_type}-rounded"
-    return ModelInfo(f"{arch} (GGUF)", config, h.n_params, "float32", prov, name,
+    return ModelInfo(f"{arch} (GGUF)", config, h.n_params, None, prov, name,
                      str(md["general.license"]) if "general.license" in md else None,
                      {"gguf_file_type": h.file_type, "chat_template": "tokenizer.chat_template" in md})
+
+
+def stored_dtype(src: ModelSource, config: dict | None = None) -> str | None:
+    """The float dtype a source stores its weights in: what its config.json declares (`dtype`, `torch_dtype`),
+    else (a checkpoint folder) the dtype most of its safetensors elements have; None for a GGUF (integer
+    blocks) or when nothing says. `config`: the source's config.json, when already read."""
+    if src.kind in ("gguf", "pkg"):
+        return None
+    if config is None:
+        config = json.loads((src.path if src.kind == "config" else src.path / "config.json").read_text())
+    declared = config_dtype(config, default=None)
+    if declared or src.kind == "config":
+        return declared
+    counts = weight_dtypes(src.path)
+    return max(counts, key=counts.get) if counts else None
+
+
+def safetensors_header(path: Path) -> dict[str, dict]:
+    """The tensors of one .safetensors file, name -> {"dtype": "BF16", "shape": [...], "data_offsets": [...]},
+    from its JSON header alone (8-byte little-endian length, then the JSON)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if not 1 < n < 1 << 27:
+            raise ValueError(f"{path}: not a safetensors file (header length {n})")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """A checkpoint folder's safetensors weight files (every shard)."""
+    return sorted(p for p in folder.glob("*.safetensors") if p.is_file())
+
+
+def weight_dtypes(folder: Path) -> dict[str, int]:
+    """Elements per float dtype ("bfloat16": n, ...) over a folder's safetensors weights; integer tensors
+    (already quantized checkpoints) are not counted."""
+    counts: dict[str, int] = {}
+    for f in weight_files(folder):
+        for t in safetensors_header(f).values():
+            name = SAFETENSORS_DTYPES.get(t["dtype"])
+            if name:
+                n = 1
+                for d in t["shape"]:
+                    n *= d
+                counts[name] = counts.get(name, 0) + n
+    return counts
+
+
+def link_problem(src: ModelSource, dtype: str) -> str | None:
+    """None when the load stage may link the source's weight files into load/ as they are (a safetensors
+    checkpoint folder, not quantized, every float tensor stored in `dtype`); else why it must load and
+    save them."""
+    if src.kind not in ("dir", "hf"):
+        return f"a {src.kind}: source is not a checkpoint folder"
+    if not weight_files(src.path):
+        return "the folder holds no .safetensors weights"
+    if "quantization_config" in json.loads((src.path / "config.json").read_text()):
+        return "the checkpoint is already quantized"
+    stored = sorted(weight_dtypes(src.path))
+    if stored != [dtype]:
+        return f"its weights are stored in {' + '.join(stored) or 'no float dtype'}, the run asks for {dtype}"
+    return None
 
 
 def estimate_params(config: dict) -> int:

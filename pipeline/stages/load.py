@@ -1,13 +1,17 @@
-"""load: resolve the recipe's model source and save it once as a normal HF checkpoint."""
+"""load: resolve the recipe's model source and its precision, and write it once into load/ as a normal HF
+checkpoint, holding at most one copy of the weights in memory (pipeline/materialize.py)."""
 from __future__ import annotations
 
 import json
+import logging
 
+from pipeline.dtypes import resolve_dtype
 from pipeline.fileio import sha256_file
 from pipeline.runner import Unit, UnitContext
-from pipeline.sources import content_identity, describe, parse
+from pipeline.sources import content_identity, describe, link_problem, parse
 
 CODE = ("stages/load.py",)  # the entry module: what it imports is found by pipeline/codehash.py
+log = logging.getLogger("compress")
 
 
 def unit(recipe) -> Unit:
@@ -23,24 +27,55 @@ def unit(recipe) -> Unit:
 
 
 def run(ctx: UnitContext, recipe) -> dict:
-    from pipeline.models import load_source
+    from pipeline.materialize import checkpoint_facts
+    from pipeline.models import check_vocab, source_tokenizer
 
     cfg = recipe.model
     src = parse(cfg.source, cfg.gguf_file)
     info = describe(src)
-    model, tokenizer = load_source(src, cfg.dtype, ctx.seed, cfg.tokenizer, cfg.trust_remote_code)
-    model.save_pretrained(ctx.out, safe_serialization=True)
+    dtype = resolve_dtype(cfg.dtype, src.kind, info.dtype)
+    log.info("load: %s in %s%s", cfg.source, dtype, " ([model] dtype = auto)" if cfg.dtype == "auto" else "")
+    tokenizer = source_tokenizer(src, cfg.tokenizer, cfg.trust_remote_code)
+    weights = write_weights(ctx, src, dtype, cfg.trust_remote_code)
     tokenizer.save_pretrained(ctx.out)
+    facts = checkpoint_facts(ctx.out, dtype, cfg.trust_remote_code)
+    check_vocab(tokenizer, facts["config"]["vocab_size"])
     ctx.fault("mid")
     metrics = {
-        "source": cfg.source, "name": info.name, "architecture": type(model).__name__,
-        "parameters": sum(p.numel() for p in model.parameters()), "dtype": cfg.dtype,
-        "footprint_bytes": model.get_memory_footprint(), "provenance": info.provenance,
-        "random_init": src.random_init, "license": info.license,
+        "source": cfg.source, "name": info.name, "architecture": facts["architecture"],
+        "parameters": facts["parameters"], "dtype": dtype, "footprint_bytes": facts["footprint_bytes"],
+        "provenance": info.provenance, "random_init": src.random_init, "license": info.license,
         "source_file": str(src.path), "source_sha256": sha256_file(src.path) if src.path.is_file() else None,
-        "config": {k: model.config.to_dict().get(k) for k in ("hidden_size", "num_hidden_layers", "intermediate_size",
-                                                              "vocab_size", "num_attention_heads", "num_key_value_heads")},
+        "weights": weights, "config": facts["config"],
     }
     (ctx.out / "model_info.json").write_text(json.dumps(metrics, indent=2))
     return metrics
 
+
+def write_weights(ctx: UnitContext, src, dtype: str, trust_remote_code: bool) -> str:
+    """Put the weights into ctx.out in `dtype` the cheapest way; returns how (recorded in the metrics)."""
+    from pipeline import materialize
+    from pipeline.models import load_model
+
+    why = link_problem(src, dtype)
+    if why is None:  # a safetensors folder kept as stored: config readable, then its files linked
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(src.path, trust_remote_code=trust_remote_code)
+        arch = type(materialize.meta_model(config, trust_remote_code)).__name__
+        how = materialize.link_checkpoint(src.path, ctx.out, trust_remote_code)
+        materialize.write_config(config, ctx.out, dtype, arch, folder=src.path)
+        return "hardlinked" if set(how.values()) == {"hardlink"} else "copied"
+    if src.kind in ("gguf", "pkg"):
+        why = materialize.gguf_to_safetensors(src.path, ctx.out, dtype)
+        if why is None:
+            log.info("load: %s dequantized tensor by tensor into safetensors (%s)", src.path.name, dtype)
+            return "dequantized tensor by tensor"
+    if src.random_init:
+        log.info("load: building %s with random weights in %s (one copy) and saving it", src.spec, dtype)
+    else:
+        log.info("load: loading %s once in %s and saving it (not %s: %s)", src.spec, dtype,
+                 "streamed" if src.kind in ("gguf", "pkg") else "linked", why)
+    model = load_model(src, dtype, ctx.seed, trust_remote_code)
+    model.save_pretrained(ctx.out, safe_serialization=True)  # written from the tensors' memory: no second copy
+    return "built in memory and saved" if src.random_init else "loaded in memory and saved"

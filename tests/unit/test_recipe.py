@@ -161,3 +161,22 @@ def test_a_speed_model_name_that_does_not_exist_fails_at_check(tmp_path):
     assert "[validate.speed].models: no model named 'w4g'; known: ['baseline', 'w4']" in msg
     assert "[validate.speed].technique_models: no model named 'basline'" in msg
     check(load_recipe(write(tmp_path, BASE + '\n[validate.speed]\nmodels = ["baseline", "w4"]\n')))
+
+
+def test_model_dtype_defaults_to_auto_and_the_plan_resolves_it(tmp_path):
+    p = write(tmp_path, BASE)
+    r = load_recipe(p)
+    assert r.model.dtype == "auto"
+    assert check(r).dtype == "bfloat16"  # a GGUF: dequantized to bfloat16
+    assert check(load_recipe(p, ["model.dtype=float32"])).dtype == "float32"
+    msg = errors_of(tmp_path, BASE, ["model.dtype=float64"])
+    assert "model.dtype" in msg and "float64" in msg and "'auto'" in msg
+
+
+def test_recipes_whose_figures_need_float32_pin_it():
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "recipes"
+    for name in ("ci-real", "qwen-pair", "full"):  # recorded baseline, fp32 verifier, benchmarks/README.md
+        assert tomllib.loads((root / f"{name}.toml").read_text())["model"]["dtype"] == "float32"

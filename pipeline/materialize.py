@@ -1,0 +1,208 @@
+"""Writing a recipe's model source into load/ as a plain HF checkpoint folder, with at most one copy of the
+weights in memory (the load stage picks the way; pipeline/models.py load_source is the in-memory way):
+
+    link_checkpoint      a safetensors folder kept in its dtype: its weight files hardlinked (else copied)
+    gguf_to_safetensors  a GGUF dequantized tensor by tensor straight into safetensors shards
+    (anything else: loaded or built once in memory by models.load_source in its dtype, and saved; safetensors
+    writes from the tensors' own memory, so saving adds no second copy)
+
+config.json, generation_config.json and the tokenizer are always written fresh (small files), so nothing the
+later stages write can land in a file shared with the source.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from pipeline.dtypes import SAFETENSORS_DTYPES, torch_dtype
+from pipeline.errors import StageError
+from pipeline.sources import weight_files
+
+log = logging.getLogger("compress")
+MAX_SHARD_BYTES = 50 * 10**9  # transformers' save_pretrained default (max_shard_size="50GB")
+_SAFETENSORS_CODE = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+# ---------------------------------------------------------------- a checkpoint folder: linked
+
+
+def link_or_copy(src: Path, dst: Path) -> str:
+    """Hardlink src (symlinks followed: an hf: snapshot points into blobs/) to dst; copy when the filesystem
+    refuses (another device, no permission). Returns "hardlink" or "copy"."""
+    real = src.resolve()
+    try:
+        os.link(real, dst)
+        return "hardlink"
+    except OSError:
+        shutil.copyfile(real, dst)
+        return "copy"
+
+
+def link_checkpoint(folder: Path, out: Path, trust_remote_code: bool = False) -> dict[str, str]:
+    """Link a checkpoint folder's weights (*.safetensors, their index) and, with trust_remote_code, its model
+    code (*.py) into `out`. Returns {file name: "hardlink" | "copy"}; what was copied is logged."""
+    names = [p.name for p in weight_files(folder)]
+    names += [p.name for p in folder.glob("*.safetensors.index.json")]
+    if trust_remote_code:
+        names += [p.name for p in folder.glob("*.py")]
+    how = {name: link_or_copy(folder / name, out / name) for name in sorted(names)}
+    copied = [n for n, h in how.items() if h == "copy"]
+    if copied:
+        log.info("load: could not hardlink %s from %s (another filesystem?): copied instead", ", ".join(copied), folder)
+    else:
+        log.info("load: hardlinked %d weight file(s) from %s (no copy)", len(how), folder)
+    return how
+
+
+def write_config(config, out: Path, dtype: str, architecture: str, folder: Path | None = None) -> None:
+    """config.json declaring `dtype` and `architecture` (as save_pretrained writes them) and
+    generation_config.json (the source folder's, else derived from the config, as from_pretrained does)."""
+    from transformers import GenerationConfig
+
+    config.dtype = dtype
+    config.architectures = [architecture]
+    config.save_pretrained(out)
+    if folder is not None and (folder / "generation_config.json").is_file():
+        gen = GenerationConfig.from_pretrained(folder)
+    else:
+        gen = GenerationConfig.from_model_config(config)
+    gen.save_pretrained(out)
+
+
+def meta_model(config, trust_remote_code: bool = False, dtype: str | None = None):
+    """The model a config describes, on the meta device (no memory for weights): its class, parameter
+    names, shapes and tied weights."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": torch_dtype(dtype)} if dtype else {}
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
+
+
+# ---------------------------------------------------------------- a GGUF: dequantized tensor by tensor
+
+
+def gguf_to_safetensors(path: Path, out: Path, dtype: str) -> str | None:
+    """Dequantize the GGUF at `path` into safetensors shards in `out` in `dtype`, one tensor at a time (the
+    largest tensor in float32 is the peak), with config.json and generation_config.json. Returns None when
+    done, or why it does not stream this GGUF (nothing written then): only the plain and the llama tensor
+    processors are replayed here; others (MoE experts merged across the file, GPT-2, T5, ...) load whole.
+    The values are transformers' own: the same gguf dequantize, tensor processor and name map as
+    from_pretrained(gguf_file=..., dtype=...)."""
+    import numpy as np
+    from gguf import GGUFReader, dequantize
+    from transformers import AutoConfig
+    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor,
+                                                          get_gguf_hf_weights_map, load_gguf_checkpoint, read_field)
+
+    reader = GGUFReader(str(path))
+    arch = read_field(reader, "general.architecture")[0]
+    parsed = load_gguf_checkpoint(str(path), return_tensors=False)  # config and tokenizer fields only
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
+    if type(processor) not in (TensorProcessor, LlamaTensorProcessor):
+        return f"{arch!r} GGUFs go through transformers' {type(processor).__name__}, not replayed tensor by tensor"
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    model = meta_model(config, dtype=dtype)
+    names = get_gguf_hf_weights_map(model, processor)
+    # in name order, as save_pretrained writes them (the same bytes for the same tensors)
+    entries = sorted((names[t.name], [int(d) for d in reversed(t.shape)], t) for t in reader.tensors if t.name in names)
+    _check_covered(model, {name for name, _, _ in entries}, path)
+    out_dtype = torch_dtype(dtype)
+
+    def produce(t) -> torch.Tensor:
+        g = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name, tensor_key_mapping=names,
+                              parsed_parameters={"tensors": {}})
+        w = g.weights if g.weights.flags.writeable else np.copy(g.weights)  # an F32 tensor is a read-only view
+        return torch.from_numpy(np.ascontiguousarray(w)).to(out_dtype)
+
+    write_safetensors(out, [(name, shape, (lambda t=t: produce(t))) for name, shape, t in entries], dtype)
+    write_config(config, out, dtype, type(model).__name__)
+    return None
+
+
+def _check_covered(model, written: set[str], path: Path) -> None:
+    """Every weight of the model comes from the GGUF (a tied head counts as its embedding)."""
+    groups: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(name)
+    missing = [names[0] for names in groups.values() if not written & set(names)]
+    if missing:
+        raise StageError(f"{path.name}: the GGUF has no tensor for {len(missing)} weight(s) of "
+                         f"{type(model).__name__} ({', '.join(missing[:5])})")
+
+
+# ---------------------------------------------------------------- safetensors, written one tensor at a time
+
+
+def write_safetensors(out: Path, tensors: list[tuple[str, list[int], Callable[[], torch.Tensor]]], dtype: str,
+                      max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
+    """Write tensors (name, shape, a function producing it) into model.safetensors, or model-0000i-of-0000n
+    shards plus model.safetensors.index.json past max_shard_bytes, all in `dtype`. Each header is computed
+    from the shapes first, so a tensor is produced, written and dropped before the next one."""
+    size = torch.empty((), dtype=torch_dtype(dtype)).element_size()
+    shards: list[list] = [[]]
+    filled = 0
+    for name, shape, make in tensors:
+        n = size * _numel(shape)
+        if shards[-1] and filled + n > max_shard_bytes:
+            shards.append([])
+            filled = 0
+        shards[-1].append((name, shape, make, n))
+        filled += n
+    files = [out / "model.safetensors"] if len(shards) == 1 else [
+        out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for f, shard in zip(files, shards):
+        _write_shard(f, shard, dtype)
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(n for s in shards for *_, n in s)},
+                 "weight_map": {name: f.name for f, s in zip(files, shards) for name, *_ in s}}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return files
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _write_shard(path: Path, shard: list, dtype: str) -> None:
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape, _, n in shard:
+        header[name] = {"dtype": _SAFETENSORS_CODE[dtype], "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)  # the data starts 8-byte aligned (the format allows trailing spaces)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for name, shape, make, n in shard:
+            t = make()
+            if list(t.shape) != shape or t.dtype != torch_dtype(dtype):
+                raise StageError(f"{name}: produced {t.dtype} {list(t.shape)}, expected {dtype} {shape}")
+            f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+
+
+# ---------------------------------------------------------------- what was written
+
+
+def checkpoint_facts(folder: Path, dtype: str, trust_remote_code: bool = False) -> dict:
+    """Architecture, parameter count, in-memory size in `dtype` and config of the checkpoint in `folder`, from
+    its config.json and a meta-device model (no weights read)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    model = meta_model(config, trust_remote_code, dtype)
+    d = config.to_dict()
+    return {"architecture": type(model).__name__, "parameters": sum(p.numel() for p in model.parameters()),
+            "footprint_bytes": model.get_memory_footprint(),
+            "config": {k: d.get(k) for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size",
+                                              "num_attention_heads", "num_key_value_heads")}}
