@@ -49,8 +49,11 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
     click.echo(f"model     {r.model.source}: {m.name}, {m.architecture}, {m.n_params / 1e6:.1f} M parameters, "
                f"{m.config.get('num_hidden_layers')} layers, hidden {m.config.get('hidden_size')}, "
                f"vocab {m.config.get('vocab_size')}")
-    click.echo(f"          {m.provenance}")
+    click.echo(f"          {m.provenance}; baseline in {plan.dtype} ([model] dtype = {r.model.dtype})")
     click.echo(f"run dir   {Path(r.run.output_dir) / r.run.name}   device {r.run.device}   seed {r.run.seed}")
+    gpu = plan.gpu
+    click.echo(f"device    {plan.device}" + (f" ({gpu.name}, {gpu.memory_bytes / GiB:.0f} GiB)" if gpu else "")
+               + (f"; {gpu.note}" if gpu and gpu.note else ""))
     click.echo("stages    " + " -> ".join(plan.stages))
     for v in plan.variants:
         click.echo(f"variant   {v['name']} ({v['method']})")

@@ -14,7 +14,7 @@ from pipeline.sources import ModelInfo, describe, link_problem, parse
 GiB = 1 << 30
 RUNTIME_OVERHEAD = int(1.5 * GiB)  # interpreter + torch + transformers + GPTQModel imported
 TRACKED_PACKAGES = ("torch", "transformers", "gptqmodel", "bitsandbytes", "optimum", "accelerate", "datasets",
-                    "huggingface-hub", "safetensors", "gguf", "pydantic", "numpy", "compress")
+                    "huggingface-hub", "safetensors", "gguf", "torchao", "pydantic", "numpy", "compress")
 
 
 @dataclass
@@ -27,6 +27,8 @@ class Plan:
     memory: dict[str, int] = field(default_factory=dict)
     memory_limit: int = 0
     warnings: list[str] = field(default_factory=list)
+    device: str = "cpu"  # what "auto" resolves to here
+    gpu: object | None = None  # pipeline.gpu_probe.GpuInfo when an NVIDIA GPU is visible
 
     @property
     def peak_memory(self) -> int:
@@ -71,6 +73,7 @@ def check(recipe) -> Plan:
     except (OSError, ValueError) as e:
         raise RecipeError(f"[model].source {recipe.model.source!r} cannot be read: {e}") from None
     plan = Plan(info, stage_names(recipe), resolve_dtype(recipe.model.dtype, source.kind, info.dtype))
+    problems += _check_device(recipe, plan)
     problems += _check_data(recipe)
     problems += _check_variants(recipe, info, plan)
     problems += _check_draft(recipe, info, plan)
@@ -127,13 +130,26 @@ def _check_data(recipe) -> list[str]:
     return problems
 
 
+def _check_device(recipe, plan: Plan) -> list[str]:
+    """Which device the run will use ("auto": CUDA when this environment's torch can use a GPU)."""
+    from pipeline.gpu_probe import probe
+
+    plan.gpu = probe() if recipe.run.device in ("auto", "cuda") else None
+    usable = plan.gpu is not None and plan.gpu.torch_cuda
+    plan.device = "cuda" if recipe.run.device == "cuda" or (recipe.run.device == "auto" and usable) else "cpu"
+    if recipe.run.device == "cuda" and not usable:
+        why = plan.gpu.note if plan.gpu else "no NVIDIA GPU found (nvidia-smi)"
+        return [f"[run].device = 'cuda': {why}; use device = 'auto' or 'cpu'"]
+    return []
+
+
 def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[str]:
     if not recipe.quantize:
         return []
     from pipeline.quant.capabilities import check_variant, runtimes
 
     arch = arch_dict(info)
-    device = recipe.run.device if recipe.run.device != "auto" else "cpu"
+    device = plan.device
     problems = []
     for i, v in enumerate(recipe.quantize):
         problems += [f"quantize.{i} ({v.name}): {p}" for p in check_variant(v, arch, device)]
@@ -150,6 +166,10 @@ def _check_draft(recipe, info: ModelInfo, plan: Plan) -> list[str]:
     if d.verifier != "baseline" and d.verifier not in names:
         problems.append(f"draft.verifier = {d.verifier!r} is neither 'baseline' nor a [[quantize]] variant "
                         f"(variants: {sorted(names) or 'none'})")
+    gguf = {q.name for q in recipe.quantize if q.method == "gguf"}
+    if d.verifier in gguf:
+        problems.append(f"draft.verifier = {d.verifier!r} is a GGUF file (llama.cpp's format): the draft is distilled "
+                        "and measured in transformers; name the baseline or a transformers variant (gptq, bnb, ...)")
     if d.measure.compare_fp_distilled and d.verifier == "baseline":
         problems.append("draft.measure.compare_fp_distilled = true needs a quantized draft.verifier: with verifier = "
                         "'baseline' the draft is already distilled against the full-precision model, so there is "
