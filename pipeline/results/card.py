@@ -284,7 +284,8 @@ def _gguf_usage(data: ModelEntry, repo: str) -> list[str]:
 # (its sha256 no longer the export manifest's, a new Hub commit on every re-publish) and would publish
 # local paths. What remains has every absolute local path (model source, tokenizer, datasets) reduced to
 # its file name: the lock's sha256 values identify the files.
-_VOLATILE_LOCK = (("lock", "created"), ("lock", "model_file"), ("recipe", "run", "output_dir"), ("recipe", "publish"))
+_VOLATILE_LOCK = (("lock", "created"), ("lock", "run_id"), ("lock", "model_file"), ("recipe", "run", "output_dir"),
+                  ("recipe", "publish"))
 
 
 def _drop(data: dict, paths) -> dict:

@@ -225,7 +225,11 @@ def test_card_rewrite_is_byte_identical(tmp_path):
     first = (tmp_path / "README.md").read_bytes()
     report = full_report()
     report["run"]["status"], report["run"]["finished"] = "gates_failed", "later"
-    write_model_card(tmp_path, typed(report), entry, "x = 1", LOCK)
+    report["run"]["id"] = "a-later-run"
+    # the next run's lock: a new run id and creation time, the same recipe and hashes
+    later_lock = LOCK.replace('created = "2025-01-01"', 'run_id = "a-later-run"\ncreated = "2099-01-01"')
+    assert later_lock != LOCK
+    write_model_card(tmp_path, typed(report), entry, "x = 1", later_lock)
     assert (tmp_path / "README.md").read_bytes() == first
     meta = _front_matter(first.decode())
     assert {"bitsandbytes", "4-bit", "nf4"} <= set(meta["tags"])
