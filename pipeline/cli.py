@@ -62,6 +62,10 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
             click.echo(f"            {rt['runtime']}: {rt['kernel']}{note}")
     mem = ", ".join(f"{k} {b / GiB:.1f}" for k, b in plan.memory.items())
     click.echo(f"memory    estimated peak {plan.peak_memory / GiB:.1f} GiB of {plan.memory_limit / GiB:.1f} GiB ({mem} GiB)")
+    disk = ", ".join(f"{k} {b / GiB:.2f}" for k, b in plan.disk.items() if b) or "nothing large"
+    reused = f", {plan.disk_reused / GiB:.2f} GiB already there" if plan.disk_reused else ""
+    click.echo(f"disk      about {sum(plan.disk.values()) / GiB:.2f} GiB in the run folder ({disk} GiB{reused}); "
+               f"{plan.disk_free / GiB:.1f} GiB free")
     if r.publish is not None:
         from pipeline.publish.config import summary
 

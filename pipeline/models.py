@@ -89,7 +89,7 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
     kwargs: dict = {}
     if "quantization_config" not in config:
         kwargs["dtype"] = dtype or torch_dtype(config_dtype(config))
-    if config.get("quantization_config", {}).get("quant_method") == "gptq":
+    if config.get("quantization_config", {}).get("quant_method") in ("gptq", "awq"):  # GPTQModel's kernels
         from pipeline.env import tame
 
         tame()

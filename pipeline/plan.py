@@ -4,7 +4,9 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pipeline import data
 from pipeline.errors import RecipeError
@@ -26,6 +28,9 @@ class Plan:
     variants: list[dict] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)
     memory_limit: int = 0
+    disk: dict[str, int] = field(default_factory=dict)  # bytes each stage writes into the run folder (estimate)
+    disk_free: int = 0  # free bytes on the run folder's filesystem
+    disk_reused: int = 0  # bytes an earlier run already wrote into the run folder (a rerun reuses them)
     warnings: list[str] = field(default_factory=list)
     device: str = "cpu"  # what "auto" resolves to here
     gpu: object | None = None  # pipeline.gpu_probe.GpuInfo when an NVIDIA GPU is visible
@@ -80,9 +85,13 @@ def check(recipe) -> Plan:
     problems += _check_gates(recipe, random_init=source.random_init)
     _estimate_memory(recipe, info, plan, source)
     if plan.peak_memory > plan.memory_limit:
+        over = ", ".join(f"{k} needs {b / GiB:.1f} GiB" for k, b in plan.memory.items() if b > plan.memory_limit)
+        where = "[run].max_memory_gb" if recipe.run.max_memory_gb else "this machine's memory"
         problems.append(f"estimated peak memory {plan.peak_memory / GiB:.1f} GiB exceeds the "
-                        f"{plan.memory_limit / GiB:.1f} GiB available ([run].max_memory_gb or this machine's); "
-                        "lower calibration.num_samples/seq_len, validate.perplexity.seq_len or draft.distill.batch_size")
+                        f"{plan.memory_limit / GiB:.1f} GiB available ({where}): stage {over}; "
+                        "lower calibration.num_samples/seq_len, validate.perplexity.seq_len or draft.distill.batch_size"
+                        " (no stage offloads weights to disk yet)")
+    problems += _estimate_disk(recipe, info, plan, source)
     if problems:
         raise RecipeError("the recipe cannot run:\n" + "\n".join(f"  - {p}" for p in problems))
     return plan
@@ -249,3 +258,67 @@ def _estimate_memory(recipe, info: ModelInfo, plan: Plan, source) -> None:
         plan.memory[k] += RUNTIME_OVERHEAD
     limit = recipe.run.max_memory_gb
     plan.memory_limit = int(limit * GiB) if limit else machine_memory()
+
+
+# bits per weight of the formats whose variants carry no `bits` (scales included)
+_FORMAT_BITS = {"bnb-int8": 8.0, "bnb-nf4": 4.5, "bnb-fp4": 4.5}
+_GGUF_BITS = {"F16": 16.0, "Q8_0": 8.5, "Q6_K": 6.6, "Q5_K_M": 5.7, "Q5_K_S": 5.5, "Q4_K_M": 4.9, "Q4_K_S": 4.6,
+              "Q3_K_L": 4.3, "Q3_K_M": 3.9, "Q3_K_S": 3.5, "Q2_K": 3.4}
+
+
+def variant_bits(variant) -> float:
+    """Bits per quantized weight on disk, scales and zero points included (an estimate for the disk plan)."""
+    if variant.method == "gguf":
+        return _GGUF_BITS.get(variant.type, 8.5)
+    if variant.method == "torchao":
+        from pipeline.quant.caps_torchao import TORCHAO_SCHEMES
+
+        return TORCHAO_SCHEMES[variant.scheme].bits + 0.25
+    bits = getattr(variant, "bits", None)
+    if bits is None:
+        return _FORMAT_BITS.get(variant.method, 16.0)
+    g = getattr(variant, "group_size", -1)
+    return bits + (32 / g if g and g > 0 else 0.0)  # a 16-bit scale and a packed zero per group
+
+
+def _estimate_disk(recipe, info: ModelInfo, plan: Plan, source) -> list[str]:
+    """What the run folder will hold (bytes per stage) against the free space of its filesystem: refused when
+    the disk lacks it. A rerun's completed stages are already on disk and count as available."""
+    p = max(info.n_params, 1)
+    h, vocab = info.config.get("hidden_size") or 0, info.config.get("vocab_size") or 0
+    wbytes = dtype_bytes(plan.dtype)
+    embed = min(vocab * h, p)  # kept in the checkpoint's dtype by every method here
+    linked = source.kind in ("dir", "hf") and link_problem(source, plan.dtype) is None
+    plan.disk["load"] = 0 if linked else wbytes * p
+    variants = sum(int((p - embed) * variant_bits(v) / 8 + embed * wbytes) for v in recipe.quantize)
+    if variants:
+        plan.disk["quantize"] = variants
+    if recipe.draft is not None:
+        draft_p = plan.draft_model.n_params if plan.draft_model else p  # layer drafts: at most the verifier
+        plan.disk["draft"] = 4 * draft_p * (1 if recipe.draft.distill.steps == 0 else 4)  # + optimizer checkpoint
+    plan.disk["export"] = 0 if recipe.export.link == "hardlink" else variants + plan.disk.get("draft", 0)
+    run_dir = Path(recipe.run.output_dir) / recipe.run.name
+    plan.disk_reused = folder_size(run_dir)
+    existing = next((d for d in [run_dir, *run_dir.absolute().parents] if d.exists()), Path("/"))
+    plan.disk_free = shutil.disk_usage(existing).free
+    need = sum(plan.disk.values()) - plan.disk_reused
+    if need > plan.disk_free:
+        return [f"the run folder {run_dir} needs about {need / GiB:.1f} GiB more on its disk "
+                f"({', '.join(f'{k} {b / GiB:.1f}' for k, b in plan.disk.items() if b)} GiB), and {existing} has "
+                f"{plan.disk_free / GiB:.1f} GiB free: free space, or set run.output_dir to a larger disk"]
+    return []
+
+
+def folder_size(folder: Path) -> int:
+    """Bytes a folder occupies (0 when it does not exist); hard links to one file counted once."""
+    seen, total = set(), 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total

@@ -342,6 +342,6 @@ def _preimport(model_dir: Path) -> None:
         getattr(transformers, arch, None)  # resolves the lazy module: imports modeling_<arch>
     transformers.GenerationMixin  # noqa: B018 - generation utilities
     quant = config.get("quantization_config") or {}
-    module = {"gptq": "gptqmodel", "bitsandbytes": "bitsandbytes"}.get(quant.get("quant_method"))
+    module = {"gptq": "gptqmodel", "awq": "gptqmodel", "bitsandbytes": "bitsandbytes"}.get(quant.get("quant_method"))
     if module:
         importlib.import_module(module)

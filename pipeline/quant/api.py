@@ -15,7 +15,7 @@ from pipeline.quant.capabilities import caps
 from pipeline.quant.common import calibration_fingerprint, captured_output
 
 # library loggers whose lines go to the variant's log file rather than the console
-ENGINE_LOGGERS = ("logbar", "gptqmodel", "tokenicer", "transformers", "bitsandbytes", "optimum")
+ENGINE_LOGGERS = ("logbar", "gptqmodel", "tokenicer", "transformers", "bitsandbytes", "optimum", "autoround")
 
 
 def quantize_variant(base_dir: Path, variant, calib_ids: torch.LongTensor | None, out_dir: Path,

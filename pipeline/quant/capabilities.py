@@ -8,7 +8,6 @@ serving runtimes can load the checkpoint and with which kernel.
 """
 from __future__ import annotations
 
-import importlib.util
 import re
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -33,6 +32,7 @@ class MethodCaps:
     needs_calibration: bool
     note: str = ""
     check: Optional[Callable[..., list[str]]] = None  # method-specific rules: check(variant, arch, device) -> problems
+    runtimes: Optional[Callable[..., list[dict]]] = None  # runtimes(variant, arch) -> rows; None = by format below
 
 
 METHODS: Registry[MethodCaps] = Registry("quantization method")
@@ -53,7 +53,8 @@ for _caps in (
                _BNB_DTYPES, ("cpu", "cuda"), False, "4-bit float (e2m1), blocks of 64"),
 ):
     METHODS.register(_caps.name)(_caps)
-# torchao is registered in its own section at the end of this file (it declares per-scheme limits and a check).
+# torchao, GGUF, AWQ and AutoRound declare per-method limits, checks and runtimes in their own modules
+# (caps_*.py), registered at the end of this file.
 
 
 def caps(variant) -> MethodCaps:
@@ -205,10 +206,8 @@ def runtimes(variant, arch: dict) -> list[dict]:
     """Which runtimes can serve this checkpoint, with which kernel: [{"runtime", "kernel", "note"}]."""
     if caps(variant).checkpoint_format == "gptq":
         return _gptq_runtimes(variant, arch)
-    if caps(variant).checkpoint_format == "gguf":
-        return _gguf_runtimes(variant, arch)
-    if caps(variant).checkpoint_format == "torchao":
-        return _torchao_runtimes(variant)
+    if caps(variant).runtimes is not None:
+        return caps(variant).runtimes(variant, arch)
     kind = {"bnb-int8": "Linear8bitLt (LLM.int8)", "bnb-nf4": "Linear4bit nf4", "bnb-fp4": "Linear4bit fp4"}
     k = kind[variant.method]
     return [
@@ -258,183 +257,10 @@ def _vllm(variant, arch: dict) -> dict:
     return {"runtime": "vLLM (CUDA)", "kernel": "gptq_marlin", "note": note}
 
 
-# ---------------------------------------------------------------- torchao
+# ---------------------------------------------------------------- the other methods' declarations
 
-TORCHAO_GROUP_SIZES = (32, 64, 128, 256)  # Int4WeightOnlyConfig's documented group sizes
-
-
-@dataclass(frozen=True)
-class TorchAoScheme:
-    """One torchao scheme (torchao 0.18 through transformers' TorchAoConfig): what it takes and what runs it."""
-
-    config: str  # the torchao config class
-    bits: int
-    group_sizes: tuple[int, ...]  # -1 = one scale per output channel
-    dtypes: tuple[str, ...]
-    kernels: dict[str, str]  # device -> the kernel transformers runs it with; a device not here is refused
-    refused: dict[str, str]  # device -> why the scheme cannot be run or saved there (one line)
-    detail: str = ""  # what `compress check` adds to a refusal: the evidence and what to use instead
-    activations: bool = False  # quantizes activations too (per token, at run time): act_mapping applies
-
-
-_INT4_CPU_DETAIL = (
-    "Int4WeightOnlyConfig packs for CUDA "
-    "(tile_packed_to_4d: tinygemm, compute capability >= 8.0; plain: the mslk package's kernels) or XPU/NPU "
-    "(plain_int32), and its CPU route (IntxWeightOnlyConfig with int4) stores each 4-bit value in an int8, "
-    "saving nothing over int8. On CPU use method = 'gptq' or 'rtn' with bits = 4 (aten int4 kernel) or "
-    "'bnb-nf4'; for this scheme set run.device = 'cuda'")
-
-TORCHAO_SCHEMES: dict[str, TorchAoScheme] = {
-    "int8-weight-only": TorchAoScheme(
-        "Int8WeightOnlyConfig", 8, (-1,), DTYPE_NAMES,
-        {"cpu": "torchao Int8Tensor: int8 weights cast to the activation dtype, then aten mm (eager)",
-         "cuda": "torchao Int8Tensor: int8 weights cast to the activation dtype, then aten mm (eager); "
-                 "torch.compile fuses the cast into the matmul"}, {}),
-    "int8-dynamic": TorchAoScheme(
-        "Int8DynamicActivationInt8WeightConfig", 8, (-1,), DTYPE_NAMES,
-        {"cpu": "torchao Int8Tensor: per-token int8 activations, int8 x int8 -> int32 matmul "
-                "(torchao _int_scaled_matmul_cpu; u8s8 on CPUs with AVX512-VNNI and no AMX), zero-point "
-                "correction for asymmetric activations",
-         "cuda": "torchao Int8Tensor: per-token int8 activations, torch._int_mm (cuBLAS int8) or torchao's "
-                 "Triton int_scaled_matmul"}, {}, activations=True),
-    "int4-weight-only": TorchAoScheme(
-        "Int4WeightOnlyConfig", 4, TORCHAO_GROUP_SIZES, ("bfloat16",),
-        {"cuda": "torchao Int4TilePackedTo4dTensor: tinygemm aten._weight_int4pack_mm (compute capability >= 8.0)"},
-        {"cpu": "torchao 0.18 has no CPU kernel for an int4 checkpoint it can save"}, _INT4_CPU_DETAIL),
-}
-
-
-def _check_torchao(variant, arch: dict, device: str) -> list[str]:
-    problems = []
-    if importlib.util.find_spec("torchao") is None:
-        problems.append("method 'torchao' needs the torchao package, which is not installed: "
-                        "pip install torchao==0.18.0 (a dependency of compress: pip install -e .)")
-    s = TORCHAO_SCHEMES[variant.scheme]
-    label = f"torchao {variant.scheme}"
-    if device not in s.kernels:
-        why = s.refused.get(device) or f"it runs on: {', '.join(s.kernels)}"
-        problems.append(f"scheme = {variant.scheme!r} cannot run on device {device!r}: {why}"
-                        + (f". {s.detail}" if s.detail else ""))
-    if variant.group_size not in s.group_sizes:
-        what = "-1 (one scale per output channel)" if s.group_sizes == (-1,) else ", ".join(map(str, s.group_sizes))
-        problems.append(f"group_size = {variant.group_size} is not supported by {label} (supported: {what})")
-    default_act = type(variant).model_fields["act_mapping"].default
-    if variant.act_mapping != default_act and not s.activations:
-        problems.append(f"act_mapping = {variant.act_mapping!r} sets the int8-dynamic scheme's activation grid; "
-                        f"{label} quantizes no activations: drop act_mapping")
-    if s.dtypes != DTYPE_NAMES and variant.dtype not in s.dtypes:
-        given = f"dtype = {variant.dtype!r}" if variant.dtype else "dtype unset (the checkpoint's)"
-        problems.append(f"{given}: {label} packs {', '.join(s.dtypes)} weights only; set dtype = {s.dtypes[0]!r}")
-    return problems
-
-
-def _torchao_runtimes(variant) -> list[dict]:
-    s = TORCHAO_SCHEMES[variant.scheme]
-    rows = []
-    for dev, label, note in (("cpu", "CPU", "measured here"), ("cuda", "CUDA", "")):
-        kernel, why = s.kernels.get(dev, "none"), "" if dev in s.kernels else s.refused.get(dev, "")
-        rows.append({"runtime": f"transformers ({label})", "kernel": kernel, "note": why or note})
-    return rows + [
-        {"runtime": "vLLM (CUDA)", "kernel": f"torchao ({s.config})",
-         "note": "vLLM's torchao quantization method reads quant_type from config.json and loads the torchao "
-                 "safetensors; needs a torchao that reads this version's format; not measured here"},
-        {"runtime": "GPTQModel", "kernel": "none", "note": "GPTQModel does not load torchao checkpoints"},
-        {"runtime": "llama.cpp", "kernel": "none", "note": "reads GGUF only: add a method = \"gguf\" variant"},
-    ]
-
-
-METHODS.register("torchao")(MethodCaps(
-    "torchao", "torchao", "pipeline.quant.torchao", "torchao", (4, 8), (-1, *TORCHAO_GROUP_SIZES), DTYPE_NAMES,
-    ("cpu", "cuda"), False, "PyTorch-native quantization (torchao) through transformers' TorchAoConfig",
-    check=_check_torchao))
-
-
-# ---------------------------------------------------------------- GGUF (llama.cpp)
-
-# config.json model_type -> whether llama.cpp permutes the Q/K rows (its LlamaModel does, Qwen2Model does not);
-# the llama.cpp architecture has the same name. transformers' GGUF loader reads both back.
-GGUF_ARCHS = {"llama": True, "qwen2": False}
-GGUF_WRITTEN_TYPES = {"F16": 1, "Q8_0": 32}  # written here by gguf's numpy quantizer: type -> values per block
-# Made by llama.cpp's own quantizer (llama_model_quantize, the gguf-kquants extra), in super-blocks of QK_K.
-GGUF_KQUANT_TYPES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K")
-GGUF_TYPES = (*GGUF_WRITTEN_TYPES, *GGUF_KQUANT_TYPES)
-QK_K = 256
-GGUF_KQUANTS_INSTALL = ("pip install -e '.[gguf-kquants]' (llama-cpp-python 0.3.36 has no wheel: it builds "
-                        "llama.cpp from source, about 8 minutes on 2 cores)")
-# llama.cpp's llama-quant.cpp: a tensor whose rows are not a multiple of QK_K is written in this type instead.
-KQUANT_FALLBACK = "Q2_K/Q3_K -> IQ4_NL, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0"
-
-
-def gguf_problems(variant, arch: dict, device: str = "cpu") -> list[str]:
-    """What makes a GGUF variant impossible for this model (checked by `compress check` on the recipe's source and
-    again by the converter on the baseline checkpoint)."""
-    mt = arch.get("model_type")
-    if mt not in GGUF_ARCHS:
-        return [f"method 'gguf' converts Llama-family checkpoints only (model_type {' or '.join(GGUF_ARCHS)}: "
-                f"llama.cpp's LlamaModel and Qwen2Model); this model is {mt!r}"]
-    problems = []
-    if arch.get("rope_type") not in (None, "default"):
-        problems.append(f"rope_type {arch['rope_type']!r}: RoPE scaling is not converted to GGUF here yet "
-                        "(plain RoPE only)")
-    if mt == "llama" and (arch.get("attention_bias") or arch.get("mlp_bias")):
-        problems.append("attention_bias/mlp_bias = true: transformers' GGUF loader rebuilds a llama model without "
-                        "biases, so the file could not be measured")
-    kquant = variant.type in GGUF_KQUANT_TYPES
-    if kquant and importlib.util.find_spec("llama_cpp") is None:
-        problems.append(f"type = {variant.type!r} is made by llama.cpp's quantizer (llama-cpp-python), which is not "
-                        f"installed: {GGUF_KQUANTS_INSTALL}; or use type = 'Q8_0' (written without it)")
-    if kquant and variant.modules_to_skip:
-        problems.append(f"type = {variant.type!r}: llama.cpp's quantizer takes no per-module skip list here; "
-                        f"leave modules_to_skip empty (it is {variant.modules_to_skip})")
-    if arch.get("shapes_known") and not variant.allow_fallback:
-        problems += _gguf_block_problems(variant, arch)
-    return problems
-
-
-def _gguf_rows(variant, arch: dict) -> dict[str, int]:
-    """Row length (in-features) of every tensor the type quantizes: the quantized linears and the embedding."""
-    rows = {k: i for k, (i, _) in quantized_linears(arch, variant.modules_to_skip).items()}
-    tied = arch.get("tie_word_embeddings")
-    if tied:  # one tensor, token_embd, serves as both: it is skipped with lm_head
-        rows.pop("lm_head", None)
-    if arch.get("hidden_size") and not (tied and is_skipped("lm_head", variant.modules_to_skip)):
-        rows["embed_tokens"] = arch["hidden_size"]
-    return rows
-
-
-def _gguf_block_problems(variant, arch: dict) -> list[str]:
-    kquant = variant.type in GGUF_KQUANT_TYPES
-    block = QK_K if kquant else GGUF_WRITTEN_TYPES[variant.type]
-    bad = {k: n for k, n in _gguf_rows(variant, arch).items() if n % block}
-    if not bad:
-        return []
-    what = ", ".join(f"{k} ({n})" for k, n in bad.items())
-    instead = (f"llama.cpp writes those tensors in a fallback type ({KQUANT_FALLBACK})" if kquant
-               else "the converter writes those tensors in F16")
-    return [f"type = {variant.type!r} quantizes rows in blocks of {block} values, and these rows are not a multiple "
-            f"of {block}: {what}. Use type = 'Q8_0' (blocks of 32), or set allow_fallback = true to accept that "
-            f"{instead}"]
-
-
-def _gguf_runtimes(variant, arch: dict) -> list[dict]:
-    t = variant.type
-    bad = {} if not arch.get("shapes_known") else {
-        k: n for k, n in _gguf_rows(variant, arch).items()
-        if n % (QK_K if t in GGUF_KQUANT_TYPES else GGUF_WRITTEN_TYPES[t])}
-    mixed = f"; rows of {', '.join(bad)} do not fit its blocks: written in a fallback type" if bad else ""
-    return [
-        {"runtime": "llama.cpp", "kernel": f"{t} (CPU, CUDA, Metal, Vulkan)",
-         "note": f"llama-cli / llama-server -m <file>.gguf{mixed}"},
-        {"runtime": "Ollama", "kernel": f"llama.cpp {t}", "note": "ollama run hf.co/<repo>, or a Modelfile FROM ./<file>.gguf"},
-        {"runtime": "LM Studio", "kernel": f"llama.cpp {t}", "note": "loads the .gguf as it is"},
-        {"runtime": "transformers", "kernel": "none: dequantizes every tensor on load (float32)",
-         "note": "from_pretrained(repo, gguf_file=...); measured here this way"},
-        {"runtime": "vLLM (CUDA)", "kernel": "GGUF (experimental)",
-         "note": "single-file GGUF: vllm serve <file>.gguf --tokenizer <repo>"},
-        {"runtime": "GPTQModel", "kernel": "none", "note": "GPTQModel does not load GGUF files"},
-    ]
-
-
-METHODS.register("gguf")(MethodCaps(
-    "gguf", "gguf", "pipeline.quant.gguf_export", "gguf", (2, 3, 4, 5, 6, 8, 16), (), DTYPE_NAMES, ("cpu", "cuda"),
-    False, "a GGUF file for llama.cpp, Ollama and LM Studio, converted from the baseline", check=gguf_problems))
+# Imported for their registrations. Each imports this module's names above, so a caps_* module imported first
+# finds them defined: this module runs to here before its own import of that caps_* module returns.
+import pipeline.quant.caps_awq  # noqa: E402,F401
+import pipeline.quant.caps_gguf  # noqa: E402,F401
+import pipeline.quant.caps_torchao  # noqa: E402,F401

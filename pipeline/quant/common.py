@@ -120,3 +120,14 @@ class LayerProgress:
 def nullcontext_session(out_dir: Path) -> Iterator[None]:
     """The session of an engine that needs no special working directory or torch settings."""
     yield
+
+
+def skipped_linears(base_dir: Path, modules_to_skip: list[str]) -> list[str]:
+    """Full names of the model's nn.Linear modules that modules_to_skip names (model built on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from pipeline.quant.capabilities import is_skipped
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and is_skipped(n, modules_to_skip)]

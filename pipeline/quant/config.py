@@ -11,7 +11,9 @@ from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from pipeline.quant.capabilities import GGUF_TYPES, METHODS, TORCHAO_SCHEMES
+from pipeline.quant.capabilities import METHODS
+from pipeline.quant.caps_gguf import GGUF_TYPES
+from pipeline.quant.caps_torchao import TORCHAO_SCHEMES
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 
@@ -62,6 +64,30 @@ class RTNVariant(_GPTQFormat):
     method: Literal["rtn"]
 
 
+class AWQVariant(_Variant):
+    """AWQ through GPTQModel: per-input-channel scales searched on the calibration activations, folded into the
+    previous op, then round-to-nearest; GEMM checkpoint layout (limits in caps_awq)."""
+
+    method: Literal["awq"]
+    bits: int = Field(4, description="4 (the AWQ GEMM layout packs 4-bit values)")
+    group_size: int = Field(64, description="-1 = one scale per output channel; else columns per scale group")
+    zero_point: bool = Field(True, description="asymmetric grid with a zero point per group (AWQ's default)")
+    dtype: Optional[Literal["bfloat16", "float16"]] = Field(
+        None, description="dtype the model runs in while quantizing; None = the checkpoint's if 16-bit, else "
+                          "bfloat16 (GPTQModel's AWQ modules take no float32)")
+
+
+class AutoRoundVariant(_GPTQFormat):
+    """AutoRound through auto-round: per block, the rounding offsets and the min/max clipping are tuned by signed
+    gradient descent to reproduce the block's full-precision outputs on the calibration text; GPTQ format."""
+
+    method: Literal["autoround"]
+    iters: int = Field(200, ge=0, description="tuning steps per decoder block (auto-round's default 200; 0 = its "
+                                              "optimized RTN)")
+    lr: Optional[float] = Field(None, gt=0, description="learning rate of the signed gradient steps; None = 1/iters")
+    batch_size: int = Field(8, ge=1, description="calibration rows per tuning step (at most num_samples)")
+
+
 class BnbInt8Variant(_Variant):
     method: Literal["bnb-int8"]
     threshold: float = Field(6.0, ge=0, description="LLM.int8() outlier threshold: activation columns above it "
@@ -85,7 +111,7 @@ class BnbFP4Variant(_Bnb4bit):
 
 class TorchAoVariant(_Variant):
     """PyTorch-native quantization through torchao (transformers' TorchAoConfig), no calibration; what each
-    scheme takes and where it runs is in capabilities.TORCHAO_SCHEMES."""
+    scheme takes and where it runs is in caps_torchao.TORCHAO_SCHEMES."""
 
     method: Literal["torchao"]
     scheme: Literal[tuple(TORCHAO_SCHEMES)] = Field(  # type: ignore[valid-type]
@@ -103,7 +129,7 @@ class TorchAoVariant(_Variant):
 
 class GGUFVariant(_Variant):
     """A GGUF file for llama.cpp, Ollama and LM Studio, converted from the baseline (pipeline/quant/gguf_export.py);
-    what each type needs is in capabilities.gguf_problems."""
+    what each type needs is in caps_gguf.gguf_problems."""
 
     method: Literal["gguf"]
     type: Literal[GGUF_TYPES] = Field(  # type: ignore[valid-type]
@@ -124,7 +150,8 @@ def _known_method(value: object) -> object:
 
 
 QuantVariant = Annotated[
-    Union[GPTQVariant, RTNVariant, BnbInt8Variant, BnbNF4Variant, BnbFP4Variant, TorchAoVariant, GGUFVariant],
+    Union[GPTQVariant, RTNVariant, AWQVariant, AutoRoundVariant, BnbInt8Variant, BnbNF4Variant, BnbFP4Variant,
+          TorchAoVariant, GGUFVariant],
     Field(discriminator="method"),
     BeforeValidator(_known_method),
 ]

@@ -28,8 +28,8 @@ from typing import IO, Any, Iterator
 
 import torch
 
-from pipeline.quant.capabilities import (GGUF_ARCHS, GGUF_KQUANT_TYPES, gguf_problems, is_skipped,
-                                         linear_shapes_from_config)
+from pipeline.quant.capabilities import is_skipped, linear_shapes_from_config
+from pipeline.quant.caps_gguf import GGUF_ARCHS, GGUF_KQUANT_TYPES, gguf_problems
 from pipeline.quant.common import TOKENIZER_FILES, base_dtype, nullcontext_session
 
 ENGINE = "gguf"

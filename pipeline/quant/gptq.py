@@ -37,11 +37,11 @@ def engine_version() -> str:
     return gptqmodel.__version__
 
 
-def common_kwargs(variant) -> dict:
-    """GPTQModel QuantizeConfig fields shared by GPTQ and RTN."""
+def common_kwargs(variant, sym: bool | None = None) -> dict:
+    """GPTQModel QuantizeConfig fields shared by GPTQ, RTN and AWQ (sym: AWQ's is `not zero_point`)."""
     skips = [e for e in variant.modules_to_skip if e != "lm_head"]
     return {
-        "bits": variant.bits, "group_size": variant.group_size, "sym": variant.sym,
+        "bits": variant.bits, "group_size": variant.group_size, "sym": variant.sym if sym is None else sym,
         "lm_head": "lm_head" not in variant.modules_to_skip,
         # "-:" = negative match: GPTQModel leaves the module in full precision
         "dynamic": {f"-:{skip_pattern(e)}": {} for e in skips} or None,
@@ -94,8 +94,9 @@ def quantize(base_dir: Path, variant, calib_ids: torch.Tensor, console: IO[str],
 
 
 def quantize_with(base_dir: Path, qcfg, calibration: list[dict] | None, console: IO[str], label: str,
-                  dtype: str, device: str):
-    """Load base_dir in `dtype` and quantize it with GPTQModel config `qcfg`: the in-memory GPTQModel model."""
+                  dtype: str, device: str, backend=None):
+    """Load base_dir in `dtype` and quantize it with GPTQModel config `qcfg`: the in-memory GPTQModel model.
+    backend: the kernel GPTQModel packs for (None = its choice)."""
     from gptqmodel import GPTQModel
 
     n_layers = json.loads((base_dir / "config.json").read_text()).get("num_hidden_layers", 0)
@@ -103,7 +104,7 @@ def quantize_with(base_dir: Path, qcfg, calibration: list[dict] | None, console:
     try:
         model = GPTQModel.load(str(base_dir.resolve()), qcfg, device=device, dtype=torch_dtype(dtype))
         model.layer_callback = progress.layer_done
-        model.quantize(calibration, batch_size=1)
+        model.quantize(calibration, batch_size=1, **({"backend": backend} if backend is not None else {}))
         progress.finish()
     finally:
         progress.close()

@@ -1,6 +1,6 @@
 """torchao (PyTorch-native quantization) through transformers' TorchAoConfig.
 
-Schemes (limits and kernels in capabilities.TORCHAO_SCHEMES): int8 weight-only, int8 dynamic activation +
+Schemes (limits and kernels in caps_torchao.TORCHAO_SCHEMES): int8 weight-only, int8 dynamic activation +
 int8 weight, int4 weight-only (CUDA only in torchao 0.18). torchao swaps each quantized nn.Linear weight
 for a tensor subclass (Int8Tensor, Int4TilePackedTo4dTensor) while the weights load; save_pretrained
 flattens the subclasses into plain safetensors tensors with JSON metadata in the file header
@@ -20,8 +20,8 @@ import torch
 import torchao  # at import: a missing torchao is then one line from api.implementation
 
 from pipeline.dtypes import torch_dtype
-from pipeline.quant.capabilities import TORCHAO_SCHEMES, is_skipped
-from pipeline.quant.common import base_dtype, finish_checkpoint, nullcontext_session
+from pipeline.quant.caps_torchao import TORCHAO_SCHEMES
+from pipeline.quant.common import base_dtype, finish_checkpoint, nullcontext_session, skipped_linears
 
 ENGINE = "torchao"
 
@@ -44,15 +44,6 @@ def ao_config(variant):
         return Int4WeightOnlyConfig(group_size=variant.group_size, int4_packing_format="tile_packed_to_4d",
                                     set_inductor_config=False)
     raise ValueError(f"no torchao config for scheme {variant.scheme!r}")
-
-
-def skipped_linears(base_dir: Path, modules_to_skip: list[str]) -> list[str]:
-    """Full names of the model's nn.Linear modules that modules_to_skip names (model built on the meta device)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))
-    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and is_skipped(n, modules_to_skip)]
 
 
 def quantize(base_dir: Path, variant, calib_ids: torch.Tensor | None, console: IO[str], device: str):

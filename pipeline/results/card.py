@@ -48,11 +48,15 @@ def _variant_tags(entry: ModelEntry) -> list[str]:
         return ["gptq", f"{bits}-bit"] if bits else ["gptq"]
     if method == "rtn":
         return ["rtn", f"{bits}-bit"] if bits else ["rtn"]
+    if method == "awq":  # the Hub's AWQ filter is the `awq` tag
+        return ["awq", f"{bits}-bit"] if bits else ["awq"]
+    if method == "autoround":  # a GPTQ-format checkpoint: found under both tags
+        return ["autoround", "gptq", f"{bits}-bit"] if bits else ["autoround", "gptq"]
     if method.startswith("bnb-"):
         kind = method.removeprefix("bnb-")
         return ["bitsandbytes", "8-bit" if kind == "int8" else "4-bit", kind]
     if method == "torchao":
-        from pipeline.quant.capabilities import TORCHAO_SCHEMES
+        from pipeline.quant.caps_torchao import TORCHAO_SCHEMES
 
         scheme = TORCHAO_SCHEMES.get(params.get("scheme"))
         return ["torchao", f"{scheme.bits}-bit", params["scheme"]] if scheme else ["torchao"]
@@ -225,14 +229,21 @@ def _usage(report: Report, entry: dict, repo: str) -> list[str]:
                       'inputs = tokenizer("The history of measurement", return_tensors="pt")',
                       "out = model.generate(**inputs, assistant_model=draft, max_new_tokens=64)"]
     lines += ["```", ""]
-    if method in ("gptq", "rtn"):
-        lines += ["The checkpoint is in the GPTQ format (`quantization_config` in config.json). transformers "
+    if method in ("gptq", "rtn", "autoround"):
+        made = " (tuned by auto-round, exported in the GPTQ format)" if method == "autoround" else ""
+        lines += [f"The checkpoint{made} is in the GPTQ format (`quantization_config` in config.json). transformers "
                   "loads it through GPTQModel (`pip install gptqmodel optimum`). Directly:", "",
                   "```python", "from gptqmodel import GPTQModel", f'model = GPTQModel.load("{repo}")', "```", "",
                   f"vLLM (CUDA): `vllm serve {repo}`.", "",
                   "**Kernel compatibility:** fast kernels depend on bits, group size, symmetry and act-order "
                   "(e.g. Marlin takes symmetric 4/8-bit with group size -1/32/64/128); other settings fall back to "
                   "slower kernels or are refused. What this run recorded:", ""]
+    elif method == "awq":
+        lines += ["The checkpoint is in the AWQ GEMM format (`quant_method: \"awq\"` in config.json). transformers "
+                  "loads it through GPTQModel's AWQ kernels (`pip install gptqmodel`). Directly:", "",
+                  "```python", "from gptqmodel import GPTQModel", f'model = GPTQModel.load("{repo}")', "```", "",
+                  f"vLLM (CUDA): `vllm serve {repo}` (awq_marlin where the shapes allow, else awq). "
+                  "What this run recorded:", ""]
     elif method.startswith("bnb-"):
         lines += ["The checkpoint is pre-quantized with bitsandbytes (`quantization_config` in config.json): "
                   "`pip install bitsandbytes` and load as above; no `BitsAndBytesConfig` is needed. "

@@ -253,7 +253,8 @@ def test_check_refuses_an_architecture_it_does_not_convert(tmp_path):
 
 
 def test_check_rules_name_the_fix():
-    from pipeline.quant.capabilities import gguf_problems, linear_shapes_from_config
+    from pipeline.quant.capabilities import linear_shapes_from_config
+    from pipeline.quant.caps_gguf import gguf_problems
 
     arch = linear_shapes_from_config({"model_type": "llama", "hidden_size": 80, "intermediate_size": 160,
                                       "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100,

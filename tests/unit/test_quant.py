@@ -19,6 +19,7 @@ from pydantic import TypeAdapter
 from pipeline.env import tame
 from pipeline.quant.api import implementation, quantize_variant
 from pipeline.quant.config import QuantVariant
+from tests.tiny_models import tiny_llama
 
 tame()
 VOCAB = 512
@@ -44,28 +45,9 @@ def make_variant(name: str, **fields):
     return TypeAdapter(QuantVariant).validate_python({"name": name, **fields})
 
 
-def tiny_tokenizer(out: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="t1", eos_token="t2")
-    fast.save_pretrained(out)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(out)
-    tiny_tokenizer(out)
-    return out
+    return tiny_llama(tmp_path_factory.mktemp("tiny-llama"), VOCAB)
 
 
 def quantize_in_memory(base: Path, name: str, out: Path) -> torch.Tensor:

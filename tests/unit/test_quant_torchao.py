@@ -23,7 +23,8 @@ from pydantic import TypeAdapter
 from pipeline.errors import RecipeError, StageError
 from pipeline.plan import check
 from pipeline.quant.api import implementation
-from pipeline.quant.capabilities import TORCHAO_SCHEMES, check_variant, linear_shapes_from_config, runtimes
+from pipeline.quant.capabilities import check_variant, linear_shapes_from_config, runtimes
+from pipeline.quant.caps_torchao import TORCHAO_SCHEMES
 from pipeline.quant.config import QuantVariant
 from pipeline.recipe import load_recipe
 

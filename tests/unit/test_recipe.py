@@ -96,7 +96,31 @@ def test_missing_model_is_clear(tmp_path):
 
 def test_memory_beyond_the_machine_is_refused(tmp_path):
     msg = errors_of(tmp_path, BASE.replace('name = "t"', 'name = "t"\nmax_memory_gb = 0.5'), plan=True)
-    assert "estimated peak memory" in msg
+    assert "estimated peak memory" in msg and "[run].max_memory_gb" in msg
+    assert "quantize needs 2." in msg and "validate needs" in msg
+
+
+def test_disk_plan_counts_what_the_run_writes_and_refuses_a_full_disk(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from pipeline.plan import GiB
+
+    text = BASE.replace('name = "t"', f'name = "t"\noutput_dir = "{tmp_path / "out"}"')
+    plan = check(load_recipe(write(tmp_path, text)))
+    # SmolLM2 135M dequantized from its GGUF into bfloat16 (auto): 0.25 GiB in load/; GPTQ w4g64: 4.5 bits per
+    # linear weight plus the 28 M-parameter embedding in bfloat16, about 0.11 GiB
+    assert plan.disk["load"] == 2 * plan.model.n_params
+    assert 0.08 * GiB < plan.disk["quantize"] < 0.14 * GiB and plan.disk["export"] == 0  # hard links
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * GiB, 10 * GiB - 100 << 20, 100 << 20))
+    msg = errors_of(tmp_path, text, plan=True)
+    assert "the run folder" in msg and "needs about 0.4 GiB more" in msg and "0.1 GiB free" in msg
+    monkeypatch.undo()
+    # a rerun: what the first run wrote is already there
+    (tmp_path / "out" / "t" / "load").mkdir(parents=True)
+    (tmp_path / "out" / "t" / "load" / "model.safetensors").write_bytes(b"\0" * (plan.disk["load"]))
+    assert check(load_recipe(write(tmp_path, text))).disk_reused == plan.disk["load"]
 
 
 def test_set_overrides_with_type_checking(tmp_path):

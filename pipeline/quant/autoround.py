@@ -1,0 +1,105 @@
+"""AutoRound through auto-round, exported in the GPTQ format (auto-round's `auto_gptq` export).
+
+auto-round tunes, decoder block by decoder block, each weight's rounding offset (in [-0.5, 0.5]) and each group's
+min/max clipping by signed gradient descent so that the quantized block reproduces the full-precision block's
+outputs on the calibration text (the shared calibration ids, as they are: no dataset of its own). The export is
+a GPTQ checkpoint (qweight/qzeros/scales/g_idx, `quant_method: gptq`), so transformers, GPTQModel and vLLM load it
+with their GPTQ kernels (runtimes in caps_awq). auto-round writes into a subfolder it names itself; it runs in a
+scratch folder inside out_dir and save() moves the checkpoint up.
+"""
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+from typing import IO, Iterator
+
+import torch
+
+from pipeline.dtypes import torch_dtype
+from pipeline.quant.common import base_dtype, finish_checkpoint, skipped_linears
+from pipeline.quant.gptq import quantized_in_blocks
+
+ENGINE = "auto_round"
+EXPORT_FORMAT = "auto_gptq"
+_SCRATCH = ".autoround-"
+
+
+def engine_version() -> str:
+    import auto_round
+
+    return auto_round.__version__
+
+
+@contextlib.contextmanager
+def session(out_dir: Path) -> Iterator[None]:
+    """cwd in a scratch folder inside out_dir (auto-round writes relative paths), removed on exit."""
+    scratch = Path(tempfile.mkdtemp(prefix=_SCRATCH, dir=out_dir))
+    try:
+        with contextlib.chdir(scratch):
+            yield
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def quantize(base_dir: Path, variant, calib_ids: torch.Tensor, console: IO[str], device: str):
+    """Tune and export into a scratch folder; returns that folder (save() finishes it into out_dir)."""
+    from auto_round import AutoRound
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = variant.dtype or base_dtype(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch_dtype(dtype), device_map={"": device})
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    n, seq_len = calib_ids.shape
+    layer_config = {name: {"bits": 16} for name in skipped_linears(base_dir, variant.modules_to_skip)
+                    if name != "lm_head"}
+    ar = AutoRound(model, tokenizer=tokenizer, scheme="W4A16", bits=variant.bits, group_size=variant.group_size,
+                   sym=variant.sym, iters=variant.iters, lr=variant.lr, nsamples=n, seqlen=seq_len,
+                   batch_size=min(variant.batch_size, n), dataset=[row.unsqueeze(0) for row in calib_ids],
+                   layer_config=layer_config or None, device_map=device, seed=torch.initial_seed(),
+                   enable_torch_compile=False)
+    export = Path(tempfile.mkdtemp(prefix="export-", dir=Path.cwd()))
+    with _block_bar_on(console):
+        ar.quantize_and_save(str(export), format=EXPORT_FORMAT)
+    return _checkpoint_folder(export)
+
+
+@contextlib.contextmanager
+def _block_bar_on(console: IO[str]) -> Iterator[None]:
+    """auto-round's per-block tqdm bar (it names the block being tuned) drawn on the console instead of into the
+    engine log, where every other line of the library goes."""
+    from unittest import mock
+
+    import auto_round.compressors.orchestrator as orchestrator
+
+    real = getattr(orchestrator, "tqdm", None)
+    if real is None:  # another auto-round layout: its bar stays in the log
+        yield
+        return
+
+    def bar(*args, **kwargs):
+        return real(*args, **{**kwargs, "file": console, "unit": "block", "mininterval": 0.5, "dynamic_ncols": True})
+
+    with mock.patch.object(orchestrator, "tqdm", bar):
+        yield
+
+
+def _checkpoint_folder(export: Path) -> Path:
+    found = sorted(p.parent for p in export.rglob("config.json"))
+    if len(found) != 1:
+        raise RuntimeError(f"auto-round's export in {export} holds {len(found)} checkpoints, expected one")
+    return found[0]
+
+
+def save(folder: Path, base_dir: Path, out_dir: Path, variant) -> dict:
+    import json
+
+    for f in folder.glob("*.safetensors*"):
+        shutil.move(str(f), out_dir / f.name)
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    if any(e != "lm_head" for e in variant.modules_to_skip):  # as for GPTQ: the names transformers must quantize
+        qc["modules_in_block_to_quantize"] = quantized_in_blocks(out_dir)
+    dtype = variant.dtype or base_dtype(base_dir)
+    finish_checkpoint(base_dir, out_dir, qc, dtype)
+    return {"engine": ENGINE, "engine_version": engine_version(), "engine_config": qc, "dtype": dtype}

@@ -1,0 +1,80 @@
+"""AWQ (through GPTQModel) and AutoRound (through auto-round): what each takes, which runtimes serve the checkpoint,
+and `compress check`'s rules for them. Torch-free; registered into capabilities.METHODS when capabilities is
+imported.
+
+AWQ is written in the GEMM layout (qweight/qzeros/scales, 4-bit, zero points by default): the AWQ format
+transformers (through GPTQModel's kernels), vLLM and GPTQModel load. GPTQModel's AWQ packer builds float16/bfloat16
+modules only, so a float32 checkpoint is quantized in bfloat16. AutoRound writes the GPTQ format (auto-round's
+`auto_gptq` export): every runtime that serves a GPTQ checkpoint serves it, with the same kernel rules.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+from pipeline.quant.capabilities import GPTQ_GROUP_SIZES, METHODS, MethodCaps, _gptq_runtimes, quantized_linears
+
+AWQ_GROUP_SIZES = (-1, 16, 32, 64, 128)  # GPTQModel 7.6 AwqTorchLinear (its CPU kernel) takes these
+AWQ_DTYPES = ("bfloat16", "float16")  # GPTQModel's AWQ modules refuse float32
+AUTOROUND_PIN = "auto-round==0.16.1"
+VLLM_AWQ_MARLIN_GROUPS = (-1, 32, 64, 128)
+
+
+def _missing(package: str, module: str, method: str) -> list[str]:
+    if importlib.util.find_spec(module) is not None:
+        return []
+    return [f"method {method!r} needs the {package} package, which is not installed: pip install {package} "
+            f"(a dependency of compress: pip install -e .)"]
+
+
+def _lm_head_rule(variant, method: str) -> list[str]:
+    if "lm_head" in variant.modules_to_skip:
+        return []
+    return [f"{method} leaves lm_head in full precision here (transformers' {method} loader builds no quantized "
+            f"lm_head): keep 'lm_head' in modules_to_skip (it is {variant.modules_to_skip})"]
+
+
+def _check_awq(variant, arch: dict, device: str) -> list[str]:
+    # (dtype: the generic check refuses float32 with AWQ_DTYPES)
+    return _missing("gptqmodel", "gptqmodel", "awq") + _lm_head_rule(variant, "AWQ")
+
+
+def _check_autoround(variant, arch: dict, device: str) -> list[str]:
+    problems = _missing(AUTOROUND_PIN, "auto_round", "autoround") + _lm_head_rule(variant, "AutoRound")
+    if variant.bits == 8 and not variant.sym:
+        problems.append("bits = 8 with sym = false: auto-round refuses to export asymmetric 8-bit in the GPTQ "
+                        "format; set sym = true")
+    return problems
+
+
+def _awq_runtimes(variant, arch: dict) -> list[dict]:
+    g = variant.group_size
+    linears = quantized_linears(arch, variant.modules_to_skip) if arch.get("shapes_known") else {}
+    bad = [f"{k.split('.')[-1]} ({i}x{o})" for k, (i, o) in linears.items() if i % 128 or o % 64]
+    if g not in VLLM_AWQ_MARLIN_GROUPS:
+        vllm = {"runtime": "vLLM (CUDA)", "kernel": "awq (GEMM)", "note": f"awq_marlin does not take group_size {g}"}
+    elif bad:
+        vllm = {"runtime": "vLLM (CUDA)", "kernel": "awq_marlin for some layers, awq GEMM for others",
+                "note": f"Marlin needs in-features divisible by 128 and out-features by 64; not {', '.join(bad)}"}
+    else:
+        vllm = {"runtime": "vLLM (CUDA)", "kernel": "awq_marlin", "note": ""}
+    return [
+        {"runtime": "transformers (CPU)", "kernel": "GPTQModel TorchAtenAwqLinear (aten int4 matmul)",
+         "note": "via GPTQModel's kernels (transformers' AWQ loader needs gptqmodel); measured here"},
+        {"runtime": "transformers (CUDA)", "kernel": "GPTQModel AWQ GEMM / Marlin", "note": "via GPTQModel's kernels"},
+        {"runtime": "GPTQModel.load", "kernel": "CPU: AwqTorchLinear; CUDA: AWQ GEMM/Marlin", "note": ""},
+        vllm,
+        {"runtime": "llama.cpp", "kernel": "none", "note": "reads GGUF only: add a method = \"gguf\" variant"},
+    ]
+
+
+METHODS.register("awq")(MethodCaps(
+    "awq", "gptqmodel", "pipeline.quant.awq", "awq", (4,), AWQ_GROUP_SIZES, AWQ_DTYPES, ("cpu", "cuda"), True,
+    "AWQ (Lin et al. 2023): activation-aware per-channel scales, then 4-bit round-to-nearest, through GPTQModel",
+    check=_check_awq, runtimes=_awq_runtimes))
+
+METHODS.register("autoround")(MethodCaps(
+    "autoround", "auto_round", "pipeline.quant.autoround", "gptq", (2, 3, 4, 8), GPTQ_GROUP_SIZES,
+    ("float32", "bfloat16", "float16"), ("cpu", "cuda"), True,
+    "AutoRound (Cheng et al. 2023): rounding and min/max tuned by signed gradient descent per block, "
+    "through auto-round; GPTQ checkpoint format",
+    check=_check_autoround, runtimes=_gptq_runtimes))

@@ -1,0 +1,98 @@
+"""GGUF (llama.cpp) variants: the types written here and by llama.cpp's quantizer, the architectures converted,
+and `compress check`'s rules for them. Torch-free; registered into capabilities.METHODS when capabilities is
+imported."""
+from __future__ import annotations
+
+import importlib.util
+
+from pipeline.dtypes import DTYPE_NAMES
+from pipeline.quant.capabilities import METHODS, MethodCaps, is_skipped, quantized_linears
+
+# config.json model_type -> whether llama.cpp permutes the Q/K rows (its LlamaModel does, Qwen2Model does not);
+# the llama.cpp architecture has the same name. transformers' GGUF loader reads both back.
+GGUF_ARCHS = {"llama": True, "qwen2": False}
+GGUF_WRITTEN_TYPES = {"F16": 1, "Q8_0": 32}  # written here by gguf's numpy quantizer: type -> values per block
+# Made by llama.cpp's own quantizer (llama_model_quantize, the gguf-kquants extra), in super-blocks of QK_K.
+GGUF_KQUANT_TYPES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K")
+GGUF_TYPES = (*GGUF_WRITTEN_TYPES, *GGUF_KQUANT_TYPES)
+QK_K = 256
+GGUF_KQUANTS_INSTALL = ("pip install -e '.[gguf-kquants]' (llama-cpp-python 0.3.36 has no wheel: it builds "
+                        "llama.cpp from source, about 8 minutes on 2 cores)")
+# llama.cpp's llama-quant.cpp: a tensor whose rows are not a multiple of QK_K is written in this type instead.
+KQUANT_FALLBACK = "Q2_K/Q3_K -> IQ4_NL, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0"
+
+
+def gguf_problems(variant, arch: dict, device: str = "cpu") -> list[str]:
+    """What makes a GGUF variant impossible for this model (checked by `compress check` on the recipe's source and
+    again by the converter on the baseline checkpoint)."""
+    mt = arch.get("model_type")
+    if mt not in GGUF_ARCHS:
+        return [f"method 'gguf' converts Llama-family checkpoints only (model_type {' or '.join(GGUF_ARCHS)}: "
+                f"llama.cpp's LlamaModel and Qwen2Model); this model is {mt!r}"]
+    problems = []
+    if arch.get("rope_type") not in (None, "default"):
+        problems.append(f"rope_type {arch['rope_type']!r}: RoPE scaling is not converted to GGUF here yet "
+                        "(plain RoPE only)")
+    if mt == "llama" and (arch.get("attention_bias") or arch.get("mlp_bias")):
+        problems.append("attention_bias/mlp_bias = true: transformers' GGUF loader rebuilds a llama model without "
+                        "biases, so the file could not be measured")
+    kquant = variant.type in GGUF_KQUANT_TYPES
+    if kquant and importlib.util.find_spec("llama_cpp") is None:
+        problems.append(f"type = {variant.type!r} is made by llama.cpp's quantizer (llama-cpp-python), which is not "
+                        f"installed: {GGUF_KQUANTS_INSTALL}; or use type = 'Q8_0' (written without it)")
+    if kquant and variant.modules_to_skip:
+        problems.append(f"type = {variant.type!r}: llama.cpp's quantizer takes no per-module skip list here; "
+                        f"leave modules_to_skip empty (it is {variant.modules_to_skip})")
+    if arch.get("shapes_known") and not variant.allow_fallback:
+        problems += _gguf_block_problems(variant, arch)
+    return problems
+
+
+def _gguf_rows(variant, arch: dict) -> dict[str, int]:
+    """Row length (in-features) of every tensor the type quantizes: the quantized linears and the embedding."""
+    rows = {k: i for k, (i, _) in quantized_linears(arch, variant.modules_to_skip).items()}
+    tied = arch.get("tie_word_embeddings")
+    if tied:  # one tensor, token_embd, serves as both: it is skipped with lm_head
+        rows.pop("lm_head", None)
+    if arch.get("hidden_size") and not (tied and is_skipped("lm_head", variant.modules_to_skip)):
+        rows["embed_tokens"] = arch["hidden_size"]
+    return rows
+
+
+def _gguf_block_problems(variant, arch: dict) -> list[str]:
+    kquant = variant.type in GGUF_KQUANT_TYPES
+    block = QK_K if kquant else GGUF_WRITTEN_TYPES[variant.type]
+    bad = {k: n for k, n in _gguf_rows(variant, arch).items() if n % block}
+    if not bad:
+        return []
+    what = ", ".join(f"{k} ({n})" for k, n in bad.items())
+    instead = (f"llama.cpp writes those tensors in a fallback type ({KQUANT_FALLBACK})" if kquant
+               else "the converter writes those tensors in F16")
+    return [f"type = {variant.type!r} quantizes rows in blocks of {block} values, and these rows are not a multiple "
+            f"of {block}: {what}. Use type = 'Q8_0' (blocks of 32), or set allow_fallback = true to accept that "
+            f"{instead}"]
+
+
+def _gguf_runtimes(variant, arch: dict) -> list[dict]:
+    t = variant.type
+    bad = {} if not arch.get("shapes_known") else {
+        k: n for k, n in _gguf_rows(variant, arch).items()
+        if n % (QK_K if t in GGUF_KQUANT_TYPES else GGUF_WRITTEN_TYPES[t])}
+    mixed = f"; rows of {', '.join(bad)} do not fit its blocks: written in a fallback type" if bad else ""
+    return [
+        {"runtime": "llama.cpp", "kernel": f"{t} (CPU, CUDA, Metal, Vulkan)",
+         "note": f"llama-cli / llama-server -m <file>.gguf{mixed}"},
+        {"runtime": "Ollama", "kernel": f"llama.cpp {t}", "note": "ollama run hf.co/<repo>, or a Modelfile FROM ./<file>.gguf"},
+        {"runtime": "LM Studio", "kernel": f"llama.cpp {t}", "note": "loads the .gguf as it is"},
+        {"runtime": "transformers", "kernel": "none: dequantizes every tensor on load (float32)",
+         "note": "from_pretrained(repo, gguf_file=...); measured here this way"},
+        {"runtime": "vLLM (CUDA)", "kernel": "GGUF (experimental)",
+         "note": "single-file GGUF: vllm serve <file>.gguf --tokenizer <repo>"},
+        {"runtime": "GPTQModel", "kernel": "none", "note": "GPTQModel does not load GGUF files"},
+    ]
+
+
+METHODS.register("gguf")(MethodCaps(
+    "gguf", "gguf", "pipeline.quant.gguf_export", "gguf", (2, 3, 4, 5, 6, 8, 16), (), DTYPE_NAMES, ("cpu", "cuda"),
+    False, "a GGUF file for llama.cpp, Ollama and LM Studio, converted from the baseline", check=gguf_problems,
+    runtimes=_gguf_runtimes))

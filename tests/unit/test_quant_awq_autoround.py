@@ -1,0 +1,198 @@
+"""AWQ (GPTQModel) and AutoRound (auto-round) on a tiny random Llama: quantize through the stage's entry point,
+reload in a fresh process with the loader validate uses, compare with the full-precision model and with plain
+round-to-nearest on the same grid; and what `compress check` refuses.
+
+Tolerances. 4-bit groups of 64 random-normal weights: a step of about 6 sigma / 15, so a rounding error of
+~0.4 sigma / sqrt(12) = 11% of the weights' RMS; through 2 layers of 6 quantized linears the logits measured
+13% (AWQ) and 17% (AutoRound, 20 steps) relative RMS error on the probe. We allow 25% and ask the argmax to agree
+on 90% of the 48 positions (measured 98-100%). Against RTN the comparison is on the calibration rows themselves:
+both methods minimise the output error on exactly those activations.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import TypeAdapter
+
+from pipeline.env import tame
+from pipeline.errors import RecipeError
+from pipeline.plan import check
+from pipeline.quant.api import quantize_variant
+from pipeline.quant.capabilities import check_variant, linear_shapes_from_config, runtimes
+from pipeline.quant.config import QuantVariant
+from pipeline.recipe import load_recipe
+from tests.tiny_models import VOCAB, tiny_llama
+
+tame()
+ROOT = Path(__file__).resolve().parents[2]
+CALIB = torch.randint(0, VOCAB, (16, 64), generator=torch.Generator().manual_seed(0))
+PROBE = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+SKIP_DOWN = ["lm_head", "mlp.down_proj"]
+VARIANTS = {
+    "awq-w4g64": {"method": "awq", "group_size": 64},
+    "awq-skip": {"method": "awq", "group_size": 64, "modules_to_skip": SKIP_DOWN},
+    "rtn-asym-w4g64": {"method": "rtn", "group_size": 64, "sym": False, "dtype": "bfloat16"},  # AWQ's grid
+    "autoround-w4g64": {"method": "autoround", "group_size": 64, "iters": 20},
+    "autoround-skip": {"method": "autoround", "group_size": 64, "iters": 20, "modules_to_skip": SKIP_DOWN},
+    "rtn-w4g64": {"method": "rtn", "group_size": 64},  # AutoRound's grid (symmetric)
+}
+SMOL = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
+
+
+def variant(name: str, **fields):
+    return TypeAdapter(QuantVariant).validate_python({"name": name, **fields})
+
+
+RELOAD = r"""
+import sys, json, torch
+from pipeline.env import tame; tame()
+torch.set_num_threads(1)
+from pathlib import Path
+from pipeline.models import load_checkpoint
+probe, calib = (torch.tensor(json.loads(a)) for a in sys.argv[1:3])
+for d in sys.argv[3:]:
+    m = load_checkpoint(Path(d))
+    with torch.no_grad():
+        torch.save({"probe": m(probe).logits.float(), "calib": m(calib).logits.float()}, f"{d}/reloaded.pt")
+    kinds = {n.removeprefix("model.layers.0."): type(x).__name__ for n, x in m.named_modules()
+             if n.startswith("model.layers.0.") and n.endswith("_proj")}
+    json.dump({"kinds": kinds, "dtype": str(m.dtype)}, open(f"{d}/reloaded.json", "w"))
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return {"probe": model(PROBE).logits.float(), "calib": model(CALIB).logits.float()}
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny, tmp_path_factory) -> dict[str, tuple[Path, dict, dict]]:
+    root = tmp_path_factory.mktemp("quantized")
+    log = logging.getLogger("test")
+    manifests = {name: quantize_variant(tiny, variant(name, **f), CALIB, root / name, log, seed=0, device="cpu")
+                 for name, f in VARIANTS.items()}
+    r = subprocess.run([sys.executable, "-c", RELOAD, json.dumps(PROBE.tolist()), json.dumps(CALIB.tolist()),
+                        *(str(root / n) for n in VARIANTS)], capture_output=True, text=True, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return {n: (root / n, manifests[n], json.loads((root / n / "reloaded.json").read_text())) for n in VARIANTS}
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+
+
+@pytest.mark.parametrize("name", ["awq-w4g64", "awq-skip", "autoround-w4g64", "autoround-skip"])
+def test_reloads_in_a_fresh_process_close_to_full_precision(quantized, reference, name):
+    folder, manifest, _ = quantized[name]
+    got = torch.load(folder / "reloaded.pt")["probe"]
+    assert rel_rms(got, reference["probe"]) <= 0.25
+    assert (got.argmax(-1) == reference["probe"].argmax(-1)).float().mean().item() >= 0.9
+    files = {p.name for p in folder.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= files
+    assert not any(f.startswith((".gptqmodel", ".autoround")) or f.endswith((".bin", ".pt.tmp")) for f in files)
+    assert manifest["engine_version"] and manifest["time_s"] > 0 and manifest["calibration"]["shape"] == [16, 64]
+
+
+def test_awq_checkpoint_is_the_gemm_layout_in_bfloat16_with_awq_kernels(quantized):
+    from safetensors import safe_open
+
+    folder, manifest, reloaded = quantized["awq-w4g64"]
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["version"], qc["bits"], qc["group_size"], qc["zero_point"]) == \
+        ("awq", "gemm", 4, 64, True)
+    assert manifest["dtype"] == "bfloat16" and reloaded["dtype"] == "torch.bfloat16"  # float32 base: bfloat16
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        qweight = f.get_tensor("model.layers.0.mlp.gate_proj.qweight")
+        scales = f.get_tensor("model.layers.0.mlp.gate_proj.scales")
+    assert qweight.dtype == torch.int32 and list(qweight.shape) == [128, 256 // 8]  # [in, out / 8 nibbles]
+    assert list(scales.shape) == [128 // 64, 256]
+    assert set(reloaded["kinds"].values()) == {"TorchAtenAwqLinear"}
+
+
+def test_autoround_checkpoint_is_gptq_format_and_gptqmodel_loads_it(quantized):
+    folder, manifest, reloaded = quantized["autoround-w4g64"]
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"], qc["iters"]) == ("gptq", 4, 64, True, 20)
+    assert manifest["engine"] == "auto_round" and set(reloaded["kinds"].values()) == {"TorchAtenLinear"}
+    code = ("import sys, json, torch\nfrom pipeline.env import tame; tame()\nfrom gptqmodel import GPTQModel\n"
+            "m = GPTQModel.load(sys.argv[1], device='cpu', dtype=torch.float16)\n"
+            "torch.save(m.model(torch.tensor(json.loads(sys.argv[2]))).logits.float(), sys.argv[1] + '/g.pt')")
+    r = subprocess.run([sys.executable, "-c", code, str(folder), json.dumps(PROBE.tolist())], capture_output=True,
+                       text=True, cwd=folder)
+    assert r.returncode == 0, r.stderr[-3000:]
+    transformers_logits = torch.load(folder / "reloaded.pt")["probe"]
+    assert rel_rms(torch.load(folder / "g.pt"), transformers_logits) < 0.02  # float16 vs float32 activations
+
+
+@pytest.mark.parametrize("name", ["awq-skip", "autoround-skip"])
+def test_skipped_modules_stay_full_precision(quantized, name):
+    kinds = quantized[name][2]["kinds"]
+    assert kinds["mlp.down_proj"] == "Linear"
+    assert kinds["mlp.gate_proj"] != "Linear" and kinds["self_attn.q_proj"] != "Linear"
+
+
+@pytest.mark.parametrize("method,rtn", [("awq-w4g64", "rtn-asym-w4g64"), ("autoround-w4g64", "rtn-w4g64")])
+def test_beats_round_to_nearest_on_the_same_grid(quantized, reference, method, rtn):
+    err = {n: rel_rms(torch.load(quantized[n][0] / "reloaded.pt")["calib"], reference["calib"]) for n in (method, rtn)}
+    assert err[method] < err[rtn], err
+
+
+def test_check_refuses_what_the_libraries_refuse():
+    arch = linear_shapes_from_config(SMOL)
+    assert check_variant(variant("a", method="awq"), arch, "cpu") == []
+    assert check_variant(variant("r", method="autoround"), arch, "cpu") == []
+    assert any("bits = 3 is not supported by awq" in p for p in check_variant(variant("a", method="awq", bits=3),
+                                                                                  arch, "cpu"))
+    problems = check_variant(variant("a", method="awq", group_size=128), arch, "cpu")
+    assert any("group_size = 128 does not divide" in p and "576" in p for p in problems)
+    assert any("keep 'lm_head' in modules_to_skip" in p
+               for p in check_variant(variant("r", method="autoround", modules_to_skip=[]), arch, "cpu"))
+    assert any("sym = true" in p for p in check_variant(variant("r", method="autoround", bits=8, sym=False), arch,
+                                                        "cpu"))
+    with pytest.raises(Exception, match="dtype"):
+        variant("a", method="awq", dtype="float32")  # GPTQModel's AWQ modules take no float32
+
+
+def test_check_names_a_missing_library(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "auto_round" else real(n, *a))
+    problems = check_variant(variant("r", method="autoround"), linear_shapes_from_config(SMOL), "cpu")
+    assert any("needs the auto-round==0.16.1 package" in p and "pip install" in p for p in problems)
+
+
+def test_runtimes_say_which_kernels_serve_them():
+    arch = linear_shapes_from_config(SMOL)
+    awq = {r["runtime"]: r for r in runtimes(variant("a", method="awq"), arch)}
+    assert "TorchAtenAwqLinear" in awq["transformers (CPU)"]["kernel"]
+    assert "576x576" in awq["vLLM (CUDA)"]["note"]  # Marlin's in-features rule
+    ar = {r["runtime"]: r for r in runtimes(variant("r", method="autoround"), arch)}
+    assert "TorchAtenLinear" in ar["transformers (CPU)"]["kernel"] and ar["llama.cpp"]["kernel"] == "none"
+
+
+def test_compress_check_exit_2_names_the_key(tmp_path):
+    recipe = (ROOT / "recipes" / "methods.toml").read_text()
+    bad = tmp_path / "bad.toml"
+    bad.write_text(recipe.replace('name = "awq-w4g64"                    # AWQ', 'name = "awq-w4g64"\nbits = 8\n#'))
+    with pytest.raises(RecipeError, match="bits = 8 is not supported by awq"):
+        check(load_recipe(bad))
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "check", str(bad)], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert r.returncode == 2 and "awq-w4g64" in r.stderr + r.stdout
