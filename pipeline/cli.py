@@ -5,6 +5,7 @@ The CLI repeats no recipe default. `check` imports neither torch nor transformer
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -260,6 +261,15 @@ def _record_publish(run_dir: Path, section) -> None:
     schema.save(report, run_dir)
 
 
+def _leave_now(code: int) -> None:
+    """Exit after an interrupt without the interpreter's shutdown: a stage stopped mid-way can leave an engine's
+    worker threads running (GPTQModel's pool), and their C++ destructors abort a normal shutdown (exit 134 instead of
+    the documented code). The run's state is already saved and its lock released at this point."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main() -> None:
     try:
         cli.main(standalone_mode=False)
@@ -273,6 +283,8 @@ def main() -> None:
         sys.exit(130)
     except CompressError as e:
         click.echo(f"error: {e}", err=True)
+        if e.exit_code in (130, 143):
+            _leave_now(e.exit_code)
         sys.exit(e.exit_code)
     except OSError as e:  # outside any stage: e.g. the run folder's lock or report on a full disk
         click.echo(f"error: {e.strerror or e}: {e.filename or ''}", err=True)

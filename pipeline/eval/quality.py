@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from pipeline import data
 from pipeline.eval.perplexity import kl_top1, make_windows, perplexity, topk_reference, windowed_nll
-from pipeline.models import folder_bytes, load_checkpoint
+from pipeline.models import folder_bytes, linear_bits_per_weight, load_checkpoint
 
 log = logging.getLogger("compress")
 EVAL_IDS = "eval_ids.safetensors"
@@ -114,7 +114,7 @@ def evaluate(model_dir: Path, out: Path, ppl_cfg, smoke_cfg, device: str, refere
     ids = eval_ids(tokenizer, ppl_cfg, out, reference)
     result = {"perplexity": measure_perplexity(model, ids, ppl_cfg, out, reference, label),
               "footprint_bytes": int(model.get_memory_footprint()),
-              "size_on_disk_bytes": folder_bytes(model_dir)}
+              "size_on_disk_bytes": folder_bytes(model_dir), "bits_per_weight": linear_bits_per_weight(model_dir)}
     if smoke_cfg.enabled:
         result["smoke"] = smoke_test(model, tokenizer, smoke_cfg)
     if not math.isfinite(result["perplexity"]["value"]):

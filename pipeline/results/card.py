@@ -179,14 +179,14 @@ def _results(report: Report, entry: dict) -> list[str]:
              f"Perplexity: {ppl.get('protocol', '?')} protocol on {public(ppl.get('dataset', '?'))} "
              f"({num(ppl.get('tokens'))} tokens); KL and top-1 agreement against the baseline on the same tokens. "
              f"Speed on {report.run.device} (batch-1 decode).", "",
-             "| model | perplexity | ppl ratio | KL | top-1 | on disk | in memory | decode tok/s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | perplexity | ppl ratio | KL | top-1 | on disk | bits/weight | in memory | decode tok/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
     rows = [("baseline", report.baseline or ModelEntry())]
     if entry["kind"] == "variant":
         rows.append((entry["name"], entry_data(report, entry)))
     for name, m in rows:
         lines.append(f"| {name} | {num(dig(m, 'perplexity', 'value'))} | {num(1.0 if name == 'baseline' else m.ppl_ratio)} "
-                     f"| {num(m.kl)} | {num(m.top1)} | {size(m.size_on_disk_bytes)} "
+                     f"| {num(m.kl)} | {num(m.top1)} | {size(m.size_on_disk_bytes)} | {num(m.bits_per_weight, 3)} "
                      f"| {size(m.footprint_bytes)} | {num(dig(m, 'speed', 'decode_tokens_per_s_b1'), 3)} |")
     if entry["kind"] == "draft":
         lines += ["", "| sampling | acceptance α | tokens per verifier forward | speed-up |", "|---|---|---|---|"]

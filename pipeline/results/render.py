@@ -121,9 +121,11 @@ def _size(report: Report) -> list[str]:
     for name, m in rows:
         ratio = m.footprint_bytes / base_fp if base_fp and m.footprint_bytes else None
         runtimes = "; ".join(f"{r.get('runtime')}: {r.get('kernel') or '–'}" for r in m.runtimes)
-        body.append([name, size(m.size_on_disk_bytes), size(m.footprint_bytes), num(ratio, 3),
-                     num(m.quantize_time_s, 3), runtimes or "–"])
-    return lines + table(["model", "on disk", "in memory", "footprint ratio", "quantize s", "runtimes"], body) + [""]
+        body.append([name, size(m.size_on_disk_bytes), num(m.bits_per_weight, 3), size(m.footprint_bytes),
+                     num(ratio, 3), num(m.quantize_time_s, 3), runtimes or "–"])
+    return lines + table(["model", "on disk", "bits/weight", "in memory", "footprint ratio", "quantize s", "runtimes"],
+                         body) + ["", "bits/weight: the decoder blocks' linear layers as stored (quantized values, "
+                                  "scales, zero points, skipped layers at their float size).", ""]
 
 
 def _timed(report: Report) -> list[tuple[str, dict]]:

@@ -83,6 +83,7 @@ class ModelEntry(_Section):
     smoke: dict[str, Any] | None = None
     footprint_bytes: int | None = None
     size_on_disk_bytes: int | None = None
+    bits_per_weight: float | None = None  # decoder-block linears as stored (scales, zeros; skipped ones at float size)
     speed: dict[str, Any] | None = None
 
 

@@ -196,3 +196,37 @@ def test_compress_check_exit_2_names_the_key(tmp_path):
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", "check", str(bad)], capture_output=True, text=True,
                        cwd=ROOT)
     assert r.returncode == 2 and "awq-w4g64" in r.stderr + r.stdout
+
+
+def test_bits_per_weight_counts_scales_zero_points_and_skipped_layers(quantized, tiny):
+    from pipeline.models import linear_bits_per_weight
+
+    assert linear_bits_per_weight(tiny) == 32.0  # float32
+    # AWQ w4g64: 4-bit values, a 16-bit scale and a 4-bit zero point per 64 weights
+    assert linear_bits_per_weight(quantized["awq-w4g64"][0]) == pytest.approx(4 + 16 / 64 + 4 / 64)
+    # with down_proj left in bfloat16: the average weighted by each linear's weights (tiny model: 4 heads of 32, 2 kv)
+    shapes = {"q": 128 * 128, "k": 128 * 64, "v": 128 * 64, "o": 128 * 128, "gate": 128 * 256, "up": 128 * 256,
+              "down": 256 * 128}
+    quant = sum(v for k, v in shapes.items() if k != "down")
+    expected = (quant * (4 + 16 / 64 + 4 / 64) + shapes["down"] * 16) / (quant + shapes["down"])
+    assert linear_bits_per_weight(quantized["awq-skip"][0]) == pytest.approx(expected)
+
+
+def test_tiny_recipe_runs_awq_and_autoround_end_to_end(tmp_path):
+    """Through `compress run`: quantize, validate (a fresh process reloads each checkpoint), report rows, export."""
+    tiny = (ROOT / "recipes" / "tiny.toml").read_text()
+    head, tail = tiny.split("[[quantize]]", 1)[0], tiny[tiny.index("[validate.perplexity]"):]
+    variants = ('[[quantize]]\nname = "awq-w4g32"\nmethod = "awq"\ngroup_size = 32\n\n'
+                '[[quantize]]\nname = "autoround-w4g32"\nmethod = "autoround"\ngroup_size = 32\niters = 5\n\n')
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(head + variants + tail)
+    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(recipe), "--set",
+                        f"run.output_dir={tmp_path / 'out'}"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "tiny" / "report.json").read_text())
+    for name, method in (("awq-w4g32", "awq"), ("autoround-w4g32", "autoround")):
+        m = report["variants"][name]
+        assert m["method"] == method and m["ppl_ratio"] > 0 and m["bits_per_weight"] < 5
+        assert any(rt["runtime"] == "vLLM (CUDA)" for rt in m["runtimes"])
+        assert (tmp_path / "out" / "tiny" / "export" / name / "README.md").is_file()
+    assert report["run"]["status"] == "complete"

