@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipeline import data
 from pipeline.errors import RecipeError
-from pipeline.dtypes import dtype_bytes, resolve_dtype
+from pipeline.dtypes import HALF_UNITS, cpu_flags, dtype_bytes, resolve_dtype
 from pipeline.sources import ModelInfo, describe, link_problem, parse
 
 GiB = 1 << 30
@@ -77,8 +77,9 @@ def check(recipe) -> Plan:
         raise RecipeError(f"[model].source: {e}") from None
     except (OSError, ValueError) as e:
         raise RecipeError(f"[model].source {recipe.model.source!r} cannot be read: {e}") from None
-    plan = Plan(info, stage_names(recipe), resolve_dtype(recipe.model.dtype, source.kind, info.dtype))
+    plan = Plan(info, stage_names(recipe))
     problems += _check_device(recipe, plan)
+    plan.dtype = resolve_dtype(recipe.model.dtype, source.kind, info.dtype, plan.device)
     problems += _check_data(recipe)
     problems += _check_variants(recipe, info, plan)
     problems += _check_draft(recipe, info, plan)
@@ -326,19 +327,6 @@ def folder_size(folder: Path) -> int:
 
 
 HALF = ("bfloat16", "float16")
-# CPU flags (/proc/cpuinfo) of the units that run 16-bit float matmuls natively
-HALF_UNITS = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
-
-
-def cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return set()
 
 
 def _half_precision_on_cpu(recipe, plan: Plan) -> list[str]:

