@@ -1,7 +1,7 @@
 """Our Q4_K_M GGUF beside the one llama.cpp's own tools make, and llama.cpp's decode speed beside ours.
 
     .venv/bin/python -m benchmarks.gguf_vs_llama_cpp --run artifacts/methods [--windows 3] [--threads 2]
-        [--speed-variant gptq-w4g64] [--autoround-iters 200]
+        [--speed-variants gptq-w4g64,torchao-int8wo] [--autoround-iters 200]
 
 Needs the gguf-kquants extra (llama-cpp-python: llama.cpp's quantizer and runtime) and a finished run of
 recipes/methods.toml (its load/ baseline and quantize/ variants). Every GGUF is made from the run's baseline:
@@ -15,7 +15,8 @@ recipes/methods.toml (its load/ baseline and quantize/ variants). Every GGUF is 
   gguf:q4_k_m, if this auto-round can write it for the model.
 Perplexity: `compress eval` (transformers, dequantized) on the first --windows WikiText-2 windows of 2048 tokens,
 the windows of the run's report. Decode: llama.cpp (llama-cpp-python, --threads threads) greedy over a 64-token
-WikiText prompt, 32 new tokens, batch 1, the 31 tokens after the first timed (as our speed stage does); our
+WikiText prompt, 32 new tokens, batch 1, the 31 tokens after the first timed (as our speed stage does), median of 7
+runs after a warm-up; our
 transformers figure is `compress bench` with the same prompt length, token count and threads. Writes
 benchmarks/results/gguf_vs_llama_cpp.json and prints a markdown table.
 """
@@ -42,6 +43,8 @@ def compress(*args: str) -> None:
 
 def perplexity(folder: Path, windows: int, threads: int) -> dict:
     out = folder / "eval"
+    if (out / "quality.json").is_file():  # measured by an earlier call on the same file
+        return {"ppl": json.loads((out / "quality.json").read_text())["perplexity"]["value"]}
     compress("eval", str(folder), "--max-windows", str(windows), "--threads", str(threads), "--out", str(out))
     return {"ppl": json.loads((out / "quality.json").read_text())["perplexity"]["value"]}
 
@@ -107,7 +110,7 @@ def autoround_gguf(base: Path, calib: Path, out: Path, iters: int) -> Path | Non
     return out
 
 
-def llama_cpp_decode(folder: Path, prompt: list[int], new_tokens: int, threads: int, repeats: int = 3) -> dict:
+def llama_cpp_decode(folder: Path, prompt: list[int], new_tokens: int, threads: int, repeats: int = 7) -> dict:
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(next(folder.glob("*.gguf"))), n_ctx=512, n_threads=threads, n_threads_batch=threads,
@@ -148,7 +151,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/gguf_vs_llama_cpp"))
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--speed-variant", default="gptq-w4g64", help="our transformers CPU variant for the speed row")
+    ap.add_argument("--speed-variants", default="gptq-w4g64,torchao-int8wo",
+                    help="the run's variants timed in transformers (comma-separated; 'baseline' = load/)")
     ap.add_argument("--autoround-iters", type=int, default=0, help="0: no auto-round GGUF row")
     a = ap.parse_args()
     from pipeline.env import tame
@@ -174,10 +178,10 @@ def main() -> None:
                        **llama_cpp_decode(folder, prompt, 32, a.threads)}
         rows[label]["ppl_ratio"] = round(rows[label]["ppl"] / baseline_ppl, 4)
         print(label, rows[label], flush=True)
-    ours = a.run / "quantize" / a.speed_variant
-    speed = transformers_decode(ours, 64, 32, a.threads)
+    speed = {v: transformers_decode(base if v == "baseline" else a.run / "quantize" / v, 64, 32, a.threads)
+             for v in a.speed_variants.split(",")}
     result = {"baseline_ppl": baseline_ppl, "windows": a.windows, "threads": a.threads, "gguf": rows,
-              "transformers": {a.speed_variant: speed}}
+              "transformers": speed}
     out = ROOT / "benchmarks" / "results" / "gguf_vs_llama_cpp.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
@@ -185,7 +189,8 @@ def main() -> None:
     print("| GGUF | file MiB | perplexity | ratio | llama.cpp decode tok/s |\n|---|---|---|---|---|")
     for label, r in rows.items():
         print(f"| {label} | {r['mib']} | {r['ppl']:.4f} | {r['ppl_ratio']:.4f} | {r['decode_tokens_per_s']:.1f} |")
-    print(f"\ntransformers (compress bench) {a.speed_variant}: {speed['decode_tokens_per_s']:.1f} tok/s decode")
+    for v, r in speed.items():
+        print(f"transformers (compress bench) {v}: {r['decode_tokens_per_s']:.1f} tok/s decode")
 
 
 if __name__ == "__main__":

@@ -335,18 +335,25 @@ def _half_precision_on_cpu(recipe, plan: Plan) -> list[str]:
     3.7x slower, batch-1 decode 2x faster: it is memory-bound)."""
     if plan.device != "cpu":
         return []
-    uses = {}
+    uses: dict[str, list[str]] = {}
+    advice: dict[str, set[str]] = {}
     if plan.dtype in HALF:
         uses.setdefault(plan.dtype, []).append("the baseline (validate, draft)")
+        advice.setdefault(plan.dtype, set()).add("[model] dtype = 'float32' avoids it for the baseline")
     for v in recipe.quantize:
-        dtype = getattr(v, "dtype", None) or ("bfloat16" if v.method == "awq" and plan.dtype not in HALF else None)
+        awq = v.method == "awq"
+        dtype = getattr(v, "dtype", None) or ("bfloat16" if awq and plan.dtype not in HALF else None)
         if dtype in HALF:
             uses.setdefault(dtype, []).append(v.name)
+            advice.setdefault(dtype, set()).add(
+                "AWQ (GPTQModel) runs in 16-bit only: on this CPU its scale search takes minutes per layer of a "
+                "135M model (recipes/awq-cpu.toml), a GPU is its place" if awq else
+                f"dtype unset on {v.name} runs it in the baseline's precision")
     flags = cpu_flags()
     out = []
     for dtype, who in uses.items():
         if not flags & set(HALF_UNITS[dtype]):
             out.append(f"{', '.join(who)} compute in {dtype} on a CPU without {' or '.join(HALF_UNITS[dtype])}: "
                        f"torch emulates {dtype} matmuls there, several times slower than float32 for long sequences "
-                       f"(perplexity, calibration, AWQ's scale search); [model] dtype = 'float32' avoids it")
+                       f"(perplexity, calibration, search); " + "; ".join(sorted(advice[dtype])))
     return out

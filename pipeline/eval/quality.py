@@ -15,7 +15,8 @@ from tqdm import tqdm
 
 from pipeline import data
 from pipeline.eval.perplexity import kl_top1, make_windows, perplexity, topk_reference, windowed_nll
-from pipeline.models import folder_bytes, linear_bits_per_weight, load_checkpoint
+from pipeline.eval.bits import linear_bits_per_weight
+from pipeline.models import folder_bytes, load_checkpoint
 
 log = logging.getLogger("compress")
 EVAL_IDS = "eval_ids.safetensors"

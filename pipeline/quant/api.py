@@ -45,7 +45,8 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.LongTensor | None
                 model = impl.quantize(base_dir, variant, calib_ids if c.needs_calibration else None, console, device)
                 details = impl.save(model, base_dir, out_dir, variant)
                 elapsed = time.perf_counter() - t0
-        except (RuntimeError, ValueError, OSError, NotImplementedError) as e:  # the engine's, with its log named
+        # the engine's, with its log named (libraries also assert their own preconditions)
+        except (RuntimeError, ValueError, OSError, NotImplementedError, AssertionError) as e:
             raise StageError(f"quantize {variant.name}: {c.engine} failed: {type(e).__name__}: {e} "
                              f"(its log: {out_dir / log_name})") from e
     log.info("quantize %s: done in %.1f s, peak memory +%.0f MiB", variant.name, elapsed, mem.above_start_bytes / 2**20)

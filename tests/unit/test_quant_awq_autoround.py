@@ -187,19 +187,29 @@ def test_runtimes_say_which_kernels_serve_them():
     assert "TorchAtenLinear" in ar["transformers (CPU)"]["kernel"] and ar["llama.cpp"]["kernel"] == "none"
 
 
+def tiny_recipe(tmp_path: Path, variants: str) -> Path:
+    """recipes/tiny.toml (config:tiny-llama, hidden 64) with these [[quantize]] tables and no draft."""
+    tiny = (ROOT / "recipes" / "tiny.toml").read_text()
+    head, tail = tiny.split("[[quantize]]", 1)[0], tiny[tiny.index("[validate.perplexity]"):]
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(head + variants + tail)
+    return recipe
+
+
 def test_compress_check_exit_2_names_the_key(tmp_path):
-    recipe = (ROOT / "recipes" / "methods.toml").read_text()
-    bad = tmp_path / "bad.toml"
-    bad.write_text(recipe.replace('name = "awq-w4g64"                    # AWQ', 'name = "awq-w4g64"\nbits = 8\n#'))
-    with pytest.raises(RecipeError, match="bits = 8 is not supported by awq"):
+    bad = tiny_recipe(tmp_path, '[[quantize]]\nname = "awq-w8"\nmethod = "awq"\nbits = 8\ngroup_size = 32\n\n')
+    with pytest.raises(RecipeError) as e:
         check(load_recipe(bad))
+    assert "bits = 8 is not supported by awq" in str(e.value)
+    # tiny-llama's v_proj has 32 out-features: GPTQModel's AWQ clipping search asserts multiples of 64
+    assert "self_attn.v_proj (32): add them to modules_to_skip" in str(e.value)
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", "check", str(bad)], capture_output=True, text=True,
                        cwd=ROOT)
-    assert r.returncode == 2 and "awq-w4g64" in r.stderr + r.stdout
+    assert r.returncode == 2 and "awq-w8" in r.stderr + r.stdout
 
 
 def test_bits_per_weight_counts_scales_zero_points_and_skipped_layers(quantized, tiny):
-    from pipeline.models import linear_bits_per_weight
+    from pipeline.eval.bits import linear_bits_per_weight
 
     assert linear_bits_per_weight(tiny) == 32.0  # float32
     # AWQ w4g64: 4-bit values, a 16-bit scale and a 4-bit zero point per 64 weights
@@ -214,19 +224,17 @@ def test_bits_per_weight_counts_scales_zero_points_and_skipped_layers(quantized,
 
 def test_tiny_recipe_runs_awq_and_autoround_end_to_end(tmp_path):
     """Through `compress run`: quantize, validate (a fresh process reloads each checkpoint), report rows, export."""
-    tiny = (ROOT / "recipes" / "tiny.toml").read_text()
-    head, tail = tiny.split("[[quantize]]", 1)[0], tiny[tiny.index("[validate.perplexity]"):]
-    variants = ('[[quantize]]\nname = "awq-w4g32"\nmethod = "awq"\ngroup_size = 32\n\n'
-                '[[quantize]]\nname = "autoround-w4g32"\nmethod = "autoround"\ngroup_size = 32\niters = 5\n\n')
-    recipe = tmp_path / "r.toml"
-    recipe.write_text(head + variants + tail)
+    recipe = tiny_recipe(tmp_path, '[[quantize]]\nname = "awq-w4g32"\nmethod = "awq"\ngroup_size = 32\n'
+                                   'modules_to_skip = ["lm_head", "self_attn.v_proj"]\n\n'
+                                   '[[quantize]]\nname = "autoround-w4g32"\nmethod = "autoround"\ngroup_size = 32\n'
+                                   'iters = 5\n\n')
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(recipe), "--set",
                         f"run.output_dir={tmp_path / 'out'}"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "tiny" / "report.json").read_text())
     for name, method in (("awq-w4g32", "awq"), ("autoround-w4g32", "autoround")):
         m = report["variants"][name]
-        assert m["method"] == method and m["ppl_ratio"] > 0 and m["bits_per_weight"] < 5
+        assert m["method"] == method and m["ppl_ratio"] > 0 and m["bits_per_weight"] < 8  # fp32: 32 (v_proj skipped)
         assert any(rt["runtime"] == "vLLM (CUDA)" for rt in m["runtimes"])
         assert (tmp_path / "out" / "tiny" / "export" / name / "README.md").is_file()
     assert report["run"]["status"] == "complete"
