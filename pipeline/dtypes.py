@@ -60,6 +60,8 @@ def cpu_flags() -> set[str]:
 def native_half(device: str, dtype: str = "bfloat16") -> bool:
     """Whether `device` computes `dtype` matmuls in hardware (CUDA: yes; a CPU: only with the units for it)."""
     return device != "cpu" or bool(cpu_flags() & set(HALF_UNITS[dtype]))
+
+
 # safetensors header dtype codes of the floating-point dtypes above
 SAFETENSORS_DTYPES: dict[str, str] = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
