@@ -10,6 +10,7 @@ scratch folder inside out_dir and save() moves the checkpoint up.
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -93,8 +94,6 @@ def _checkpoint_folder(export: Path) -> Path:
 
 
 def save(folder: Path, base_dir: Path, out_dir: Path, variant) -> dict:
-    import json
-
     for f in folder.glob("*.safetensors*"):
         shutil.move(str(f), out_dir / f.name)
     qc = json.loads((folder / "config.json").read_text())["quantization_config"]
