@@ -61,8 +61,11 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
         for rt in v["runtimes"]:
             note = f" — {rt['note']}" if rt.get("note") else ""
             click.echo(f"            {rt['runtime']}: {rt['kernel']}{note}")
-    mem = ", ".join(f"{k} {b / GiB:.1f}" for k, b in plan.memory.items())
-    click.echo(f"memory    estimated peak {plan.peak_memory / GiB:.1f} GiB of {plan.memory_limit / GiB:.1f} GiB ({mem} GiB)")
+    click.echo(f"memory    estimated peak {plan.peak_memory / GiB:.2f} GiB of {plan.memory_limit / GiB:.2f} GiB "
+               f"({'[run] max_memory_gb' if r.run.max_memory_gb else 'this machine'}), per stage:")
+    for k, b in plan.memory.items():
+        how = "offloaded to disk (streams weights)" if plan.offload.get(k) else "in memory"
+        click.echo(f"            {k:<32}{b / GiB:>7.2f} GiB  {how}")
     disk = ", ".join(f"{k} {b / GiB:.2f}" for k, b in plan.disk.items() if b) or "nothing large"
     reused = f", {plan.disk_reused / GiB:.2f} GiB already there" if plan.disk_reused else ""
     click.echo(f"disk      about {sum(plan.disk.values()) / GiB:.2f} GiB in the run folder ({disk} GiB{reused}); "
@@ -100,9 +103,11 @@ def _print_summary(run_dir: Path, wall: float) -> None:
     except CompressError as e:
         click.echo(f"no summary: {e}", err=True)
         return
-    click.echo(f"\n{'stage':<34}{'status':<10}{'time s':>9}{'peak MiB':>10}", err=True)
+    click.echo(f"\n{'stage':<34}{'status':<10}{'time s':>9}{'peak MiB':>10}{'predicted':>11}", err=True)
     for key, s in report.stages.items():
-        click.echo(f"{key:<34}{s.status:<10}{s.time_s:>9.1f}{s.peak_rss_bytes / 2**20:>10.0f}", err=True)
+        guess = report.run.predicted_peak_bytes.get(key.removesuffix("/quality") if key.startswith("validate/") else key)
+        click.echo(f"{key:<34}{s.status:<10}{s.time_s:>9.1f}{s.peak_rss_bytes / 2**20:>10.0f}"
+                   f"{(f'{guess / 2**20:.0f}' if guess else '-'):>11}", err=True)
     rows = ([("baseline", report.baseline)] if report.baseline else []) + list(report.variants.items())
     click.echo(f"\n{'model':<20}{'ppl':>10}{'ratio':>8}{'KL':>9}{'top1':>7}{'disk MiB':>10}", err=True)
     for name, e in rows:

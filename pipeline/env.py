@@ -23,6 +23,7 @@ def cache_root() -> Path:
 
 def tame() -> None:
     """Set the variables the quantization stack needs on small CPU machines."""
+    release_freed_memory()
     cores = cpu_count()
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, min(cores, 2))))
     # tokenicer (a GPTQModel dependency) sets its own HF_HOME when unset: pin the standard one.
@@ -32,3 +33,22 @@ def tame() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+# glibc serves a freed block up to its dynamic mmap threshold (which rises to 32 MiB as large blocks are freed)
+# from its heap and keeps the pages: a model written or loaded tensor by tensor then holds every size class it
+# ever used. Measured writing a 1.7B-parameter bfloat16 model tensor by tensor: peak RSS 1.74 GiB with the
+# default, 0.72 GiB with a fixed 1 MiB threshold (blocks above it are mapped and unmapped whole).
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def release_freed_memory() -> None:
+    """Blocks of MMAP_THRESHOLD_BYTES and more go back to the OS when freed (glibc mallopt M_MMAP_THRESHOLD; the
+    variable MALLOC_MMAP_THRESHOLD_ does the same for child processes). A no-op without glibc."""
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD_BYTES)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        pass

@@ -67,7 +67,7 @@ def execute(recipe, recipe_path: Path, plan: Plan) -> int:
     except OSError as e:
         raise StageError(f"cannot write to the run folder {run_dir}: {e.strerror}") from None
     with RunLock(run_dir):
-        return _execute_locked(recipe, recipe_path, run_dir)
+        return _execute_locked(recipe, recipe_path, run_dir, plan)
 
 
 @contextmanager
@@ -84,7 +84,7 @@ def stop_signals():
             signal.signal(s, handler)
 
 
-def _execute_locked(recipe, recipe_path: Path, run_dir: Path) -> int:
+def _execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None = None) -> int:
     from pipeline.env import tame
 
     tame()
@@ -99,6 +99,10 @@ def _execute_locked(recipe, recipe_path: Path, run_dir: Path) -> int:
     vers, run_id = versions(), schema.new_run_id()
     report = schema.new_report(run_id=run_id, name=recipe.run.name, recipe=str(recipe_path), device=device,
                                seed=recipe.run.seed, versions=vers)
+    if plan is not None:
+        report.run.predicted_peak_bytes = dict(plan.memory)
+        report.run.offloaded = sorted(k for k, v in plan.offload.items() if v)
+        report.run.memory_limit_bytes = plan.memory_limit if recipe.run.max_memory_gb else None
     runner = Runner(run_dir, recipe.run.seed, device, vers, report, run_id)
     with stop_signals():
         try:

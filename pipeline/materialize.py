@@ -137,6 +137,36 @@ def _check_covered(model, written: set[str], path: Path) -> None:
                          f"{type(model).__name__} ({', '.join(missing[:5])})")
 
 
+# ---------------------------------------------------------------- a config: random weights, tensor by tensor
+
+
+def random_to_safetensors(config, out: Path, dtype: str, seed: int, trust_remote_code: bool = False) -> None:
+    """The model `config` describes with random weights, written into safetensors in `out` one tensor at a time:
+    the model is built on the meta device, and each tensor's module is materialised, initialised by the model's
+    own `_init_weights` (transformers' initialisation for that architecture), written and dropped. Deterministic
+    for a seed (tensors are drawn in name order). Tied weights are written once, as save_pretrained does."""
+    model = meta_model(config, trust_remote_code, dtype)
+    groups: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        groups.setdefault(id(t), []).append(name)
+    params = dict(model.state_dict(keep_vars=True))
+    entries = sorted((names[0], list(params[names[0]].shape)) for names in groups.values())
+    torch.manual_seed(seed)
+
+    def produce(name: str) -> torch.Tensor:
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module.to_empty(device="cpu", recurse=False)
+        with torch.no_grad():
+            model._init_weights(module)
+        t = getattr(module, attr).detach().clone()
+        module.to_empty(device="meta", recurse=False)
+        return t
+
+    write_safetensors(out, [(name, shape, (lambda n=name: produce(n))) for name, shape in entries], dtype)
+    write_config(config, out, dtype, type(model).__name__)
+
+
 # ---------------------------------------------------------------- safetensors, written one tensor at a time
 
 

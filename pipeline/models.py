@@ -78,8 +78,13 @@ def check_vocab(tokenizer, vocab_size: int) -> None:
                          f"{vocab_size}; pick a matching [model].tokenizer")
 
 
-def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None = None):
-    """A checkpoint folder written by a stage (plain, GPTQ, bitsandbytes, or one .gguf file), ready for inference."""
+def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None = None,
+                    offload: tuple[int, Path] | None = None):
+    """A checkpoint folder written by a stage (plain, GPTQ, bitsandbytes, or one .gguf file), ready for inference.
+    offload (a plain checkpoint on the CPU only): (bytes of weights to keep in memory, a scratch folder): accelerate
+    keeps the first layers in memory and reads the others from the checkpoint's own safetensors files at each
+    forward (nothing is copied when the files are safetensors in the loaded dtype; anything else it writes goes to
+    the scratch folder)."""
     from transformers import AutoModelForCausalLM
 
     gguf_file = single_gguf(folder)
@@ -89,6 +94,13 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
     kwargs: dict = {}
     if "quantization_config" not in config:
         kwargs["dtype"] = dtype or torch_dtype(config_dtype(config))
+    if offload is not None:
+        if "quantization_config" in config or device != "cpu":
+            raise StageError(f"{folder}: only a plain checkpoint on the CPU is offloaded to disk here")
+        in_memory, scratch = offload
+        model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory={"cpu": in_memory},
+                                                     offload_folder=str(scratch), **kwargs)
+        return model.eval()
     if config.get("quantization_config", {}).get("quant_method") in ("gptq", "awq"):  # GPTQModel's kernels
         from pipeline.env import tame
 

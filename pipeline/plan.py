@@ -13,8 +13,7 @@ from pipeline.errors import RecipeError
 from pipeline.dtypes import HALF_UNITS, cpu_flags, dtype_bytes, resolve_dtype
 from pipeline.sources import ModelInfo, describe, link_problem, parse
 
-GiB = 1 << 30
-RUNTIME_OVERHEAD = int(1.5 * GiB)  # interpreter + torch + transformers + GPTQModel imported
+from pipeline.footprint import GiB, RUNTIME_OVERHEAD, WORKER_OVERHEAD, quantize_bytes, window_bytes
 TRACKED_PACKAGES = ("torch", "transformers", "gptqmodel", "bitsandbytes", "optimum", "accelerate", "datasets",
                     "huggingface-hub", "safetensors", "gguf", "torchao", "pydantic", "numpy", "compress")
 
@@ -28,6 +27,7 @@ class Plan:
     variants: list[dict] = field(default_factory=list)
     memory: dict[str, int] = field(default_factory=dict)
     memory_limit: int = 0
+    offload: dict[str, bool] = field(default_factory=dict)  # stages that stream weights from disk to fit the limit
     disk: dict[str, int] = field(default_factory=dict)  # bytes each stage writes into the run folder (estimate)
     disk_free: int = 0  # free bytes on the run folder's filesystem
     disk_reused: int = 0  # bytes an earlier run already wrote into the run folder (a rerun reuses them)
@@ -86,12 +86,14 @@ def check(recipe) -> Plan:
     problems += _check_gates(recipe, random_init=source.random_init)
     _estimate_memory(recipe, info, plan, source)
     if plan.peak_memory > plan.memory_limit:
-        over = ", ".join(f"{k} needs {b / GiB:.1f} GiB" for k, b in plan.memory.items() if b > plan.memory_limit)
+        over = ", ".join(f"{k} needs {b / GiB:.2f} GiB" for k, b in plan.memory.items() if b > plan.memory_limit)
         where = "[run].max_memory_gb" if recipe.run.max_memory_gb else "this machine's memory"
         problems.append(f"estimated peak memory {plan.peak_memory / GiB:.1f} GiB exceeds the "
-                        f"{plan.memory_limit / GiB:.1f} GiB available ({where}): stage {over}; "
-                        "lower calibration.num_samples/seq_len, validate.perplexity.seq_len or draft.distill.batch_size"
-                        " (no stage offloads weights to disk yet)")
+                        f"{plan.memory_limit / GiB:.1f} GiB available ({where}): {over}; "
+                        "lower calibration.num_samples/seq_len, validate.perplexity.seq_len or draft.distill.batch_size,"
+                        " or raise the limit (offloaded to disk where a stage can: GPTQ and RTN quantization, the "
+                        "baseline's perplexity; quantized checkpoints, bitsandbytes, torchao, AWQ, AutoRound, GGUF and "
+                        "the draft must fit)")
     problems += _estimate_disk(recipe, info, plan, source)
     plan.warnings += _half_precision_on_cpu(recipe, plan)
     if problems:
@@ -225,41 +227,67 @@ def _check_gates(recipe, random_init: bool) -> list[str]:
 
 
 def _estimate_memory(recipe, info: ModelInfo, plan: Plan, source) -> None:
-    """Rough peak RSS per stage (bytes): weights in the baseline's dtype plus the largest activation buffers
-    (float32)."""
+    """Predicted peak RSS per stage (bytes, runtime included), keyed like the run's stages ("load",
+    "quantize/<name>", "validate/<model>", "draft"), and which of them stream weights from disk (plan.offload).
+    A stage that can offload (GPTQ and RTN through GPTQModel, the plain baseline's perplexity through accelerate)
+    does so when [run] max_memory_gb is set and the in-memory way would exceed it; the others must fit."""
     p = max(info.n_params, 1)
-    h = info.config.get("hidden_size") or 0
-    vocab = info.config.get("vocab_size") or 0
-    inter = info.config.get("intermediate_size") or 0
+    cfg = info.config
+    h = cfg.get("hidden_size") or 0
+    vocab = cfg.get("vocab_size") or 0
+    inter = cfg.get("intermediate_size") or 0
     w = dtype_bytes(plan.dtype) * p
     cal = recipe.calibration
     ppl = recipe.validate_.perplexity
+    limit = recipe.run.max_memory_gb
+    plan.memory_limit = int(limit * GiB) if limit else machine_memory()
+    capped = limit is not None and plan.device == "cpu"
     # load: a checkpoint folder kept in its dtype is linked (headers read, no weights in memory); a GGUF is
-    # dequantized tensor by tensor into safetensors (its largest tensor in float32 and converted; MoE GGUFs whose
-    # tensors transformers merges are loaded whole instead, not estimated here); a config: model is built once in
-    # its dtype; a folder converted to another dtype is loaded (one copy) and saved from memory
-    largest = 4 * max(vocab * h, h * inter, 1)
+    # dequantized and a config: model initialised tensor by tensor into safetensors (its largest tensor in float32
+    # and converted; MoE GGUFs whose tensors transformers merges are loaded whole instead, not estimated here); a
+    # folder converted to another dtype is loaded (one copy) and saved from memory
+    largest = max(vocab * h, h * inter, 1)
     if source.kind in ("dir", "hf") and link_problem(source, plan.dtype) is None:
-        plan.memory["load"] = 0
-    elif source.kind in ("gguf", "pkg"):
-        plan.memory["load"] = 2 * largest
+        plan.memory["load"] = WORKER_OVERHEAD
+    elif source.kind in ("gguf", "pkg"):  # dequantized in float32, then converted
+        plan.memory["load"] = WORKER_OVERHEAD + (4 + dtype_bytes(plan.dtype)) * largest
+    elif source.kind == "config":  # initialised in its module, then copied out
+        plan.memory["load"] = WORKER_OVERHEAD + 2 * dtype_bytes(plan.dtype) * largest
     else:
-        plan.memory["load"] = w + largest
-    if recipe.quantize:
-        plan.memory["quantize"] = 2 * w + cal.num_samples * cal.seq_len * h * 4 * 4
-    plan.memory["validate"] = w + ppl.seq_len * vocab * 4 * 4
+        plan.memory["load"] = RUNTIME_OVERHEAD + w + 4 * largest
+    from pipeline.quant.capabilities import caps
+
+    cal_tokens = cal.num_samples * cal.seq_len
+    embed = vocab * h * dtype_bytes(plan.dtype)
+    for v in recipe.quantize:
+        key = f"quantize/{v.name}"
+        if v.method in ("gptq", "rtn", "awq"):
+            need = quantize_bytes(cfg, w, cal_tokens if v.method != "rtn" else 0, offload=False)
+            if capped and caps(v).offload and need > plan.memory_limit:
+                plan.offload[key] = True
+                need = quantize_bytes(cfg, w, cal_tokens if v.method != "rtn" else 0, offload=True)
+        elif v.method.startswith("bnb"):  # quantized while loading, tensor by tensor
+            need = RUNTIME_OVERHEAD + int((p - vocab * h) * variant_bits(v) / 8) + embed + 4 * h * max(inter, h)
+        else:  # loaded whole, then quantized or searched
+            need = RUNTIME_OVERHEAD + 2 * w + cal_tokens * h * 4 * 4
+        plan.memory[key] = need
+    win = window_bytes(cfg, ppl.seq_len)
+    need = WORKER_OVERHEAD + w + win
+    if capped and need > plan.memory_limit:  # accelerate keeps what fits and reads the rest at each forward
+        plan.offload["validate/baseline"] = True
+        need = max(plan.memory_limit, WORKER_OVERHEAD + win + w // max(cfg.get("num_hidden_layers") or 1, 1))
+    plan.memory["validate/baseline"] = need
+    for v in recipe.quantize:  # a quantized checkpoint is never offloaded (transformers refuses most of them)
+        stored = int((p - vocab * h) * variant_bits(v) / 8) + embed
+        plan.memory[f"validate/{v.name}"] = WORKER_OVERHEAD + stored + win
     if recipe.draft is not None:
         dd = recipe.draft.distill
         if dd.steps == 0:  # verifier + the draft, and a copy of it when saved in another dtype
             draft_w = 4 * plan.draft_model.n_params if plan.draft_model else w  # layer drafts: at most the verifier
-            plan.memory["draft"] = w + 2 * draft_w
+            plan.memory["draft"] = RUNTIME_OVERHEAD + w + 2 * draft_w
         else:
             # the verifier in its dtype; the draft (at most the verifier) and its gradients train in float32
-            plan.memory["draft"] = w + 2 * 4 * p + dd.batch_size * dd.seq_len * vocab * 4 * 6
-    for k in plan.memory:
-        plan.memory[k] += RUNTIME_OVERHEAD
-    limit = recipe.run.max_memory_gb
-    plan.memory_limit = int(limit * GiB) if limit else machine_memory()
+            plan.memory["draft"] = RUNTIME_OVERHEAD + w + 2 * 4 * p + dd.batch_size * dd.seq_len * vocab * 4 * 6
 
 
 # bits per weight of the formats whose variants carry no `bits` (scales included)
@@ -330,30 +358,25 @@ HALF = ("bfloat16", "float16")
 
 
 def _half_precision_on_cpu(recipe, plan: Plan) -> list[str]:
-    """A warning when the run computes in bfloat16/float16 on a CPU without units for it: torch then emulates the
-    matmuls (measured on a 2-core AVX2 machine: 1-6 GFLOPS against 38-53 in float32; a 2048-token SmolLM2 forward
-    3.7x slower, batch-1 decode 2x faster: it is memory-bound)."""
+    """A note when models run in bfloat16/float16 on a CPU without units for it: torch emulates those matmuls
+    (measured on a 2-core AVX2 machine: 1-6 GFLOPS against 38-53 in float32). Quantization and quality compute them
+    in float32 from the 16-bit weights (pipeline/compute.py); the speed figures and the draft's distillation and
+    acceptance measurement run as transformers runs them."""
     if plan.device != "cpu":
         return []
     uses: dict[str, list[str]] = {}
-    advice: dict[str, set[str]] = {}
     if plan.dtype in HALF:
-        uses.setdefault(plan.dtype, []).append("the baseline (validate, draft)")
-        advice.setdefault(plan.dtype, set()).add("[model] dtype = 'float32' avoids it for the baseline")
+        uses.setdefault(plan.dtype, []).append("the baseline")
     for v in recipe.quantize:
-        awq = v.method == "awq"
-        dtype = getattr(v, "dtype", None) or ("bfloat16" if awq and plan.dtype not in HALF else None)
+        dtype = getattr(v, "dtype", None) or ("bfloat16" if v.method == "awq" and plan.dtype not in HALF else None)
         if dtype in HALF:
             uses.setdefault(dtype, []).append(v.name)
-            advice.setdefault(dtype, set()).add(
-                "AWQ (GPTQModel) runs in 16-bit only: on this CPU its scale search takes minutes per layer of a "
-                "135M model (recipes/awq-cpu.toml), a GPU is its place" if awq else
-                f"dtype unset on {v.name} runs it in the baseline's precision")
     flags = cpu_flags()
     out = []
     for dtype, who in uses.items():
         if not flags & set(HALF_UNITS[dtype]):
-            out.append(f"{', '.join(who)} compute in {dtype} on a CPU without {' or '.join(HALF_UNITS[dtype])}: "
-                       f"torch emulates {dtype} matmuls there, several times slower than float32 for long sequences "
-                       f"(perplexity, calibration, search); " + "; ".join(sorted(advice[dtype])))
+            out.append(f"{', '.join(who)} in {dtype} on a CPU without {' or '.join(HALF_UNITS[dtype])}: "
+                       f"quantization and quality compute their matmuls in float32 from the {dtype} weights; speed, "
+                       f"distillation and speculative decoding run with torch's emulated {dtype} matmuls, several "
+                       f"times slower than float32 for long sequences ([model] dtype = 'float32' avoids it)")
     return out

@@ -170,7 +170,7 @@ def _quality(args: dict) -> dict:
 
     ref = Path(args["reference"]) if args.get("reference") else None
     return evaluate(Path(args["model_dir"]), Path(args["out"]), PerplexityConfig(**args["perplexity"]),
-                    SmokeConfig(**args["smoke"]), args["device"], ref, args["label"])
+                    SmokeConfig(**args["smoke"]), args["device"], ref, args["label"], args.get("memory_limit"))
 
 
 def _speculative(args: dict) -> dict:

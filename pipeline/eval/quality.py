@@ -4,8 +4,10 @@ size on disk and in-memory footprint. Runs inside a fresh worker process (pipeli
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -14,9 +16,14 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from pipeline import data
+from pipeline.compute import describe as describe_compute
+from pipeline.compute import float32_matmuls
+from pipeline.errors import StageError
 from pipeline.eval.perplexity import kl_top1, make_windows, perplexity, topk_reference, windowed_nll
 from pipeline.eval.bits import linear_bits_per_weight
-from pipeline.models import folder_bytes, load_checkpoint
+from pipeline.memory import rss_bytes
+from pipeline.models import folder_bytes, load_checkpoint, single_gguf
+from pipeline.footprint import GiB, window_bytes
 
 log = logging.getLogger("compress")
 EVAL_IDS = "eval_ids.safetensors"
@@ -68,6 +75,28 @@ def measure_perplexity(model, ids: torch.Tensor, cfg, out: Path, reference: Path
     return result
 
 
+def offload_bytes(model_dir: Path, seq_len: int, limit: int | None, device: str) -> int | None:
+    """None when the checkpoint in model_dir fits `limit` beside this process's memory now and one window's
+    activations (or there is no limit); else the bytes of its weights to keep in memory, the rest offloaded.
+    Quantized checkpoints and GPU runs are not offloaded here (`compress check` requires them to fit)."""
+    if limit is None or device != "cpu":
+        return None
+    config = json.loads((model_dir / "config.json").read_text())
+    if "quantization_config" in config or single_gguf(model_dir) is not None:
+        return None
+    room = limit - rss_bytes() - window_bytes(config, seq_len)
+    weights = folder_bytes(model_dir)
+    if weights <= room:
+        return None
+    layer = weights // max(config.get("num_hidden_layers") or 1, 1)
+    if room < layer:
+        raise StageError(f"{model_dir.name}: [run] max_memory_gb = {limit / GiB:.2f} GiB leaves {room / GiB:.2f} GiB "
+                         f"for weights beside a {seq_len}-token window's activations "
+                         f"({window_bytes(config, seq_len) / GiB:.2f} GiB); offloading needs room for at least one "
+                         f"layer ({layer / GiB:.2f} GiB): raise max_memory_gb or lower validate.perplexity.seq_len")
+    return room
+
+
 def is_degenerate(text: str) -> str | None:
     """Why a generated text looks like garbage, or None. Catches empty output and loops."""
     words = text.split()
@@ -107,17 +136,35 @@ def smoke_test(model, tokenizer, cfg) -> dict:
     return {"ok": all(o["ok"] for o in outputs), "outputs": outputs, "chat_template": bool(tokenizer.chat_template)}
 
 
-def evaluate(model_dir: Path, out: Path, ppl_cfg, smoke_cfg, device: str, reference: Path | None, label: str) -> dict:
+def evaluate(model_dir: Path, out: Path, ppl_cfg, smoke_cfg, device: str, reference: Path | None, label: str,
+             memory_limit: int | None = None) -> dict:
+    """memory_limit: the bytes this process may hold ([run] max_memory_gb); a plain checkpoint that does not fit
+    beside a window's activations is offloaded to disk (offload_bytes)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = load_checkpoint(model_dir, device)
+    in_memory = offload_bytes(model_dir, ppl_cfg.seq_len, memory_limit, device)
+    offload = None
+    if in_memory is not None:
+        scratch = out / "offload"
+        scratch.mkdir(exist_ok=True)
+        offload = (in_memory, scratch)
+        log.info("%s: %.2f GiB of weights do not fit %.2f GiB ([run] max_memory_gb) beside a window's activations: "
+                 "%.2f GiB stay in memory, the rest is read from disk at each forward (accelerate offload)", label,
+                 folder_bytes(model_dir) / GiB, memory_limit / GiB, in_memory / GiB)
+    model = load_checkpoint(model_dir, device, offload=offload)
+    dtype = model.dtype
     ids = eval_ids(tokenizer, ppl_cfg, out, reference)
-    result = {"perplexity": measure_perplexity(model, ids, ppl_cfg, out, reference, label),
-              "footprint_bytes": int(model.get_memory_footprint()),
-              "size_on_disk_bytes": folder_bytes(model_dir), "bits_per_weight": linear_bits_per_weight(model_dir)}
-    if smoke_cfg.enabled:
-        result["smoke"] = smoke_test(model, tokenizer, smoke_cfg)
+    with float32_matmuls(dtype, device):  # a 16-bit model on a CPU without 16-bit units (pipeline/compute.py)
+        result = {"perplexity": measure_perplexity(model, ids, ppl_cfg, out, reference, label),
+                  "footprint_bytes": int(model.get_memory_footprint()), "compute": describe_compute(dtype, device),
+                  "size_on_disk_bytes": folder_bytes(model_dir), "bits_per_weight": linear_bits_per_weight(model_dir)}
+        if offload is not None:
+            result["offload"] = {"in_memory_bytes": in_memory, "limit_bytes": memory_limit}
+        if smoke_cfg.enabled:
+            result["smoke"] = smoke_test(model, tokenizer, smoke_cfg)
+    if offload is not None:
+        shutil.rmtree(offload[1], ignore_errors=True)
     if not math.isfinite(result["perplexity"]["value"]):
         log.warning("%s: perplexity is not finite", label)
     return result

@@ -3,14 +3,18 @@ from __future__ import annotations
 
 import importlib
 import logging
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from pipeline.compute import describe as describe_compute
 from pipeline.env import tame
 from pipeline.errors import StageError
 from pipeline.memory import PeakMemory
+from pipeline.footprint import GiB, quantize_peak
 from pipeline.quant.capabilities import caps
 from pipeline.quant.common import calibration_fingerprint, captured_output
 
@@ -19,10 +23,11 @@ ENGINE_LOGGERS = ("logbar", "gptqmodel", "tokenicer", "transformers", "bitsandby
 
 
 def quantize_variant(base_dir: Path, variant, calib_ids: torch.LongTensor | None, out_dir: Path,
-                     log: logging.Logger, seed: int, device: str | None = None) -> dict:
+                     log: logging.Logger, seed: int, device: str | None = None, memory_limit: int | None = None) -> dict:
     """Quantize the HF checkpoint in base_dir as `variant` into out_dir (config, safetensors, tokenizer,
     generation config, the engine's log). Returns the manifest fields. Writes nothing outside out_dir
-    except library caches (torch extensions, HF)."""
+    except library caches (torch extensions, HF). memory_limit ([run] max_memory_gb in bytes): a method that can
+    stream the model from disk does so when the plan predicts the in-memory way would exceed it."""
     c = caps(variant)
     base_dir, out_dir = Path(base_dir).resolve(), Path(out_dir).resolve()  # engines may chdir
     if c.needs_calibration and calib_ids is None:
@@ -35,6 +40,14 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.LongTensor | None
     tame()
     log_name = f"{c.engine}.log"
     log.info("quantize %s: %s (%s) on %s; engine log: %s", variant.name, c.name, c.engine, device, log_name)
+    offload = None
+    if c.offload and device == "cpu" and memory_limit is not None:
+        need = quantize_peak(base_dir, calib_ids, offload=False)
+        if need > memory_limit:
+            offload = Path(tempfile.mkdtemp(prefix=".offload-", dir=out_dir))
+            log.info("quantize %s: the model in memory would need about %.1f GiB, over the %.1f GiB limit "
+                     "([run] max_memory_gb): streaming it from disk one layer at a time (about %.1f GiB)", variant.name,
+                     need / GiB, memory_limit / GiB, quantize_peak(base_dir, calib_ids, offload=True) / GiB)
     with captured_output(out_dir / log_name, ENGINE_LOGGERS) as console:
         impl = implementation(variant)
         importlib.import_module(c.engine)  # import-time memory is not the variant's: import before measuring
@@ -42,16 +55,22 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.LongTensor | None
         try:
             with PeakMemory() as mem, impl.session(out_dir):
                 t0 = time.perf_counter()
-                model = impl.quantize(base_dir, variant, calib_ids if c.needs_calibration else None, console, device)
+                calib = calib_ids if c.needs_calibration else None
+                model = (impl.quantize(base_dir, variant, calib, console, device) if offload is None else
+                         impl.quantize(base_dir, variant, calib, console, device, offload=offload))
                 details = impl.save(model, base_dir, out_dir, variant)
                 elapsed = time.perf_counter() - t0
         # the engine's, with its log named (libraries also assert their own preconditions)
         except (RuntimeError, ValueError, OSError, NotImplementedError, AssertionError) as e:
             raise StageError(f"quantize {variant.name}: {c.engine} failed: {type(e).__name__}: {e} "
                              f"(its log: {out_dir / log_name})") from e
+        finally:
+            if offload is not None:
+                shutil.rmtree(offload, ignore_errors=True)
     log.info("quantize %s: done in %.1f s, peak memory +%.0f MiB", variant.name, elapsed, mem.above_start_bytes / 2**20)
     return {
         "method": c.name, "params": variant.model_dump(mode="json"), **details, "device": device, "seed": seed,
+        "compute": describe_compute(details.get("dtype"), device), "offloaded": offload is not None,
         "time_s": round(elapsed, 3), "peak_rss_above_baseline_bytes": mem.above_start_bytes,
         "calibration": calibration_fingerprint(calib_ids) if c.needs_calibration else None,
         "log": log_name,

@@ -18,6 +18,7 @@ from typing import IO, Iterator
 
 import torch
 
+from pipeline.compute import float32_matmuls
 from pipeline.dtypes import torch_dtype
 from pipeline.quant.common import base_dtype, finish_checkpoint, skipped_linears
 from pipeline.quant.gptq import quantized_in_blocks
@@ -61,7 +62,7 @@ def quantize(base_dir: Path, variant, calib_ids: torch.Tensor, console: IO[str],
                    layer_config=layer_config or None, device_map=device, seed=torch.initial_seed(),
                    enable_torch_compile=False)
     export = Path(tempfile.mkdtemp(prefix="export-", dir=Path.cwd()))
-    with _block_bar_on(console):
+    with _block_bar_on(console), float32_matmuls(dtype, device):  # pipeline/compute.py
         ar.quantize_and_save(str(export), format=EXPORT_FORMAT)
     return _checkpoint_folder(export)
 

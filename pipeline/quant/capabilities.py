@@ -33,6 +33,7 @@ class MethodCaps:
     note: str = ""
     check: Optional[Callable[..., list[str]]] = None  # method-specific rules: check(variant, arch, device) -> problems
     runtimes: Optional[Callable[..., list[dict]]] = None  # runtimes(variant, arch) -> rows; None = by format below
+    offload: bool = False  # quantize(..., offload=folder) streams the model from disk layer by layer
 
 
 METHODS: Registry[MethodCaps] = Registry("quantization method")
@@ -42,9 +43,10 @@ _BNB_DTYPES = DTYPE_NAMES
 
 for _caps in (
     MethodCaps("gptq", "gptqmodel", "pipeline.quant.gptq", "gptq", (2, 3, 4, 8), GPTQ_GROUP_SIZES,
-               _GPTQ_DTYPES, ("cpu", "cuda"), True, "GPTQ (Frantar et al. 2022) through GPTQModel"),
+               _GPTQ_DTYPES, ("cpu", "cuda"), True, "GPTQ (Frantar et al. 2022) through GPTQModel", offload=True),
     MethodCaps("rtn", "gptqmodel", "pipeline.quant.rtn", "gptq", (2, 3, 4, 8), GPTQ_GROUP_SIZES,
-               _GPTQ_DTYPES, ("cpu", "cuda"), False, "round-to-nearest, min/max scales, GPTQ checkpoint format"),
+               _GPTQ_DTYPES, ("cpu", "cuda"), False, "round-to-nearest, min/max scales, GPTQ checkpoint format",
+               offload=True),
     MethodCaps("bnb-int8", "bitsandbytes", "pipeline.quant.bnb", "bitsandbytes", (8,), (),
                _BNB_DTYPES, ("cpu", "cuda"), False, "LLM.int8() (Dettmers et al. 2022), quantized while loading"),
     MethodCaps("bnb-nf4", "bitsandbytes", "pipeline.quant.bnb", "bitsandbytes", (4,), (),

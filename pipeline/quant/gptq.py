@@ -19,6 +19,7 @@ from typing import IO, Iterator
 
 import torch
 
+from pipeline.compute import float32_matmuls
 from pipeline.quant.capabilities import skip_pattern
 from pipeline.dtypes import torch_dtype
 from pipeline.quant.common import LayerProgress, base_dtype, finish_checkpoint
@@ -88,23 +89,29 @@ def session(out_dir: Path) -> Iterator[None]:
         _collect_logs(scratch, out_dir / f"{ENGINE}.log")
 
 
-def quantize(base_dir: Path, variant, calib_ids: torch.Tensor, console: IO[str], device: str):
+def quantize(base_dir: Path, variant, calib_ids: torch.Tensor, console: IO[str], device: str,
+             offload: Path | None = None):
     return quantize_with(base_dir, gptq_config(variant), calibration_rows(calib_ids), console, variant.name,
-                         variant.dtype or base_dtype(base_dir), device)
+                         variant.dtype or base_dtype(base_dir), device, offload=offload)
 
 
 def quantize_with(base_dir: Path, qcfg, calibration: list[dict] | None, console: IO[str], label: str,
-                  dtype: str, device: str, backend=None):
+                  dtype: str, device: str, backend=None, offload: Path | None = None):
     """Load base_dir in `dtype` and quantize it with GPTQModel config `qcfg`: the in-memory GPTQModel model.
-    backend: the kernel GPTQModel packs for (None = its choice)."""
+    backend: the kernel GPTQModel packs for (None = its choice). offload: a scratch folder: GPTQModel builds the
+    model on the meta device and reads one decoder layer at a time from base_dir's safetensors (its "lazy
+    turtle"), writing finished layers to that folder; `save` scrubs the folder from the saved config."""
     from gptqmodel import GPTQModel
 
+    if offload is not None:
+        qcfg.offload_to_disk, qcfg.offload_to_disk_path = True, str(offload)
     n_layers = json.loads((base_dir / "config.json").read_text()).get("num_hidden_layers", 0)
     progress = LayerProgress(n_layers, label, console)
     try:
         model = GPTQModel.load(str(base_dir.resolve()), qcfg, device=device, dtype=torch_dtype(dtype))
         model.layer_callback = progress.layer_done
-        model.quantize(calibration, batch_size=1, **({"backend": backend} if backend is not None else {}))
+        with float32_matmuls(dtype, device):  # a 16-bit model on a CPU without 16-bit units (pipeline/compute.py)
+            model.quantize(calibration, batch_size=1, **({"backend": backend} if backend is not None else {}))
         progress.finish()
     finally:
         progress.close()
@@ -113,6 +120,7 @@ def quantize_with(base_dir: Path, qcfg, calibration: list[dict] | None, console:
 
 def save(model, base_dir: Path, out_dir: Path, variant) -> dict:
     model.save(str(out_dir.resolve()))
+    scrub_offload(out_dir)
     # per-module loss table with wall times: into the log, so the checkpoint itself is reproducible
     _append_file(out_dir / "quant_log.csv", out_dir / f"{ENGINE}.log")
     qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
@@ -121,6 +129,21 @@ def save(model, base_dir: Path, out_dir: Path, variant) -> dict:
     dtype = variant.dtype or base_dtype(base_dir)
     finish_checkpoint(base_dir, out_dir, qc, dtype)
     return {"engine": ENGINE, "engine_version": engine_version(), "engine_config": qc, "dtype": dtype}
+
+
+def scrub_offload(out_dir: Path) -> None:
+    """GPTQModel saves its disk-offload setting and scratch path in the checkpoint's quantization config: written
+    as when nothing was offloaded (the scratch folder is gone; the weights are the same either way)."""
+    for name in ("quantize_config.json", "config.json"):
+        path = out_dir / name
+        if not path.is_file():
+            continue
+        cfg = json.loads(path.read_text())
+        qc = cfg.get("quantization_config", cfg) if name == "config.json" else cfg
+        meta = qc.get("meta") if isinstance(qc, dict) else None
+        if isinstance(meta, dict) and (meta.get("offload_to_disk") or meta.get("offload_to_disk_path")):
+            meta["offload_to_disk"], meta["offload_to_disk_path"] = False, None
+            path.write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def quantized_in_blocks(out_dir: Path) -> list[list[str]]:

@@ -21,6 +21,7 @@ def rtn_config(variant):
     return RTNConfig(**common_kwargs(variant))  # no smoother: plain min/max scales
 
 
-def quantize(base_dir: Path, variant, calib_ids: torch.Tensor | None, console: IO[str], device: str):
+def quantize(base_dir: Path, variant, calib_ids: torch.Tensor | None, console: IO[str], device: str,
+             offload: Path | None = None):
     return quantize_with(base_dir, rtn_config(variant), None, console, variant.name,
-                         variant.dtype or base_dtype(base_dir), device)
+                         variant.dtype or base_dtype(base_dir), device, offload=offload)

@@ -217,8 +217,20 @@ def _stages(report: Report) -> list[str]:
     lines = ["## Stages", ""]
     if not report.stages:
         return lines + ["No stage has run yet.", ""]
-    body = [[n, s.status, num(s.time_s, 3), size(s.peak_rss_bytes)] for n, s in report.stages.items()]
-    return lines + table(["stage", "status", "time s", "peak RSS"], body) + [""]
+    predicted = report.run.predicted_peak_bytes
+    body = []
+    for n, s in report.stages.items():
+        plan_key = n.removesuffix("/quality") if n.startswith("validate/") else n
+        guess = predicted.get(plan_key)
+        off = " (offloaded)" if plan_key in report.run.offloaded else ""
+        body.append([n, s.status, num(s.time_s, 3), size(s.peak_rss_bytes),
+                     (size(guess) + off) if guess is not None else "-",
+                     f"{s.peak_rss_bytes / guess:.2f}" if guess and s.status == "done" else "-"])
+    limit = report.run.memory_limit_bytes
+    note = (["Peak RSS is the largest resident set of the stage's process or worker; predicted is `compress check`'s "
+             "estimate" + (f"; the limit ([run] max_memory_gb) is {size(limit)}." if limit else "."), ""])
+    return lines + note + table(["stage", "status", "time s", "peak RSS", "predicted", "measured/predicted"],
+                                body) + [""]
 
 
 def _exports(report: Report) -> list[str]:

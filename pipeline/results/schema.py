@@ -42,6 +42,9 @@ class RunInfo(_Section):
     versions: dict[str, Any] = {}
     error: str | None = None
     gates_evaluated: bool = False
+    memory_limit_bytes: int | None = None  # [run] max_memory_gb, when set
+    predicted_peak_bytes: dict[str, int] = {}  # compress check's prediction per stage (pipeline/plan.py keys)
+    offloaded: list[str] = []  # the stages planned to stream weights from disk
 
 
 class ModelInfo(_Section):

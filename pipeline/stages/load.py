@@ -74,6 +74,13 @@ def write_weights(ctx: UnitContext, src, dtype: str, trust_remote_code: bool) ->
         if why is None:
             log.info("load: %s dequantized tensor by tensor into safetensors (%s)", src.path.name, dtype)
             return "dequantized tensor by tensor"
+    if src.kind == "config":
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model(**json.loads(src.path.read_text()))
+        materialize.random_to_safetensors(config, ctx.out, dtype, ctx.seed, trust_remote_code)
+        log.info("load: %s built with random weights in %s tensor by tensor into safetensors", src.spec, dtype)
+        return "random weights written tensor by tensor"
     if src.random_init:
         log.info("load: building %s with random weights in %s (one copy) and saving it", src.spec, dtype)
     else:

@@ -13,15 +13,17 @@ log = logging.getLogger("compress")
 def units(recipe) -> list[Unit]:
     from pipeline.quant.capabilities import needs_calibration
 
+    # not in the units' identity: offloading changes how the weights are computed, not what they are
+    limit = int(recipe.run.max_memory_gb * (1 << 30)) if recipe.run.max_memory_gb else None
     out = []
     for v in recipe.quantize:
         deps = ["load"] + (["calibrate"] if needs_calibration(v) else [])
         out.append(Unit(f"quantize/{v.name}", {"variant": v.model_dump(mode="json")},
-                        lambda ctx, v=v: run(ctx, v), deps=deps, code=CODE))
+                        lambda ctx, v=v: run(ctx, v, limit), deps=deps, code=CODE))
     return out
 
 
-def run(ctx: UnitContext, variant) -> dict:
+def run(ctx: UnitContext, variant, memory_limit: int | None = None) -> dict:
     from safetensors.torch import load_file
 
     from pipeline.quant.api import quantize_variant
@@ -29,7 +31,8 @@ def run(ctx: UnitContext, variant) -> dict:
     calib = None
     if "calibrate" in ctx.manifests:
         calib = load_file(ctx.dep("calibrate") / "calibration.safetensors")["input_ids"]
-    metrics = quantize_variant(ctx.dep("load"), variant, calib, ctx.out, log, ctx.seed, device=ctx.device)
+    metrics = quantize_variant(ctx.dep("load"), variant, calib, ctx.out, log, ctx.seed, device=ctx.device,
+                               memory_limit=memory_limit)
     metrics["runtimes"] = serving_runtimes(ctx.dep("load"), variant)
     return metrics
 

@@ -2,6 +2,7 @@
 speed, and the speculative pair. Gates are applied by the runner after all units (pipeline/plan.py)."""
 from __future__ import annotations
 
+from pipeline.footprint import GiB
 from pipeline.runner import Unit, UnitContext
 from pipeline.worker import run_task
 
@@ -52,7 +53,8 @@ def quality(ctx: UnitContext, recipe, name: str, src: str) -> dict:
     v = recipe.validate_
     ref = None if name == "baseline" else str(ctx.dep("validate/baseline/quality"))
     args = {"model_dir": str(ctx.dep(src)), "out": str(ctx.out), "perplexity": v.perplexity.model_dump(),
-            "smoke": v.smoke.model_dump(), "device": ctx.device, "reference": ref, "label": name}
+            "smoke": v.smoke.model_dump(), "device": ctx.device, "reference": ref, "label": name,
+            "memory_limit": int(recipe.run.max_memory_gb * GiB) if recipe.run.max_memory_gb else None}
     return run_task("quality", args, ctx.out, recipe.run.threads)
 
 

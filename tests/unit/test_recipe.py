@@ -98,7 +98,7 @@ def test_missing_model_is_clear(tmp_path):
 def test_memory_beyond_the_machine_is_refused(tmp_path):
     msg = errors_of(tmp_path, BASE.replace('name = "t"', 'name = "t"\nmax_memory_gb = 0.5'), plan=True)
     assert "estimated peak memory" in msg and "[run].max_memory_gb" in msg
-    assert "quantize needs 2." in msg and "validate needs" in msg
+    assert "quantize/w4 needs 1.0" in msg and "validate/baseline needs 1.4" in msg and "validate/w4 needs" in msg
 
 
 def test_disk_plan_counts_what_the_run_writes_and_refuses_a_full_disk(tmp_path, monkeypatch):
@@ -140,9 +140,10 @@ def test_half_precision_on_a_cpu_without_its_units(tmp_path, monkeypatch):
     cpu("avx2", "fma")
     auto = check(load_recipe(write(tmp_path, BASE + awq)))
     assert auto.dtype == "float32" and len(auto.warnings) == 1
-    assert auto.warnings[0].startswith("a compute in bfloat16 on a CPU without avx512_bf16 or amx_bf16")  # AWQ only
+    assert auto.warnings[0].startswith("a in bfloat16 on a CPU without avx512_bf16 or amx_bf16: quantization and "
+                                       "quality compute their matmuls in float32")  # AWQ only
     asked = check(load_recipe(write(tmp_path, bf16)))
-    assert asked.warnings[0].startswith("the baseline (validate, draft) compute in bfloat16")
+    assert asked.warnings[0].startswith("the baseline in bfloat16")
     cpu("avx2", "avx512_bf16")
     native = check(load_recipe(write(tmp_path, BASE + awq)))
     assert native.dtype == "bfloat16" and native.warnings == []
