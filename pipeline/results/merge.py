@@ -56,7 +56,7 @@ def _quantized(report: Report, name: str, m: dict, params: dict) -> None:
 
 def _quality(report: Report, name: str, m: dict) -> None:
     e = entry(report, name)
-    for k in ("perplexity", "footprint_bytes", "size_on_disk_bytes", "bits_per_weight", "smoke"):
+    for k in ("perplexity", "footprint_bytes", "size_on_disk_bytes", "bits_per_weight", "smoke", "compute", "offload"):
         if k in m:
             setattr(e, k, m[k])
     ppl = m.get("perplexity") or {}

@@ -63,6 +63,11 @@ def _quality(report: Report) -> list[str]:
                      num(dig(m, "perplexity", "value")), num(1.0 if base else m.ppl_ratio),
                      num(m.kl), num(m.top1), _smoke(m.smoke, set() if base else base_failed)])
     lines += table(["model", "method", "params", "perplexity", "ppl ratio", "KL", "top-1", "smoke"], body) + [""]
+    how = [f"{name}: {m.compute}" + (f", {size(m.offload.get('in_memory_bytes'))} of its weights in memory, the rest "
+                                     "read from disk at each forward (the memory limit)" if m.offload else "")
+           for name, m in rows if m.compute or m.offload]
+    if how:
+        lines += ["Computed in: " + "; ".join(how) + ".", ""]
     return lines + _smoke_notes(rows, base_failed)
 
 

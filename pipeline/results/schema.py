@@ -87,6 +87,8 @@ class ModelEntry(_Section):
     footprint_bytes: int | None = None
     size_on_disk_bytes: int | None = None
     bits_per_weight: float | None = None  # decoder-block linears as stored (scales, zeros; skipped ones at float size)
+    compute: str | None = None  # the precision its quality was computed in (pipeline/compute.py describe)
+    offload: dict[str, Any] | None = None  # set when its perplexity read weights from disk (the memory limit)
     speed: dict[str, Any] | None = None
 
 

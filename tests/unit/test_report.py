@@ -377,3 +377,24 @@ def test_smoke_column_says_what_the_baseline_also_failed_and_raw_text_prompts():
     assert "`baseline`, `gptq-w4g64`, `nf4`" in quality
     assert "The baseline itself failed 1 smoke prompt(s)" in quality
     assert "raw text" not in render_markdown(typed(full_report()), [])
+
+
+def test_stages_show_the_predicted_peak_beside_the_measured_one_and_how_models_were_computed(tmp_path):
+    r = full_report()
+    r["run"] |= {"memory_limit_bytes": 2 * 2**30, "offloaded": ["validate/baseline"],
+                 "predicted_peak_bytes": {"load": 2**30, "validate/baseline": 2 * 2**30}}
+    r["stages"] = {"load": {"status": "done", "time_s": 4.0, "peak_rss_bytes": 2**29, "dir": "load"},
+                   "validate/baseline/quality": {"status": "done", "time_s": 9.0, "peak_rss_bytes": 2**31,
+                                                 "dir": "validate/baseline/quality"},
+                   "calibrate": {"status": "skipped", "time_s": 0.0, "peak_rss_bytes": 0, "dir": "calibrate"}}
+    r["baseline"] |= {"compute": "bfloat16 weights, float32 matmuls (this CPU has no bfloat16 units)",
+                      "offload": {"in_memory_bytes": 2**30, "limit_bytes": 2 * 2**30}}
+    md = render_markdown(Report.model_validate(r), [])
+    stages = md.split("## Stages")[1]
+    assert "the limit ([run] max_memory_gb) is 2 GiB" in stages
+    row = next(line for line in stages.splitlines() if line.startswith("| validate/baseline/quality"))
+    assert "| 2 GiB (offloaded) | 1.00 |" in row
+    assert "0.50" in next(line for line in stages.splitlines() if line.startswith("| load "))
+    assert "| calibrate | skipped |" in stages and stages.split("| calibrate")[1].splitlines()[0].count("| - ") == 2
+    assert ("baseline: bfloat16 weights, float32 matmuls (this CPU has no bfloat16 units), 1 GiB of its weights in "
+            "memory, the rest read from disk") in md
