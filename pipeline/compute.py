@@ -11,12 +11,14 @@ a 2048x2048 @ 2048x8192 bfloat16 linear runs at 8 GFLOPS, and at 48 GFLOPS upcas
 checkpoint stays. Where the device computes the dtype natively (CUDA, CPUs with the units), or the model is float32,
 this is a no-op. Speed measurements never use it: a user's transformers would not.
 
-The mode is a torch function mode: it applies to torch calls of the thread that entered it (GPTQModel, AWQ and our
-evaluation run their forwards on the calling thread).
+A torch function mode catches every matmul of the thread that entered it; engines that run forwards on their own
+threads (GPTQModel's AWQ searches scales on its device workers) are caught at `torch.nn.functional.linear`, which is
+swapped process-wide for the duration (nn.Linear looks it up at each call).
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 import torch
@@ -60,6 +62,9 @@ class Float32Matmuls(TorchFunctionMode):
 CHUNK_BYTES = 64 << 20  # the largest float32 copy of a weight made at once
 
 
+_LINEAR = F.linear  # torch's own, whatever is swapped in below
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear in float32, its result in x's dtype; a weight above CHUNK_BYTES in float32 (an LM head: 128k x 4096
     is 2 GiB) is upcast a block of output rows at a time."""
@@ -68,8 +73,36 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     out = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype)
     for i in range(0, weight.shape[0], rows):
         b = bias[i: i + rows].float() if bias is not None else None
-        out[..., i: i + rows] = F.linear(xf, weight[i: i + rows].float(), b)
+        out[..., i: i + rows] = _LINEAR(xf, weight[i: i + rows].float(), b)
     return out
+
+
+def _linear_any_thread(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What torch.nn.functional.linear is while float32_matmuls is active: _linear for 16-bit CPU operands."""
+    dt = input.dtype
+    if (dt in _HALF and weight.dtype == dt and input.device.type == "cpu" and weight.device.type == "cpu"
+            and (bias is None or bias.dtype == dt)):
+        return _linear(input, weight, bias)
+    return _LINEAR(input, weight, bias)
+
+
+_swapped = 0
+_swap_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _linear_swapped() -> Iterator[None]:
+    global _swapped
+    with _swap_lock:
+        _swapped += 1
+        F.linear = _linear_any_thread
+    try:
+        yield
+    finally:
+        with _swap_lock:
+            _swapped -= 1
+            if _swapped == 0:
+                F.linear = _LINEAR
 
 
 def upcasts(dtype: str | torch.dtype | None, device: str) -> bool:
@@ -84,7 +117,7 @@ def float32_matmuls(dtype: str | torch.dtype | None, device: str) -> Iterator[Fl
     if not upcasts(dtype, device):
         yield None
         return
-    with Float32Matmuls() as mode:
+    with _linear_swapped(), Float32Matmuls() as mode:
         yield mode
 
 

@@ -48,6 +48,25 @@ def test_a_large_weight_is_upcast_in_blocks_with_the_same_result(monkeypatch):
     assert blocks.shape == (2, 5, 1000) and torch.equal(whole, blocks)
 
 
+def test_linears_on_other_threads_are_upcast_too_and_torch_is_restored_after(monkeypatch):
+    import threading
+
+    monkeypatch.setattr("pipeline.dtypes.cpu_flags", lambda: {"avx2"})
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 32, dtype=torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    want = F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(torch.bfloat16)
+    got, upcast_on = {}, []
+    real = compute._linear
+    monkeypatch.setattr(compute, "_linear", lambda *a: upcast_on.append(threading.current_thread().name) or real(*a))
+    with float32_matmuls("bfloat16", "cpu"):
+        t = threading.Thread(target=lambda: got.setdefault("y", layer(x)), name="engine-worker")
+        t.start()
+        t.join()
+    assert upcast_on == ["engine-worker"] and torch.equal(got["y"], want)
+    assert F.linear is compute._LINEAR  # restored
+
+
 def test_the_mode_is_on_only_for_16_bit_models_on_cpus_that_emulate_them(monkeypatch):
     monkeypatch.setattr("pipeline.dtypes.cpu_flags", lambda: {"avx2"})
     assert upcasts("bfloat16", "cpu") and upcasts(torch.float16, "cpu")
