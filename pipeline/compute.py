@@ -53,16 +53,22 @@ class Float32Matmuls(TorchFunctionMode):
             if dt in _HALF and all(t.dtype == dt and t.device.type == "cpu" for t in floats):
                 self.calls += 1
                 if func is F.linear:
-                    return _linear(*args, **kwargs)
+                    return _linear(*args, **kwargs) if _many_rows(args[0]) else func(*args, **kwargs)
                 out = func(*map(_upcast, args), **{k: _upcast(v) for k, v in kwargs.items()})
                 return out.to(dt) if isinstance(out, torch.Tensor) else out
         return func(*args, **kwargs)
 
 
 CHUNK_BYTES = 64 << 20  # the largest float32 copy of a weight made at once
+MIN_ROWS = 16  # fewer input rows (tokens) than this: torch's own 16-bit linear, memory-bound anyway
 
 
 _LINEAR = F.linear  # torch's own, whatever is swapped in below
+
+
+def _many_rows(x: torch.Tensor) -> bool:
+    """Enough input rows (tokens) to pay for upcasting the weight; decoding one token is memory-bound anyway."""
+    return x.numel() >= MIN_ROWS * x.shape[-1]
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,7 +87,7 @@ def _linear_any_thread(input: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     """What torch.nn.functional.linear is while float32_matmuls is active: _linear for 16-bit CPU operands."""
     dt = input.dtype
     if (dt in _HALF and weight.dtype == dt and input.device.type == "cpu" and weight.device.type == "cpu"
-            and (bias is None or bias.dtype == dt)):
+            and (bias is None or bias.dtype == dt) and _many_rows(input)):
         return _linear(input, weight, bias)
     return _LINEAR(input, weight, bias)
 

@@ -148,3 +148,64 @@ class PeakMemory:
 
 
 # The CPU meter's former name; pipeline/runner.py still imports it.
+
+
+# ---------------------------------------------------------------- checkpoint pages mapped by a loader
+
+_MADV_DONTNEED = 4
+
+
+def _mapped_ranges(folder: Path) -> list[tuple[int, int]]:
+    """Address ranges of this process's memory maps of *.safetensors files under `folder`."""
+    root = str(Path(folder).resolve())
+    out = []
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:  # pragma: no cover - non-Linux
+        return out
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].endswith(".safetensors") and parts[5].startswith(root):
+            start, end = (int(x, 16) for x in parts[0].split("-"))
+            out.append((start, end))
+    return out
+
+
+def drop_mapped_pages(folder: Path) -> int:
+    """Take the pages of every memory-mapped *.safetensors file under `folder` out of this process's resident set
+    (madvise MADV_DONTNEED on read-only file mappings: the data stays in the page cache and is faulted back in if
+    touched again, unchanged). Returns the number of ranges. A loader that maps a whole checkpoint and reads it tensor
+    by tensor (transformers, for bitsandbytes) otherwise keeps every page it read resident until the map closes."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:  # pragma: no cover - not glibc
+        return 0
+    ranges = _mapped_ranges(folder)
+    for start, end in ranges:
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+    return len(ranges)
+
+
+class MappedPagesTrimmed:
+    """While the block runs, a thread drops the mapped checkpoint pages under `folder` every `interval_s` (and once
+    at the end): the resident set holds what the loader made of the weights, not the file it read them from."""
+
+    def __init__(self, folder: Path, interval_s: float = 0.1) -> None:
+        self.folder, self.interval_s = Path(folder), interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            drop_mapped_pages(self.folder)
+
+    def __enter__(self) -> "MappedPagesTrimmed":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        drop_mapped_pages(self.folder)

@@ -10,6 +10,7 @@ import torch
 
 from pipeline.dtypes import config_dtype, torch_dtype
 from pipeline.errors import StageError
+from pipeline.memory import MappedPagesTrimmed
 from pipeline.sources import ModelSource, parse
 
 log = logging.getLogger("compress")
@@ -98,14 +99,16 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
         if "quantization_config" in config or device != "cpu":
             raise StageError(f"{folder}: only a plain checkpoint on the CPU is offloaded to disk here")
         in_memory, scratch = offload
-        model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory={"cpu": in_memory},
-                                                     offload_folder=str(scratch), **kwargs)
+        with MappedPagesTrimmed(folder):
+            model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory={"cpu": in_memory},
+                                                         offload_folder=str(scratch), **kwargs)
         return model.eval()
     if config.get("quantization_config", {}).get("quant_method") in ("gptq", "awq"):  # GPTQModel's kernels
         from pipeline.env import tame
 
         tame()
-    model = AutoModelForCausalLM.from_pretrained(folder, device_map=device, **kwargs)
+    with MappedPagesTrimmed(folder):  # pages of the mapped checkpoint are not the model's memory (pipeline/memory.py)
+        model = AutoModelForCausalLM.from_pretrained(folder, device_map=device, **kwargs)
     if config.get("quantization_config", {}).get("quant_method") == "torchao":
         # transformers counts a torchao weight (a tensor subclass) at the dense dtype it stands for
         model.get_memory_footprint = types.MethodType(footprint_bytes, model)

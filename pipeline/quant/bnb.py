@@ -40,8 +40,13 @@ def quantize(base_dir: Path, variant, calib_ids: torch.Tensor | None, console: I
     """Quantized while loading; not run (see the module note)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=bnb_config(variant),
-                                                device_map={"": device}, dtype=torch_dtype(base_dtype(base_dir)))
+    from pipeline.memory import MappedPagesTrimmed
+
+    # transformers maps the whole checkpoint and reads it tensor by tensor: without trimming, every page it read
+    # stays resident (a 1.7 B bfloat16 model: 5.0 GiB peak instead of 2.0)
+    with MappedPagesTrimmed(base_dir):
+        return AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=bnb_config(variant),
+                                                    device_map={"": device}, dtype=torch_dtype(base_dtype(base_dir)))
 
 
 def save(model, base_dir: Path, out_dir: Path, variant) -> dict:

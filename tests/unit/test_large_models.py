@@ -25,7 +25,7 @@ log = logging.getLogger("test")
 
 def test_a_bfloat16_linear_is_computed_in_float32_and_returned_in_bfloat16():
     torch.manual_seed(0)
-    x, w, b = (torch.randn(7, 64, dtype=torch.bfloat16), torch.randn(96, 64, dtype=torch.bfloat16),
+    x, w, b = (torch.randn(17, 64, dtype=torch.bfloat16), torch.randn(96, 64, dtype=torch.bfloat16),
                torch.randn(96, dtype=torch.bfloat16))
     with Float32Matmuls() as mode:
         y = F.linear(x, w, b)
@@ -39,13 +39,13 @@ def test_a_bfloat16_linear_is_computed_in_float32_and_returned_in_bfloat16():
 
 def test_a_large_weight_is_upcast_in_blocks_with_the_same_result(monkeypatch):
     torch.manual_seed(0)
-    x, w = torch.randn(2, 5, 32, dtype=torch.bfloat16), torch.randn(1000, 32, dtype=torch.bfloat16)
+    x, w = torch.randn(2, 9, 32, dtype=torch.bfloat16), torch.randn(1000, 32, dtype=torch.bfloat16)
     with Float32Matmuls():
         whole = F.linear(x, w)
     monkeypatch.setattr(compute, "CHUNK_BYTES", 4 * 32 * 64)  # 64 rows at a time: 16 blocks
     with Float32Matmuls():
         blocks = F.linear(x, w)
-    assert blocks.shape == (2, 5, 1000) and torch.equal(whole, blocks)
+    assert blocks.shape == (2, 9, 1000) and torch.equal(whole, blocks)
 
 
 def test_linears_on_other_threads_are_upcast_too_and_torch_is_restored_after(monkeypatch):
@@ -54,7 +54,7 @@ def test_linears_on_other_threads_are_upcast_too_and_torch_is_restored_after(mon
     monkeypatch.setattr("pipeline.dtypes.cpu_flags", lambda: {"avx2"})
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 32, dtype=torch.bfloat16)
-    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    x = torch.randn(16, 64, dtype=torch.bfloat16)
     want = F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(torch.bfloat16)
     got, upcast_on = {}, []
     real = compute._linear
@@ -63,7 +63,9 @@ def test_linears_on_other_threads_are_upcast_too_and_torch_is_restored_after(mon
         t = threading.Thread(target=lambda: got.setdefault("y", layer(x)), name="engine-worker")
         t.start()
         t.join()
+        one = layer(x[:1])  # one token (decoding): torch's own bfloat16 linear, no weight upcast
     assert upcast_on == ["engine-worker"] and torch.equal(got["y"], want)
+    assert one.dtype == torch.bfloat16 and one.shape == (1, 32)
     assert F.linear is compute._LINEAR  # restored
 
 
