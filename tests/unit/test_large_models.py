@@ -229,3 +229,31 @@ def test_a_limit_too_small_for_a_stage_that_cannot_offload_is_refused_with_the_n
     assert "exceeds the 1.5 GiB available ([run].max_memory_gb)" in msg
     assert "quantize/bnb-int8 needs 2." in msg and "validate/bnb-int8 needs 2." in msg
     assert "validate/baseline" not in msg  # offloaded: it fills the limit and no more
+
+
+def test_trimming_mapped_pages_never_reverts_what_a_loader_changed_in_place(tiny, tmp_path, monkeypatch):
+    """torch maps a checkpoint private and writable and GPTQModel rewrites its zero points in place while loading:
+    dropping those pages would silently revert them to the file (a GPTQ checkpoint measured perplexity 3e9)."""
+    import contextlib
+
+    from pipeline import memory, models
+    from pipeline.quant.api import quantize_variant
+    from pipeline.recipe import Recipe
+
+    variant = Recipe.model_validate({"run": {"name": "t"}, "model": {"source": "config:tiny-llama"}, "quantize": [
+        {"name": "g", "method": "gptq", "bits": 4, "group_size": 32}]}).quantize[0]
+    torch.manual_seed(0)
+    quantize_variant(tiny, variant, torch.randint(3, 500, (4, 32)), tmp_path / "q", log, 0, device="cpu")
+    ids = torch.randint(3, 500, (1, 24))
+
+    class EveryStep(memory.MappedPagesTrimmed):  # trim after the loader's every step, not only every 0.1 s
+        def __init__(self, folder):
+            super().__init__(folder, interval_s=0.0005)
+
+    monkeypatch.setattr(models, "MappedPagesTrimmed", EveryStep)
+    with torch.no_grad():
+        trimmed = models.load_checkpoint(tmp_path / "q")(ids).logits
+        memory.drop_mapped_pages(tmp_path / "q")
+        monkeypatch.setattr(models, "MappedPagesTrimmed", lambda folder: contextlib.nullcontext())
+        plain = models.load_checkpoint(tmp_path / "q")(ids).logits
+    assert torch.equal(trimmed, plain)
