@@ -210,7 +210,7 @@ def test_the_large_recipe_is_planned_within_its_limit_with_offload(tmp_path):
     from pipeline.plan import GiB
 
     plan = _plan(LARGE.read_text().replace('name = "large"', f'name = "large"\noutput_dir = "{tmp_path}"'), tmp_path)
-    assert plan.dtype == "bfloat16" and plan.memory_limit == int(2.5 * GiB)
+    assert plan.dtype == "bfloat16" and plan.memory_limit == int(2.75 * GiB)
     assert plan.offload == {"quantize/gptq-w4g128": True, "validate/baseline": True}
     assert set(plan.memory) == {"load", "quantize/gptq-w4g128", "quantize/bnb-int8", "validate/baseline",
                                 "validate/gptq-w4g128", "validate/bnb-int8"}
@@ -221,7 +221,7 @@ def test_the_large_recipe_is_planned_within_its_limit_with_offload(tmp_path):
 def test_a_limit_too_small_for_a_stage_that_cannot_offload_is_refused_with_the_need(tmp_path):
     from pipeline.errors import RecipeError
 
-    text = LARGE.read_text().replace("max_memory_gb = 2.5", "max_memory_gb = 1.5").replace(
+    text = LARGE.read_text().replace("max_memory_gb = 2.75", "max_memory_gb = 1.5").replace(
         'name = "large"', f'name = "large"\noutput_dir = "{tmp_path}"')
     with pytest.raises(RecipeError) as e:
         _plan(text, tmp_path)
