@@ -1,6 +1,6 @@
 """Predicted memory of the stages that can stream weights from disk: one formula shared by the plan
 (`compress check`, pipeline/plan.py) and the stages that decide at run time whether to offload (the GPTQModel
-quantizers, the baseline's perplexity). Torch-free, and imports nothing of the pipeline: a stage's identity includes
+quantizers, the baseline's perplexity). Torch-free, and imports nothing of the pipeline but its dtype table: a stage's identity includes
 what it imports (pipeline/codehash.py), so editing the plan does not rerun quantization.
 """
 from __future__ import annotations
@@ -25,9 +25,9 @@ def window_bytes(config: dict, seq_len: int) -> int:
     return seq_len * vocab * 10 + seq_len * max(inter, h) * 4 * 4 + min(4 * max(vocab * h, h * inter), 64 << 20)
 
 
-def quantize_bytes(config: dict, weights: int, cal_tokens: int, offload: bool) -> int:
+def quantize_bytes(config: dict, weights: int, cal_tokens: int, offload: bool, param_bytes: int = 4) -> int:
     """Predicted peak RSS of a GPTQModel quantization (GPTQ, RTN), runtime included. weights: the checkpoint's
-    bytes as loaded; cal_tokens: calibration tokens. In memory: the model plus GPTQModel's working copies. Offloaded
+    bytes as loaded; cal_tokens: calibration tokens; param_bytes: bytes per weight as loaded. In memory: the model plus GPTQModel's working copies. Offloaded
     (GPTQModel's layer-by-layer path): the embeddings and head, a few layers in flight, one layer's Hessians in
     float32 (the widest input's, twice) and the calibration activations."""
     h = config.get("hidden_size") or 0
@@ -37,8 +37,7 @@ def quantize_bytes(config: dict, weights: int, cal_tokens: int, offload: bool) -
         return RUNTIME_OVERHEAD + 2 * weights + acts
     n_layers = max(config.get("num_hidden_layers") or 1, 1)
     vocab = config.get("vocab_size") or 0
-    per_param = weights / max(_n_params(config), 1)
-    heads = (1 if config.get("tie_word_embeddings", True) else 2) * vocab * h * per_param
+    heads = (1 if config.get("tie_word_embeddings", True) else 2) * vocab * h * param_bytes
     layer = (weights - heads) / n_layers
     return int(RUNTIME_OVERHEAD + heads + 3 * layer + 2 * 4 * max(h, inter) ** 2 + acts)
 
@@ -47,19 +46,9 @@ def quantize_peak(base_dir: Path, calib_ids, offload: bool) -> int:
     """quantize_bytes for the checkpoint in base_dir (its config.json and safetensors sizes)."""
     import json
 
+    from pipeline.dtypes import config_dtype, dtype_bytes
+
     config = json.loads((Path(base_dir) / "config.json").read_text())
     weights = sum(f.stat().st_size for f in Path(base_dir).glob("*.safetensors"))
-    return quantize_bytes(config, weights, calib_ids.numel() if calib_ids is not None else 0, offload)
-
-
-def _n_params(config: dict) -> int:
-    """Parameters of a decoder-only transformer from its config (attention, MLP, norms, embeddings)."""
-    h = config.get("hidden_size") or 0
-    inter = config.get("intermediate_size") or 4 * h
-    heads, kv = config.get("num_attention_heads") or 1, config.get("num_key_value_heads") or config.get(
-        "num_attention_heads") or 1
-    head_dim = config.get("head_dim") or h // max(heads, 1)
-    layer = h * head_dim * (2 * heads + 2 * kv) + 3 * h * inter + 2 * h
-    vocab = config.get("vocab_size") or 0
-    return (config.get("num_hidden_layers") or 0) * layer + vocab * h * (1 if config.get("tie_word_embeddings",
-                                                                                           True) else 2) + h
+    return quantize_bytes(config, weights, calib_ids.numel() if calib_ids is not None else 0, offload,
+                          dtype_bytes(config_dtype(config)))

@@ -262,10 +262,10 @@ def _estimate_memory(recipe, info: ModelInfo, plan: Plan, source) -> None:
     for v in recipe.quantize:
         key = f"quantize/{v.name}"
         if v.method in ("gptq", "rtn", "awq"):
-            need = quantize_bytes(cfg, w, cal_tokens if v.method != "rtn" else 0, offload=False)
+            need = quantize_bytes(cfg, w, cal_tokens if v.method != "rtn" else 0, False, dtype_bytes(plan.dtype))
             if capped and caps(v).offload and need > plan.memory_limit:
                 plan.offload[key] = True
-                need = quantize_bytes(cfg, w, cal_tokens if v.method != "rtn" else 0, offload=True)
+                need = quantize_bytes(cfg, w, cal_tokens if v.method != "rtn" else 0, True, dtype_bytes(plan.dtype))
         elif v.method.startswith("bnb"):  # quantized while loading, tensor by tensor
             need = RUNTIME_OVERHEAD + int((p - vocab * h) * variant_bits(v) / 8) + embed + 4 * h * max(inter, h)
         else:  # loaded whole, then quantized or searched
