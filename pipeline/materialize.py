@@ -16,15 +16,19 @@ import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from pipeline.dtypes import SAFETENSORS_DTYPES, torch_dtype
 from pipeline.errors import StageError
+from pipeline.memory import MappedPagesTrimmed
 from pipeline.sources import weight_files
 
 log = logging.getLogger("compress")
+# rows of a GGUF tensor dequantized at a time: a large tensor is never whole in float32 (gguf's K-quant decoders
+# also hold about twice their output in intermediates: 2.0 GB for Qwen2.5-1.5B's 0.89 GB head decoded whole)
+ROWS = 4096
 MAX_SHARD_BYTES = 50 * 10**9  # transformers' save_pretrained default (max_shard_size="50GB")
 _SAFETENSORS_CODE = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
@@ -89,8 +93,8 @@ def meta_model(config, trust_remote_code: bool = False, dtype: str | None = None
 
 
 def gguf_to_safetensors(path: Path, out: Path, dtype: str) -> str | None:
-    """Dequantize the GGUF at `path` into safetensors shards in `out` in `dtype`, one tensor at a time (the
-    largest tensor in float32 is the peak), with config.json and generation_config.json. Returns None when
+    """Dequantize the GGUF at `path` into safetensors shards in `out` in `dtype`, one tensor at a time and a large
+    one ROWS rows at a time, with config.json and generation_config.json. Returns None when
     done, or why it does not stream this GGUF (nothing written then): only the plain and the llama tensor
     processors are replayed here; others (MoE experts merged across the file, GPT-2, T5, ...) load whole.
     The values are transformers' own: the same gguf dequantize, tensor processor and name map as
@@ -115,13 +119,20 @@ def gguf_to_safetensors(path: Path, out: Path, dtype: str) -> str | None:
     _check_covered(model, {name for name, _, _ in entries}, path)
     out_dtype = torch_dtype(dtype)
 
-    def produce(t) -> torch.Tensor:
-        g = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name, tensor_key_mapping=names,
-                              parsed_parameters={"tensors": {}})
+    def produce(t):
+        data = t.data
+        if data.ndim == 2 and data.shape[0] > ROWS and not (isinstance(processor, LlamaTensorProcessor) and (
+                ".attn_q." in t.name or ".attn_k." in t.name)):  # rows the processor passes through: streamed
+            return (torch.from_numpy(np.array(dequantize(data[i:i + ROWS], t.tensor_type))).to(out_dtype)
+                    for i in range(0, data.shape[0], ROWS))
+        g = processor.process(weights=dequantize(data, t.tensor_type), name=t.name, tensor_key_mapping=names,
+                              parsed_parameters={"tensors": {}})  # Llama's q and k rows are permuted: whole
         w = g.weights if g.weights.flags.writeable else np.copy(g.weights)  # an F32 tensor is a read-only view
         return torch.from_numpy(np.ascontiguousarray(w)).to(out_dtype)
 
-    write_safetensors(out, [(name, shape, (lambda t=t: produce(t))) for name, shape, t in entries], dtype)
+    # the reader maps the file: the pages each tensor was read from leave the resident set as the writing goes on
+    with MappedPagesTrimmed(path.parent, suffix=path.suffix):
+        write_safetensors(out, [(name, shape, (lambda t=t: produce(t))) for name, shape, t in entries], dtype)
     write_config(config, out, dtype, type(model).__name__)
     return None
 
@@ -170,9 +181,9 @@ def random_to_safetensors(config, out: Path, dtype: str, seed: int, trust_remote
 # ---------------------------------------------------------------- safetensors, written one tensor at a time
 
 
-def write_safetensors(out: Path, tensors: list[tuple[str, list[int], Callable[[], torch.Tensor]]], dtype: str,
+def write_safetensors(out: Path, tensors: list[tuple[str, list[int], Callable[[], Any]]], dtype: str,
                       max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
-    """Write tensors (name, shape, a function producing it) into model.safetensors, or model-0000i-of-0000n
+    """Write tensors (name, shape, a function producing it, or an iterable of its rows in blocks) into model.safetensors, or model-0000i-of-0000n
     shards plus model.safetensors.index.json past max_shard_bytes, all in `dtype`. Each header is computed
     from the shapes first, so a tensor is produced, written and dropped before the next one."""
     size = torch.empty((), dtype=torch_dtype(dtype)).element_size()
@@ -215,10 +226,18 @@ def _write_shard(path: Path, shard: list, dtype: str) -> None:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         for name, shape, make, n in shard:
-            t = make()
-            if list(t.shape) != shape or t.dtype != torch_dtype(dtype):
-                raise StageError(f"{name}: produced {t.dtype} {list(t.shape)}, expected {dtype} {shape}")
-            f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+            made = make()  # the tensor, or its rows in consecutive blocks
+            written = 0
+            for t in [made] if isinstance(made, torch.Tensor) else made:
+                if t.dtype != torch_dtype(dtype) or list(t.shape[1:]) != shape[1:] or (
+                        isinstance(made, torch.Tensor) and list(t.shape) != shape):
+                    raise StageError(f"{name}: produced {t.dtype} {list(t.shape)}, expected {dtype} {shape}")
+                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                written += t.numel() * t.element_size()
+                del t
+            del made  # before the next tensor is made: one at a time
+            if written != n:
+                raise StageError(f"{name}: produced {written} bytes, expected {n} ({dtype} {shape})")
 
 
 # ---------------------------------------------------------------- what was written

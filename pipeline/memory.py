@@ -155,8 +155,8 @@ class PeakMemory:
 _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim; clean file pages go, dirty private (copy-on-write) ones stay
 
 
-def _mapped_ranges(folder: Path) -> list[tuple[int, int]]:
-    """Address ranges of this process's memory maps of *.safetensors files under `folder`."""
+def _mapped_ranges(folder: Path, suffix: str = ".safetensors") -> list[tuple[int, int]]:
+    """Address ranges of this process's memory maps of *<suffix> files under `folder`."""
     root = str(Path(folder).resolve())
     out = []
     try:
@@ -165,14 +165,14 @@ def _mapped_ranges(folder: Path) -> list[tuple[int, int]]:
         return out
     for line in lines:
         parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5].endswith(".safetensors") and parts[5].startswith(root):
+        if len(parts) == 6 and parts[5].endswith(suffix) and parts[5].startswith(root):
             start, end = (int(x, 16) for x in parts[0].split("-"))
             out.append((start, end))
     return out
 
 
-def drop_mapped_pages(folder: Path) -> int:
-    """Take the clean pages of every memory-mapped *.safetensors file under `folder` out of this process's resident
+def drop_mapped_pages(folder: Path, suffix: str = ".safetensors") -> int:
+    """Take the clean pages of every memory-mapped *.safetensors file (or *<suffix>: a GGUF) under `folder` out of this process's resident
     set (madvise MADV_PAGEOUT: a reclaim request; a page the loader modified in place — torch maps checkpoints
     private and writable, and GPTQModel rewrites zero points in place — is dirty and stays, and a clean one is read
     again from the file if touched). Returns the number of ranges. A loader that maps a whole checkpoint and reads it
@@ -185,7 +185,7 @@ def drop_mapped_pages(folder: Path) -> int:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:  # pragma: no cover - not glibc
         return 0
-    ranges = _mapped_ranges(folder)
+    ranges = _mapped_ranges(folder, suffix)
     for start, end in ranges:
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)
     return len(ranges)
@@ -195,14 +195,14 @@ class MappedPagesTrimmed:
     """While the block runs, a thread drops the mapped checkpoint pages under `folder` every `interval_s` (and once
     at the end): the resident set holds what the loader made of the weights, not the file it read them from."""
 
-    def __init__(self, folder: Path, interval_s: float = 0.1) -> None:
-        self.folder, self.interval_s = Path(folder), interval_s
+    def __init__(self, folder: Path, interval_s: float = 0.1, suffix: str = ".safetensors") -> None:
+        self.folder, self.interval_s, self.suffix = Path(folder), interval_s, suffix
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            drop_mapped_pages(self.folder)
+            drop_mapped_pages(self.folder, self.suffix)
 
     def __enter__(self) -> "MappedPagesTrimmed":
         self._thread.start()
@@ -211,4 +211,4 @@ class MappedPagesTrimmed:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
-        drop_mapped_pages(self.folder)
+        drop_mapped_pages(self.folder, self.suffix)

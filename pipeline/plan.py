@@ -249,8 +249,11 @@ def _estimate_memory(recipe, info: ModelInfo, plan: Plan, source) -> None:
     largest = max(vocab * h, h * inter, 1)
     if source.kind in ("dir", "hf") and link_problem(source, plan.dtype) is None:
         plan.memory["load"] = WORKER_OVERHEAD
-    elif source.kind in ("gguf", "pkg"):  # dequantized in float32, then converted
-        plan.memory["load"] = WORKER_OVERHEAD + (4 + dtype_bytes(plan.dtype)) * largest
+    elif source.kind in ("gguf", "pkg"):
+        # transformers parses the GGUF's metadata (the tokenizer's tokens and merges: about 7 KB per vocabulary
+        # entry, measured on SmolLM2 and Qwen2.5-1.5B), then the tensors are dequantized a block of rows at a time
+        # (pipeline/materialize.py: a 4096-row block in float32 with gguf's intermediates, or a whole smaller one)
+        plan.memory["load"] = WORKER_OVERHEAD + max(7 * 1024 * vocab, 16 * h * max(inter, h))
     elif source.kind == "config":  # initialised in its module, then copied out
         plan.memory["load"] = WORKER_OVERHEAD + 2 * dtype_bytes(plan.dtype) * largest
     else:
