@@ -66,6 +66,8 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
     for k, b in plan.memory.items():
         how = "offloaded to disk (streams weights)" if plan.offload.get(k) else "in memory"
         click.echo(f"            {k:<32}{b / GiB:>7.2f} GiB  {how}")
+    for name, why in plan.speed_skipped.items():
+        click.echo(f"            {'validate/' + name + '/speed':<32}{'':>11}  not timed: {why}")
     disk = ", ".join(f"{k} {b / GiB:.2f}" for k, b in plan.disk.items() if b) or "nothing large"
     reused = f", {plan.disk_reused / GiB:.2f} GiB already there" if plan.disk_reused else ""
     click.echo(f"disk      about {sum(plan.disk.values()) / GiB:.2f} GiB in the run folder ({disk} GiB{reused}); "
@@ -97,6 +99,7 @@ def run(recipe: str, overrides: tuple[str, ...]) -> None:
 def _print_summary(run_dir: Path, wall: float) -> None:
     from pipeline.results import schema
     from pipeline.results.gates import gates_summary
+    from pipeline.results.render import planned
 
     try:
         report = schema.load(run_dir)
@@ -105,7 +108,7 @@ def _print_summary(run_dir: Path, wall: float) -> None:
         return
     click.echo(f"\n{'stage':<34}{'status':<10}{'time s':>9}{'peak MiB':>10}{'predicted':>11}", err=True)
     for key, s in report.stages.items():
-        guess = report.run.predicted_peak_bytes.get(key.removesuffix("/quality") if key.startswith("validate/") else key)
+        guess = planned(report.run.predicted_peak_bytes, key)
         click.echo(f"{key:<34}{s.status:<10}{s.time_s:>9.1f}{s.peak_rss_bytes / 2**20:>10.0f}"
                    f"{(f'{guess / 2**20:.0f}' if guess else '-'):>11}", err=True)
     rows = ([("baseline", report.baseline)] if report.baseline else []) + list(report.variants.items())

@@ -52,3 +52,50 @@ def quantize_peak(base_dir: Path, calib_ids, offload: bool) -> int:
     weights = sum(f.stat().st_size for f in Path(base_dir).glob("*.safetensors"))
     return quantize_bytes(config, weights, calib_ids.numel() if calib_ids is not None else 0, offload,
                           dtype_bytes(config_dtype(config)))
+
+
+# checkpoints whose linears GPTQModel repacks for its CPU kernel at the first forward (a second copy of them)
+REPACKED_ON_CPU = ("gptq", "awq", "auto-round", "autoround")
+
+
+def speed_bytes(config: dict, resident: int, speed: dict) -> int:
+    """Predicted peak RSS of timing one model (pipeline/eval/speed.py), runtime included: its weights as they are
+    resident (`resident`), the KV cache of the largest batch in float32, a prompt's widest activations in float32,
+    the last position's logits, and the copy-bandwidth buffers. Timing never offloads weights to disk: a decode
+    rate read from disk is not a speed figure, so a model that does not fit is not timed (speed_skip)."""
+    h = config.get("hidden_size") or 0
+    inter = config.get("intermediate_size") or 4 * h
+    heads = config.get("num_attention_heads") or 1
+    kv_heads = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or h // heads
+    batch = max(speed.get("batch_sizes") or [1])
+    prompt, new = speed.get("prompt_len", 128), speed.get("new_tokens", 32)
+    kv = 2 * (config.get("num_hidden_layers") or 0) * kv_heads * head_dim * batch * (prompt + new) * 4
+    acts = batch * prompt * max(inter, h) * 4 * 4
+    logits = batch * (config.get("vocab_size") or 0) * 4 * 2
+    bandwidth = 2 * (speed.get("bandwidth_mib", 256) << 20) if speed.get("roofline", True) else 0
+    return int(WORKER_OVERHEAD + resident + kv + acts + logits + bandwidth)
+
+
+def speed_skip(model_dir: Path, speed: dict, limit: int | None, device: str) -> dict | None:
+    """None when timing the checkpoint in model_dir fits `limit` (or there is no limit, or it runs on a GPU);
+    else the speed result recorded instead of timing it: why, the predicted peak and the limit."""
+    import json
+
+    from pipeline.dtypes import config_dtype, dtype_bytes
+
+    if limit is None or device != "cpu":
+        return None
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    method = str((config.get("quantization_config") or {}).get("quant_method", "")).lower()
+    if method in REPACKED_ON_CPU:  # the quantized linears twice (everything but the embeddings and head)
+        h, vocab = config.get("hidden_size") or 0, config.get("vocab_size") or 0
+        heads = (1 if config.get("tie_word_embeddings", True) else 2) * vocab * h
+        weights += max(weights - heads * dtype_bytes(config_dtype(config, "bfloat16")), 0)
+    need = speed_bytes(config, weights, speed)
+    if need <= limit:
+        return None
+    return {"skipped": f"not timed: it needs about {need / GiB:.2f} GiB in memory, over [run] max_memory_gb = "
+                       f"{limit / GiB:.2f} GiB (a decode rate read from disk offload is not a speed figure)",
+            "predicted_peak_bytes": need, "memory_limit_bytes": limit}

@@ -13,7 +13,7 @@ from pipeline.errors import RecipeError
 from pipeline.dtypes import HALF_UNITS, cpu_flags, dtype_bytes, resolve_dtype
 from pipeline.sources import ModelInfo, describe, link_problem, parse
 
-from pipeline.footprint import GiB, RUNTIME_OVERHEAD, WORKER_OVERHEAD, quantize_bytes, window_bytes
+from pipeline.footprint import GiB, RUNTIME_OVERHEAD, WORKER_OVERHEAD, quantize_bytes, speed_bytes, window_bytes
 TRACKED_PACKAGES = ("torch", "transformers", "gptqmodel", "bitsandbytes", "optimum", "accelerate", "datasets",
                     "huggingface-hub", "safetensors", "gguf", "torchao", "pydantic", "numpy", "compress")
 
@@ -28,6 +28,7 @@ class Plan:
     memory: dict[str, int] = field(default_factory=dict)
     memory_limit: int = 0
     offload: dict[str, bool] = field(default_factory=dict)  # stages that stream weights from disk to fit the limit
+    speed_skipped: dict[str, str] = field(default_factory=dict)  # models not timed: over the limit (why)
     disk: dict[str, int] = field(default_factory=dict)  # bytes each stage writes into the run folder (estimate)
     disk_free: int = 0  # free bytes on the run folder's filesystem
     disk_reused: int = 0  # bytes an earlier run already wrote into the run folder (a rerun reuses them)
@@ -85,6 +86,7 @@ def check(recipe) -> Plan:
     problems += _check_draft(recipe, info, plan)
     problems += _check_gates(recipe, random_init=source.random_init)
     _estimate_memory(recipe, info, plan, source)
+    problems += _untimed_gates(recipe, plan)
     if plan.peak_memory > plan.memory_limit:
         over = ", ".join(f"{k} needs {b / GiB:.2f} GiB" for k, b in plan.memory.items() if b > plan.memory_limit)
         where = "[run].max_memory_gb" if recipe.run.max_memory_gb else "this machine's memory"
@@ -99,6 +101,21 @@ def check(recipe) -> Plan:
     if problems:
         raise RecipeError("the recipe cannot run:\n" + "\n".join(f"  - {p}" for p in problems))
     return plan
+
+
+def _untimed_gates(recipe, plan: Plan) -> list[str]:
+    """A speed gate on a model that will not be timed (plan.speed_skipped) could only fail: refused here."""
+    gates = recipe.validate_.gates
+    problems = []
+    for v in recipe.quantize:
+        if gates.bounds_for(v.name).get("min_decode_speed_ratio") is None:
+            continue
+        for name in ("baseline", v.name):
+            if name in plan.speed_skipped:
+                problems.append(f"[validate.gates].min_decode_speed_ratio for {v.name!r} needs {name!r} timed, but "
+                                f"{name!r} will not be timed: it {plan.speed_skipped[name]}; raise max_memory_gb, "
+                                "lower [validate.speed] batch_sizes, or drop the gate")
+    return problems
 
 
 def stage_names(recipe) -> list[str]:
@@ -280,13 +297,25 @@ def _estimate_memory(recipe, info: ModelInfo, plan: Plan, source) -> None:
         plan.offload["validate/baseline"] = True
         need = max(plan.memory_limit, WORKER_OVERHEAD + win + w // max(cfg.get("num_hidden_layers") or 1, 1))
     plan.memory["validate/baseline"] = need
+    resident = {"baseline": w}  # each model's weights in memory when it is measured
     for v in recipe.quantize:  # a quantized checkpoint is never offloaded (transformers refuses most of them)
         linears = int((p - vocab * h) * variant_bits(v) / 8)
         # GPTQModel repacks GPTQ-format weights for its CPU kernel at the first forward, while the pages it read
         # from the mapped checkpoint are still resident (measured on the 1.7B: 2.68 GiB against 1.74 predicted
         # without this copy)
         repacked = linears if plan.device == "cpu" and v.method in ("gptq", "rtn", "awq", "autoround") else 0
-        plan.memory[f"validate/{v.name}"] = WORKER_OVERHEAD + linears + repacked + embed + win
+        resident[v.name] = linears + repacked + embed
+        plan.memory[f"validate/{v.name}"] = WORKER_OVERHEAD + resident[v.name] + win
+    speed = recipe.validate_.speed
+    for name, weights in resident.items() if speed.enabled else ():
+        if speed.models != "all" and name not in speed.models:
+            continue
+        need = speed_bytes(cfg, weights, speed.for_model(name).model_dump(mode="json"))
+        if capped and need > plan.memory_limit:  # timed from disk it would measure the disk: not timed
+            plan.speed_skipped[name] = (f"needs about {need / GiB:.2f} GiB in memory, over [run] max_memory_gb; "
+                                        "a decode rate read from disk offload is not a speed figure")
+        else:
+            plan.memory[f"validate/{name}/speed"] = need
     if recipe.draft is not None:
         dd = recipe.draft.distill
         if dd.steps == 0:  # verifier + the draft, and a copy of it when saved in another dtype

@@ -81,6 +81,9 @@ def _footprint_ratio(report: Report, e: ModelEntry, name: str) -> tuple[float | 
 
 def _decode_ratio(report: Report, e: ModelEntry, name: str) -> tuple[float | None, str]:
     base = report.baseline.speed if report.baseline else None
+    for who, speed in ((name, e.speed), ("baseline", base)):
+        if isinstance(speed, dict) and speed.get("skipped"):
+            return None, f"{who} was not timed: {speed['skipped']}"
     return _ratio((e.speed or {}).get("decode_tokens_per_s_b1"), (base or {}).get("decode_tokens_per_s_b1"),
                   f"variants.{name}.speed.decode_tokens_per_s_b1 / baseline's (is speed timed for both?)")
 

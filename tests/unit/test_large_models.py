@@ -231,6 +231,56 @@ def test_a_limit_too_small_for_a_stage_that_cannot_offload_is_refused_with_the_n
     assert "validate/baseline" not in msg  # offloaded: it fills the limit and no more
 
 
+# ---------------------------------------------------------------- speed: never timed from disk
+
+
+def test_a_model_whose_timing_would_not_fit_is_not_timed_and_the_plan_says_why(tmp_path):
+    from pipeline.plan import GiB
+
+    text = LARGE.read_text().replace('name = "large"', f'name = "large"\noutput_dir = "{tmp_path}"').replace(
+        "[validate.speed]\nenabled = false", "[validate.speed]\nbatch_sizes = [1]\ntechniques = []")
+    plan = _plan(text, tmp_path)
+    # the bf16 baseline (3.2 GiB) cannot be timed in 2.75 GiB, nor the GPTQ checkpoint with the copy GPTQModel's
+    # CPU kernel repacks (measured 2.68 GiB while validating it); the int8 checkpoint can
+    assert set(plan.speed_skipped) == {"baseline", "gptq-w4g128"}
+    assert "max_memory_gb" in plan.speed_skipped["baseline"]
+    assert "validate/baseline/speed" not in plan.memory and "validate/gptq-w4g128/speed" not in plan.memory
+    assert 2 * GiB < plan.memory["validate/bnb-int8/speed"] <= plan.memory_limit
+    assert plan.peak_memory <= plan.memory_limit
+
+
+def test_a_speed_gate_on_a_model_that_will_not_be_timed_is_refused(tmp_path):
+    from pipeline.errors import RecipeError
+
+    text = LARGE.read_text().replace('name = "large"', f'name = "large"\noutput_dir = "{tmp_path}"').replace(
+        "[validate.speed]\nenabled = false", "[validate.speed]\nbatch_sizes = [1]\ntechniques = []").replace(
+        "max_ppl_ratio = 1.05", "max_ppl_ratio = 1.05\nmin_decode_speed_ratio = 1.0")
+    with pytest.raises(RecipeError, match=r"min_decode_speed_ratio for 'gptq-w4g128' needs 'baseline' timed, but "
+                                          r"'baseline' will not be timed: it needs about 4\.\d\d GiB"):
+        _plan(text, tmp_path)
+
+
+def test_speed_skip_reads_the_checkpoint_and_counts_the_cpu_repack(tiny, tmp_path):
+    from pipeline.footprint import GiB, speed_bytes, speed_skip
+
+    cfg = {"batch_sizes": [1, 8], "prompt_len": 16, "new_tokens": 8, "roofline": True, "bandwidth_mib": 256}
+    assert speed_skip(tiny, cfg, None, "cpu") is None  # no limit
+    assert speed_skip(tiny, cfg, 1, "cuda") is None  # GPU memory is not [run] max_memory_gb
+    assert speed_skip(tiny, cfg, 8 * GiB, "cpu") is None
+    out = speed_skip(tiny, cfg, 600 << 20, "cpu")  # 0.4 GiB runtime + 0.5 GiB of bandwidth buffers do not fit
+    assert out["memory_limit_bytes"] == 600 << 20 and out["predicted_peak_bytes"] > 600 << 20
+    assert out["skipped"].startswith("not timed: it needs about 0.9") and "not a speed figure" in out["skipped"]
+    config = json.loads((tiny / "config.json").read_text())
+    weights = (tiny / "model.safetensors").stat().st_size
+    assert out["predicted_peak_bytes"] == speed_bytes(config, weights, cfg)
+    # a GPTQ checkpoint's linears are repacked for GPTQModel's CPU kernel: counted twice
+    gptq = tmp_path / "gptq"
+    gptq.mkdir()
+    (gptq / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    (gptq / "model.safetensors").write_bytes(b"\0" * weights)
+    assert speed_skip(gptq, cfg, 600 << 20, "cpu")["predicted_peak_bytes"] > out["predicted_peak_bytes"]
+
+
 def test_trimming_mapped_pages_never_reverts_what_a_loader_changed_in_place(tiny, tmp_path, monkeypatch):
     """torch maps a checkpoint private and writable and GPTQModel rewrites its zero points in place while loading:
     dropping those pages would silently revert them to the file (a GPTQ checkpoint measured perplexity 3e9)."""
