@@ -36,10 +36,15 @@ def quantize_bytes(config: dict, weights: int, cal_tokens: int, offload: bool, p
     if not offload:
         return RUNTIME_OVERHEAD + 2 * weights + acts
     n_layers = max(config.get("num_hidden_layers") or 1, 1)
-    vocab = config.get("vocab_size") or 0
-    heads = (1 if config.get("tie_word_embeddings", True) else 2) * vocab * h * param_bytes
+    heads = head_bytes(config, param_bytes)
     layer = (weights - heads) / n_layers
     return int(RUNTIME_OVERHEAD + heads + 3 * layer + 2 * 4 * max(h, inter) ** 2 + acts)
+
+
+def head_bytes(config: dict, param_bytes: int) -> int:
+    """Bytes of the embeddings and the LM head (one matrix when tied), which quantizers keep unquantized."""
+    h, vocab = config.get("hidden_size") or 0, config.get("vocab_size") or 0
+    return (1 if config.get("tie_word_embeddings", True) else 2) * vocab * h * param_bytes
 
 
 def quantize_peak(base_dir: Path, calib_ids, offload: bool) -> int:
@@ -90,9 +95,7 @@ def speed_skip(model_dir: Path, speed: dict, limit: int | None, device: str) -> 
     weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
     method = str((config.get("quantization_config") or {}).get("quant_method", "")).lower()
     if method in REPACKED_ON_CPU:  # the quantized linears twice (everything but the embeddings and head)
-        h, vocab = config.get("hidden_size") or 0, config.get("vocab_size") or 0
-        heads = (1 if config.get("tie_word_embeddings", True) else 2) * vocab * h
-        weights += max(weights - heads * dtype_bytes(config_dtype(config, "bfloat16")), 0)
+        weights += max(weights - head_bytes(config, dtype_bytes(config_dtype(config, "bfloat16"))), 0)
     need = speed_bytes(config, weights, speed)
     if need <= limit:
         return None
