@@ -68,9 +68,9 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
         click.echo(f"            {k:<32}{b / GiB:>7.2f} GiB  {how}")
     for name, why in plan.speed_skipped.items():
         click.echo(f"            {'validate/' + name + '/speed':<32}{'':>11}  not timed: {why}")
-    disk = ", ".join(f"{k} {b / GiB:.2f}" for k, b in plan.disk.items() if b) or "nothing large"
+    disk = ", ".join(f"{k} {b / GiB:.2f} GiB" for k, b in plan.disk.items() if b) or "no large files"
     reused = f", {plan.disk_reused / GiB:.2f} GiB already there" if plan.disk_reused else ""
-    click.echo(f"disk      about {sum(plan.disk.values()) / GiB:.2f} GiB in the run folder ({disk} GiB{reused}); "
+    click.echo(f"disk      about {sum(plan.disk.values()) / GiB:.2f} GiB in the run folder ({disk}{reused}); "
                f"{plan.disk_free / GiB:.1f} GiB free")
     if r.publish is not None:
         from pipeline.publish.config import summary
