@@ -23,6 +23,7 @@ from pipeline.compute import float32_matmuls
 from pipeline.quant.capabilities import skip_pattern
 from pipeline.dtypes import torch_dtype
 from pipeline.quant.common import LayerProgress, base_dtype, finish_checkpoint
+from pipeline.quant.gptq_search import group_search_only
 
 ENGINE = "gptqmodel"
 
@@ -110,7 +111,9 @@ def quantize_with(base_dir: Path, qcfg, calibration: list[dict] | None, console:
     try:
         model = GPTQModel.load(str(base_dir.resolve()), qcfg, device=device, dtype=torch_dtype(dtype))
         model.layer_callback = progress.layer_done
-        with float32_matmuls(dtype, device):  # a 16-bit model on a CPU without 16-bit units (pipeline/compute.py)
+        # float32_matmuls: a 16-bit model on a CPU without 16-bit units (pipeline/compute.py); group_search_only: GPTQ's
+        # mse search minus the whole-matrix round GPTQModel discards (pipeline/quant/gptq_search.py; same bytes)
+        with float32_matmuls(dtype, device), group_search_only():
             model.quantize(calibration, batch_size=1, **({"backend": backend} if backend is not None else {}))
         progress.finish()
     finally:

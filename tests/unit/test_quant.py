@@ -200,6 +200,51 @@ def test_quantize_variant_is_deterministic_and_writes_only_its_folder(tiny, tmp_
     assert "self_attn.q_proj" in (tmp_path / "run1" / "gptqmodel.log").read_text()  # its per-module loss table
 
 
+@pytest.mark.parametrize("fields", [{"group_size": 32}, {"group_size": 32, "desc_act": True, "sym": False},
+                                    {"group_size": 16, "act_group_aware": False}])
+def test_skipping_the_discarded_scale_search_leaves_every_byte_as_the_library_writes_it(tiny, tmp_path, monkeypatch,
+                                                                                      fields):
+    """pipeline/quant/gptq_search.py: GPTQ with mse > 0, through the pipeline and through the library's own
+    find_params."""
+    import contextlib
+
+    from pipeline.quant import gptq
+
+    monkeypatch.chdir(tmp_path)
+    v = make_variant("w", method="gptq", bits=4, mse=2.4, **fields)
+    log = logging.getLogger("test")
+    quantize_variant(tiny, v, CALIB, tmp_path / "ours", log, seed=0)
+    monkeypatch.setattr(gptq, "group_search_only", contextlib.nullcontext)
+    quantize_variant(tiny, v, CALIB, tmp_path / "library", log, seed=0)
+    assert sha256s(tmp_path / "ours")["model.safetensors"] == sha256s(tmp_path / "library")["model.safetensors"]
+
+
+def test_group_search_only_answers_whole_matrices_with_the_plain_range_and_restores_the_library():
+    from gptqmodel.quantization.config import QuantizeConfig
+    from gptqmodel.quantization.quantizer import Quantizer
+
+    from pipeline.quant.gptq_search import group_search_only
+
+    library = Quantizer.find_params
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(2))
+
+    def params(mse: float, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = Quantizer(qcfg=QuantizeConfig(bits=4, group_size=32, sym=True, mse=mse))
+        q.configure(perchannel=True)
+        q.find_params(x, weight=True)
+        return q.scale.clone(), q.zero.clone()
+
+    plain = params(0.0, w)
+    assert not torch.equal(params(2.4, w)[0], plain[0]), "the search moves some scale (else this proves nothing)"
+    with group_search_only(), group_search_only():  # re-entrant
+        assert torch.equal(params(2.4, w)[0], plain[0])  # 3 groups of 32: the call GPTQ overwrites
+        group = w[:, :32]
+        mine = params(2.4, group)  # one group: searched as the library searches it
+    assert Quantizer.find_params is library
+    assert torch.equal(mine[0], params(2.4, group)[0]) and torch.equal(mine[1], params(2.4, group)[1])
+    assert not torch.equal(mine[0], params(0.0, group)[0])
+
+
 @pytest.mark.parametrize("name", ["gptq-w4g32", "gptq-w3-actorder"])
 def test_dequantize_to_linear_matches_the_kernel_and_is_shape_invariant(checkpoints, name):
     from gptqmodel.nn_modules.qlinear import BaseQuantLinear
