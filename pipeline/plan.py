@@ -91,7 +91,7 @@ def check(recipe) -> Plan:
         over = ", ".join(f"{k} needs {b / GiB:.2f} GiB" for k, b in plan.memory.items() if b > plan.memory_limit)
         where = "[run].max_memory_gb" if recipe.run.max_memory_gb else "this machine's memory"
         problems.append(f"estimated peak memory {plan.peak_memory / GiB:.2f} GiB exceeds the "
-                        f"{plan.memory_limit / GiB:.2f} GiB available ({where}): {over}; "
+                        f"{plan.memory_limit / GiB:.3g} GiB available ({where}): {over}; "
                         "lower calibration.num_samples/seq_len, validate.perplexity.seq_len or draft.distill.batch_size,"
                         " or raise the limit (offloaded to disk where a stage can: GPTQ and RTN quantization, the "
                         "baseline's perplexity; quantized checkpoints, bitsandbytes, torchao, AWQ, AutoRound, GGUF and "

@@ -103,7 +103,7 @@ def test_memory_beyond_the_machine_is_refused(tmp_path):
     needs = {k: float(v) for k, v in re.findall(r"(\S+) needs ([0-9.]+) GiB", msg)}
     assert set(needs) == {"load", "quantize/w4", "validate/baseline", "validate/w4"}, needs
     # every stage named is one the limit actually blocks, and the total is the largest of them
-    assert all(v > 0.5 for v in needs.values()) and f"peak memory {max(needs.values()):.1f} GiB" in msg
+    assert all(v > 0.5 for v in needs.values()) and f"peak memory {max(needs.values()):.2f} GiB" in msg
 
 
 def test_disk_plan_counts_what_the_run_writes_and_refuses_a_full_disk(tmp_path, monkeypatch):
