@@ -201,7 +201,8 @@ def test_quantize_variant_is_deterministic_and_writes_only_its_folder(tiny, tmp_
 
 
 @pytest.mark.parametrize("fields", [{"group_size": 32}, {"group_size": 32, "desc_act": True, "sym": False},
-                                    {"group_size": 16, "act_group_aware": False}])
+                                    {"group_size": 16, "act_group_aware": False},
+                                    {"group_size": 32, "gptaq_alpha": 0.25, "foem_beta": 0.2}])
 def test_skipping_the_discarded_scale_search_leaves_every_byte_as_the_library_writes_it(tiny, tmp_path, monkeypatch,
                                                                                       fields):
     """pipeline/quant/gptq_search.py: GPTQ with mse > 0, through the pipeline and through the library's own
