@@ -101,8 +101,14 @@ def main() -> None:
     if a.one:
         print("RESULT " + json.dumps(one(a.one, a.model, a.calibration, a.rows, a.mse, a.out)), flush=True)
         return
+    unknown = set(a.modes.split(",")) - set(ALL_MODES)
+    if unknown:
+        ap.error(f"unknown mode(s) {', '.join(sorted(unknown))}: choose from {', '.join(ALL_MODES)}")
     if not a.calibration.is_file():
         sys.exit(f"{a.calibration} not found: run `compress run recipes/ci-real.toml` first, or pass --calibration")
+    if not a.config and not (a.model / "config.json").is_file():
+        sys.exit(f"{a.model} is not a checkpoint folder: run `compress run recipes/ci-real.toml` first, or pass "
+                 "--model or --config")
     with tempfile.TemporaryDirectory(prefix="gptq-cpu-") as tmp:
         model = random_model(a.config, a.layers, Path(tmp) / "model") if a.config else a.model
         runs: dict[str, list[dict]] = {m: [] for m in a.modes.split(",")}
