@@ -34,6 +34,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 
 W4G64 = {"method": "gptq", "bits": 4, "group_size": 64}
+AR50 = {"method": "autoround", "iters": 50, "batch_size": 4}
 SEARCH = [  # (label, variant fields over W4G64 with GPTQModel's defaults (mse 0), calibration overrides)
     ("gptqmodel defaults (GAR, damp 0.05)", {}, {}),
     ("act-order (desc_act)", {"desc_act": True}, {}),
@@ -52,6 +53,11 @@ SEARCH = [  # (label, variant fields over W4G64 with GPTQModel's defaults (mse 0
     ("mse 2.4 + GPTAQ 0.25 + FOEM 0.2", {"mse": 2.4, "gptaq_alpha": 0.25, "foem_beta": 0.2}, {}),
     ("GPTAQ (alpha 0.25), mse 0", {"gptaq_alpha": 0.25}, {}),
     ("mse 2.4 (reference, same run as the rows above)", {"mse": 2.4}, {}),
+    # AutoRound (methods.toml: iters 50, batch 4, 64 x 256 calibration): its auto learning rate (1/iters = 0.02)
+    # against the 5e-3 of auto-round's own "light" recipe (iters 50)
+    ("autoround iters 50, batch 4, lr auto (1/iters)", AR50, {}),
+    ("autoround iters 50, batch 4, lr 5e-3 (auto-round's light recipe)", {**AR50, "lr": 5e-3}, {}),
+    ("autoround iters 50, batch 4, lr auto, asymmetric (sym = false)", {**AR50, "sym": False}, {}),
 ]
 FIGURES = {"gptq-w4g64": W4G64, "rtn-w4g64": {"method": "rtn", "bits": 4, "group_size": 64},
            "gptq-w8": {"method": "gptq", "bits": 8, "group_size": -1}, "bnb-int8": {"method": "bnb-int8"},

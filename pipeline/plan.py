@@ -183,6 +183,10 @@ def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[str]:
     problems = []
     for i, v in enumerate(recipe.quantize):
         problems += [f"quantize.{i} ({v.name}): {p}" for p in check_variant(v, arch, device)]
+        rows = getattr(v, "calibration_rows", None)
+        if rows is not None and rows > recipe.calibration.num_samples:
+            problems.append(f"quantize.{i} ({v.name}): calibration_rows = {rows} exceeds calibration.num_samples = "
+                            f"{recipe.calibration.num_samples}: lower it or raise num_samples")
         plan.variants.append({"name": v.name, "method": v.method, "runtimes": runtimes(v, arch)})
     return problems
 

@@ -35,6 +35,12 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.LongTensor | None
     if calib_ids is not None and (calib_ids.dim() != 2 or calib_ids.dtype != torch.long):
         raise StageError(f"calibration ids must be a LongTensor [n_samples, seq_len], got "
                          f"{calib_ids.dtype} {list(calib_ids.shape)}")
+    rows = getattr(variant, "calibration_rows", None)
+    if rows is not None and calib_ids is not None:
+        if rows > calib_ids.shape[0]:
+            raise StageError(f"variant {variant.name!r}: calibration_rows = {rows} exceeds the {calib_ids.shape[0]} "
+                             "calibration rows given")
+        calib_ids = calib_ids[:rows]
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     out_dir.mkdir(parents=True, exist_ok=True)
     tame()

@@ -4,7 +4,8 @@ GPTQModel's AWQ searches, per decoder layer, the input-channel scales that minim
 calibration activations, folds them into the preceding norm or linear, and rounds to the 4-bit grid; it packs the
 result for the kernel it is told. On CPU that is its portable torch kernel (AWQ_TORCH: its default GEMM kernel is
 CUDA-only and refuses a CPU run); the checkpoint is the same GEMM layout either way. The driver, session, logs and
-checkpoint finishing are GPTQ's (pipeline/quant/gptq.py).
+checkpoint finishing are GPTQ's (pipeline/quant/gptq.py); the clipping search runs as matrix products
+(pipeline/quant/awq_clip.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import IO
 
 import torch
 
+from pipeline.quant.awq_clip import matmul_clip_search
 from pipeline.quant.caps_awq import AWQ_DTYPES
 from pipeline.quant.common import base_dtype, finish_checkpoint, skipped_linears
 from pipeline.quant.gptq import ENGINE, _append_file, calibration_rows, common_kwargs, engine_version, quantize_with
@@ -36,8 +38,9 @@ def quantize(base_dir: Path, variant, calib_ids: torch.Tensor, console: IO[str],
     from gptqmodel import BACKEND
 
     backend = BACKEND.AWQ_TORCH if device == "cpu" else None
-    return quantize_with(base_dir, awq_config(variant), calibration_rows(calib_ids), console, variant.name,
-                         run_dtype(variant, base_dir), device, backend=backend)
+    with matmul_clip_search():  # the clipping search as matrix products (pipeline/quant/awq_clip.py)
+        return quantize_with(base_dir, awq_config(variant), calibration_rows(calib_ids), console, variant.name,
+                             run_dtype(variant, base_dir), device, backend=backend)
 
 
 def save(model, base_dir: Path, out_dir: Path, variant) -> dict:

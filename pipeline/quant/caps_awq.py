@@ -33,22 +33,11 @@ def _lm_head_rule(variant, method: str) -> list[str]:
             f"lm_head): keep 'lm_head' in modules_to_skip (it is {variant.modules_to_skip})"]
 
 
-# GPTQModel 7.6 AWQ's clipping search (awq_processor._compute_best_clip) walks output channels in batches of 64 (or
-# 256) and asserts they divide; it skips the query and key projections ("q_", "k_" in the name).
-AWQ_CLIP_BATCH = 64
-
-
 def _check_awq(variant, arch: dict, device: str) -> list[str]:
     # (dtype: the generic check refuses float32 with AWQ_DTYPES)
-    problems = _missing("gptqmodel", "gptqmodel", "awq") + _lm_head_rule(variant, "AWQ")
-    if arch.get("shapes_known"):
-        bad = {k: o for k, (_, o) in quantized_linears(arch, variant.modules_to_skip).items()
-               if k != "lm_head" and not any(t in k.split(".")[-1] for t in ("q_", "k_")) and o % AWQ_CLIP_BATCH}
-        if bad:
-            what = ", ".join(f"{k} ({o})" for k, o in bad.items())
-            problems.append(f"AWQ's clipping search (GPTQModel) needs the out-features of every quantized linear "
-                            f"but q/k to be a multiple of {AWQ_CLIP_BATCH}; not {what}: add them to modules_to_skip")
-    return problems
+    # (GPTQModel's own clipping search asserts out-features in multiples of 64; ours, pipeline/quant/awq_clip.py,
+    # takes any)
+    return _missing("gptqmodel", "gptqmodel", "awq") + _lm_head_rule(variant, "AWQ")
 
 
 def _check_autoround(variant, arch: dict, device: str) -> list[str]:

@@ -29,6 +29,15 @@ class _Variant(BaseModel):
     modules_to_skip: list[str] = Field(["lm_head"], description=SKIP_HELP)
 
 
+class _Calibrated(BaseModel):
+    """Shared by the methods that read the calibration rows."""
+
+    calibration_rows: Optional[int] = Field(
+        None, ge=1, description="use only the first N of the run's calibration rows (random windows, so a random "
+                                "subset; at most calibration.num_samples); None = all. For a method whose time "
+                                "grows with the calibration tokens, e.g. AWQ's scale search on a CPU")
+
+
 class _GPTQFormat(_Variant):
     """Shared by the methods that write the GPTQ checkpoint format (qweight/qzeros/scales/g_idx)."""
 
@@ -39,7 +48,7 @@ class _GPTQFormat(_Variant):
                                                      "None = the loaded checkpoint's dtype")
 
 
-class GPTQVariant(_GPTQFormat):
+class GPTQVariant(_Calibrated, _GPTQFormat):
     method: Literal["gptq"]
     desc_act: bool = Field(False, description="act-order: quantize columns by decreasing Hessian diagonal")
     act_group_aware: Optional[bool] = Field(
@@ -64,7 +73,7 @@ class RTNVariant(_GPTQFormat):
     method: Literal["rtn"]
 
 
-class AWQVariant(_Variant):
+class AWQVariant(_Calibrated, _Variant):
     """AWQ through GPTQModel: per-input-channel scales searched on the calibration activations, folded into the
     previous op, then round-to-nearest; GEMM checkpoint layout (limits in caps_awq)."""
 
@@ -77,7 +86,7 @@ class AWQVariant(_Variant):
                           "bfloat16 (GPTQModel's AWQ modules take no float32)")
 
 
-class AutoRoundVariant(_GPTQFormat):
+class AutoRoundVariant(_Calibrated, _GPTQFormat):
     """AutoRound through auto-round: per block, the rounding offsets and the min/max clipping are tuned by signed
     gradient descent to reproduce the block's full-precision outputs on the calibration text; GPTQ format."""
 

@@ -32,10 +32,11 @@ def sha(path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory):
+def first_run(tiny_run, tmp_path_factory):
+    """This module's own copy of the session's finished tiny run (tests/e2e/conftest.py): out/tiny."""
     out = tmp_path_factory.mktemp("runs")
-    p = run_tiny(out)
-    return out / "tiny", p
+    shutil.copytree(tiny_run[0], out / "tiny", ignore=shutil.ignore_patterns(".lock"))
+    return out / "tiny", tiny_run[1]
 
 
 def test_first_run_writes_the_documented_layout(first_run):

@@ -197,12 +197,14 @@ def tiny_recipe(tmp_path: Path, variants: str) -> Path:
 
 
 def test_compress_check_exit_2_names_the_key(tmp_path):
-    bad = tiny_recipe(tmp_path, '[[quantize]]\nname = "awq-w8"\nmethod = "awq"\nbits = 8\ngroup_size = 32\n\n')
+    bad = tiny_recipe(tmp_path, '[[quantize]]\nname = "awq-w8"\nmethod = "awq"\nbits = 8\ngroup_size = 32\n\n'
+                                '[[quantize]]\nname = "ar"\nmethod = "autoround"\ngroup_size = 32\n'
+                                'calibration_rows = 9\n\n')
     with pytest.raises(RecipeError) as e:
         check(load_recipe(bad))
     assert "bits = 8 is not supported by awq" in str(e.value)
-    # tiny-llama's v_proj has 32 out-features: GPTQModel's AWQ clipping search asserts multiples of 64
-    assert "self_attn.v_proj (32): add them to modules_to_skip" in str(e.value)
+    assert "quantize.1 (ar): calibration_rows = 9 exceeds calibration.num_samples = 8" in str(e.value)
+    assert "v_proj" not in str(e.value), "our clipping search takes any out-features (tiny-llama's v_proj: 32)"
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", "check", str(bad)], capture_output=True, text=True,
                        cwd=ROOT)
     assert r.returncode == 2 and "awq-w8" in r.stderr + r.stdout
@@ -224,8 +226,9 @@ def test_bits_per_weight_counts_scales_zero_points_and_skipped_layers(quantized,
 
 def test_tiny_recipe_runs_awq_and_autoround_end_to_end(tmp_path):
     """Through `compress run`: quantize, validate (a fresh process reloads each checkpoint), report rows, export."""
+    # tiny-llama's v_proj has 32 out-features: GPTQModel's own clipping search asserts multiples of 64, ours not
     recipe = tiny_recipe(tmp_path, '[[quantize]]\nname = "awq-w4g32"\nmethod = "awq"\ngroup_size = 32\n'
-                                   'modules_to_skip = ["lm_head", "self_attn.v_proj"]\n\n'
+                                   'calibration_rows = 4\n\n'
                                    '[[quantize]]\nname = "autoround-w4g32"\nmethod = "autoround"\ngroup_size = 32\n'
                                    'iters = 5\n\n')
     r = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(recipe), "--set",
@@ -234,7 +237,46 @@ def test_tiny_recipe_runs_awq_and_autoround_end_to_end(tmp_path):
     report = json.loads((tmp_path / "out" / "tiny" / "report.json").read_text())
     for name, method in (("awq-w4g32", "awq"), ("autoround-w4g32", "autoround")):
         m = report["variants"][name]
-        assert m["method"] == method and m["ppl_ratio"] > 0 and m["bits_per_weight"] < 8  # fp32: 32 (v_proj skipped)
+        assert m["method"] == method and m["ppl_ratio"] > 0 and m["bits_per_weight"] < 8  # fp32: 32
         assert any(rt["runtime"] == "vLLM (CUDA)" for rt in m["runtimes"])
         assert (tmp_path / "out" / "tiny" / "export" / name / "README.md").is_file()
     assert report["run"]["status"] == "complete"
+    assert report["variants"]["awq-w4g32"]["quantize"]["calibration"]["shape"][0] == 4  # calibration_rows
+    assert report["variants"]["autoround-w4g32"]["quantize"]["calibration"]["shape"][0] == report["calibration"][
+        "num_samples"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sym", [True, False])
+def test_clip_search_as_matrix_products_chooses_what_gptqmodel_chooses(dtype, sym):
+    """pipeline/quant/awq_clip.py against GPTQModel's own AWQProcessor._compute_best_clip on the same weights and
+    activations: in float32 the same clipping bound for every (output channel, group); in bfloat16 the library sums
+    in 16 bits, so near-ties may go the other way: most choices agree, and ours is never worse in float64."""
+    from types import SimpleNamespace
+
+    from gptqmodel.looper.awq_processor import AWQProcessor
+
+    from pipeline.quant.awq_clip import best_clip
+
+    g = torch.Generator().manual_seed(0)
+    proc = SimpleNamespace(qcfg=SimpleNamespace(group_size=32, sym=sym, bits=4))
+    proc._pseudo_quantize_tensor_into = AWQProcessor._pseudo_quantize_tensor_into.__get__(proc)
+    w = (torch.randn(128, 192, generator=g) * 0.05).to(dtype)
+    x = (torch.randn(4, 300, 192, generator=g) * torch.rand(192, generator=g) * 3).to(dtype)  # 1200 tokens: sampled
+    ours, library = best_clip(proc, w, x), AWQProcessor._compute_best_clip(proc, w, x)
+    assert ours.shape == library.shape == (128, 6, 1) and ours.dtype == library.dtype == dtype
+
+    def error(bound):  # float64 output error of the clipped, quantized weights on the sampled tokens
+        xs = x.reshape(-1, 192)[::2].double().reshape(-1, 6, 32)
+        w4 = w.reshape(128, 1, 6, 32)
+        q = torch.empty_like(w4)
+        proc._pseudo_quantize_tensor_into(torch.clamp(w4, -bound.unsqueeze(1), bound.unsqueeze(1)), q)
+        return (torch.einsum("tgk,cgk->cgt", xs, (q - w4).squeeze(1).double())).pow(2).mean().item()
+
+    if dtype == torch.float32:
+        assert torch.equal(ours, library)
+    else:
+        assert (ours == library).float().mean() > 0.9
+        assert error(ours) <= error(library) * (1 + 1e-6)
+    # output channels are independent: any count works (GPTQModel's own search asserts multiples of 64)
+    assert torch.equal(best_clip(proc, w[:40], x), ours[:40])
