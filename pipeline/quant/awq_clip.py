@@ -18,13 +18,11 @@ them.
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Iterator
 
 import torch
 
-_lock = threading.Lock()
-_installed = 0
+from pipeline.quant.common import library_method_replaced
 
 
 @torch.inference_mode()
@@ -73,16 +71,5 @@ def matmul_clip_search() -> Iterator[None]:
     method is back on exit)."""
     from gptqmodel.looper.awq_processor import AWQProcessor
 
-    global _installed
-    with _lock:
-        if _installed == 0:
-            best_clip.original = AWQProcessor._compute_best_clip
-            AWQProcessor._compute_best_clip = best_clip
-        _installed += 1
-    try:
+    with library_method_replaced(AWQProcessor, "_compute_best_clip", lambda _library: best_clip):
         yield
-    finally:
-        with _lock:
-            _installed -= 1
-            if _installed == 0:
-                AWQProcessor._compute_best_clip = best_clip.original

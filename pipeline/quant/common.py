@@ -8,8 +8,9 @@ import logging
 import os
 import shutil
 import sys
+import threading
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
 import torch
 
@@ -18,6 +19,30 @@ from pipeline.dtypes import config_dtype
 # Tokenizer files a checkpoint folder may carry (copied verbatim from the base checkpoint).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+_patch_lock = threading.Lock()
+_patches: dict[tuple[type, str], list] = {}  # (class, attribute) -> [callers inside, the library's own]
+
+
+@contextlib.contextmanager
+def library_method_replaced(cls: type, name: str, make: Callable[[Callable], Callable]) -> Iterator[None]:
+    """`cls.name` is `make(the library's own)` while any caller is inside; the library's own is back when the last
+    one leaves. Re-entrant and thread-safe: an engine's worker threads call the method, stages may nest."""
+    key = (cls, name)
+    with _patch_lock:
+        entry = _patches.setdefault(key, [0, getattr(cls, name)])
+        if entry[0] == 0:
+            setattr(cls, name, make(entry[1]))
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _patch_lock:
+            entry[0] -= 1
+            if entry[0] == 0:
+                setattr(cls, name, entry[1])
+                del _patches[key]
 
 
 def calibration_fingerprint(ids: torch.Tensor | None) -> dict | None:

@@ -14,11 +14,9 @@ tests/unit/test_quant.py checks the bytes for group-aware, act-order, asymmetric
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Iterator
 
-_lock = threading.Lock()
-_installed = 0
+from pipeline.quant.common import library_method_replaced
 
 
 class _PlainRange:
@@ -47,7 +45,6 @@ def _groups_only(original):
                 self.qcfg = qcfg
         return original(self, x, weight)
 
-    find_params.original = original
     return find_params
 
 
@@ -57,15 +54,5 @@ def group_search_only() -> Iterator[None]:
     the library's own method is back on exit)."""
     from gptqmodel.quantization.quantizer import Quantizer
 
-    global _installed
-    with _lock:
-        if _installed == 0:
-            Quantizer.find_params = _groups_only(Quantizer.find_params)
-        _installed += 1
-    try:
+    with library_method_replaced(Quantizer, "find_params", _groups_only):
         yield
-    finally:
-        with _lock:
-            _installed -= 1
-            if _installed == 0:
-                Quantizer.find_params = Quantizer.find_params.original

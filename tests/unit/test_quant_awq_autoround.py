@@ -256,8 +256,12 @@ def test_clip_search_as_matrix_products_chooses_what_gptqmodel_chooses(dtype, sy
 
     from gptqmodel.looper.awq_processor import AWQProcessor
 
-    from pipeline.quant.awq_clip import best_clip
+    from pipeline.quant.awq_clip import best_clip, matmul_clip_search
 
+    library_method = AWQProcessor._compute_best_clip
+    with matmul_clip_search(), matmul_clip_search():  # re-entrant; what awq.quantize wraps GPTQModel's quantize in
+        assert AWQProcessor._compute_best_clip is best_clip
+    assert AWQProcessor._compute_best_clip is library_method
     g = torch.Generator().manual_seed(0)
     proc = SimpleNamespace(qcfg=SimpleNamespace(group_size=32, sym=sym, bits=4))
     proc._pseudo_quantize_tensor_into = AWQProcessor._pseudo_quantize_tensor_into.__get__(proc)
