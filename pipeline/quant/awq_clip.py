@@ -1,4 +1,4 @@
-"""AWQ's clipping search as matrix products: the same search, about ten times faster on CPU.
+"""AWQ's clipping search as matrix products: the same search, and AWQ 4.25x faster end to end on SmolLM2 (CPU).
 
 After the scale search, GPTQModel 7.6's AWQ (`AWQProcessor._compute_best_clip`, gptqmodel/looper/awq_processor.py)
 tries 10 shrink ratios of every group's max |w| on every linear except q/k and keeps, per output channel and
