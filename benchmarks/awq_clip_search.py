@@ -86,7 +86,6 @@ def ppl(model_dir: Path, ids_file: Path, seq_len: int, windows: int) -> dict:
     from pipeline.env import tame
 
     tame()
-    import torch
     from safetensors.torch import load_file
 
     from pipeline.eval.perplexity import gptq_windows, perplexity, windowed_nll
@@ -94,8 +93,7 @@ def ppl(model_dir: Path, ids_file: Path, seq_len: int, windows: int) -> dict:
 
     ids = load_file(str(ids_file))["input_ids"]
     model = load_checkpoint(model_dir)
-    with torch.no_grad():
-        nll, n = windowed_nll(model, ids, gptq_windows(len(ids), seq_len, windows))
+    nll, n = windowed_nll(model, ids, gptq_windows(len(ids), seq_len, windows))  # (in inference mode itself)
     return {"ppl": perplexity(nll, n), "tokens": n}
 
 
