@@ -34,7 +34,7 @@ from types import SimpleNamespace
 ROOT = Path(__file__).resolve().parent.parent
 
 W4G64 = {"method": "gptq", "bits": 4, "group_size": 64}
-AR50 = {"method": "autoround", "iters": 50, "batch_size": 4}
+AR50 = {"method": "autoround", "iters": 50, "batch_size": 4, "torch_compile": False}  # as rows 17-21 were measured
 SEARCH = [  # (label, variant fields over W4G64 with GPTQModel's defaults (mse 0), calibration overrides)
     ("gptqmodel defaults (GAR, damp 0.05)", {}, {}),
     ("act-order (desc_act)", {"desc_act": True}, {}),
@@ -53,11 +53,20 @@ SEARCH = [  # (label, variant fields over W4G64 with GPTQModel's defaults (mse 0
     ("mse 2.4 + GPTAQ 0.25 + FOEM 0.2", {"mse": 2.4, "gptaq_alpha": 0.25, "foem_beta": 0.2}, {}),
     ("GPTAQ (alpha 0.25), mse 0", {"gptaq_alpha": 0.25}, {}),
     ("mse 2.4 (reference, same run as the rows above)", {"mse": 2.4}, {}),
-    # AutoRound (methods.toml: iters 50, batch 4, 64 x 256 calibration): its auto learning rate (1/iters = 0.02)
-    # against the 5e-3 of auto-round's own "light" recipe (iters 50)
+    # AutoRound on methods.toml's 64 x 256 calibration rows: at iters 50, batch 4, its auto learning rate
+    # (1/iters = 0.02) against the 5e-3 of auto-round's own "light" recipe (iters 50)
     ("autoround iters 50, batch 4, lr auto (1/iters)", AR50, {}),
     ("autoround iters 50, batch 4, lr 5e-3 (auto-round's light recipe)", {**AR50, "lr": 5e-3}, {}),
     ("autoround iters 50, batch 4, lr auto, asymmetric (sym = false)", {**AR50, "sym": False}, {}),
+    # the same tokens per block (iters x batch = 200 rows) spent on more, smaller steps
+    ("autoround iters 100, batch 2, lr auto (1/iters)", {**AR50, "iters": 100, "batch_size": 2}, {}),
+    ("autoround iters 200, batch 1, lr auto (1/iters)", {**AR50, "iters": 200, "batch_size": 1}, {}),
+    # row 21's setting with auto-round's torch.compile on (about 3x faster per block here; rounds differently)
+    ("autoround iters 200, batch 1, lr auto, torch_compile (methods.toml)",
+     {**AR50, "iters": 200, "batch_size": 1, "torch_compile": True}, {}),
+    ("autoround iters 50, batch 4, lr auto, torch_compile", {**AR50, "torch_compile": True}, {}),
+    ("autoround iters 100, batch 2, lr auto, torch_compile",
+     {**AR50, "iters": 100, "batch_size": 2, "torch_compile": True}, {}),
 ]
 FIGURES = {"gptq-w4g64": W4G64, "rtn-w4g64": {"method": "rtn", "bits": 4, "group_size": 64},
            "gptq-w8": {"method": "gptq", "bits": 8, "group_size": -1}, "bnb-int8": {"method": "bnb-int8"},
@@ -110,15 +119,16 @@ def child(args: list[str], timeout: float = 3600) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def run_one(kind: str, model: str, ids_file: str, out: str, fields: dict) -> None:
-    """One quantization, timed around load + quantize + save. kind: ours | direct | transformers."""
+def run_one(kind: str, model: str, ids_file: str, out: str, fields: dict, seed: int = 0) -> None:
+    """One quantization, timed around load + quantize + save. kind: ours | direct | transformers. seed: the
+    engine's (ours only; AutoRound draws its tuning batches with it)."""
     from pipeline.env import tame
 
     tame()
     import torch
     from safetensors.torch import load_file
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     ids = load_file(ids_file)["input_ids"]
     if kind == "ours":
         from pydantic import TypeAdapter
@@ -127,7 +137,7 @@ def run_one(kind: str, model: str, ids_file: str, out: str, fields: dict) -> Non
         from pipeline.quant.config import QuantVariant
 
         v = TypeAdapter(QuantVariant).validate_python({"name": Path(out).name, **fields})
-        m = quantize_variant(Path(model), v, ids, Path(out), logging.getLogger("bench"), seed=0)
+        m = quantize_variant(Path(model), v, ids, Path(out), logging.getLogger("bench"), seed=seed)
         seconds = m["time_s"]
     elif kind == "direct":
         seconds = direct_gptqmodel(model, ids, out, fields)
@@ -280,10 +290,11 @@ def search(a) -> dict:
         n, L = a.samples * cal.get("samples", 1), a.seq_len * cal.get("seq_len", 1)
         ids = save_ids(calibration_ids(tok, n, L, cal.get("chat_template", False), 0), work / f"calib-{i}.safetensors")
         pinned = {"mse": 0.0} if fields.get("method", "gptq") == "gptq" else {}  # GPTQModel's own default
-        r = child(["_run", "ours", a.model, ids, str(work / f"search-{i}"), json.dumps({**W4G64, **pinned, **fields})])
+        folder = work / (f"search-{i}" if a.seed == 0 else f"search-{i}-seed{a.seed}")
+        r = child(["_run", "ours", a.model, ids, str(folder), json.dumps({**W4G64, **pinned, **fields}), str(a.seed)])
         p = child(["_ppl", r["out"], evals, str(a.ppl_seq_len), str(a.ppl_windows)])["ppl"]
         rows.append({"label": label, "fields": fields, "calibration": [n, L, cal.get("chat_template", False)],
-                     "ppl": p, "increase_pct": 100 * (p / base - 1), "seconds": r["seconds"]})
+                     "seed": a.seed, "ppl": p, "increase_pct": 100 * (p / base - 1), "seconds": r["seconds"]})
         log(f"{label}: held-out C4 ppl {p:.3f} (+{rows[-1]['increase_pct']:.2f}%), {r['seconds']:.0f} s")
     return {"baseline_ppl": base, "eval": f"held-out C4 (last 200 docs), {a.ppl_windows} x {a.ppl_seq_len} tokens",
             "rows": rows}
@@ -313,7 +324,7 @@ def log(msg: str) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_run":
-        return run_one(sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5], json.loads(sys.argv[6]))
+        return run_one(*sys.argv[2:6], json.loads(sys.argv[6]), *map(int, sys.argv[7:8]))
     if len(sys.argv) > 1 and sys.argv[1] == "_ppl":
         return ppl_one(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -329,6 +340,8 @@ def main() -> None:
     p.add_argument("--fields", default="{}", help="compare: variant fields over gptq w4g64, e.g. '{\"mse\": 0}'")
     p.add_argument("--only", default="", help="figures: comma-separated subset of " + ",".join(FIGURES)
                    + "; search: comma-separated row indices")
+    p.add_argument("--seed", type=int, default=0, help="search: the quantizer's seed (the calibration rows stay "
+                   "the same); another seed shows how much a row's figure moves by chance")
     p.add_argument("--out", default=None, help="write the results JSON here")
     a = p.parse_args()
     Path(a.work).mkdir(parents=True, exist_ok=True)

@@ -14,11 +14,11 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Iterator, NamedTuple
 
 import torch
 
-from pipeline.compute import float32_matmuls
+from pipeline.compute import float32_matmuls, upcasts
 from pipeline.dtypes import torch_dtype
 from pipeline.quant.common import base_dtype, finish_checkpoint, skipped_linears
 from pipeline.quant.gptq import quantized_in_blocks
@@ -45,8 +45,19 @@ def session(out_dir: Path) -> Iterator[None]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def quantize(base_dir: Path, variant, calib_ids: torch.Tensor, console: IO[str], device: str):
-    """Tune and export into a scratch folder; returns that folder (save() finishes it into out_dir)."""
+class Tuned(NamedTuple):
+    folder: Path  # auto-round's export, in the scratch folder
+    torch_compile: bool  # whether the tuning step was compiled
+
+
+def compiles(variant, dtype: str, device: str) -> bool:
+    """Whether auto-round's tuning step is torch.compile'd: as the variant asks, except where float32_matmuls
+    upcasts half-precision matmuls (a CPU without bf16/fp16 units), whose swapped F.linear dynamo would trace into."""
+    return variant.torch_compile and not upcasts(dtype, device)
+
+
+def quantize(base_dir: Path, variant, calib_ids: torch.Tensor, console: IO[str], device: str) -> Tuned:
+    """Tune and export into a scratch folder (save() finishes it into out_dir)."""
     from auto_round import AutoRound
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -60,11 +71,11 @@ def quantize(base_dir: Path, variant, calib_ids: torch.Tensor, console: IO[str],
                    sym=variant.sym, iters=variant.iters, lr=variant.lr, nsamples=n, seqlen=seq_len,
                    batch_size=min(variant.batch_size, n), dataset=[row.unsqueeze(0) for row in calib_ids],
                    layer_config=layer_config or None, device_map=device, seed=torch.initial_seed(),
-                   enable_torch_compile=False)
+                   enable_torch_compile=compiles(variant, dtype, device))
     export = Path(tempfile.mkdtemp(prefix="export-", dir=Path.cwd()))
     with _block_bar_on(console), float32_matmuls(dtype, device):  # pipeline/compute.py
         ar.quantize_and_save(str(export), format=EXPORT_FORMAT)
-    return _checkpoint_folder(export)
+    return Tuned(_checkpoint_folder(export), compiles(variant, dtype, device))
 
 
 @contextlib.contextmanager
@@ -94,12 +105,13 @@ def _checkpoint_folder(export: Path) -> Path:
     return found[0]
 
 
-def save(folder: Path, base_dir: Path, out_dir: Path, variant) -> dict:
-    for f in folder.glob("*.safetensors*"):
+def save(tuned: Tuned, base_dir: Path, out_dir: Path, variant) -> dict:
+    for f in tuned.folder.glob("*.safetensors*"):
         shutil.move(str(f), out_dir / f.name)
-    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    qc = json.loads((tuned.folder / "config.json").read_text())["quantization_config"]
     if any(e != "lm_head" for e in variant.modules_to_skip):  # as for GPTQ: the names transformers must quantize
         qc["modules_in_block_to_quantize"] = quantized_in_blocks(out_dir)
     dtype = variant.dtype or base_dtype(base_dir)
     finish_checkpoint(base_dir, out_dir, qc, dtype)
-    return {"engine": ENGINE, "engine_version": engine_version(), "engine_config": qc, "dtype": dtype}
+    return {"engine": ENGINE, "engine_version": engine_version(), "engine_config": qc, "dtype": dtype,
+            "torch_compile": tuned.torch_compile}

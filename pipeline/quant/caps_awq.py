@@ -10,6 +10,8 @@ modules only, so a float32 checkpoint is quantized in bfloat16. AutoRound writes
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
 
 from pipeline.quant.capabilities import GPTQ_GROUP_SIZES, METHODS, MethodCaps, _gptq_runtimes, quantized_linears
 
@@ -45,7 +47,16 @@ def _check_autoround(variant, arch: dict, device: str) -> list[str]:
     if variant.bits == 8 and not variant.sym:
         problems.append("bits = 8 with sym = false: auto-round refuses to export asymmetric 8-bit in the GPTQ "
                         "format; set sym = true")
+    if variant.torch_compile and device == "cpu" and cpp_compiler() is None:
+        problems.append("torch_compile = true: torch.compile on a CPU builds C++ kernels, and no C++ compiler was "
+                        f"found ({os.environ.get('CXX') or 'g++'} not on PATH): install one (apt install g++) or set "
+                        "torch_compile = false (about 3x slower here)")
     return problems
+
+
+def cpp_compiler() -> str | None:
+    """The compiler torch inductor would call on a CPU ($CXX, else g++), or None if it is not on PATH."""
+    return shutil.which(os.environ.get("CXX") or "g++")
 
 
 def _awq_runtimes(variant, arch: dict) -> list[dict]:

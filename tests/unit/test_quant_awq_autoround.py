@@ -39,7 +39,8 @@ VARIANTS = {
     "awq-skip": {"method": "awq", "group_size": 64, "modules_to_skip": SKIP_DOWN},
     "rtn-asym-w4g64": {"method": "rtn", "group_size": 64, "sym": False, "dtype": "bfloat16"},  # AWQ's grid
     "autoround-w4g64": {"method": "autoround", "group_size": 64, "iters": 20},
-    "autoround-skip": {"method": "autoround", "group_size": 64, "iters": 20, "modules_to_skip": SKIP_DOWN},
+    "autoround-skip": {"method": "autoround", "group_size": 64, "iters": 20, "modules_to_skip": SKIP_DOWN,
+                       "torch_compile": False},  # the eager path; autoround-w4g64 compiles (the default)
     "rtn-w4g64": {"method": "rtn", "group_size": 64},  # AutoRound's grid (symmetric)
 }
 SMOL = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
@@ -130,6 +131,7 @@ def test_autoround_checkpoint_is_gptq_format_and_gptqmodel_loads_it(quantized):
     qc = json.loads((folder / "config.json").read_text())["quantization_config"]
     assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"], qc["iters"]) == ("gptq", 4, 64, True, 20)
     assert manifest["engine"] == "auto_round" and set(reloaded["kinds"].values()) == {"TorchAtenLinear"}
+    assert manifest["torch_compile"] is True and quantized["autoround-skip"][1]["torch_compile"] is False
     code = ("import sys, json, torch\nfrom pipeline.env import tame; tame()\nfrom gptqmodel import GPTQModel\n"
             "m = GPTQModel.load(sys.argv[1], device='cpu', dtype=torch.float16)\n"
             "torch.save(m.model(torch.tensor(json.loads(sys.argv[2]))).logits.float(), sys.argv[1] + '/g.pt')")
@@ -176,6 +178,26 @@ def test_check_names_a_missing_library(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "auto_round" else real(n, *a))
     problems = check_variant(variant("r", method="autoround"), linear_shapes_from_config(SMOL), "cpu")
     assert any("needs the auto-round==0.16.1 package" in p and "pip install" in p for p in problems)
+
+
+def test_check_refuses_torch_compile_without_a_cpp_compiler(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-compiler++")
+    arch = linear_shapes_from_config(SMOL)
+    problems = check_variant(variant("r", method="autoround"), arch, "cpu")
+    assert any("torch_compile = true" in p and "no-such-compiler++ not on PATH" in p and "torch_compile = false" in p
+               for p in problems), problems
+    assert check_variant(variant("r", method="autoround", torch_compile=False), arch, "cpu") == []
+    assert check_variant(variant("r", method="autoround"), arch, "cuda") == []  # inductor's GPU kernels are Triton
+
+
+def test_torch_compile_is_off_where_half_precision_matmuls_are_upcast(monkeypatch):
+    """pipeline/compute.py swaps F.linear for float32 matmuls on CPUs without bf16 units; dynamo is kept out of it."""
+    from pipeline.quant import autoround
+
+    v = variant("r", method="autoround")
+    monkeypatch.setattr(autoround, "upcasts", lambda dtype, device: dtype == "bfloat16")
+    assert autoround.compiles(v, "float32", "cpu") and not autoround.compiles(v, "bfloat16", "cpu")
+    assert not autoround.compiles(variant("r", method="autoround", torch_compile=False), "float32", "cpu")
 
 
 def test_runtimes_say_which_kernels_serve_them():
