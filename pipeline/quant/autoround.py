@@ -52,7 +52,8 @@ class Tuned(NamedTuple):
 
 def compiles(variant, dtype: str, device: str) -> bool:
     """Whether auto-round's tuning step is torch.compile'd: as the variant asks, except where float32_matmuls
-    upcasts half-precision matmuls (a CPU without bf16/fp16 units), whose swapped F.linear dynamo would trace into."""
+    upcasts half-precision matmuls (a CPU without bf16/fp16 units): its torch function mode and swapped F.linear
+    have not been tried under dynamo, so that path stays eager (the manifest's torch_compile says which ran)."""
     return variant.torch_compile and not upcasts(dtype, device)
 
 

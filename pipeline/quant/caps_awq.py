@@ -50,7 +50,7 @@ def _check_autoround(variant, arch: dict, device: str) -> list[str]:
     if variant.torch_compile and device == "cpu" and cpp_compiler() is None:
         problems.append("torch_compile = true: torch.compile on a CPU builds C++ kernels, and no C++ compiler was "
                         f"found ({os.environ.get('CXX') or 'g++'} not on PATH): install one (apt install g++) or set "
-                        "torch_compile = false (about 3x slower here)")
+                        "torch_compile = false (about 2.8x slower on a CPU)")
     return problems
 
 

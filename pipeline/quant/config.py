@@ -97,8 +97,9 @@ class AutoRoundVariant(_Calibrated, _GPTQFormat):
     batch_size: int = Field(8, ge=1, description="calibration rows per tuning step (at most num_samples)")
     torch_compile: bool = Field(True, description="torch.compile auto-round's tuning step (its own option, on by "
                                                   "default on Linux): on a CPU it needs a C++ compiler (g++, or "
-                                                  "$CXX); about 3x faster per block on SmolLM2 here. Compiled "
-                                                  "kernels round differently, so the bytes differ from false")
+                                                  "$CXX); a SmolLM2 block of 200 one-row steps: 11.5 s against 32 s "
+                                                  "eager on 2 cores. Compiled kernels round differently, so the "
+                                                  "bytes differ from false")
 
 
 class BnbInt8Variant(_Variant):
