@@ -66,17 +66,18 @@ def quantize(base_dir: Path, variant, calib_ids: torch.Tensor, console: IO[str],
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch_dtype(dtype), device_map={"": device})
     tokenizer = AutoTokenizer.from_pretrained(base_dir)
     n, seq_len = calib_ids.shape
+    compiled = compiles(variant, dtype, device)
     layer_config = {name: {"bits": 16} for name in skipped_linears(base_dir, variant.modules_to_skip)
                     if name != "lm_head"}
     ar = AutoRound(model, tokenizer=tokenizer, scheme="W4A16", bits=variant.bits, group_size=variant.group_size,
                    sym=variant.sym, iters=variant.iters, lr=variant.lr, nsamples=n, seqlen=seq_len,
                    batch_size=min(variant.batch_size, n), dataset=[row.unsqueeze(0) for row in calib_ids],
                    layer_config=layer_config or None, device_map=device, seed=torch.initial_seed(),
-                   enable_torch_compile=compiles(variant, dtype, device))
+                   enable_torch_compile=compiled)
     export = Path(tempfile.mkdtemp(prefix="export-", dir=Path.cwd()))
     with _block_bar_on(console), float32_matmuls(dtype, device):  # pipeline/compute.py
         ar.quantize_and_save(str(export), format=EXPORT_FORMAT)
-    return Tuned(_checkpoint_folder(export), compiles(variant, dtype, device))
+    return Tuned(_checkpoint_folder(export), compiled)
 
 
 @contextlib.contextmanager
