@@ -43,7 +43,7 @@ def lock_text(recipe, vers: dict, device: str, run_id: str) -> str:
     from pipeline import data
     from pipeline.fileio import sha256_file
     from pipeline.sources import parse
-    from pipeline.stages.export import _drop_none
+    from pipeline.fileio import drop_none
 
     src = parse(recipe.model.source, recipe.model.gguf_file)
     files = {}
@@ -52,7 +52,7 @@ def lock_text(recipe, vers: dict, device: str, run_id: str) -> str:
     lock = {"lock": {"run_id": run_id, "created": schema.now(), "versions": vers,
                      "model_file": str(src.path), "model_sha256": sha256_file(src.path) if src.path.is_file() else "",
                      "data_sha256": files, "device": device},
-            "recipe": _drop_none(recipe.dump())}
+            "recipe": drop_none(recipe.dump())}
     return "# Resolved recipe + versions + hashes: rerun with `compress run recipe.lock.toml` is not needed;\n" \
            "# this file records exactly what produced the run folder.\n" + tomli_w.dumps(lock)
 

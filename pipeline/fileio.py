@@ -40,3 +40,12 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 def atomic_write_json(path: Path, data: Any) -> None:
     atomic_write_text(path, json.dumps(data, indent=2, default=str) + "\n")
+
+
+def drop_none(obj: Any) -> Any:
+    """A JSON-like tree without its None values (TOML has no null)."""
+    if isinstance(obj, dict):
+        return {k: drop_none(v) for k, v in obj.items() if v is not None}
+    if isinstance(obj, list):
+        return [drop_none(v) for v in obj]
+    return obj

@@ -260,9 +260,8 @@ def _estimate_memory(recipe, info: ModelInfo, plan: Plan, source) -> None:
     w = dtype_bytes(plan.dtype) * p
     cal = recipe.calibration
     ppl = recipe.validate_.perplexity
-    limit = recipe.run.max_memory_gb
-    plan.memory_limit = int(limit * GiB) if limit else machine_memory()
-    capped = limit is not None and plan.device == "cpu"
+    plan.memory_limit = recipe.run.memory_limit_bytes or machine_memory()
+    capped = recipe.run.memory_limit_bytes is not None and plan.device == "cpu"
     # load: a checkpoint folder kept in its dtype is linked (headers read, no weights in memory); a GGUF is
     # dequantized and a config: model initialised tensor by tensor into safetensors (its largest tensor in float32
     # and converted; MoE GGUFs whose tensors transformers merges are loaded whole instead, not estimated here); a

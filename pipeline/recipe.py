@@ -33,6 +33,11 @@ class RunConfig(Strict):
     threads: Optional[int] = Field(None, ge=1, description="torch threads; default: all cores")
     max_memory_gb: Optional[float] = Field(None, gt=0, description="memory the plan may use; default: this machine's")
 
+    @property
+    def memory_limit_bytes(self) -> Optional[int]:
+        """`max_memory_gb` in bytes, or None when unset (the one place that converts it)."""
+        return int(self.max_memory_gb * 2**30) if self.max_memory_gb else None
+
 
 class ModelConfig(Strict):
     source: str

@@ -164,36 +164,23 @@ def run_task(task: str, args: dict, out_dir: Path, threads: int | None = None, t
         result.unlink(missing_ok=True)
 
 
-def _quality(args: dict) -> dict:
-    from pipeline.eval.quality import evaluate
-    from pipeline.recipe import PerplexityConfig, SmokeConfig
-
-    ref = Path(args["reference"]) if args.get("reference") else None
-    return evaluate(Path(args["model_dir"]), Path(args["out"]), PerplexityConfig(**args["perplexity"]),
-                    SmokeConfig(**args["smoke"]), args["device"], ref, args["label"], args.get("memory_limit"))
-
-
-def _speculative(args: dict) -> dict:
-    import logging
-
-    from pipeline.speculative.config import DraftConfig
-    from pipeline.speculative.evaluate import measure_speculative
-
-    und = Path(args["undistilled"]) if args.get("undistilled") else None
-    fp = Path(args["fp_distilled"]) if args.get("fp_distilled") else None
-    return measure_speculative(Path(args["verifier"]), Path(args["draft"]), args["prompts"],
-                               DraftConfig(**args["draft_cfg"]), args["seed"], logging.getLogger("compress").info,
-                               undistilled_dir=und, fp_distilled_dir=fp, device=args.get("device", "cpu"))
+# task name -> "module:function" (a function of the args dict returning a JSON-able dict). Named, not imported:
+# the worker imports only the task it runs, and the measuring modules can call run_task without an import cycle
+# (pipeline/codehash.py follows these strings, so a unit's identity still covers the task's code).
+TASKS = {
+    "quality": "pipeline.eval.quality:worker_task",
+    "speculative": "pipeline.speculative.evaluate:worker_task",
+    "speed": "pipeline.eval.speed:worker_task",
+}
 
 
-def _speed(args: dict) -> dict:
-    from pipeline.eval.config import SpeedConfig
-    from pipeline.eval.speed import measure_checkpoint
+def task_function(task: str):
+    """The function behind TASKS[task], imported now."""
+    import importlib
 
-    return measure_checkpoint(Path(args["model_dir"]), SpeedConfig(**args["cfg"]), args["device"], args.get("label"))
+    module, _, name = TASKS[task].partition(":")
+    return getattr(importlib.import_module(module), name)
 
-
-TASKS = {"quality": _quality, "speculative": _speculative, "speed": _speed}
 
 
 def main(argv: list[str]) -> int:
@@ -211,7 +198,7 @@ def main(argv: list[str]) -> int:
     if job.get("threads"):
         torch.set_num_threads(int(job["threads"]))
     try:
-        result = TASKS[job["task"]](job["args"])
+        result = task_function(job["task"])(job["args"])
     except Exception as e:
         result_path.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
         raise

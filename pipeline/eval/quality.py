@@ -168,3 +168,12 @@ def evaluate(model_dir: Path, out: Path, ppl_cfg, smoke_cfg, device: str, refere
     if not math.isfinite(result["perplexity"]["value"]):
         log.warning("%s: perplexity is not finite", label)
     return result
+
+
+def worker_task(args: dict) -> dict:
+    """The worker's "quality" task (pipeline/worker.py TASKS)."""
+    from pipeline.recipe import PerplexityConfig, SmokeConfig
+
+    ref = Path(args["reference"]) if args.get("reference") else None
+    return evaluate(Path(args["model_dir"]), Path(args["out"]), PerplexityConfig(**args["perplexity"]),
+                    SmokeConfig(**args["smoke"]), args["device"], ref, args["label"], args.get("memory_limit"))

@@ -345,3 +345,8 @@ def _preimport(model_dir: Path) -> None:
     module = {"gptq": "gptqmodel", "awq": "gptqmodel", "bitsandbytes": "bitsandbytes"}.get(quant.get("quant_method"))
     if module:
         importlib.import_module(module)
+
+
+def worker_task(args: dict) -> dict:
+    """The worker's "speed" task (pipeline/worker.py TASKS)."""
+    return measure_checkpoint(Path(args["model_dir"]), SpeedConfig(**args["cfg"]), args["device"], args.get("label"))

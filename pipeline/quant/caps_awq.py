@@ -1,5 +1,5 @@
 """AWQ (through GPTQModel) and AutoRound (through auto-round): what each takes, which runtimes serve the checkpoint,
-and `compress check`'s rules for them. Torch-free; registered into capabilities.METHODS when capabilities is
+and `compress check`'s rules for them. Torch-free; registered into caps_base.METHODS when capabilities is
 imported.
 
 AWQ is written in the GEMM layout (qweight/qzeros/scales, 4-bit, zero points by default): the AWQ format
@@ -13,7 +13,7 @@ import importlib.util
 import os
 import shutil
 
-from pipeline.quant.capabilities import GPTQ_GROUP_SIZES, METHODS, MethodCaps, _gptq_runtimes, quantized_linears
+from pipeline.quant.caps_base import GPTQ_GROUP_SIZES, METHODS, MethodCaps, gptq_runtimes, quantized_linears
 
 AWQ_GROUP_SIZES = (-1, 16, 32, 64, 128)  # GPTQModel 7.6 AwqTorchLinear (its CPU kernel) takes these
 AWQ_DTYPES = ("bfloat16", "float16")  # GPTQModel's AWQ modules refuse float32
@@ -90,4 +90,4 @@ METHODS.register("autoround")(MethodCaps(
     ("float32", "bfloat16", "float16"), ("cpu", "cuda"), True,
     "AutoRound (Cheng et al. 2023): rounding and min/max tuned by signed gradient descent per block, "
     "through auto-round; GPTQ checkpoint format",
-    check=_check_autoround, runtimes=_gptq_runtimes))
+    check=_check_autoround, runtimes=gptq_runtimes))

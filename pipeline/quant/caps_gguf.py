@@ -1,12 +1,12 @@
 """GGUF (llama.cpp) variants: the types written here and by llama.cpp's quantizer, the architectures converted,
-and `compress check`'s rules for them. Torch-free; registered into capabilities.METHODS when capabilities is
+and `compress check`'s rules for them. Torch-free; registered into caps_base.METHODS when capabilities is
 imported."""
 from __future__ import annotations
 
 import importlib.util
 
 from pipeline.dtypes import DTYPE_NAMES
-from pipeline.quant.capabilities import METHODS, MethodCaps, is_skipped, quantized_linears
+from pipeline.quant.caps_base import METHODS, MethodCaps, is_skipped, quantized_linears
 
 # config.json model_type -> whether llama.cpp permutes the Q/K rows (its LlamaModel does, Qwen2Model does not);
 # the llama.cpp architecture has the same name. transformers' GGUF loader reads both back.

@@ -1,12 +1,12 @@
 """torchao's schemes: what each takes, which kernel runs it where, and `compress check`'s rules for them.
-Torch-free; registered into capabilities.METHODS when capabilities is imported."""
+Torch-free; registered into caps_base.METHODS when capabilities is imported."""
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
 
 from pipeline.dtypes import DTYPE_NAMES
-from pipeline.quant.capabilities import METHODS, MethodCaps
+from pipeline.quant.caps_base import METHODS, MethodCaps
 
 TORCHAO_GROUP_SIZES = (32, 64, 128, 256)  # Int4WeightOnlyConfig's documented group sizes
 

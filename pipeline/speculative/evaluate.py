@@ -75,3 +75,16 @@ def check_no_overlap(train_texts: list[str], prompts: list[str], probe_chars: in
         probe = p[:probe_chars]
         if any(probe in t for t in train_texts):
             raise ValueError(f"held-out prompt appears in the training data: {probe!r}")
+
+
+def worker_task(args: dict) -> dict:
+    """The worker's "speculative" task (pipeline/worker.py TASKS)."""
+    import logging
+
+    from pipeline.speculative.config import DraftConfig
+
+    und = Path(args["undistilled"]) if args.get("undistilled") else None
+    fp = Path(args["fp_distilled"]) if args.get("fp_distilled") else None
+    return measure_speculative(Path(args["verifier"]), Path(args["draft"]), args["prompts"],
+                               DraftConfig(**args["draft_cfg"]), args["seed"], logging.getLogger("compress").info,
+                               undistilled_dir=und, fp_distilled_dir=fp, device=args.get("device", "cpu"))

@@ -7,6 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
+from pipeline.fileio import drop_none
 from pipeline.runner import METRICS, MANIFEST, Unit, UnitContext
 
 SKIP_SUFFIXES = (".log", ".jsonl")
@@ -15,7 +16,7 @@ SKIP_SUFFIXES = (".log", ".jsonl")
 def units(recipe, validate_keys: list[str]) -> list[Unit]:
     from pipeline.results.card import card_recipe
 
-    card_hash = hashlib.sha256(json.dumps(card_recipe(_drop_none(recipe.dump())), sort_keys=True).encode()).hexdigest()
+    card_hash = hashlib.sha256(json.dumps(card_recipe(drop_none(recipe.dump())), sort_keys=True).encode()).hexdigest()
     entries = [(q.name, "variant", f"quantize/{q.name}", None) for q in recipe.quantize]
     if recipe.export.include_baseline:
         entries.insert(0, ("baseline", "baseline", "load", None))
@@ -73,12 +74,5 @@ def recipe_excerpt(recipe, entry: dict) -> str:
         keep["quantize"] = [q for q in data["quantize"] if q["name"] == entry["name"]]
     if entry["kind"] == "draft":
         keep["draft"] = data["draft"]
-    return tomli_w.dumps(public_tree(_drop_none(keep)))
+    return tomli_w.dumps(public_tree(drop_none(keep)))
 
-
-def _drop_none(obj):
-    if isinstance(obj, dict):
-        return {k: _drop_none(v) for k, v in obj.items() if v is not None}
-    if isinstance(obj, list):
-        return [_drop_none(v) for v in obj]
-    return obj

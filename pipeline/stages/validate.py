@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-from pipeline.footprint import GiB
 from pipeline.runner import Unit, UnitContext
 from pipeline.worker import run_task
 
@@ -59,7 +58,7 @@ def quality(ctx: UnitContext, recipe, name: str, src: str) -> dict:
     ref = None if name == "baseline" else str(ctx.dep("validate/baseline/quality"))
     args = {"model_dir": str(ctx.dep(src)), "out": str(ctx.out), "perplexity": v.perplexity.model_dump(),
             "smoke": v.smoke.model_dump(), "device": ctx.device, "reference": ref, "label": name,
-            "memory_limit": int(recipe.run.max_memory_gb * GiB) if recipe.run.max_memory_gb else None}
+            "memory_limit": recipe.run.memory_limit_bytes}
     return run_task("quality", args, ctx.out, recipe.run.threads)
 
 
@@ -71,8 +70,7 @@ def speed(ctx: UnitContext, recipe, name: str, src: str) -> dict:
     from pipeline.footprint import speed_skip
 
     cfg = recipe.validate_.speed.for_model(name)
-    limit = int(recipe.run.max_memory_gb * GiB) if recipe.run.max_memory_gb else None
-    skipped = speed_skip(ctx.dep(src), cfg.model_dump(mode="json"), limit, ctx.device)
+    skipped = speed_skip(ctx.dep(src), cfg.model_dump(mode="json"), recipe.run.memory_limit_bytes, ctx.device)
     if skipped is not None:
         log.warning("speed of %s: %s", name, skipped["skipped"])
         atomic_write_json(ctx.out / "speed.json", skipped)

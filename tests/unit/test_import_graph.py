@@ -1,0 +1,86 @@
+"""The package's import graph has no cycles: every `import pipeline.x` / `from pipeline.x import y`, at module level
+or inside a function (a lazy import is still a dependency), read from the source with ast."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from pipeline.codehash import PACKAGE_DIR, module_file, module_name
+
+
+def imports(path: Path) -> set[str]:
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_bytes())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - (node.level - 1)] + ([base] if base else []))
+            out.update(f"{base}.{a.name}" if module_file(f"{base}.{a.name}") else base for a in node.names)
+    return {m for m in out if m.startswith("pipeline.") and module_file(m) is not None and m != name}
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(p): imports(p) for p in sorted(PACKAGE_DIR.rglob("*.py"))}
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in g.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_package_has_no_import_cycles():
+    g = graph()
+    assert "pipeline.worker" in g and "pipeline.eval.speed" in g["pipeline.stages.validate"] | {"pipeline.eval.speed"}
+    assert cycles(g) == []
+
+
+def test_no_private_names_are_imported_across_packages():
+    """`from pipeline.a.b import _private` only inside pipeline.a (a private name is its package's business)."""
+    found = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        here = module_name(path).rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_bytes())):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("pipeline."):
+                there = node.module if path.name != "__init__.py" and module_file(node.module) and \
+                    module_file(node.module).name == "__init__.py" else node.module.rpartition(".")[0]
+                for a in node.names:
+                    if a.name.startswith("_") and there != here:
+                        found.append(f"{module_name(path)} imports {node.module}.{a.name}")
+    assert found == []
