@@ -105,16 +105,17 @@ def check(recipe) -> Plan:
 
 def _untimed_gates(recipe, plan: Plan) -> list[str]:
     """A speed gate on a model that will not be timed (plan.speed_skipped) could only fail: refused here."""
+    from pipeline.eval.config import GATE_SPECS
+
     gates = recipe.validate_.gates
     problems = []
     for v in recipe.quantize:
-        if gates.bounds_for(v.name).get("min_decode_speed_ratio") is None:
-            continue
-        for name in ("baseline", v.name):
-            if name in plan.speed_skipped:
-                problems.append(f"[validate.gates].min_decode_speed_ratio for {v.name!r} needs {name!r} timed, but "
-                                f"{name!r} will not be timed: it {plan.speed_skipped[name]}; raise max_memory_gb, "
-                                "lower [validate.speed] batch_sizes, or drop the gate")
+        for gate in (g for g in gates.bounds_for(v.name) if GATE_SPECS[g].needs_speed):
+            for name in ("baseline", v.name):
+                if name in plan.speed_skipped:
+                    problems.append(f"[validate.gates].{gate} for {v.name!r} needs {name!r} timed, but "
+                                    f"{name!r} will not be timed: it {plan.speed_skipped[name]}; raise max_memory_gb, "
+                                    "lower [validate.speed] batch_sizes, or drop the gate")
     return problems
 
 

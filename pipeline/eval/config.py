@@ -6,9 +6,10 @@ recipe's defaults (the CLI never repeats them).
 """
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass, field as dc_field
+from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 Technique = Literal[
     "kv_cache", "no_kv_cache", "static_cache", "compile", "sdpa", "eager", "flash_attention_2"
@@ -75,33 +76,65 @@ class SpeedConfig(BaseModel):
         return self.model_copy(update={"techniques": []})
 
 
-class GateBounds(BaseModel):
-    """Bounds; None = gate off. Names say the direction: max_* fails above, min_* below."""
+@dataclass(frozen=True)
+class GateSpec:
+    """One gate: everything about it is here, and every reader asks this table (the recipe's fields, `compress
+    check`'s rules, the evaluation in pipeline/results/gates.py). A new gate is one row (plus a reader there
+    when its value is read in a way no reader does yet). The name says the direction: max_* fails above the
+    bound, min_* below it."""
 
-    model_config = ConfigDict(extra="forbid")
+    name: str  # the [validate.gates] field
+    metric: str  # what the gate record calls the value
+    applies: Literal["variant", "draft"]  # which models it judges (the draft: with its verifier)
+    read: str  # how results/gates.py reads the value: a key of its READERS, "<reader>:<argument>"
+    description: str
+    limits: dict = dc_field(default_factory=dict)  # the bound's pydantic constraints (gt, ge, le)
+    default: float | None = None  # the global default; None = off unless the recipe sets it
+    skip_random_init: bool = False  # not applied to randomly initialised models; a bound of 0 turns it off
+    needs_speed: bool = False  # needs [validate.speed] timings of the model and the baseline
 
-    max_ppl_ratio: float | None = Field(None, gt=0, description="variant ppl / baseline ppl")
-    max_kl: float | None = Field(None, ge=0, description="mean KL(baseline || variant), nats/token")
-    min_top1: float | None = Field(None, ge=0, le=1, description="top-1 agreement with baseline")
-    max_footprint_ratio: float | None = Field(None, gt=0, description="in-memory footprint / baseline's")
-    min_decode_speed_ratio: float | None = Field(
-        None, gt=0, description="batch-1 decode tokens/s / baseline's (needs speed for both)"
-    )
-    min_smoke_ok: float | None = Field(None, ge=0, le=1, description="share of the smoke test's chat prompts "
-                                                                     "answered with non-degenerate text")
-    min_acceptance: float | None = Field(None, ge=0, le=1, description="draft acceptance rate alpha")
-    min_spec_speedup: float | None = Field(None, gt=0, description="speculative speed-up over the verifier alone")
+    @property
+    def op(self) -> str:
+        return "<=" if self.name.startswith("max_") else ">="
 
 
-class GatesConfig(GateBounds):
+GATES: tuple[GateSpec, ...] = (
+    GateSpec("max_ppl_ratio", "ppl_ratio", "variant", "ppl_ratio", "variant ppl / baseline ppl", {"gt": 0}),
+    GateSpec("max_kl", "kl", "variant", "field:kl", "mean KL(baseline || variant), nats/token", {"ge": 0}),
+    GateSpec("min_top1", "top1", "variant", "field:top1", "top-1 agreement with baseline", {"ge": 0, "le": 1}),
+    GateSpec("max_footprint_ratio", "footprint_ratio", "variant", "footprint_ratio",
+             "in-memory footprint / baseline's", {"gt": 0}),
+    GateSpec("min_decode_speed_ratio", "decode_speed_ratio", "variant", "decode_speed_ratio",
+             "batch-1 decode tokens/s / baseline's (needs speed for both)", {"gt": 0}, needs_speed=True),
+    GateSpec("min_smoke_ok", "smoke_ok", "variant", "smoke_ok",
+             "share of the smoke test's chat prompts answered with non-degenerate text; on by default "
+             "(not applied to randomly initialised models)", {"ge": 0, "le": 1}, default=1.0, skip_random_init=True),
+    GateSpec("min_acceptance", "acceptance", "draft", "draft:alpha:acceptance rate", "draft acceptance rate alpha",
+             {"ge": 0, "le": 1}),
+    GateSpec("min_spec_speedup", "spec_speedup", "draft", "draft:speedup:speculative speed-up",
+             "speculative speed-up over the verifier alone", {"gt": 0}),
+)
+GATE_SPECS: dict[str, GateSpec] = {g.name: g for g in GATES}
+# gate -> (metric it reads, which models it applies to): the table's short form
+GATE_METRICS: dict[str, tuple[str, str]] = {g.name: (g.metric, g.applies) for g in GATES}
+
+
+def _bound_fields(defaults: bool) -> dict:
+    return {g.name: (Optional[float], Field(g.default if defaults else None, description=g.description, **g.limits))
+            for g in GATES}
+
+
+# Bounds; None = gate off. One field per row of GATES (per-model overrides: no defaults, a set field replaces
+# the global bound).
+GateBounds = create_model("GateBounds", __config__=ConfigDict(extra="forbid"), **_bound_fields(defaults=False))
+
+
+class GatesConfig(create_model("_GlobalBounds", __config__=ConfigDict(extra="forbid"), **_bound_fields(defaults=True))):
     """`[validate.gates]`: global bounds, per-model overrides, and gates that only warn."""
 
-    min_smoke_ok: float | None = Field(1.0, ge=0, le=1, description="share of the smoke test's chat prompts "
-                                                                    "answered with non-degenerate text; on by default "
-                                                                    "(not applied to randomly initialised models)")
     warn_only: list[str] = Field(default_factory=list, description="gate names that warn instead of failing")
     speculative_mode: str = Field("greedy", description="which speculative measurement the draft gates read")
-    models: dict[str, GateBounds] = Field(
+    models: dict[str, GateBounds] = Field(  # type: ignore[valid-type]
         default_factory=dict, description="per-model overrides (a set field replaces the global bound)"
     )
 
@@ -121,20 +154,6 @@ class GatesConfig(GateBounds):
         return {g: v for g, v in merged.items() if v is not None}
 
 
-# gate -> (metric it reads, which models it applies to). Kept here (torch-free) so the
-# recipe check can refuse a gate that reads a metric the run does not produce.
-GATE_METRICS: dict[str, tuple[str, str]] = {
-    "max_ppl_ratio": ("ppl_ratio", "variant"),
-    "max_kl": ("kl", "variant"),
-    "min_top1": ("top1", "variant"),
-    "max_footprint_ratio": ("footprint_ratio", "variant"),
-    "min_decode_speed_ratio": ("decode_speed_ratio", "variant"),
-    "min_smoke_ok": ("smoke_ok", "variant"),
-    "min_acceptance": ("acceptance", "draft"),
-    "min_spec_speedup": ("spec_speedup", "draft"),
-}
-
-
 def gate_problems(gates: GatesConfig, speed: SpeedConfig | None, variants: list[str],
                   draft: str | None, smoke: bool = True) -> list[str]:
     """Cross-stage checks for `compress check`: each problem is one readable line (empty = fine)."""
@@ -152,7 +171,7 @@ def gate_problems(gates: GatesConfig, speed: SpeedConfig | None, variants: list[
             metric, applies = GATE_METRICS[gate]
             if applies == "draft" and draft is None and kind == "variant":
                 problems.append(f"[validate.gates].{gate} needs a [draft]; the recipe has none")
-            if gate == "min_decode_speed_ratio" and applies == kind:
+            if GATE_SPECS[gate].needs_speed and applies == kind:
                 timed = _speed_models(speed)
                 for needed in ("baseline", model):
                     if timed is not None and needed not in timed:

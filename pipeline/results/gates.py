@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from pipeline.eval.config import GATE_METRICS, GatesConfig
+from pipeline.eval.config import GATE_SPECS, GatesConfig
 from pipeline.results.schema import DraftEntry, Gate, ModelEntry, Report
 
 Getter = Callable[[Report, ModelEntry, str], tuple[float | None, str]]
@@ -106,29 +106,35 @@ def _smoke_ok(report: Report, e: ModelEntry, name: str) -> tuple[float | None, s
     return (len(judged) - len(bad)) / len(judged), reason
 
 
-_VARIANT_GETTERS: dict[str, Getter] = {
+def _draft_metric(key: str, label: str) -> Getter:
+    def get(report: Report, draft: DraftEntry, mode: str) -> tuple[float | None, str]:
+        value = ((draft.speculative or {}).get(mode) or {}).get(key)
+        if value is None:
+            return None, f"draft.speculative.{mode}.{key} ({label}) is not in the report"
+        return float(value), ""
+    return get
+
+
+# how a gate's value is read: GateSpec.read is "<reader>" or "<reader>:<arguments>" (pipeline/eval/config.py GATES).
+# Variant readers take (report, entry, name); draft readers (report, draft, speculative_mode).
+READERS: dict[str, Callable[..., Getter] | Getter] = {
     "ppl_ratio": _ppl_ratio,
-    "kl": _plain("kl"),
-    "top1": _plain("top1"),
+    "field": _plain,
     "footprint_ratio": _footprint_ratio,
     "decode_speed_ratio": _decode_ratio,
     "smoke_ok": _smoke_ok,
+    "draft": _draft_metric,
 }
-_DRAFT_KEYS = {"acceptance": ("alpha", "acceptance rate"), "spec_speedup": ("speedup", "speculative speed-up")}
 
 
-def _draft_metric(draft: DraftEntry, metric: str, mode: str) -> tuple[float | None, str]:
-    key, label = _DRAFT_KEYS[metric]
-    value = ((draft.speculative or {}).get(mode) or {}).get(key)
-    if value is None:
-        return None, f"draft.speculative.{mode}.{key} ({label}) is not in the report"
-    return float(value), ""
+def reader(gate: str) -> Getter:
+    name, _, args = GATE_SPECS[gate].read.partition(":")
+    return READERS[name](*args.split(":")) if args else READERS[name]
 
 
 def _record(model: str, gate: str, value: float | None, bound: float, reason: str, warn: bool,
             verifier: str | None = None) -> Gate:
-    metric = GATE_METRICS[gate][0]
-    op = "<=" if gate.startswith("max_") else ">="
+    metric, op = GATE_SPECS[gate].metric, GATE_SPECS[gate].op
     if value is not None and not math.isfinite(value):
         reason, passed, value = f"{metric} is not finite ({value})", False, None
     elif value is None:
@@ -145,22 +151,22 @@ def evaluate_gates(report: Report, cfg: GatesConfig) -> list[Gate]:
     random_init = bool(report.model and report.model.random_init)
     for name, e in report.variants.items():
         for gate, bound in cfg.bounds_for(name).items():
-            metric, applies = GATE_METRICS[gate]
-            if metric == "smoke_ok" and (random_init or not bound):
+            spec = GATE_SPECS[gate]
+            if spec.skip_random_init and (random_init or not bound):
                 continue  # random weights produce noise by construction; 0 turns the gate off
-            if applies == "variant":
-                value, reason = _VARIANT_GETTERS[metric](report, e, name)
+            if spec.applies == "variant":
+                value, reason = reader(gate)(report, e, name)
                 out.append(_record(name, gate, value, bound, reason, gate in cfg.warn_only))
     draft = report.draft
     name = draft.name if draft else "draft"
     key = name if name in cfg.models else "draft"  # overrides under its name or "draft"
     for gate, bound in cfg.bounds_for(key).items():
-        if GATE_METRICS[gate][1] != "draft":
+        if GATE_SPECS[gate].applies != "draft":
             continue
         if draft is None:
             value, reason = None, "the report has no draft section (did the draft stage run?)"
         else:
-            value, reason = _draft_metric(draft, GATE_METRICS[gate][0], cfg.speculative_mode)
+            value, reason = reader(gate)(report, draft, cfg.speculative_mode)
         out.append(_record(name, gate, value, bound, reason, gate in cfg.warn_only, draft.verifier if draft else None))
     return out
 

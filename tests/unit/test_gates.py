@@ -183,3 +183,19 @@ def test_smoke_gate_excuses_prompts_the_baseline_failed_and_says_so():
     rep["baseline"]["smoke"] = {"outputs": [dict(good, ok=False), loop]}
     [g] = evaluate_gates(typed(rep), GatesConfig())
     assert g.passed and "the baseline itself failed every smoke prompt" in g.reason
+
+
+def test_every_gate_is_one_row_of_the_table():
+    """The recipe's fields, the per-model overrides and the evaluation all come from eval.config.GATES."""
+    from pipeline.eval.config import GATES, GateBounds, GatesConfig
+    from pipeline.results.gates import reader
+
+    names = [g.name for g in GATES]
+    assert len(set(names)) == len(names)
+    for g in GATES:
+        assert g.name in GateBounds.model_fields and g.name in GatesConfig.model_fields
+        assert GateBounds.model_fields[g.name].default is None
+        assert GatesConfig.model_fields[g.name].default == g.default
+        assert g.op == ("<=" if g.name.startswith("max_") else ">=")
+        assert callable(reader(g.name))
+    assert GatesConfig().bounds_for("any") == {g.name: g.default for g in GATES if g.default is not None}
