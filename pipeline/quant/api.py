@@ -15,7 +15,7 @@ from pipeline.env import tame
 from pipeline.errors import StageError
 from pipeline.memory import PeakMemory
 from pipeline.footprint import GiB, quantize_peak
-from pipeline.quant.capabilities import caps
+from pipeline.quant.capabilities import caps, impl_module
 from pipeline.quant.common import calibration_fingerprint, captured_output
 
 # library loggers whose lines go to the variant's log file rather than the console
@@ -86,7 +86,7 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.LongTensor | None
 def implementation(variant):
     """The method's module: session(out_dir) context, quantize(base_dir, variant, calib_ids, console, device)
     -> in-memory model, save(model, base_dir, out_dir, variant) -> manifest details."""
-    spec = caps(variant).impl
+    spec = impl_module(caps(variant))
     try:
         return importlib.import_module(spec)
     except ImportError as e:

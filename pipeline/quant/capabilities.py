@@ -16,7 +16,7 @@ import pipeline.quant.caps_awq  # noqa: F401
 import pipeline.quant.caps_gguf  # noqa: F401
 import pipeline.quant.caps_torchao  # noqa: F401
 from pipeline.quant.caps_base import (GPTQ_GROUP_SIZES, LLAMA_LIKE, METHODS, VLLM_MARLIN, MethodCaps,  # noqa: F401
-                                      caps, gptq_runtimes, is_skipped, linear_shapes_from_config, module_names,
+                                      caps, gptq_runtimes, impl_module, is_skipped, linear_shapes_from_config, module_names,
                                       needs_calibration, quantized_linears, skip_pattern)
 
 # ---------------------------------------------------------------- checks

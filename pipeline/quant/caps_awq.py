@@ -81,12 +81,12 @@ def _awq_runtimes(variant, arch: dict) -> list[dict]:
 
 
 METHODS.register("awq")(MethodCaps(
-    "awq", "gptqmodel", "pipeline.quant.awq", "awq", (4,), AWQ_GROUP_SIZES, AWQ_DTYPES, ("cpu", "cuda"), True,
+    "awq", "gptqmodel", "quant/awq.py", "awq", (4,), AWQ_GROUP_SIZES, AWQ_DTYPES, ("cpu", "cuda"), True,
     "AWQ (Lin et al. 2023): activation-aware per-channel scales, then 4-bit round-to-nearest, through GPTQModel",
     check=_check_awq, runtimes=_awq_runtimes))
 
 METHODS.register("autoround")(MethodCaps(
-    "autoround", "auto_round", "pipeline.quant.autoround", "gptq", (2, 3, 4, 8), GPTQ_GROUP_SIZES,
+    "autoround", "auto_round", "quant/autoround.py", "gptq", (2, 3, 4, 8), GPTQ_GROUP_SIZES,
     ("float32", "bfloat16", "float16"), ("cpu", "cuda"), True,
     "AutoRound (Cheng et al. 2023): rounding and min/max tuned by signed gradient descent per block, "
     "through auto-round; GPTQ checkpoint format",

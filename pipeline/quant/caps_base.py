@@ -22,7 +22,11 @@ GPTQ_GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)
 class MethodCaps:
     name: str
     engine: str  # the library that does the work, recorded in the manifest
-    impl: str  # module with session(out_dir), quantize(...) -> model, save(model, ...) -> dict; imported on use
+    # the method's module, as a path under pipeline/ ("quant/gptq.py"): session(out_dir), quantize(...) -> model,
+    # save(model, ...) -> dict; imported on use. A path, not a module name, on purpose: pipeline/codehash.py follows
+    # "pipeline.x" strings, and this table must not put every method's code in every unit's identity; the quantize
+    # unit of a variant names its own method's file (stages/quantize.py)
+    impl: str
     checkpoint_format: str
     bits: tuple[int, ...]
     group_sizes: tuple[int, ...]  # () = the method has no group size
@@ -41,16 +45,16 @@ _GPTQ_DTYPES = DTYPE_NAMES
 _BNB_DTYPES = DTYPE_NAMES
 
 for _caps in (
-    MethodCaps("gptq", "gptqmodel", "pipeline.quant.gptq", "gptq", (2, 3, 4, 8), GPTQ_GROUP_SIZES,
+    MethodCaps("gptq", "gptqmodel", "quant/gptq.py", "gptq", (2, 3, 4, 8), GPTQ_GROUP_SIZES,
                _GPTQ_DTYPES, ("cpu", "cuda"), True, "GPTQ (Frantar et al. 2022) through GPTQModel", offload=True),
-    MethodCaps("rtn", "gptqmodel", "pipeline.quant.rtn", "gptq", (2, 3, 4, 8), GPTQ_GROUP_SIZES,
+    MethodCaps("rtn", "gptqmodel", "quant/rtn.py", "gptq", (2, 3, 4, 8), GPTQ_GROUP_SIZES,
                _GPTQ_DTYPES, ("cpu", "cuda"), False, "round-to-nearest, min/max scales, GPTQ checkpoint format",
                offload=True),
-    MethodCaps("bnb-int8", "bitsandbytes", "pipeline.quant.bnb", "bitsandbytes", (8,), (),
+    MethodCaps("bnb-int8", "bitsandbytes", "quant/bnb.py", "bitsandbytes", (8,), (),
                _BNB_DTYPES, ("cpu", "cuda"), False, "LLM.int8() (Dettmers et al. 2022), quantized while loading"),
-    MethodCaps("bnb-nf4", "bitsandbytes", "pipeline.quant.bnb", "bitsandbytes", (4,), (),
+    MethodCaps("bnb-nf4", "bitsandbytes", "quant/bnb.py", "bitsandbytes", (4,), (),
                _BNB_DTYPES, ("cpu", "cuda"), False, "4-bit NormalFloat, blocks of 64 (QLoRA)"),
-    MethodCaps("bnb-fp4", "bitsandbytes", "pipeline.quant.bnb", "bitsandbytes", (4,), (),
+    MethodCaps("bnb-fp4", "bitsandbytes", "quant/bnb.py", "bitsandbytes", (4,), (),
                _BNB_DTYPES, ("cpu", "cuda"), False, "4-bit float (e2m1), blocks of 64"),
 ):
     METHODS.register(_caps.name)(_caps)
@@ -60,6 +64,11 @@ for _caps in (
 
 def caps(variant) -> MethodCaps:
     return METHODS.get(variant.method)
+
+
+def impl_module(c: MethodCaps) -> str:
+    """The importable name of a method's module ("quant/gptq.py" -> "pipeline.quant.gptq")."""
+    return "pipeline." + c.impl.removesuffix(".py").replace("/", ".")
 
 
 def needs_calibration(variant) -> bool:

@@ -93,6 +93,6 @@ def _gguf_runtimes(variant, arch: dict) -> list[dict]:
 
 
 METHODS.register("gguf")(MethodCaps(
-    "gguf", "gguf", "pipeline.quant.gguf_export", "gguf", (2, 3, 4, 5, 6, 8, 16), (), DTYPE_NAMES, ("cpu", "cuda"),
+    "gguf", "gguf", "quant/gguf_export.py", "gguf", (2, 3, 4, 5, 6, 8, 16), (), DTYPE_NAMES, ("cpu", "cuda"),
     False, "a GGUF file for llama.cpp, Ollama and LM Studio, converted from the baseline", check=gguf_problems,
     runtimes=_gguf_runtimes))

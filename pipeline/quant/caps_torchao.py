@@ -92,7 +92,7 @@ def _torchao_runtimes(variant) -> list[dict]:
 
 
 METHODS.register("torchao")(MethodCaps(
-    "torchao", "torchao", "pipeline.quant.torchao", "torchao", (4, 8), (-1, *TORCHAO_GROUP_SIZES), DTYPE_NAMES,
+    "torchao", "torchao", "quant/torchao.py", "torchao", (4, 8), (-1, *TORCHAO_GROUP_SIZES), DTYPE_NAMES,
     ("cpu", "cuda"), False, "PyTorch-native quantization (torchao) through transformers' TorchAoConfig",
     check=_check_torchao, runtimes=lambda variant, arch: _torchao_runtimes(variant)))
 

@@ -5,21 +5,23 @@ import logging
 
 from pipeline.runner import Unit, UnitContext
 
-CODE = ("stages/quantize.py",)  # the entry module: what it imports is found by pipeline/codehash.py
+# the entry module; what it imports is found by pipeline/codehash.py. Each unit adds its own method's module
+# (MethodCaps.impl), and only that one: editing one method reruns that method's variants, no other
+CODE = ("stages/quantize.py",)
 
 log = logging.getLogger("compress")
 
 
 def units(recipe) -> list[Unit]:
-    from pipeline.quant.capabilities import needs_calibration
+    from pipeline.quant.capabilities import caps, needs_calibration
 
     # not in the units' identity: offloading changes how the weights are computed, not what they are
-    limit = int(recipe.run.max_memory_gb * (1 << 30)) if recipe.run.max_memory_gb else None
+    limit = recipe.run.memory_limit_bytes
     out = []
     for v in recipe.quantize:
         deps = ["load"] + (["calibrate"] if needs_calibration(v) else [])
         out.append(Unit(f"quantize/{v.name}", {"variant": v.model_dump(mode="json")},
-                        lambda ctx, v=v: run(ctx, v, limit), deps=deps, code=CODE))
+                        lambda ctx, v=v: run(ctx, v, limit), deps=deps, code=CODE + (caps(v).impl,)))
     return out
 
 

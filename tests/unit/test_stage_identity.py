@@ -30,8 +30,15 @@ def rel(entries, root=PACKAGE_DIR) -> set[str]:
     return {p.relative_to(root).as_posix() for p in code_files(entries, root)}
 
 
+def quantize_code() -> set[str]:
+    """What the quantize units hash together: the stage and each method's own module (one per unit)."""
+    from pipeline.quant.capabilities import METHODS
+
+    return set().union(*(rel(quantize.CODE + (METHODS.get(m).impl,)) for m in METHODS.names()))
+
+
 def stage_sets() -> dict[str, set[str]]:
-    return {"load": rel(load.CODE), "calibrate": rel(calibrate.CODE), "quantize": rel(quantize.CODE),
+    return {"load": rel(load.CODE), "calibrate": rel(calibrate.CODE), "quantize": quantize_code(),
             "draft": rel(draft.CODE), "validate": rel(validate.CODE)}
 
 
@@ -90,7 +97,7 @@ def copy_package(tmp_path) -> Path:
 
 def test_editing_an_imported_file_reruns_exactly_its_importers(tmp_path):
     root = copy_package(tmp_path)
-    stages = {"quantize": quantize.CODE, "draft": draft.CODE, "validate": validate.CODE, "load": load.CODE}
+    stages = {"quantize": quantize.CODE + ("quant/gptq.py",), "draft": draft.CODE, "validate": validate.CODE, "load": load.CODE}
     before = {k: code_hash(v, root) for k, v in stages.items()}
 
     def edited(path):
