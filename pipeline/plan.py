@@ -179,9 +179,13 @@ def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[str]:
         return []
     from pipeline.quant.capabilities import check_variant, runtimes
 
+    from pipeline.families import unknown_family
+
     arch = arch_dict(info)
     device = plan.device
     problems = []
+    if not arch.get("shapes_known") and arch.get("model_type"):
+        plan.warnings.append(unknown_family(arch["model_type"]))
     for i, v in enumerate(recipe.quantize):
         problems += [f"quantize.{i} ({v.name}): {p}" for p in check_variant(v, arch, device)]
         rows = getattr(v, "calibration_rows", None)

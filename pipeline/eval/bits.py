@@ -26,8 +26,9 @@ def linear_bits_per_weight(folder: Path) -> float | None:
     arch = linear_shapes_from_config(json.loads((folder / "config.json").read_text()))
     if not arch.get("shapes_known"):
         return None
-    shapes = {n: (arch["linear_in_features"][n.split(".", 3)[-1]], arch["linear_out_features"][n.split(".", 3)[-1]])
-              for n in module_names(arch) if n.startswith("model.layers.")}
+    prefix = arch["layers"] + "."
+    inner = {n: n[len(prefix):].split(".", 1)[1] for n in module_names(arch) if n.startswith(prefix)}
+    shapes = {n: (arch["linear_in_features"][k], arch["linear_out_features"][k]) for n, k in inner.items()}
     stored = {n: 0 for n in shapes}
     for name, nbytes in _safetensors_sizes(folder):
         module = name.rsplit(".", 1)[0]

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from pipeline.dtypes import DTYPE_NAMES
+from pipeline.families import LLAMA, family_of, linear_shapes
 from pipeline.registry import Registry
 
 # GPTQModel 7.6 QuantizeConfig accepts these group sizes; its CPU/torch kernel (TorchLinear) takes them all.
@@ -77,16 +78,18 @@ def needs_calibration(variant) -> bool:
 
 # ---------------------------------------------------------------- model shapes
 
-# Decoder families whose linear layers are named and shaped like Llama's.
-LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "granite", "olmo2")
+# Decoder families whose linear layers are named and shaped like Llama's (pipeline/families.py is the table).
+LLAMA_LIKE = LLAMA.model_types
 
 
 def linear_shapes_from_config(config: dict) -> dict:
-    """In/out features of every linear of a Llama-family config.json, keyed by name inside a layer.
+    """In/out features of every linear of a config.json whose family pipeline/families.py knows, keyed by name
+    inside a layer.
 
     {"model_type", "shapes_known", "num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size",
      "linear_in_features": {"self_attn.q_proj": 576, ..., "lm_head": 576}, "linear_out_features": {...},
-     "rope_type" (None or "default" = plain RoPE), "attention_bias", "mlp_bias"}
+     "layers" (the decoder layers' module path), "rope_type" (None or "default" = plain RoPE), "attention_bias",
+     "mlp_bias"}
     For other model types shapes_known is False and the shape checks are skipped (said by check_variant's caller).
     """
     mt = config.get("model_type", "")
@@ -96,27 +99,20 @@ def linear_shapes_from_config(config: dict) -> dict:
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}  # transformers 5 / older config.json
     out.update(rope_type=rope.get("rope_type", rope.get("type")), attention_bias=config.get("attention_bias"),
                mlp_bias=config.get("mlp_bias"))
-    if mt not in LLAMA_LIKE or not config.get("hidden_size") or not config.get("intermediate_size"):
+    shapes = linear_shapes(config)
+    if shapes is None:
         return out
-    h, inter = config["hidden_size"], config["intermediate_size"]
-    heads = config.get("num_attention_heads") or 1
-    kv = config.get("num_key_value_heads") or heads
-    hd = config.get("head_dim") or h // heads
-    shapes = {  # name: (in_features, out_features)
-        "self_attn.q_proj": (h, heads * hd), "self_attn.k_proj": (h, kv * hd), "self_attn.v_proj": (h, kv * hd),
-        "self_attn.o_proj": (heads * hd, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
-        "mlp.down_proj": (inter, h), "lm_head": (h, config.get("vocab_size") or 0),
-    }
-    out.update(shapes_known=True, linear_in_features={k: v[0] for k, v in shapes.items()},
+    out.update(shapes_known=True, layers=family_of(config).layers,
+               linear_in_features={k: v[0] for k, v in shapes.items()},
                linear_out_features={k: v[1] for k, v in shapes.items()})
     return out
 
 
 def module_names(arch: dict) -> list[str]:
-    """Full names of the linear modules (model.layers.<i>.<name>, lm_head)."""
-    n = arch.get("num_hidden_layers") or 0
+    """Full names of the linear modules (<layers>.<i>.<name>, lm_head)."""
+    n, layers = arch.get("num_hidden_layers") or 0, arch.get("layers", LLAMA.layers)
     inner = [k for k in arch["linear_in_features"] if k != "lm_head"]
-    names = [f"model.layers.{i}.{k}" for i in range(n) for k in inner]
+    names = [f"{layers}.{i}.{k}" for i in range(n) for k in inner]
     return names + (["lm_head"] if "lm_head" in arch["linear_in_features"] else [])
 
 
@@ -134,7 +130,8 @@ def quantized_linears(arch: dict, modules_to_skip: list[str]) -> dict[str, tuple
     kinds = {}
     for full in module_names(arch):
         if not is_skipped(full, modules_to_skip):
-            kind = full.split(".", 3)[-1] if full.startswith("model.layers.") else full
+            prefix = arch.get("layers", LLAMA.layers) + "."
+            kind = full[len(prefix):].split(".", 1)[-1] if full.startswith(prefix) else full
             kinds[kind] = (arch["linear_in_features"][kind], arch["linear_out_features"][kind])
     return kinds
 

@@ -129,3 +129,19 @@ def test_config_and_capabilities_import_without_torch():
     code = ("import sys; import pipeline.quant.config, pipeline.quant.capabilities; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_families_are_data_and_an_unknown_one_is_named():
+    from pipeline.families import BY_MODEL_TYPE, unknown_family
+    from pipeline.quant.capabilities import linear_shapes_from_config, module_names
+
+    cfg = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 100}
+    arch = linear_shapes_from_config(cfg)
+    assert arch["shapes_known"] and arch["layers"] == "model.layers"
+    assert arch["linear_in_features"]["self_attn.k_proj"] == 64 and arch["linear_out_features"]["self_attn.k_proj"] == 32
+    assert module_names(arch)[0] == "model.layers.0.self_attn.q_proj" and module_names(arch)[-1] == "lm_head"
+    assert "qwen2" in BY_MODEL_TYPE
+    unknown = linear_shapes_from_config({**cfg, "model_type": "phi3"})
+    assert not unknown["shapes_known"]
+    assert "'phi3' is not in pipeline/families.py" in unknown_family("phi3")
