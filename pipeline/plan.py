@@ -334,25 +334,13 @@ def _estimate_memory(recipe, info: ModelInfo, plan: Plan, source) -> None:
             plan.memory["draft"] = RUNTIME_OVERHEAD + w + 2 * 4 * p + dd.batch_size * dd.seq_len * vocab * 4 * 6
 
 
-# bits per weight of the formats whose variants carry no `bits` (scales included)
-_FORMAT_BITS = {"bnb-int8": 8.0, "bnb-nf4": 4.5, "bnb-fp4": 4.5}
-_GGUF_BITS = {"F16": 16.0, "Q8_0": 8.5, "Q6_K": 6.6, "Q5_K_M": 5.7, "Q5_K_S": 5.5, "Q4_K_M": 4.9, "Q4_K_S": 4.6,
-              "Q3_K_L": 4.3, "Q3_K_M": 3.9, "Q3_K_S": 3.5, "Q2_K": 3.4}
-
-
 def variant_bits(variant) -> float:
-    """Bits per quantized weight on disk, scales and zero points included (an estimate for the disk plan)."""
-    if variant.method == "gguf":
-        return _GGUF_BITS.get(variant.type, 8.5)
-    if variant.method == "torchao":
-        from pipeline.quant.caps_torchao import TORCHAO_SCHEMES
+    """Bits per quantized weight on disk, scales and zero points included (an estimate for the disk plan): the
+    method's own figure (MethodCaps.disk_bits)."""
+    from pipeline.quant.capabilities import caps
 
-        return TORCHAO_SCHEMES[variant.scheme].bits + 0.25
-    bits = getattr(variant, "bits", None)
-    if bits is None:
-        return _FORMAT_BITS.get(variant.method, 16.0)
-    g = getattr(variant, "group_size", -1)
-    return bits + (32 / g if g and g > 0 else 0.0)  # a 16-bit scale and a packed zero per group
+    c = caps(variant)
+    return c.disk_bits(variant) if c.disk_bits is not None else 16.0
 
 
 def _estimate_disk(recipe, info: ModelInfo, plan: Plan, source) -> list[str]:

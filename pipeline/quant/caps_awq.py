@@ -13,7 +13,8 @@ import importlib.util
 import os
 import shutil
 
-from pipeline.quant.caps_base import GPTQ_GROUP_SIZES, METHODS, MethodCaps, gptq_runtimes, quantized_linears
+from pipeline.quant.caps_base import (GPTQ_GROUP_SIZES, METHODS, MethodCaps, bits_tags, gptq_runtimes, gptq_usage,
+                                      grouped_bits, quantized_linears)
 
 AWQ_GROUP_SIZES = (-1, 16, 32, 64, 128)  # GPTQModel 7.6 AwqTorchLinear (its CPU kernel) takes these
 AWQ_DTYPES = ("bfloat16", "float16")  # GPTQModel's AWQ modules refuse float32
@@ -80,14 +81,25 @@ def _awq_runtimes(variant, arch: dict) -> list[dict]:
     ]
 
 
+def _awq_usage(repo: str, params: dict, quantize: dict) -> list[str]:
+    return ["The checkpoint is in the AWQ GEMM format (`quant_method: \"awq\"` in config.json). transformers "
+            "loads it through GPTQModel's AWQ kernels (`pip install gptqmodel`). Directly:", "",
+            "```python", "from gptqmodel import GPTQModel", f'model = GPTQModel.load("{repo}")', "```", "",
+            f"vLLM (CUDA): `vllm serve {repo}` (awq_marlin where the shapes allow, else awq). "
+            "What this run recorded:", ""]
+
+
 METHODS.register("awq")(MethodCaps(
     "awq", "gptqmodel", "quant/awq.py", "awq", (4,), AWQ_GROUP_SIZES, AWQ_DTYPES, ("cpu", "cuda"), True,
     "AWQ (Lin et al. 2023): activation-aware per-channel scales, then 4-bit round-to-nearest, through GPTQModel",
-    check=_check_awq, runtimes=_awq_runtimes))
+    check=_check_awq, runtimes=_awq_runtimes, hub_tags=bits_tags("awq"),  # the Hub's AWQ filter is the `awq` tag
+    card_usage=_awq_usage, disk_bits=grouped_bits))
 
 METHODS.register("autoround")(MethodCaps(
     "autoround", "auto_round", "quant/autoround.py", "gptq", (2, 3, 4, 8), GPTQ_GROUP_SIZES,
     ("float32", "bfloat16", "float16"), ("cpu", "cuda"), True,
     "AutoRound (Cheng et al. 2023): rounding and min/max tuned by signed gradient descent per block, "
     "through auto-round; GPTQ checkpoint format",
-    check=_check_autoround, runtimes=gptq_runtimes))
+    check=_check_autoround, runtimes=gptq_runtimes,
+    hub_tags=bits_tags("autoround", "gptq"),  # a GPTQ-format checkpoint: found under both tags
+    card_usage=gptq_usage(" (tuned by auto-round, exported in the GPTQ format)"), disk_bits=grouped_bits))

@@ -38,6 +38,47 @@ class MethodCaps:
     check: Optional[Callable[..., list[str]]] = None  # method-specific rules: check(variant, arch, device) -> problems
     runtimes: Optional[Callable[..., list[dict]]] = None  # runtimes(variant, arch) -> rows; None = by format below
     offload: bool = False  # quantize(..., offload=folder) streams the model from disk layer by layer
+    # the Hub card: tags from the variant's recorded params, and what the "How to use" section adds after the
+    # transformers snippet: card_usage(repo, params, quantize) -> lines (quantize: the variant's recorded manifest)
+    hub_tags: Optional[Callable[[dict], list[str]]] = None
+    card_usage: Optional[Callable[[str, dict, dict], list[str]]] = None
+    disk_bits: Optional[Callable[..., float]] = None  # bits per weight on disk (the disk plan); None: from bits/group
+
+
+def bits_tags(*tags: str) -> Callable[[dict], list[str]]:
+    """Hub tags of a method whose variants have `bits`: the method's tags, then "<bits>-bit"."""
+    def get(params: dict) -> list[str]:
+        bits = params.get("bits")
+        return [*tags, f"{bits}-bit"] if bits else list(tags)
+    return get
+
+
+def grouped_bits(variant) -> float:
+    """Bits per quantized weight on disk of a grouped integer format: a 16-bit scale and a packed zero per group."""
+    g = getattr(variant, "group_size", -1)
+    return variant.bits + (32 / g if g and g > 0 else 0.0)
+
+
+def gptq_usage(made: str = "") -> Callable[[str, dict, dict], list[str]]:
+    def usage(repo: str, params: dict, quantize: dict) -> list[str]:
+        return [f"The checkpoint{made} is in the GPTQ format (`quantization_config` in config.json). transformers "
+                "loads it through GPTQModel (`pip install gptqmodel optimum`). Directly:", "",
+                "```python", "from gptqmodel import GPTQModel", f'model = GPTQModel.load("{repo}")', "```", "",
+                f"vLLM (CUDA): `vllm serve {repo}`.", "",
+                "**Kernel compatibility:** fast kernels depend on bits, group size, symmetry and act-order "
+                "(e.g. Marlin takes symmetric 4/8-bit with group size -1/32/64/128); other settings fall back to "
+                "slower kernels or are refused. What this run recorded:", ""]
+    return usage
+
+
+def _bnb_usage(repo: str, params: dict, quantize: dict) -> list[str]:
+    return ["The checkpoint is pre-quantized with bitsandbytes (`quantization_config` in config.json): "
+            "`pip install bitsandbytes` and load as above; no `BitsAndBytesConfig` is needed. "
+            "LLM.int8() picks outlier columns per batch, so outputs can differ slightly with batch composition.", ""]
+
+
+def _bnb_tags(kind: str) -> Callable[[dict], list[str]]:
+    return lambda params: ["bitsandbytes", "8-bit" if kind == "int8" else "4-bit", kind]
 
 
 METHODS: Registry[MethodCaps] = Registry("quantization method")
@@ -47,16 +88,21 @@ _BNB_DTYPES = DTYPE_NAMES
 
 for _caps in (
     MethodCaps("gptq", "gptqmodel", "quant/gptq.py", "gptq", (2, 3, 4, 8), GPTQ_GROUP_SIZES,
-               _GPTQ_DTYPES, ("cpu", "cuda"), True, "GPTQ (Frantar et al. 2022) through GPTQModel", offload=True),
+               _GPTQ_DTYPES, ("cpu", "cuda"), True, "GPTQ (Frantar et al. 2022) through GPTQModel", offload=True,
+               hub_tags=bits_tags("gptq"), card_usage=gptq_usage(), disk_bits=grouped_bits),
     MethodCaps("rtn", "gptqmodel", "quant/rtn.py", "gptq", (2, 3, 4, 8), GPTQ_GROUP_SIZES,
                _GPTQ_DTYPES, ("cpu", "cuda"), False, "round-to-nearest, min/max scales, GPTQ checkpoint format",
-               offload=True),
+               offload=True, hub_tags=bits_tags("rtn"), card_usage=gptq_usage(), disk_bits=grouped_bits),
+    # bits per weight on disk, scales included: int8 8.0, nf4/fp4 4.5 (a 32-bit absmax per block of 64)
     MethodCaps("bnb-int8", "bitsandbytes", "quant/bnb.py", "bitsandbytes", (8,), (),
-               _BNB_DTYPES, ("cpu", "cuda"), False, "LLM.int8() (Dettmers et al. 2022), quantized while loading"),
+               _BNB_DTYPES, ("cpu", "cuda"), False, "LLM.int8() (Dettmers et al. 2022), quantized while loading",
+               hub_tags=_bnb_tags("int8"), card_usage=_bnb_usage, disk_bits=lambda variant: 8.0),
     MethodCaps("bnb-nf4", "bitsandbytes", "quant/bnb.py", "bitsandbytes", (4,), (),
-               _BNB_DTYPES, ("cpu", "cuda"), False, "4-bit NormalFloat, blocks of 64 (QLoRA)"),
+               _BNB_DTYPES, ("cpu", "cuda"), False, "4-bit NormalFloat, blocks of 64 (QLoRA)",
+               hub_tags=_bnb_tags("nf4"), card_usage=_bnb_usage, disk_bits=lambda variant: 4.5),
     MethodCaps("bnb-fp4", "bitsandbytes", "quant/bnb.py", "bitsandbytes", (4,), (),
-               _BNB_DTYPES, ("cpu", "cuda"), False, "4-bit float (e2m1), blocks of 64"),
+               _BNB_DTYPES, ("cpu", "cuda"), False, "4-bit float (e2m1), blocks of 64",
+               hub_tags=_bnb_tags("fp4"), card_usage=_bnb_usage, disk_bits=lambda variant: 4.5),
 ):
     METHODS.register(_caps.name)(_caps)
 # torchao, GGUF, AWQ and AutoRound declare per-method limits, checks and runtimes in their own modules

@@ -92,7 +92,16 @@ def _gguf_runtimes(variant, arch: dict) -> list[dict]:
     ]
 
 
+# bits per weight on disk of each file type, block scales included (the disk plan's estimate)
+GGUF_BITS = {"F16": 16.0, "Q8_0": 8.5, "Q6_K": 6.6, "Q5_K_M": 5.7, "Q5_K_S": 5.5, "Q4_K_M": 4.9, "Q4_K_S": 4.6,
+             "Q3_K_L": 4.3, "Q3_K_M": 3.9, "Q3_K_S": 3.5, "Q2_K": 3.4}
+
+
+def _gguf_tags(params: dict) -> list[str]:  # the Hub lists GGUF repos by the `gguf` tag and the file type
+    return ["gguf", "llama.cpp", str(params.get("type") or "")] if params.get("type") else ["gguf", "llama.cpp"]
+
+
 METHODS.register("gguf")(MethodCaps(
     "gguf", "gguf", "quant/gguf_export.py", "gguf", (2, 3, 4, 5, 6, 8, 16), (), DTYPE_NAMES, ("cpu", "cuda"),
     False, "a GGUF file for llama.cpp, Ollama and LM Studio, converted from the baseline", check=gguf_problems,
-    runtimes=_gguf_runtimes))
+    runtimes=_gguf_runtimes, hub_tags=_gguf_tags, disk_bits=lambda variant: GGUF_BITS.get(variant.type, 8.5)))

@@ -91,9 +91,26 @@ def _torchao_runtimes(variant) -> list[dict]:
     ]
 
 
+def _torchao_tags(params: dict) -> list[str]:
+    scheme = TORCHAO_SCHEMES.get(params.get("scheme"))
+    return ["torchao", f"{scheme.bits}-bit", params["scheme"]] if scheme else ["torchao"]
+
+
+def _torchao_usage(repo: str, params: dict, quantize: dict) -> list[str]:
+    version = quantize.get("engine_version")
+    pin = f"torchao=={version}" if version else "torchao"
+    return [f"The checkpoint is quantized with torchao (`quant_method: \"torchao\"` in config.json, scheme "
+            f"`{params.get('scheme') or '?'}`): `pip install {pin}` and load as above; no `TorchAoConfig` "
+            "is needed. transformers rebuilds torchao's quantized tensors from the safetensors metadata, so "
+            "the torchao that reads it must understand this version's format. torchao's kernels are fastest "
+            "under `torch.compile(model)`.", "",
+            f"vLLM (CUDA): `vllm serve {repo}` (its `torchao` quantization method). What this run recorded:", ""]
+
+
 METHODS.register("torchao")(MethodCaps(
     "torchao", "torchao", "quant/torchao.py", "torchao", (4, 8), (-1, *TORCHAO_GROUP_SIZES), DTYPE_NAMES,
     ("cpu", "cuda"), False, "PyTorch-native quantization (torchao) through transformers' TorchAoConfig",
-    check=_check_torchao, runtimes=lambda variant, arch: _torchao_runtimes(variant)))
+    check=_check_torchao, runtimes=lambda variant, arch: _torchao_runtimes(variant), hub_tags=_torchao_tags,
+    card_usage=_torchao_usage, disk_bits=lambda variant: TORCHAO_SCHEMES[variant.scheme].bits + 0.25))
 
 

@@ -41,28 +41,19 @@ def hub_id(source: Any) -> str | None:
     return None
 
 
-def _variant_tags(entry: ModelEntry) -> list[str]:
-    method, params = entry.method or "", entry.params or {}
-    bits = params.get("bits")
-    if method == "gptq":
-        return ["gptq", f"{bits}-bit"] if bits else ["gptq"]
-    if method == "rtn":
-        return ["rtn", f"{bits}-bit"] if bits else ["rtn"]
-    if method == "awq":  # the Hub's AWQ filter is the `awq` tag
-        return ["awq", f"{bits}-bit"] if bits else ["awq"]
-    if method == "autoround":  # a GPTQ-format checkpoint: found under both tags
-        return ["autoround", "gptq", f"{bits}-bit"] if bits else ["autoround", "gptq"]
-    if method.startswith("bnb-"):
-        kind = method.removeprefix("bnb-")
-        return ["bitsandbytes", "8-bit" if kind == "int8" else "4-bit", kind]
-    if method == "torchao":
-        from pipeline.quant.caps_torchao import TORCHAO_SCHEMES
+def _method(entry) -> Any:
+    """The declared capabilities of the method that made a report entry (None: not a quantized variant)."""
+    from pipeline.quant.capabilities import METHODS
 
-        scheme = TORCHAO_SCHEMES.get(params.get("scheme"))
-        return ["torchao", f"{scheme.bits}-bit", params["scheme"]] if scheme else ["torchao"]
-    if method == "gguf":  # the Hub lists GGUF repos by the `gguf` tag and the file type
-        return ["gguf", "llama.cpp", str(params.get("type") or "")] if params.get("type") else ["gguf", "llama.cpp"]
-    return [method] if method else []
+    method = getattr(entry, "method", None) if isinstance(entry, ModelEntry) else None
+    return METHODS.get(method) if method and method in METHODS.names() else None
+
+
+def _variant_tags(entry: ModelEntry) -> list[str]:
+    c = _method(entry)
+    if c is None or c.hub_tags is None:
+        return [entry.method] if entry.method else []
+    return c.hub_tags(entry.params or {})
 
 
 def _datasets(report: Report, entry: ModelEntry | DraftEntry) -> list[str]:
@@ -99,7 +90,7 @@ def card_data(report: Report, entry: dict) -> ModelCardData:
                               dataset_name=str(ds), metric_type="perplexity", metric_value=round(float(ppl), 4),
                               metric_name=f"perplexity ({dig(data, 'perplexity', 'protocol') or 'unknown protocol'})")]
     library = "transformers"
-    if getattr(data, "method", None) == "gguf":  # Hub GGUF conventions: library gguf, who quantized it
+    if getattr(_method(data), "checkpoint_format", None) == "gguf":  # Hub GGUF conventions: library gguf, who quantized it
         library, extra["quantized_by"] = "gguf", "compress"
     return ModelCardData(base_model=base, library_name=library, pipeline_tag="text-generation",
                          license=model.license or None, tags=tags, datasets=_datasets(report, data) or None,
@@ -215,8 +206,8 @@ def _gate_line(report: Report, name: str) -> list[str]:
 
 def _usage(report: Report, entry: dict, repo: str) -> list[str]:
     data = entry_data(report, entry)
-    method = (data.method if isinstance(data, ModelEntry) else None) or ""
-    if method == "gguf":
+    c = _method(data)
+    if c is not None and c.checkpoint_format == "gguf":
         return _gguf_usage(data, repo)
     lines = ["## How to use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
              f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
@@ -229,34 +220,8 @@ def _usage(report: Report, entry: dict, repo: str) -> list[str]:
                       'inputs = tokenizer("The history of measurement", return_tensors="pt")',
                       "out = model.generate(**inputs, assistant_model=draft, max_new_tokens=64)"]
     lines += ["```", ""]
-    if method in ("gptq", "rtn", "autoround"):
-        made = " (tuned by auto-round, exported in the GPTQ format)" if method == "autoround" else ""
-        lines += [f"The checkpoint{made} is in the GPTQ format (`quantization_config` in config.json). transformers "
-                  "loads it through GPTQModel (`pip install gptqmodel optimum`). Directly:", "",
-                  "```python", "from gptqmodel import GPTQModel", f'model = GPTQModel.load("{repo}")', "```", "",
-                  f"vLLM (CUDA): `vllm serve {repo}`.", "",
-                  "**Kernel compatibility:** fast kernels depend on bits, group size, symmetry and act-order "
-                  "(e.g. Marlin takes symmetric 4/8-bit with group size -1/32/64/128); other settings fall back to "
-                  "slower kernels or are refused. What this run recorded:", ""]
-    elif method == "awq":
-        lines += ["The checkpoint is in the AWQ GEMM format (`quant_method: \"awq\"` in config.json). transformers "
-                  "loads it through GPTQModel's AWQ kernels (`pip install gptqmodel`). Directly:", "",
-                  "```python", "from gptqmodel import GPTQModel", f'model = GPTQModel.load("{repo}")', "```", "",
-                  f"vLLM (CUDA): `vllm serve {repo}` (awq_marlin where the shapes allow, else awq). "
-                  "What this run recorded:", ""]
-    elif method.startswith("bnb-"):
-        lines += ["The checkpoint is pre-quantized with bitsandbytes (`quantization_config` in config.json): "
-                  "`pip install bitsandbytes` and load as above; no `BitsAndBytesConfig` is needed. "
-                  "LLM.int8() picks outlier columns per batch, so outputs can differ slightly with batch composition.", ""]
-    elif method == "torchao":
-        version = dig(data, "quantize", "engine_version")
-        pin = f"torchao=={version}" if version else "torchao"
-        lines += [f"The checkpoint is quantized with torchao (`quant_method: \"torchao\"` in config.json, scheme "
-                  f"`{dig(data, 'params', 'scheme') or '?'}`): `pip install {pin}` and load as above; no `TorchAoConfig` "
-                  "is needed. transformers rebuilds torchao's quantized tensors from the safetensors metadata, so "
-                  "the torchao that reads it must understand this version's format. torchao's kernels are fastest "
-                  "under `torch.compile(model)`.", "",
-                  f"vLLM (CUDA): `vllm serve {repo}` (its `torchao` quantization method). What this run recorded:", ""]
+    if c is not None and c.card_usage is not None:
+        lines += c.card_usage(repo, data.params or {}, data.quantize or {})
     runtimes = data.runtimes if isinstance(data, ModelEntry) else []
     if runtimes:
         lines += ["| runtime | kernel | note |", "|---|---|---|"]
