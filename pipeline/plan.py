@@ -13,7 +13,7 @@ from pipeline.errors import RecipeError
 from pipeline.dtypes import HALF_UNITS, cpu_flags, dtype_bytes, resolve_dtype
 from pipeline.sources import ModelInfo, describe, link_problem, parse
 
-from pipeline.footprint import GiB, RUNTIME_OVERHEAD, WORKER_OVERHEAD, quantize_bytes, speed_bytes, window_bytes
+from pipeline.footprint import REPACKED_ON_CPU, GiB, RUNTIME_OVERHEAD, WORKER_OVERHEAD, quantize_bytes, speed_bytes, window_bytes
 TRACKED_PACKAGES = ("torch", "transformers", "gptqmodel", "bitsandbytes", "optimum", "accelerate", "datasets",
                     "huggingface-hub", "safetensors", "gguf", "torchao", "pydantic", "numpy", "compress")
 
@@ -205,7 +205,9 @@ def _check_draft(recipe, info: ModelInfo, plan: Plan) -> list[str]:
     if d.verifier != "baseline" and d.verifier not in names:
         problems.append(f"draft.verifier = {d.verifier!r} is neither 'baseline' nor a [[quantize]] variant "
                         f"(variants: {sorted(names) or 'none'})")
-    gguf = {q.name for q in recipe.quantize if q.method == "gguf"}
+    from pipeline.quant.capabilities import caps
+
+    gguf = {q.name for q in recipe.quantize if caps(q).checkpoint_format == "gguf"}
     if d.verifier in gguf:
         problems.append(f"draft.verifier = {d.verifier!r} is a GGUF file (llama.cpp's format): the draft is distilled "
                         "and measured in transformers; name the baseline or a transformers variant (gptq, bnb, ...)")
@@ -289,12 +291,14 @@ def _estimate_memory(recipe, info: ModelInfo, plan: Plan, source) -> None:
     embed = vocab * h * dtype_bytes(plan.dtype)
     for v in recipe.quantize:
         key = f"quantize/{v.name}"
-        if v.method in ("gptq", "rtn", "awq"):
-            need = quantize_bytes(cfg, w, cal_tokens if v.method != "rtn" else 0, False, dtype_bytes(plan.dtype))
-            if capped and caps(v).offload and need > plan.memory_limit:
+        c = caps(v)
+        if c.memory == "layerwise":
+            tokens = cal_tokens if c.needs_calibration else 0
+            need = quantize_bytes(cfg, w, tokens, False, dtype_bytes(plan.dtype))
+            if capped and c.offload and need > plan.memory_limit:
                 plan.offload[key] = True
-                need = quantize_bytes(cfg, w, cal_tokens if v.method != "rtn" else 0, True, dtype_bytes(plan.dtype))
-        elif v.method.startswith("bnb"):  # quantized while loading, tensor by tensor
+                need = quantize_bytes(cfg, w, tokens, True, dtype_bytes(plan.dtype))
+        elif c.memory == "while_loading":  # quantized while loading, tensor by tensor
             need = RUNTIME_OVERHEAD + int((p - vocab * h) * variant_bits(v) / 8) + embed + 4 * h * max(inter, h)
         else:  # loaded whole, then quantized or searched
             need = RUNTIME_OVERHEAD + 2 * w + cal_tokens * h * 4 * 4
@@ -311,7 +315,7 @@ def _estimate_memory(recipe, info: ModelInfo, plan: Plan, source) -> None:
         # GPTQModel repacks GPTQ-format weights for its CPU kernel at the first forward, while the pages it read
         # from the mapped checkpoint are still resident (measured on the 1.7B: 2.68 GiB against 1.74 predicted
         # without this copy)
-        repacked = linears if plan.device == "cpu" and v.method in ("gptq", "rtn", "awq", "autoround") else 0
+        repacked = linears if plan.device == "cpu" and caps(v).checkpoint_format in REPACKED_ON_CPU else 0
         resident[v.name] = linears + repacked + embed
         plan.memory[f"validate/{v.name}"] = WORKER_OVERHEAD + resident[v.name] + win
     speed = recipe.validate_.speed
@@ -399,8 +403,10 @@ def _half_precision_on_cpu(recipe, plan: Plan) -> list[str]:
     uses: dict[str, list[str]] = {}
     if plan.dtype in HALF:
         uses.setdefault(plan.dtype, []).append("the baseline")
+    from pipeline.quant.capabilities import caps
+
     for v in recipe.quantize:
-        dtype = getattr(v, "dtype", None) or ("bfloat16" if v.method == "awq" and plan.dtype not in HALF else None)
+        dtype = getattr(v, "dtype", None) or ("bfloat16" if caps(v).half_only and plan.dtype not in HALF else None)
         if dtype in HALF:
             uses.setdefault(dtype, []).append(v.name)
     flags = cpu_flags()

@@ -93,7 +93,7 @@ METHODS.register("awq")(MethodCaps(
     "awq", "gptqmodel", "quant/awq.py", "awq", (4,), AWQ_GROUP_SIZES, AWQ_DTYPES, ("cpu", "cuda"), True,
     "AWQ (Lin et al. 2023): activation-aware per-channel scales, then 4-bit round-to-nearest, through GPTQModel",
     check=_check_awq, runtimes=_awq_runtimes, hub_tags=bits_tags("awq"),  # the Hub's AWQ filter is the `awq` tag
-    card_usage=_awq_usage, disk_bits=grouped_bits))
+    card_usage=_awq_usage, disk_bits=grouped_bits, memory="layerwise", half_only=True))
 
 METHODS.register("autoround")(MethodCaps(
     "autoround", "auto_round", "quant/autoround.py", "gptq", (2, 3, 4, 8), GPTQ_GROUP_SIZES,

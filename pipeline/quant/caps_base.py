@@ -43,6 +43,10 @@ class MethodCaps:
     hub_tags: Optional[Callable[[dict], list[str]]] = None
     card_usage: Optional[Callable[[str, dict, dict], list[str]]] = None
     disk_bits: Optional[Callable[..., float]] = None  # bits per weight on disk (the disk plan); None: from bits/group
+    # how quantizing holds the model, for the memory plan: "layerwise" (GPTQModel's layer-by-layer loop),
+    # "while_loading" (quantized tensor by tensor as transformers loads it), "whole" (loaded whole, then quantized)
+    memory: str = "whole"
+    half_only: bool = False  # computes in 16 bits only: a float32 baseline is quantized in bfloat16
 
 
 def bits_tags(*tags: str) -> Callable[[dict], list[str]]:
@@ -89,20 +93,24 @@ _BNB_DTYPES = DTYPE_NAMES
 for _caps in (
     MethodCaps("gptq", "gptqmodel", "quant/gptq.py", "gptq", (2, 3, 4, 8), GPTQ_GROUP_SIZES,
                _GPTQ_DTYPES, ("cpu", "cuda"), True, "GPTQ (Frantar et al. 2022) through GPTQModel", offload=True,
-               hub_tags=bits_tags("gptq"), card_usage=gptq_usage(), disk_bits=grouped_bits),
+               hub_tags=bits_tags("gptq"), card_usage=gptq_usage(), disk_bits=grouped_bits, memory="layerwise"),
     MethodCaps("rtn", "gptqmodel", "quant/rtn.py", "gptq", (2, 3, 4, 8), GPTQ_GROUP_SIZES,
                _GPTQ_DTYPES, ("cpu", "cuda"), False, "round-to-nearest, min/max scales, GPTQ checkpoint format",
-               offload=True, hub_tags=bits_tags("rtn"), card_usage=gptq_usage(), disk_bits=grouped_bits),
+               offload=True, hub_tags=bits_tags("rtn"), card_usage=gptq_usage(), disk_bits=grouped_bits,
+               memory="layerwise"),
     # bits per weight on disk, scales included: int8 8.0, nf4/fp4 4.5 (a 32-bit absmax per block of 64)
     MethodCaps("bnb-int8", "bitsandbytes", "quant/bnb.py", "bitsandbytes", (8,), (),
                _BNB_DTYPES, ("cpu", "cuda"), False, "LLM.int8() (Dettmers et al. 2022), quantized while loading",
-               hub_tags=_bnb_tags("int8"), card_usage=_bnb_usage, disk_bits=lambda variant: 8.0),
+               hub_tags=_bnb_tags("int8"), card_usage=_bnb_usage, disk_bits=lambda variant: 8.0,
+               memory="while_loading"),
     MethodCaps("bnb-nf4", "bitsandbytes", "quant/bnb.py", "bitsandbytes", (4,), (),
                _BNB_DTYPES, ("cpu", "cuda"), False, "4-bit NormalFloat, blocks of 64 (QLoRA)",
-               hub_tags=_bnb_tags("nf4"), card_usage=_bnb_usage, disk_bits=lambda variant: 4.5),
+               hub_tags=_bnb_tags("nf4"), card_usage=_bnb_usage, disk_bits=lambda variant: 4.5,
+               memory="while_loading"),
     MethodCaps("bnb-fp4", "bitsandbytes", "quant/bnb.py", "bitsandbytes", (4,), (),
                _BNB_DTYPES, ("cpu", "cuda"), False, "4-bit float (e2m1), blocks of 64",
-               hub_tags=_bnb_tags("fp4"), card_usage=_bnb_usage, disk_bits=lambda variant: 4.5),
+               hub_tags=_bnb_tags("fp4"), card_usage=_bnb_usage, disk_bits=lambda variant: 4.5,
+               memory="while_loading"),
 ):
     METHODS.register(_caps.name)(_caps)
 # torchao, GGUF, AWQ and AutoRound declare per-method limits, checks and runtimes in their own modules
