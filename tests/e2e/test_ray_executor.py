@@ -22,6 +22,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 RAY = Path(sys.executable).parent / "ray"
 RAY_SETS = ('run.executor="ray"',)
+# loopback cluster without Ray's token authentication (Ray 2.60 otherwise uses a token file in ~/.ray)
+AUTH = {"RAY_AUTH_MODE": "disabled"}
 
 
 def free_port() -> int:
@@ -49,6 +51,7 @@ class Cluster:
         self.temp, self.port = temp, free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0",
+                    **AUTH,
                     "RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "4",
                     "RAY_health_check_timeout_ms": "500"}
         self.env.pop("COMPRESS_FAULT", None)
@@ -58,14 +61,14 @@ class Cluster:
         subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.port),
                         "--num-cpus", "1", "--resources", json.dumps({"compress_node": 1}),
                         "--temp-dir", str(self.temp), "--include-dashboard=false", "--disable-usage-stats"],
-                       env=self.env, check=True, capture_output=True, timeout=120)
+                       env=self.env, capture_output=True, text=True, timeout=120, check=True)
 
     def add_node(self, extra_env: dict | None = None, resources: dict | None = None) -> int:
         port = free_port()
         subprocess.run([RAY, "start", "--address", self.address, "--node-ip-address", "127.0.0.1",
                         "--num-cpus", "1", "--node-manager-port", str(port),
                         "--resources", json.dumps({"compress_node": 1, **(resources or {})})],
-                       env={**self.env, **(extra_env or {})}, check=True, capture_output=True, timeout=120)
+                       env={**self.env, **(extra_env or {})}, check=True, capture_output=True, text=True, timeout=120)
         self.node_ports.append(port)
         self.wait_nodes(1 + len(self.node_ports))
         return port
@@ -146,7 +149,7 @@ def figures(report: dict) -> dict:
 
 def test_ray_run_matches_local_and_uses_both_nodes(cluster, second_node, tiny_run, tmp_path):
     local_dir = tiny_run[0]
-    run_tiny(tmp_path, *RAY_SETS, f'run.ray_address="{cluster.address}"')
+    run_tiny(tmp_path, *RAY_SETS, f'run.ray_address="{cluster.address}"', env=AUTH)
     ray_dir = tmp_path / "tiny"
     local, remote = (json.loads((d / "report.json").read_text()) for d in (local_dir, ray_dir))
     assert remote["run"]["status"] == "complete"
@@ -175,7 +178,7 @@ def test_killing_a_node_mid_quantize_retries_or_exits_4_and_a_rerun_completes(cl
     that node through COMPRESS_RAY_PIN); its raylet is SIGKILLed there."""
     key = "quantize/gptq-w4g32"
     port = cluster.add_node({"COMPRESS_FAULT": f"{key}:start:pause"}, {"victim": 1})
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COMPRESS_RAY_PIN": f"{key}=victim"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COMPRESS_RAY_PIN": f"{key}=victim", **AUTH}
     env.pop("COMPRESS_FAULT", None)
     args = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "recipes" / "tiny.toml"),
             "--set", f"run.output_dir={json.dumps(str(tmp_path))}", "--set", RAY_SETS[0],
@@ -203,7 +206,7 @@ def test_killing_a_node_mid_quantize_retries_or_exits_4_and_a_rerun_completes(cl
         assert "lost on node" in out and report["run"]["status"] == "failed"
     else:  # Ray retried the lost task on the head
         assert report["stages"][key]["node"] and report["run"]["status"] == "complete"
-    rerun = run_tiny(tmp_path, *RAY_SETS, f'run.ray_address="{cluster.address}"')
+    rerun = run_tiny(tmp_path, *RAY_SETS, f'run.ray_address="{cluster.address}"', env=AUTH)
     report = json.loads((run_dir / "report.json").read_text())
     assert rerun.returncode == 0 and report["run"]["status"] == "complete"
     assert (run_dir / key / "model.safetensors").is_file() and not (run_dir / (key + ".tmp")).exists()
@@ -214,7 +217,7 @@ def test_a_node_that_cannot_see_the_run_folder_is_refused_before_any_work(cluste
     node without the shared mount would: it cannot read the driver's probe file."""
     port = cluster.add_node({"COMPRESS_RAY_PROBE_ROOT": str(tmp_path / "elsewhere")})
     try:
-        p = run_tiny(tmp_path, *RAY_SETS, f'run.ray_address="{cluster.address}"', rc=4)
+        p = run_tiny(tmp_path, *RAY_SETS, f'run.ray_address="{cluster.address}"', env=AUTH, rc=4)
     finally:
         cluster.kill_node(port)
     line = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
