@@ -42,8 +42,6 @@ SHARE = 0.01  # what an ordinary unit takes of it
 MAX_RETRIES = int(os.environ.get("COMPRESS_RAY_MAX_RETRIES", "2"))
 # tests: a node whose environment sets this sees the filesystem under another root (a node without the run folder)
 PROBE_ROOT_ENV = "COMPRESS_RAY_PROBE_ROOT"
-# tests: "<unit key>=<custom resource>" prefers (soft affinity) the node offering that resource for that unit
-PIN_ENV = "COMPRESS_RAY_PIN"
 TASKS_FILE = "ray_tasks.json"  # the driver's record of each task: node, submit/start times (benchmarks read it)
 
 
@@ -260,25 +258,11 @@ class RayExecutor:
         if ray.is_initialized():
             ray.shutdown()
 
-    def _pinned(self, key: str):
-        want = dict(p.split("=", 1) for p in os.environ.get(PIN_ENV, "").split(",") if "=" in p)
-        if key not in want:
-            return None
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        for n in alive_nodes():
-            if n["Resources"].get(want[key]):
-                return NodeAffinitySchedulingStrategy(n["NodeID"], soft=True)
-        return None
-
     def _submit(self, unit, h: str):
         import ray
 
         r = self.recipe.run
         opts = options_for(unit.key, self.plan, self.runner.device, r.threads)
-        strategy = self._pinned(unit.key)
-        if strategy is not None:
-            opts["scheduling_strategy"] = strategy
         run = {"run_dir": str(self.run_dir.resolve()), "seed": self.runner.seed, "device": self.runner.device,
                "versions": self.runner.versions, "run_id": self.runner.run_id, "threads": r.threads}
         manifests = {k: v for k, v in self.runner.manifests.items()}

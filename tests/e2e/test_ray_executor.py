@@ -58,9 +58,9 @@ class Cluster:
         self.env.pop("COMPRESS_FAULT", None)
         self.node_ports: list[int] = []
 
-    def start_head(self) -> None:
+    def start_head(self, num_cpus: int = 1) -> None:
         subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.port),
-                        "--num-cpus", "1", "--resources", json.dumps({"compress_node": 1}),
+                        "--num-cpus", str(num_cpus), "--resources", json.dumps({"compress_node": 1}),
                         "--temp-dir", str(self.temp), "--include-dashboard=false", "--disable-usage-stats"],
                        env=self.env, capture_output=True, text=True, timeout=120, check=True)
 
@@ -174,12 +174,28 @@ def test_ray_run_matches_local_and_uses_both_nodes(cluster, second_node, tiny_ru
     assert "| node |" in md and all(n in md for n in nodes)
 
 
-def test_killing_a_node_mid_quantize_retries_or_exits_4_and_a_rerun_completes(cluster, tmp_path):
-    """The second node pauses in quantize/gptq-w4g32 (COMPRESS_FAULT in its environment only; the unit prefers
-    that node through COMPRESS_RAY_PIN); its raylet is SIGKILLed there."""
-    key = "quantize/gptq-w4g32"
-    port = cluster.add_node({"COMPRESS_FAULT": f"{key}:start:pause"}, {"victim": 1})
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COMPRESS_RAY_PIN": f"{key}=victim", **AUTH}
+@pytest.fixture
+def driver_only_cluster():
+    """A head with no CPU for units (the driver's node) and the victim node running every unit."""
+    import shutil
+    import tempfile
+
+    c = Cluster(Path(tempfile.mkdtemp(prefix="r25k-", dir="/tmp")))
+    try:
+        c.start_head(num_cpus=0)
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(c.temp, ignore_errors=True)
+
+
+def test_killing_a_node_mid_quantize_retries_or_exits_4_and_a_rerun_completes(driver_only_cluster, tmp_path):
+    """Every unit runs on the victim node (the head offers no CPU); the victim pauses at the start of
+    quantize/gptq-w4g32 (COMPRESS_FAULT in its environment only). A spare node joins, the victim's raylet is
+    SIGKILLed: Ray retries the lost task on the spare (or the run exits 4 naming the node); a rerun completes."""
+    cluster, key = driver_only_cluster, "quantize/gptq-w4g32"
+    victim = cluster.add_node({"COMPRESS_FAULT": f"{key}:start:pause"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **AUTH}
     env.pop("COMPRESS_FAULT", None)
     args = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "recipes" / "tiny.toml"),
             "--set", f"run.output_dir={json.dumps(str(tmp_path))}", "--set", RAY_SETS[0],
@@ -192,10 +208,11 @@ def test_killing_a_node_mid_quantize_retries_or_exits_4_and_a_rerun_completes(cl
             while not (run_dir / (key + ".tmp")).is_dir():
                 assert p.poll() is None and time.time() < deadline, (tmp_path / "out.log").read_text()[-3000:]
                 time.sleep(0.2)
-            started = next((run_dir / ".work" / key).glob("*/ray-task.json"))
-            assert json.loads(started.read_text())["node"]  # the unit started (it pauses at its start point)
-            assert not (run_dir / key / "manifest.json").exists()
-            cluster.kill_node(port)
+            victim_node = json.loads(next((run_dir / ".work" / key).glob("*/ray-task.json")).read_text())["node"]
+            time.sleep(1)
+            assert not (run_dir / key / "manifest.json").exists()  # paused at its start point
+            cluster.add_node()  # the spare
+            cluster.kill_node(victim)
             rc = p.wait(timeout=300)
         finally:
             if p.poll() is None:
@@ -204,9 +221,11 @@ def test_killing_a_node_mid_quantize_retries_or_exits_4_and_a_rerun_completes(cl
     assert rc in (0, 4), out[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
     if rc == 4:
-        assert "lost on node" in out and report["run"]["status"] == "failed"
-    else:  # Ray retried the lost task on the head
-        assert report["stages"][key]["node"] and report["run"]["status"] == "complete"
+        assert f"lost on node {victim_node}" in out and report["run"]["status"] == "failed"
+        assert not (run_dir / key / "manifest.json").exists()
+    else:  # Ray retried the lost task on the spare node
+        assert report["run"]["status"] == "complete"
+        assert report["stages"][key]["node"] not in (None, victim_node)
     rerun = run_tiny(tmp_path, *RAY_SETS, f'run.ray_address="{cluster.address}"', env=AUTH)
     report = json.loads((run_dir / "report.json").read_text())
     assert rerun.returncode == 0 and report["run"]["status"] == "complete"
