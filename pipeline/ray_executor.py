@@ -153,8 +153,10 @@ def connect(address: str | None) -> None:
                 from None
     try:
         ray.init(address=address, logging_level=logging.WARNING)
-    except (ConnectionError, RuntimeError, ValueError) as e:
-        raise RecipeError(f"[run] ray_address {address!r}: cannot connect to a Ray cluster: {e}") from None
+    except Exception as e:  # ConnectionError, an authentication error, a version mismatch: one line, exit 2
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise RecipeError(f"[run] ray_address {address!r}: cannot connect to a Ray cluster: "
+                          f"{type(e).__name__}: {first}") from None
 
 
 def alive_nodes() -> list[dict]:
