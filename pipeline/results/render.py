@@ -237,8 +237,10 @@ def _stages(report: Report) -> list[str]:
     limit = report.run.memory_limit_bytes
     note = (["Peak RSS is the largest resident set of the stage's process or worker; predicted is `compress check`'s "
              "estimate" + (f"; the limit ([run] max_memory_gb) is {size(limit)}." if limit else "."), ""])
-    return lines + note + table(["stage", "status", "time s", "peak RSS", "predicted", "measured/predicted"],
-                                body) + [""]
+    head = ["stage", "status", "time s", "peak RSS", "predicted", "measured/predicted"]
+    if any(s.node for s in report.stages.values()):  # executor = "ray": the node that ran each unit
+        head, body = head + ["node"], [row + [s.node or "-"] for row, s in zip(body, report.stages.values())]
+    return lines + note + table(head, body) + [""]
 
 
 def planned(by_stage: dict, key: str):

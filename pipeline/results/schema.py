@@ -145,6 +145,7 @@ class StageEntry(_Section):
     time_s: float
     peak_rss_bytes: int
     dir: str
+    node: str | None = None  # executor = "ray": the node that ran the unit (id prefix and IP); None: this machine
 
 
 class Report(_Section):

@@ -1,0 +1,256 @@
+"""`[run] executor = "ray"` on a real two-node Ray cluster started on this machine (loopback only).
+
+The head and the second node are started with `ray start` under a private temp dir; the finaliser kills exactly
+the processes of that cluster (their command lines name its temp dir or its GCS port), never another Ray.
+"""
+import hashlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_tiny_recipe import ROOT, run_tiny
+
+pytest.importorskip("ray")
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+RAY = Path(sys.executable).parent / "ray"
+RAY_SETS = ('run.executor="ray"',)
+# loopback cluster without Ray's token authentication (Ray 2.60 otherwise uses a token file in ~/.ray)
+AUTH = {"RAY_AUTH_MODE": "disabled"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster_pids(marks: list[str]) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit() or int(d.name) == os.getpid():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(m in cmd for m in marks):
+            pids.append(int(d.name))
+    return pids
+
+
+class Cluster:
+    def __init__(self, temp: Path) -> None:
+        self.temp, self.port = temp, free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0",
+                    **AUTH,
+                    "RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "4",
+                    "RAY_health_check_timeout_ms": "500"}
+        self.env.pop("COMPRESS_FAULT", None)
+        self.node_ports: list[int] = []
+
+    def start_head(self, num_cpus: int = 1) -> None:
+        subprocess.run([RAY, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(self.port),
+                        "--num-cpus", str(num_cpus), "--resources", json.dumps({"compress_node": 1}),
+                        "--temp-dir", str(self.temp), "--include-dashboard=false", "--disable-usage-stats"],
+                       env=self.env, capture_output=True, text=True, timeout=120, check=True)
+
+    def add_node(self, extra_env: dict | None = None, resources: dict | None = None) -> int:
+        port = free_port()
+        subprocess.run([RAY, "start", "--address", self.address, "--node-ip-address", "127.0.0.1",
+                        "--num-cpus", "1", "--node-manager-port", str(port),
+                        "--resources", json.dumps({"compress_node": 1, **(resources or {})})],
+                       env={**self.env, **(extra_env or {})}, check=True, capture_output=True, text=True, timeout=120)
+        self.node_ports.append(port)
+        self.wait_nodes(1 + len(self.node_ports))
+        return port
+
+    def raylet_pid(self, node_port: int) -> int:
+        pids = [p for p in cluster_pids([f"--node_manager_port={node_port}"])
+                if "raylet" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace").split("\0")[0]]
+        assert len(pids) == 1, pids
+        return pids[0]
+
+    def kill_node(self, node_port: int) -> None:
+        os.kill(self.raylet_pid(node_port), signal.SIGKILL)
+        self.node_ports.remove(node_port)
+        self.wait_nodes(1 + len(self.node_ports))
+
+    def wait_nodes(self, n: int, timeout: float = 60) -> None:
+        code = ("import ray,sys; ray.init(address=sys.argv[1], logging_level='ERROR'); "
+                "print(sum(1 for x in ray.nodes() if x['Alive']))")
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            p = subprocess.run([sys.executable, "-c", code, self.address], env=self.env, capture_output=True,
+                               text=True, timeout=60)
+            if p.returncode == 0 and p.stdout.strip().splitlines()[-1] == str(n):
+                return
+            time.sleep(1)
+        raise AssertionError(f"the cluster did not reach {n} alive node(s)")
+
+    def stop(self) -> None:
+        marks = [str(self.temp), f"127.0.0.1:{self.port}"]
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in cluster_pids(marks):
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    import shutil
+    import tempfile
+
+    temp = Path(tempfile.mkdtemp(prefix="r25-", dir="/tmp"))  # short: Ray's unix sockets live under it
+    c = Cluster(temp)
+    try:
+        c.start_head()
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture
+def second_node(cluster, request):
+    """A plain second node; tests needing another environment start their own."""
+    port = cluster.add_node()
+    yield port
+    if port in cluster.node_ports:
+        cluster.kill_node(port)
+
+
+def sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def figures(report: dict) -> dict:
+    """The report's measured figures, without wall-clock times."""
+    def strip(x):
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items()  # times and memory are measurements of the process, not figures
+                    if not (k.endswith("time_s") or "rss" in k or k in ("elapsed_s", "tok_s", "speedup", "wall_s"))}
+        if isinstance(x, list):
+            return [strip(v) for v in x]
+        return x
+    return strip({k: report.get(k) for k in ("model", "calibration", "baseline", "variants", "gates")})
+
+
+def test_ray_run_matches_local_and_uses_both_nodes(cluster, second_node, tiny_run, tmp_path):
+    local_dir = tiny_run[0]
+    run_tiny(tmp_path, *RAY_SETS, f'run.ray_address="{cluster.address}"', env=AUTH)
+    ray_dir = tmp_path / "tiny"
+    local, remote = (json.loads((d / "report.json").read_text()) for d in (local_dir, ray_dir))
+    assert remote["run"]["status"] == "complete"
+    # (1) every quantized checkpoint file byte-identical, and the report's figures equal
+    for name in ("gptq-w4g32", "rtn-w4g32"):
+        files = sorted(p.relative_to(local_dir) for p in (local_dir / "quantize" / name).rglob("*")
+                       if p.is_file() and p.name not in ("manifest.json", "metrics.json") and p.suffix != ".log")
+        assert files
+        for rel in files:
+            assert sha(local_dir / rel) == sha(ray_dir / rel), rel
+    assert figures(local) == figures(remote)
+    assert list(local["stages"]) == list(remote["stages"])
+    # (2) both nodes ran units, and the report says which
+    nodes = {s["node"] for s in remote["stages"].values()}
+    assert None not in nodes and len(nodes) == 2, nodes
+    assert all(s["node"] is None for s in local["stages"].values())
+    tasks = json.loads((ray_dir / "ray_tasks.json").read_text())
+    assert set(tasks) == set(remote["stages"])
+    assert all(t["submitted"] <= t["task_start"] <= t["unit_start"] <= t["unit_end"] for t in tasks.values())
+    md = (ray_dir / "report.md").read_text()
+    assert "| node |" in md and all(n in md for n in nodes)
+
+
+@pytest.fixture
+def driver_only_cluster():
+    """A head with no CPU for units (the driver's node) and the victim node running every unit."""
+    import shutil
+    import tempfile
+
+    c = Cluster(Path(tempfile.mkdtemp(prefix="r25k-", dir="/tmp")))
+    try:
+        c.start_head(num_cpus=0)
+        yield c
+    finally:
+        c.stop()
+        shutil.rmtree(c.temp, ignore_errors=True)
+
+
+def test_killing_a_node_mid_quantize_retries_or_exits_4_and_a_rerun_completes(driver_only_cluster, tmp_path):
+    """Every unit runs on the victim node (the head offers no CPU); the victim pauses at the start of
+    quantize/gptq-w4g32 (COMPRESS_FAULT in its environment only). A spare node joins, the victim's raylet is
+    SIGKILLed: Ray retries the lost task on the spare (or the run exits 4 naming the node); a rerun completes."""
+    cluster, key = driver_only_cluster, "quantize/gptq-w4g32"
+    victim = cluster.add_node({"COMPRESS_FAULT": f"{key}:start:pause"})
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **AUTH}
+    env.pop("COMPRESS_FAULT", None)
+    args = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "recipes" / "tiny.toml"),
+            "--set", f"run.output_dir={json.dumps(str(tmp_path))}", "--set", RAY_SETS[0],
+            "--set", f'run.ray_address="{cluster.address}"']
+    run_dir = tmp_path / "tiny"
+    with open(tmp_path / "out.log", "w") as log:
+        p = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.time() + 300
+            while not (run_dir / (key + ".tmp")).is_dir():
+                assert p.poll() is None and time.time() < deadline, (tmp_path / "out.log").read_text()[-3000:]
+                time.sleep(0.2)
+            victim_node = json.loads(next((run_dir / ".work" / key).glob("*/ray-task.json")).read_text())["node"]
+            time.sleep(1)
+            assert not (run_dir / key / "manifest.json").exists()  # paused at its start point
+            cluster.add_node()  # the spare
+            cluster.kill_node(victim)
+            rc = p.wait(timeout=300)
+        finally:
+            if p.poll() is None:
+                p.kill()
+    out = (tmp_path / "out.log").read_text()
+    assert rc in (0, 4), out[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    if rc == 4:
+        assert f"lost on node {victim_node}" in out and report["run"]["status"] == "failed"
+        assert not (run_dir / key / "manifest.json").exists()
+    else:  # Ray retried the lost task on the spare node
+        assert report["run"]["status"] == "complete"
+        assert report["stages"][key]["node"] not in (None, victim_node)
+    rerun = run_tiny(tmp_path, *RAY_SETS, f'run.ray_address="{cluster.address}"', env=AUTH)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert rerun.returncode == 0 and report["run"]["status"] == "complete"
+    assert (run_dir / key / "model.safetensors").is_file() and not (run_dir / (key + ".tmp")).exists()
+
+
+def test_a_node_that_cannot_see_the_run_folder_is_refused_before_any_work(cluster, tmp_path):
+    """The second node sees the filesystem under another root (COMPRESS_RAY_PROBE_ROOT in its environment), as a
+    node without the shared mount would: it cannot read the driver's probe file."""
+    port = cluster.add_node({"COMPRESS_RAY_PROBE_ROOT": str(tmp_path / "elsewhere")})
+    try:
+        p = run_tiny(tmp_path, *RAY_SETS, f'run.ray_address="{cluster.address}"', env=AUTH, rc=4)
+    finally:
+        cluster.kill_node(port)
+    line = [ln for ln in p.stderr.splitlines() if ln.startswith("error:")]
+    assert len(line) == 1 and "is not on a filesystem node" in line[0], p.stderr[-3000:]
+    assert str((tmp_path / "tiny").resolve()) in line[0] and re.search(r"node [0-9a-f]{12} \(", line[0])
+    for stage in ("load", "calibrate", "quantize"):
+        assert not (tmp_path / "tiny" / stage).exists()
+    assert not (tmp_path / "tiny" / ".ray-probe").exists()
+
+
+def test_unreachable_ray_address_exits_2_within_30_s_naming_it(tmp_path):
+    port = free_port()
+    t0 = time.time()
+    p = run_tiny(tmp_path, *RAY_SETS, f'run.ray_address="127.0.0.1:{port}"', rc=2)
+    assert time.time() - t0 < 30
+    assert f"127.0.0.1:{port}" in p.stderr and "unreachable" in p.stderr
