@@ -18,23 +18,9 @@ from pipeline.fileio import atomic_write_text
 from pipeline.plan import Plan, versions
 from pipeline.results import schema
 from pipeline.runner import Runner, RunLock, Unit
+from pipeline.units import build_units  # noqa: F401  (re-exported: the stages of a recipe)
 
 log = logging.getLogger("compress")
-
-
-def build_units(recipe) -> tuple[list[Unit], list[Unit]]:
-    """(units up to validate, export units). Gates are applied between the two."""
-    from pipeline.plan import stage_names
-    from pipeline.stages import calibrate, draft, export, load, quantize, validate
-
-    units = [load.unit(recipe)]
-    if "calibrate" in stage_names(recipe):
-        units.append(calibrate.unit(recipe))
-    units += quantize.units(recipe)
-    if recipe.draft is not None:
-        units.append(draft.unit(recipe))
-    val = validate.units(recipe)
-    return units + val, export.units(recipe, [u.key for u in val])
 
 
 def lock_text(recipe, vers: dict, device: str, run_id: str) -> str:

@@ -97,13 +97,20 @@ def check(recipe) -> Plan:
                         "baseline's perplexity; quantized checkpoints, bitsandbytes, torchao, AWQ, AutoRound, GGUF and "
                         "the draft must fit)")
     problems += _estimate_disk(recipe, info, plan, source)
-    from pipeline.ray_executor import check_available
-
-    problems += check_available(recipe)
+    problems += _check_executor(recipe)
     plan.warnings += _half_precision_on_cpu(recipe, plan)
     if problems:
         raise RecipeError("the recipe cannot run:\n" + "\n".join(f"  - {p}" for p in problems))
     return plan
+
+
+def _check_executor(recipe) -> list[str]:
+    """[run] executor = "ray" needs Ray installed (looked up, not imported: check stays fast)."""
+    from importlib.util import find_spec
+
+    if recipe.run.executor == "ray" and find_spec("ray") is None:
+        return ["[run] executor = \"ray\" needs Ray, which is not installed: pip install -e '.[ray]'"]
+    return []
 
 
 def _untimed_gates(recipe, plan: Plan) -> list[str]:

@@ -29,7 +29,6 @@ import os
 import socket
 import time
 import uuid
-from importlib.util import find_spec
 from pathlib import Path
 
 from pipeline.errors import CompressError, RecipeError, StageError
@@ -43,15 +42,6 @@ MAX_RETRIES = int(os.environ.get("COMPRESS_RAY_MAX_RETRIES", "2"))
 # tests: a node whose environment sets this sees the filesystem under another root (a node without the run folder)
 PROBE_ROOT_ENV = "COMPRESS_RAY_PROBE_ROOT"
 TASKS_FILE = "ray_tasks.json"  # the driver's record of each task: node, submit/start times (benchmarks read it)
-
-
-def check_available(recipe) -> list[str]:
-    """`compress check`'s problems with the executor, without importing ray."""
-    if recipe.run.executor != "ray":
-        return []
-    if find_spec("ray") is None:
-        return [f"[run] executor = \"ray\" needs Ray, which is not installed: {EXTRA}"]
-    return []
 
 
 def is_speed(key: str) -> bool:
@@ -101,7 +91,7 @@ def _unit_task(recipe_data: dict, key: str, h: str, run: dict, manifests: dict) 
     tame()
     import torch
 
-    from pipeline.execute import build_units
+    from pipeline.units import build_units
     from pipeline.recipe import Recipe
 
     if run["threads"]:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.codehash import PACKAGE_DIR, code_hash
-from pipeline.execute import build_units
+from pipeline.units import build_units
 from pipeline.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -34,10 +34,12 @@ def test_unknown_executor_is_a_recipe_error():
 
 
 def test_check_refuses_ray_without_the_extra(monkeypatch, capsys):
-    import pipeline.ray_executor as rx
+    import importlib.util
+
     from pipeline import cli as cli_mod
 
-    monkeypatch.setattr(rx, "find_spec", lambda name: None)
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
     monkeypatch.setattr(sys, "argv", ["compress", "check", str(TINY), "--set", 'run.executor="ray"'])
     with pytest.raises(SystemExit) as e:
         cli_mod.main()

@@ -1,0 +1,20 @@
+"""A recipe's units in run order: what `compress run` executes, locally or as Ray tasks (pipeline/ray_executor.py
+rebuilds them from the recipe on each worker)."""
+from __future__ import annotations
+
+from pipeline.runner import Unit
+
+
+def build_units(recipe) -> tuple[list[Unit], list[Unit]]:
+    """(units up to validate, export units). Gates are applied between the two."""
+    from pipeline.plan import stage_names
+    from pipeline.stages import calibrate, draft, export, load, quantize, validate
+
+    units = [load.unit(recipe)]
+    if "calibrate" in stage_names(recipe):
+        units.append(calibrate.unit(recipe))
+    units += quantize.units(recipe)
+    if recipe.draft is not None:
+        units.append(draft.unit(recipe))
+    val = validate.units(recipe)
+    return units + val, export.units(recipe, [u.key for u in val])
