@@ -193,7 +193,14 @@ def _speed(args: dict) -> dict:
     return measure_checkpoint(Path(args["model_dir"]), SpeedConfig(**args["cfg"]), args["device"], args.get("label"))
 
 
-TASKS = {"quality": _quality, "speculative": _speculative, "speed": _speed}
+def _tasks(args: dict) -> dict:
+    from pipeline.eval.tasks import evaluate_tasks
+
+    return evaluate_tasks(Path(args["model_dir"]), Path(args["out"]), args["jobs"], args["cfg"], args["device"],
+                          args.get("reference"), args.get("bootstrap", 2000))
+
+
+TASKS = {"quality": _quality, "speculative": _speculative, "speed": _speed, "tasks": _tasks}
 
 
 def main(argv: list[str]) -> int:

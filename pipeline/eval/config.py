@@ -91,6 +91,8 @@ class GateBounds(BaseModel):
                                                                      "answered with non-degenerate text")
     min_acceptance: float | None = Field(None, ge=0, le=1, description="draft acceptance rate alpha")
     min_spec_speedup: float | None = Field(None, gt=0, description="speculative speed-up over the verifier alone")
+    min_task_recovery: float | None = Field(None, gt=0, description="[validate.tasks] variant score / baseline's on "
+                                                                    "the same items, each task and the average")
 
 
 class GatesConfig(GateBounds):
@@ -104,6 +106,11 @@ class GatesConfig(GateBounds):
     models: dict[str, GateBounds] = Field(
         default_factory=dict, description="per-model overrides (a set field replaces the global bound)"
     )
+    task_recovery_bound: Literal["point", "lower"] = Field(
+        "point", description="min_task_recovery judges the point recovery, or the lower end of its paired 95 % "
+        "bootstrap interval (a gate that never passes on noise)")
+    task_recovery_scope: Literal["each", "average", "both"] = Field(
+        "both", description="min_task_recovery applies to each task, to the average over tasks, or both")
 
     @model_validator(mode="after")
     def _known_warn_only(self) -> "GatesConfig":
@@ -132,11 +139,12 @@ GATE_METRICS: dict[str, tuple[str, str]] = {
     "min_smoke_ok": ("smoke_ok", "variant"),
     "min_acceptance": ("acceptance", "draft"),
     "min_spec_speedup": ("spec_speedup", "draft"),
+    "min_task_recovery": ("task_recovery", "variant"),
 }
 
 
 def gate_problems(gates: GatesConfig, speed: SpeedConfig | None, variants: list[str],
-                  draft: str | None, smoke: bool = True) -> list[str]:
+                  draft: str | None, smoke: bool = True, tasks=None) -> list[str]:
     """Cross-stage checks for `compress check`: each problem is one readable line (empty = fine)."""
     problems = []
     if not smoke and variants and any(gates.bounds_for(v).get("min_smoke_ok") for v in variants):
@@ -158,7 +166,22 @@ def gate_problems(gates: GatesConfig, speed: SpeedConfig | None, variants: list[
                     if timed is not None and needed not in timed:
                         problems.append(f"[validate.gates].{gate} for {model!r} needs speed for "
                                         f"{needed!r}, but [validate.speed] does not time it")
+    problems += _task_gate_problems(gates, tasks, variants)
     return sorted(set(problems))
+
+
+def _task_gate_problems(gates: GatesConfig, tasks, variants: list[str]) -> list[str]:
+    """min_task_recovery needs [validate.tasks] enabled for the baseline and the gated variant."""
+    if tasks is None:
+        return []
+    out = []
+    for v in variants:
+        if "min_task_recovery" in gates.bounds_for(v):
+            for needed in ("baseline", v):
+                if not tasks.scores(needed):
+                    out.append(f"[validate.gates].min_task_recovery for {v!r} needs [validate.tasks] scores for "
+                               f"{needed!r} (enabled = true, tasks, models)")
+    return out
 
 
 def _speed_models(speed: SpeedConfig | None) -> set[str] | None:
