@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipeline.results.format import num, table
 from pipeline.results.query import models
-from pipeline.results.schema import ModelEntry, Report
+from pipeline.results.schema import Report
 
 
 def _interval(r: dict | None) -> str:
