@@ -146,6 +146,8 @@ def evaluate_tasks(model_dir: Path, out: Path, jobs: list[dict], cfg: dict, devi
                    reference: str | None = None, bootstrap: int = 2000) -> dict:
     """The worker entry: load the checkpoint as the quality stage does, score_model, and with `reference` (the
     baseline's tasks unit folder) the paired recovery from both saved per-item files (recovery.py)."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before datasets is imported (it reads them once)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
     from pipeline.compute import float32_matmuls
