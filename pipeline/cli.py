@@ -76,6 +76,11 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
         from pipeline.publish.config import summary
 
         click.echo(f"publish   {summary(r.publish)}")
+    tasks = r.validate_.tasks
+    if tasks.enabled and tasks.tasks:
+        click.echo(f"tasks     {', '.join(tasks.tasks)} (lm-eval; {tasks.limit or 'all'} items each, seed {tasks.seed}, "
+                   f"{tasks.num_fewshot}-shot) on {tasks.models if tasks.models != 'all' else 'every model'}"
+                   + ("; runs generated code (execute_code = true)" if tasks.execute_code else ""))
     for w in plan.warnings:
         click.echo(f"warning   {w}")
 

@@ -85,6 +85,7 @@ def check(recipe) -> Plan:
     problems += _check_variants(recipe, info, plan)
     problems += _check_draft(recipe, info, plan)
     problems += _check_gates(recipe, random_init=source.random_init)
+    problems += _check_tasks(recipe, plan)
     _estimate_memory(recipe, info, plan, source)
     problems += _untimed_gates(recipe, plan)
     if plan.peak_memory > plan.memory_limit:
@@ -260,8 +261,18 @@ def _check_gates(recipe, random_init: bool) -> list[str]:
 
     v = recipe.validate_  # the smoke gate does not apply to random weights
     variants, draft = [q.name for q in recipe.quantize], "draft" if recipe.draft else None
-    return (gate_problems(v.gates, v.speed, variants, draft, smoke=v.smoke.enabled or random_init)
+    return (gate_problems(v.gates, v.speed, variants, draft, smoke=v.smoke.enabled or random_init,
+                          tasks=v.tasks)
             + speed_problems(v.speed, variants, draft))
+
+
+def _check_tasks(recipe, plan: Plan) -> list[str]:
+    """[validate.tasks] (pipeline/eval/tasks_config.py): problems are returned, notes become warnings."""
+    from pipeline.eval.tasks_config import task_problems
+
+    found = task_problems(recipe.validate_.tasks, [q.name for q in recipe.quantize])
+    plan.warnings += [p.removeprefix("note: ") for p in found if p.startswith("note: ")]
+    return [p for p in found if not p.startswith("note: ")]
 
 
 def _estimate_memory(recipe, info: ModelInfo, plan: Plan, source) -> None:

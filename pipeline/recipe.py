@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pipeline.errors import RecipeError
 from pipeline.eval.config import GatesConfig, SpeedConfig
+from pipeline.eval.tasks_config import TasksConfig
 from pipeline.publish.config import PublishConfig
 from pipeline.quant.config import QuantVariant
 from pipeline.speculative.config import DraftConfig
@@ -86,6 +87,7 @@ class ValidateConfig(Strict):
     smoke: SmokeConfig = SmokeConfig()
     speed: SpeedConfig = SpeedConfig()
     gates: GatesConfig = GatesConfig()
+    tasks: TasksConfig = TasksConfig()
 
 
 class ExportConfig(Strict):

@@ -171,6 +171,7 @@ TASKS = {
     "quality": "pipeline.eval.quality:worker_task",
     "speculative": "pipeline.speculative.evaluate:worker_task",
     "speed": "pipeline.eval.speed:worker_task",
+    "tasks": "pipeline.eval.tasks:worker_task",
 }
 
 
@@ -180,7 +181,6 @@ def task_function(task: str):
 
     module, _, name = TASKS[task].partition(":")
     return getattr(importlib.import_module(module), name)
-
 
 
 def main(argv: list[str]) -> int:

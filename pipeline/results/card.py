@@ -89,6 +89,9 @@ def card_data(report: Report, entry: dict) -> ModelCardData:
         results = [EvalResult(task_type="text-generation", dataset_type=HUB_DATASETS.get(str(ds).lower(), str(ds)),
                               dataset_name=str(ds), metric_type="perplexity", metric_value=round(float(ppl), 4),
                               metric_name=f"perplexity ({dig(data, 'perplexity', 'protocol') or 'unknown protocol'})")]
+    from pipeline.results.tasks_render import task_eval_results
+
+    results = ((results or []) + task_eval_results(data)) or None  # [validate.tasks], one per task
     library = "transformers"
     if getattr(_method(data), "checkpoint_format", None) == "gguf":  # Hub GGUF conventions: library gguf, who quantized it
         library, extra["quantized_by"] = "gguf", "compress"

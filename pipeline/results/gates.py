@@ -154,6 +154,9 @@ def evaluate_gates(report: Report, cfg: GatesConfig) -> list[Gate]:
             spec = GATE_SPECS[gate]
             if spec.skip_random_init and (random_init or not bound):
                 continue  # random weights produce noise by construction; 0 turns the gate off
+            if spec.multi:  # several records (task_recovery: per task and/or the average)
+                out += reader(gate)(e, name, bound, cfg)
+                continue
             if spec.applies == "variant":
                 value, reason = reader(gate)(report, e, name)
                 out.append(_record(name, gate, value, bound, reason, gate in cfg.warn_only))
@@ -169,6 +172,36 @@ def evaluate_gates(report: Report, cfg: GatesConfig) -> list[Gate]:
             value, reason = reader(gate)(report, draft, cfg.speculative_mode)
         out.append(_record(name, gate, value, bound, reason, gate in cfg.warn_only, draft.verifier if draft else None))
     return out
+
+
+def task_recovery_gates(e: ModelEntry, name: str, bound: float, cfg: GatesConfig) -> list[Gate]:
+    """min_task_recovery: one record per task and/or the average ([validate.gates] task_recovery_scope), judging
+    the point recovery or the lower end of its paired interval (task_recovery_bound)."""
+    warn = "min_task_recovery" in cfg.warn_only
+    rec = e.task_recovery or {}
+    if not rec.get("tasks"):
+        return [_record(name, "min_task_recovery", None, bound,
+                        f"variants.{name}.task_recovery is not in the report (did [validate.tasks] run?)", warn)]
+    rows = []
+    if cfg.task_recovery_scope in ("each", "both"):
+        rows += sorted(rec["tasks"].items())
+    if cfg.task_recovery_scope in ("average", "both") and rec.get("average"):
+        rows.append(("average", rec["average"]))
+    out = []
+    for task, r in rows:
+        value = r.get("low") if cfg.task_recovery_bound == "lower" else r.get("recovery")
+        low, high = r.get("low"), r.get("high")
+        interval = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else "[n/a]"
+        reason = (f"{task}: recovery {fmt_value(r.get('recovery'))} {interval} on {r.get('n')} paired items "
+                  f"({cfg.task_recovery_bound} judged)")
+        if value is None:
+            reason += "; the baseline scored 0, recovery undefined"
+        g = _record(name, "min_task_recovery", value, bound, reason, warn)
+        out.append(g.model_copy(update={"metric": f"task_recovery[{task}]"}))
+    return out
+
+
+READERS["task_recovery"] = task_recovery_gates  # a multi reader: (entry, name, bound, cfg) -> records
 
 
 # ---------------------------------------------------------------- console

@@ -33,6 +33,9 @@ def record(report: Report, key: str, manifest: dict, skipped: bool) -> None:
             entry(report, name).speed = metrics
         elif what == "speculative":
             _speculative(report, metrics)
+        elif what == "tasks":
+            e = entry(report, name)
+            e.tasks, e.task_recovery = metrics.get("tasks"), metrics.get("recovery")
     elif kind == "export":
         report.exports[rest] = ExportEntry(**{k: metrics.get(k) for k in ("kind", "name", "verifier", "folder", "files")},
                                            outputs_hash=manifest.get("outputs_hash"), run_id=manifest.get("run_id"))

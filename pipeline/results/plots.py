@@ -13,14 +13,16 @@ from pipeline.results.schema import Report
 from pipeline.fileio import atomic_path
 
 _MIB = 2**20
+TASK_PLOT = "task_recovery_vs_bits.png"  # [validate.tasks] (drawn only when a variant has task recovery)
 
 
 def write_plots(report: Report, out_dir: Path) -> list[str]:
     out_dir = Path(out_dir)
     written = []
-    for key, draw in (("frontier", frontier_plot), ("decode", decode_plot), ("acceptance", acceptance_plot)):
+    for key, draw in (("frontier", frontier_plot), ("decode", decode_plot), ("acceptance", acceptance_plot),
+                      ("task_recovery", recovery_plot)):
         fig = draw(report)
-        path = out_dir / PLOTS[key]
+        path = out_dir / (PLOTS.get(key) or TASK_PLOT)
         if fig is None:
             path.unlink(missing_ok=True)  # stale plot from an earlier render: its data is gone
             continue
@@ -156,4 +158,27 @@ def acceptance_plot(report: Report):
                  + _subtitle(report), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return fig
+
+
+def recovery_plot(report: Report):
+    """Average task recovery (paired 95 % interval as error bars) against bits per weight, one point per
+    variant with both; None when no variant has them."""
+    pts = []
+    for name, e in report.variants.items():
+        avg = (e.task_recovery or {}).get("average") or {}
+        if e.bits_per_weight is not None and avg.get("recovery") is not None:
+            pts.append((e.bits_per_weight, avg["recovery"], avg.get("low"), avg.get("high"), name))
+    if not pts:
+        return None
+    fig = _figure()
+    ax = fig.add_subplot()
+    for x, y, lo, hi, name in pts:
+        err = [[y - lo], [hi - y]] if lo is not None and hi is not None else None
+        ax.errorbar([x], [y], yerr=err, fmt="o", capsize=3)
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("bits per weight (decoder linears, as stored)")
+    ax.set_ylabel("average task recovery (variant / baseline)")
+    ax.set_title("Task recovery vs bits per weight\n" + _subtitle(report), fontsize=9)
     return fig

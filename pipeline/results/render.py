@@ -260,7 +260,9 @@ def _exports(report: Report) -> list[str]:
 
 def render_markdown(report: Report, plots: list[str]) -> str:
     lines: list[str] = []
-    for section in (_header, _quality, _size, _speed, _speculative, _gates, _stages, _exports):
+    from pipeline.results.tasks_render import tasks_section
+
+    for section in (_header, _quality, tasks_section, _size, _speed, _speculative, _gates, _stages, _exports):
         lines += section(report)
     lines += ["## Plots", ""] + ([f"![{p}](plots/{p})" for p in plots] or ["No data to plot yet."])
     return "\n".join(lines) + "\n"

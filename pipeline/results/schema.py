@@ -90,6 +90,8 @@ class ModelEntry(_Section):
     compute: str | None = None  # the precision its quality was computed in (pipeline/compute.py describe)
     offload: dict[str, Any] | None = None  # set when its perplexity read weights from disk (the memory limit)
     speed: dict[str, Any] | None = None
+    tasks: dict[str, dict[str, Any]] | None = None  # [validate.tasks]: {task: {metric, score, stderr, n, split, ...}}
+    task_recovery: dict[str, Any] | None = None  # variants: pipeline/eval/recovery.py recoveries() ({tasks, average})
 
 
 class DraftEntry(_Section):

@@ -31,9 +31,41 @@ def units(recipe) -> list[Unit]:
                          "max_memory_gb": recipe.run.max_memory_gb}  # over it, the model is not timed
             out.append(Unit(f"validate/{name}/speed", speed_cfg,
                             lambda ctx, n=name, s=src: speed(ctx, recipe, n, s), deps=[src], code=CODE))
+    out += task_units(recipe, models)
     if recipe.draft is not None:
         out.append(speculative_unit(recipe))
     return out
+
+
+def task_units(recipe, models: list[tuple[str, str]]) -> list[Unit]:
+    """validate/<model>/tasks ([validate.tasks]): identity = the task config and each task's data by sha256;
+    a variant's unit also reads the baseline's saved per-item scores (recovery on the same items)."""
+    from pipeline.eval.tasks_config import task_jobs
+
+    cfg = recipe.validate_.tasks
+    if not cfg.enabled or not cfg.tasks:
+        return []
+    jobs = task_jobs(cfg)
+    config = {"tasks": cfg.model_dump(mode="json"), "jobs": [{k: v for k, v in j.items() if k not in ("data_file", "include")}
+                                                            for j in jobs], "device": recipe.run.device}
+    out = []
+    for name, src in models:
+        if not cfg.scores(name):
+            continue
+        deps = [src] if name == "baseline" else [src, "validate/baseline/tasks"]
+        out.append(Unit(f"validate/{name}/tasks", config, lambda ctx, n=name, s=src: tasks(ctx, recipe, n, s, jobs),
+                        deps=deps, code=CODE))
+    return out
+
+
+def tasks(ctx: UnitContext, recipe, name: str, src: str, jobs: list[dict]) -> dict:
+    cfg = recipe.validate_.tasks
+    ref = None if name == "baseline" else str(ctx.dep("validate/baseline/tasks"))
+    args = {"model_dir": str(ctx.dep(src)), "out": str(ctx.out), "jobs": jobs, "device": ctx.device,
+            "cfg": {"limit": cfg.limit, "seed": cfg.seed, "num_fewshot": cfg.num_fewshot, "batch_size": cfg.batch_size},
+            "reference": ref, "bootstrap": cfg.bootstrap}
+    return run_task("tasks", args, ctx.out, recipe.run.threads, timeout_s=cfg.timeout_s,
+                    limit_setting="[validate.tasks] timeout_s")
 
 
 def speculative_unit(recipe) -> Unit:

