@@ -179,3 +179,15 @@ def test_a_forked_child_dies_with_its_program(problems):
     rs = he.run_programs([he.Program(problems[0], code)], timeout_s=5.0, workers=1, execute_code=True)
     assert rs[0]["result"] == "passed" and time.monotonic() - t0 < 5
     assert _live_nobody() == [], "processes left running as nobody"
+
+
+@needs_data
+@needs_sandbox
+def test_the_non_root_sandbox_runs_and_has_no_network(problems):
+    # the mode a non-root user gets (user namespace, tmpfs /tmp); run here as whoever we are
+    good = he.Program(problems[0], problems[0]["canonical_solution"])
+    net = he.Program(problems[0], "    import socket\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\n")
+    harness = he.harness_source()
+    rs = [he._run_one(p, 5.0, "user", 1, harness) for p in (good, net)]
+    assert rs[0]["result"] == "passed"
+    assert rs[1]["result"].startswith("failed:") and "unreachable" in rs[1]["result"], rs[1]
