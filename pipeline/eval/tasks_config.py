@@ -58,6 +58,14 @@ def task_problems(cfg: TasksConfig, variants: list[str]) -> list[str]:
         if name == HUMANEVAL:
             if not cfg.execute_code:
                 problems.append("[validate.tasks] humaneval runs generated code: set execute_code = true to allow it")
+                continue
+            from pipeline.eval import humaneval
+
+            problems.append("note: " + humaneval.executes_code_message())  # check says the recipe runs code
+            try:
+                humaneval.data_file()
+            except RecipeError as e:
+                problems.append(f"[validate.tasks]: {e}")
             continue
         if name not in TASKS:
             problems.append(f"[validate.tasks].tasks: {TASKS.unknown_message(name)}")
