@@ -301,8 +301,7 @@ class RayExecutor:
 
         pending, running = list(units), {}
         while pending or running:
-            for unit in [u for u in pending if all(d in self.runner.manifests for d in u.deps)]:
-                pending.remove(unit)
+            for unit in self._ready(pending):
                 h = self.runner.inputs_hash(unit)
                 old = read_manifest(self.run_dir / unit.key)
                 if old and old.get("inputs_hash") == h and not unit.always \
@@ -330,6 +329,16 @@ class RayExecutor:
         self.runner.report.variants = {q.name: variants[q.name] for q in self.recipe.quantize if q.name in variants} \
             | {k: v for k, v in variants.items() if k not in {q.name for q in self.recipe.quantize}}
         atomic_write_text(self.run_dir / TASKS_FILE, json.dumps(self.tasks, indent=2))
+
+    def _ready(self, pending: list):
+        """Pending units whose deps are recorded, removed from pending; a skip can make more ready at once."""
+        while True:
+            ready = [u for u in pending if all(d in self.runner.manifests for d in u.deps)]
+            if not ready:
+                return
+            unit = ready[0]
+            pending.remove(unit)
+            yield unit
 
     def _progress(self, running: dict, pending: list) -> None:
         per_node: dict[str, int] = {}
