@@ -120,7 +120,7 @@ def build_app(engine, model_name: str, *, slots: int, max_queue: int, queue_time
     app.state.admission = Admission(slots, max_queue, queue_timeout_s)
     app.state.draining = False
     tok = engine.tokenizer
-    context = getattr(engine.model.config.get_text_config(), "max_position_embeddings", None) or 10**9
+    context = engine.context
     retry_after = str(max(1, round(queue_timeout_s)))
 
     @app.middleware("http")
@@ -162,7 +162,7 @@ def build_app(engine, model_name: str, *, slots: int, max_queue: int, queue_time
         if not ids:
             raise BadRequest("prompt: empty")
         if len(ids) + n > context:
-            raise BadRequest(f"prompt: {len(ids)} tokens + max_tokens {n} exceed the model's context of {context}")
+            raise BadRequest(f"prompt: {len(ids)} tokens + max_tokens {n} exceed the context of {context} tokens")
         if any(not 0 <= i < len(tok) for i in ids):
             raise BadRequest("prompt: token ids out of the vocabulary")
         return n

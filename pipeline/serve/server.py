@@ -9,6 +9,7 @@ import errno
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -64,7 +65,8 @@ def cuda_available() -> bool:
 
 
 def serve(folder: str, *, host: str, port: int, engine: str, api_key: str | None, slots: int, max_queue: int,
-          queue_timeout_s: float, max_tokens_limit: int, drain_s: float, device: str, threads: int | None) -> int:
+          queue_timeout_s: float, max_tokens_limit: int, drain_s: float, device: str, threads: int | None,
+          max_model_len: int = 2048) -> int:
     exp = inspect(folder)
     key = resolve_key(host, api_key)
     chosen = choose_engine(exp, engine, cuda=cuda_available() if engine in ("vllm",) else False)
@@ -73,12 +75,12 @@ def serve(folder: str, *, host: str, port: int, engine: str, api_key: str | None
         return _exec_other(chosen, exp, sock, host, port, key, slots)
     return _serve_transformers(exp.path, sock, host, port, key, slots=slots, max_queue=max_queue,
                                queue_timeout_s=queue_timeout_s, max_tokens_limit=max_tokens_limit, drain_s=drain_s,
-                               device=device, threads=threads)
+                               device=device, threads=threads, max_model_len=max_model_len)
 
 
 def _serve_transformers(path: Path, sock: socket.socket, host: str, port: int, key: str | None, *, slots: int,
                         max_queue: int, queue_timeout_s: float, max_tokens_limit: int, drain_s: float, device: str,
-                        threads: int | None) -> int:
+                        threads: int | None, max_model_len: int) -> int:
     import torch
     import uvicorn
 
@@ -87,7 +89,7 @@ def _serve_transformers(path: Path, sock: socket.socket, host: str, port: int, k
 
     if threads:
         torch.set_num_threads(threads)
-    eng = TransformersEngine(path, max_batch=slots, device=device)
+    eng = TransformersEngine(path, max_batch=slots, max_len=max_model_len, device=device)
     eng.start()
     app = build_app(eng, path.name, slots=slots, max_queue=max_queue, queue_timeout_s=queue_timeout_s,
                     max_tokens_limit=max_tokens_limit, api_key=key)
@@ -104,6 +106,10 @@ def _serve_transformers(path: Path, sock: socket.socket, host: str, port: int, k
     server = _Server(config)
     print(f"serving {path.name} ({eng.name}) on http://{host}:{port}/v1  slots {slots}, queue {max_queue}"
           + (", API key required" if key else ""), file=sys.stderr, flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        # uvicorn restores the handlers it found and re-raises the signal it drained on: a no-op here makes the
+        # drained exit 0 (not -15); the stop after it is bounded by its own timeout
+        signal.signal(sig, lambda *_: None)
     try:
         server.run(sockets=[sock])
     finally:
