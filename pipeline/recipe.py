@@ -19,6 +19,7 @@ from pipeline.eval.config import GatesConfig, SpeedConfig
 from pipeline.publish.config import PublishConfig
 from pipeline.quant.config import QuantVariant
 from pipeline.speculative.config import DraftConfig
+from pipeline.serve.config import ServeConfig
 
 
 class Strict(BaseModel):
@@ -76,6 +77,7 @@ class ValidateConfig(Strict):
     smoke: SmokeConfig = SmokeConfig()
     speed: SpeedConfig = SpeedConfig()
     gates: GatesConfig = GatesConfig()
+    serve: ServeConfig = ServeConfig()
 
 
 class ExportConfig(Strict):
