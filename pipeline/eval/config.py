@@ -91,6 +91,10 @@ class GateBounds(BaseModel):
                                                                      "answered with non-degenerate text")
     min_acceptance: float | None = Field(None, ge=0, le=1, description="draft acceptance rate alpha")
     min_spec_speedup: float | None = Field(None, gt=0, description="speculative speed-up over the verifier alone")
+    min_serve_tok_s_ratio: float | None = Field(None, gt=0, description="served output tok/s / baseline's at the "
+                                                                         "same concurrency (lowest level ratio)")
+    max_serve_error_rate: float | None = Field(None, ge=0, le=1, description="share of load-test requests that "
+                                                                             "failed through the server")
 
 
 class GatesConfig(GateBounds):
@@ -132,6 +136,8 @@ GATE_METRICS: dict[str, tuple[str, str]] = {
     "min_smoke_ok": ("smoke_ok", "variant"),
     "min_acceptance": ("acceptance", "draft"),
     "min_spec_speedup": ("spec_speedup", "draft"),
+    "min_serve_tok_s_ratio": ("serve_tok_s_ratio", "variant"),
+    "max_serve_error_rate": ("serve_error_rate", "variant"),
 }
 
 

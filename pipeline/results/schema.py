@@ -90,6 +90,7 @@ class ModelEntry(_Section):
     compute: str | None = None  # the precision its quality was computed in (pipeline/compute.py describe)
     offload: dict[str, Any] | None = None  # set when its perplexity read weights from disk (the memory limit)
     speed: dict[str, Any] | None = None
+    serve: dict[str, Any] | None = None  # validate/<model>/serve: greedy equality and load-test levels
 
 
 class DraftEntry(_Section):
