@@ -76,3 +76,27 @@ def test_measure_on_the_tiny_model(tmp_path):
     assert [lv["concurrency"] for lv in res["levels"]] == [1, 4]
     assert all(lv["errors"] == 0 and lv["output_tokens"] == lv["requests"] * 8 for lv in res["levels"])
     assert res["server_exit"] == 0 and res["levels"][-1]["server_peak_rss_bytes"] > 0
+
+
+def test_card_runtime_rows_say_served_or_expected_and_report_has_a_serving_table():
+    from pipeline.results.card import served_note
+    from pipeline.results.render import render_markdown
+    from pipeline.results.schema import ModelEntry
+
+    serve = {"engine": "transformers (continuous batching)", "versions": {"transformers": "5.24.0"},
+             "equality": {"prompts": 3, "identical": 3},
+             "levels": [{"concurrency": 1, "requests": 4, "errors": 0, "output_tok_s": 21.0, "requests_s": 0.6,
+                         "ttft_p50_s": 0.14, "ttft_p99_s": 0.15, "itl_p50_s": 0.044, "itl_p99_s": 0.052,
+                         "server_peak_rss_bytes": 2**30},
+                        {"concurrency": 16, "requests": 32, "errors": 0, "output_tok_s": 96.7, "requests_s": 3.0,
+                         "ttft_p50_s": 1.1, "ttft_p99_s": 1.8, "itl_p50_s": 0.12, "itl_p99_s": 0.7,
+                         "server_peak_rss_bytes": 2**30}]}
+    e = ModelEntry(serve=serve)
+    assert served_note(e, {"runtime": "transformers (CPU)", "note": ""}).startswith(
+        "served here: 96.7 output tok/s at concurrency 16, 0 errors of 32 (transformers 5.24.0)")
+    assert served_note(e, {"runtime": "vLLM (CUDA)"}) == "expected from the library's documented support, not tried"
+    assert served_note(ModelEntry(), {"runtime": "transformers (CPU)", "note": "measured here"}) == \
+        "loaded and measured here (quality, speed), not served"
+    md = render_markdown(Report.model_validate({"run": RUN, "baseline": {"serve": serve}}), [])
+    assert "## Serving" in md and "| baseline | 16 | 96.7 | 3.00 | 1100 | 1800 | 120 | 700 | 0/32 |" in md and "3/3" in md
+    assert "## Serving" not in render_markdown(Report.model_validate({"run": RUN}), [])
