@@ -298,6 +298,42 @@ def _leave_now(code: int) -> None:
     os._exit(code)
 
 
+@cli.command(epilog=EPILOG)
+@click.argument("export_dir", type=click.Path())
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Bind address; anything but loopback needs an API key.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--engine", default="auto", show_default=True,
+              type=click.Choice(["auto", "transformers", "llama.cpp", "vllm"]),
+              help="auto: transformers for Hugging Face folders, llama.cpp for a .gguf file.")
+@click.option("--api-key", default=None, help="Key requests must send as 'Authorization: Bearer KEY' "
+              "(or set COMPRESS_API_KEY, which keeps it out of the process list).")
+@click.option("--slots", default=16, show_default=True, type=click.IntRange(min=1),
+              help="Requests generated at once (continuous batching).")
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
+              help="Requests waiting for a slot; more get 503.")
+@click.option("--queue-timeout-s", default=30.0, show_default=True, type=click.FloatRange(min=0),
+              help="Longest wait for a slot before 503 with Retry-After.")
+@click.option("--max-tokens-limit", default=2048, show_default=True, type=click.IntRange(min=1),
+              help="Largest max_tokens a request may ask for.")
+@click.option("--max-model-len", default=2048, show_default=True, type=click.IntRange(min=2),
+              help="Longest prompt + output served (capped at the model's context); sizes the KV cache.")
+@click.option("--drain-s", default=10.0, show_default=True, type=click.FloatRange(min=0),
+              help="On SIGTERM, how long in-flight requests may take to finish.")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--threads", default=None, type=click.IntRange(min=1), help="torch threads (default: all cores).")
+def serve(export_dir: str, host: str, port: int, engine: str, api_key: str | None, slots: int, max_queue: int,
+          queue_timeout_s: float, max_tokens_limit: int, max_model_len: int, drain_s: float, device: str,
+          threads: int | None) -> None:
+    """Serve EXPORT_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health) with continuous batching."""
+    from pipeline.serve.server import serve as run_server
+
+    run_server(export_dir, host=host, port=port, engine=engine, api_key=api_key, slots=slots, max_queue=max_queue,
+               queue_timeout_s=queue_timeout_s, max_tokens_limit=max_tokens_limit, drain_s=drain_s, device=device,
+               threads=threads, max_model_len=max_model_len)
+
+
 def main() -> None:
     try:
         cli.main(standalone_mode=False)

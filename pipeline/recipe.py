@@ -20,6 +20,7 @@ from pipeline.eval.tasks_config import TasksConfig
 from pipeline.publish.config import PublishConfig
 from pipeline.quant.config import QuantVariant
 from pipeline.speculative.config import DraftConfig
+from pipeline.serve.config import ServeConfig
 
 
 class Strict(BaseModel):
@@ -88,6 +89,7 @@ class ValidateConfig(Strict):
     speed: SpeedConfig = SpeedConfig()
     gates: GatesConfig = GatesConfig()
     tasks: TasksConfig = TasksConfig()
+    serve: ServeConfig = ServeConfig()
 
 
 class ExportConfig(Strict):

@@ -119,6 +119,10 @@ GATES: tuple[GateSpec, ...] = (
     GateSpec("min_task_recovery", "task_recovery", "variant", "task_recovery",
              "[validate.tasks] variant score / baseline's on the same items, each task and the average "
              "(task_recovery_scope, task_recovery_bound)", {"gt": 0}, needs_tasks=True, multi=True),
+    GateSpec("min_serve_tok_s_ratio", "serve_tok_s_ratio", "variant", "serve_tok_s_ratio",
+             "served output tok/s / baseline's at the same concurrency (lowest level ratio)", {"gt": 0}),
+    GateSpec("max_serve_error_rate", "serve_error_rate", "variant", "serve_error_rate",
+             "share of load-test requests that failed through the server", {"ge": 0, "le": 1}),
 )
 GATE_SPECS: dict[str, GateSpec] = {g.name: g for g in GATES}
 # gate -> (metric it reads, which models it applies to): the table's short form

@@ -227,8 +227,9 @@ def _usage(report: Report, entry: dict, repo: str) -> list[str]:
         lines += c.card_usage(repo, data.params or {}, data.quantize or {})
     runtimes = data.runtimes if isinstance(data, ModelEntry) else []
     if runtimes:
-        lines += ["| runtime | kernel | note |", "|---|---|---|"]
-        lines += [f"| {r.get('runtime', '')} | {r.get('kernel', '')} | {r.get('note', '')} |" for r in runtimes] + [""]
+        lines += ["| runtime | kernel | note | served |", "|---|---|---|---|"]
+        lines += [f"| {r.get('runtime', '')} | {r.get('kernel', '')} | {r.get('note', '')} | {served_note(data, r)} |"
+                  for r in runtimes] + [""]
     return lines
 
 
@@ -253,8 +254,9 @@ def _gguf_usage(data: ModelEntry, repo: str) -> list[str]:
              f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
              f'model = AutoModelForCausalLM.from_pretrained("{repo}", gguf_file="{name}")', "```", ""]
     if data.runtimes:
-        lines += ["| runtime | kernel | note |", "|---|---|---|"]
-        lines += [f"| {r.get('runtime', '')} | {r.get('kernel', '')} | {r.get('note', '')} |" for r in data.runtimes]
+        lines += ["| runtime | kernel | note | served |", "|---|---|---|---|"]
+        lines += [f"| {r.get('runtime', '')} | {r.get('kernel', '')} | {r.get('note', '')} | {served_note(data, r)} |"
+                  for r in data.runtimes]
     return lines + [""]
 
 
@@ -347,3 +349,22 @@ def render_cards(run_dir: Path, report: Report) -> list[str]:
             write_model_card(folder, report, entry, excerpt_from_lock(lock_text, entry), lock_text)
             done.append(name)
     return done
+
+
+def served_note(data: ModelEntry, runtime: dict) -> str:
+    """"served here (figures, versions)" when validate/<model>/serve served it on this runtime, else what the row
+    rests on. The server runs on transformers; its row is the one whose runtime names transformers on the run's
+    device (CPU or CUDA)."""
+    s = data.serve if isinstance(data.serve, dict) else None
+    rt = str(runtime.get("runtime", ""))
+    engine = str((s or {}).get("engine", ""))
+    device = "CUDA" if "cuda" in str((s or {}).get("device", "cpu")) else "CPU"
+    if s and s.get("levels") and engine.split(" ")[0] in rt.lower() and (device in rt or "(" not in rt):
+        top = max(s["levels"], key=lambda lv: lv["concurrency"])
+        versions = ", ".join(f"{k} {v}" for k, v in (s.get("versions") or {}).items())
+        return (f"served here: {top['output_tok_s']:.1f} output tok/s at concurrency {top['concurrency']}, "
+                f"{top['errors']} errors of {top['requests']} ({versions})")
+    if "measured here" in str(runtime.get("note", "")):
+        return "loaded and measured here (quality, speed), not served"
+    return "expected from the library's documented support, not tried"
+

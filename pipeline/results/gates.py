@@ -106,6 +106,30 @@ def _smoke_ok(report: Report, e: ModelEntry, name: str) -> tuple[float | None, s
     return (len(judged) - len(bad)) / len(judged), reason
 
 
+def _serve_tok_s_ratio(report: Report, e: ModelEntry, name: str) -> tuple[float | None, str]:
+    """The lowest, over the concurrency levels both were load-tested at, of variant / baseline output tok/s."""
+    base = report.baseline.serve if report.baseline else None
+    if not (e.serve or {}).get("levels"):
+        return None, f"variants.{name}.serve is not in the report (is [validate.serve] enabled for it?)"
+    if not (base or {}).get("levels"):
+        return None, "baseline.serve is not in the report (is [validate.serve] enabled for the baseline?)"
+    b = {lv["concurrency"]: lv["output_tok_s"] for lv in base["levels"]}
+    ratios = [(lv["output_tok_s"] / b[lv["concurrency"]], lv["concurrency"]) for lv in e.serve["levels"]
+              if b.get(lv["concurrency"])]
+    if not ratios:
+        return None, "no concurrency level load-tested for both the variant and the baseline"
+    low, c = min(ratios)
+    return low, f"lowest at concurrency {c}"
+
+
+def _serve_error_rate(report: Report, e: ModelEntry, name: str) -> tuple[float | None, str]:
+    levels = (e.serve or {}).get("levels")
+    if not levels:
+        return None, f"variants.{name}.serve is not in the report (is [validate.serve] enabled for it?)"
+    total = sum(lv["requests"] for lv in levels)
+    return (sum(lv["errors"] for lv in levels) / total if total else 0.0), ""
+
+
 def _draft_metric(key: str, label: str) -> Getter:
     def get(report: Report, draft: DraftEntry, mode: str) -> tuple[float | None, str]:
         value = ((draft.speculative or {}).get(mode) or {}).get(key)
@@ -124,6 +148,8 @@ READERS: dict[str, Callable[..., Getter] | Getter] = {
     "decode_speed_ratio": _decode_ratio,
     "smoke_ok": _smoke_ok,
     "draft": _draft_metric,
+    "serve_tok_s_ratio": _serve_tok_s_ratio,
+    "serve_error_rate": _serve_error_rate,
 }
 
 

@@ -31,6 +31,8 @@ def record(report: Report, key: str, manifest: dict, skipped: bool) -> None:
             _quality(report, name, metrics)
         elif what == "speed":
             entry(report, name).speed = metrics
+        elif what == "serve":
+            entry(report, name).serve = metrics
         elif what == "speculative":
             _speculative(report, metrics)
         elif what == "tasks":

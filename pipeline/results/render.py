@@ -12,6 +12,7 @@ from pipeline.results.format import FP_DISTILLED, num, size, speculative_label, 
 from pipeline.results.gates import fmt_value, gate_status
 from pipeline.results.query import dig, is_distilled, models, shown_params
 from pipeline.results.schema import ModelEntry, ModelInfo, Report
+from pipeline.results.serve_table import serving
 
 
 def baseline_label(report: Report) -> str:
@@ -262,7 +263,7 @@ def render_markdown(report: Report, plots: list[str]) -> str:
     lines: list[str] = []
     from pipeline.results.tasks_render import tasks_section
 
-    for section in (_header, _quality, tasks_section, _size, _speed, _speculative, _gates, _stages, _exports):
+    for section in (_header, _quality, tasks_section, _size, _speed, _speculative, serving, _gates, _stages, _exports):
         lines += section(report)
     lines += ["## Plots", ""] + ([f"![{p}](plots/{p})" for p in plots] or ["No data to plot yet."])
     return "\n".join(lines) + "\n"

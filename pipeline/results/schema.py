@@ -92,6 +92,7 @@ class ModelEntry(_Section):
     speed: dict[str, Any] | None = None
     tasks: dict[str, dict[str, Any]] | None = None  # [validate.tasks]: {task: {metric, score, stderr, n, split, ...}}
     task_recovery: dict[str, Any] | None = None  # variants: pipeline/eval/recovery.py recoveries() ({tasks, average})
+    serve: dict[str, Any] | None = None  # validate/<model>/serve: greedy equality and load-test levels
 
 
 class DraftEntry(_Section):

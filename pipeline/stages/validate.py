@@ -31,6 +31,10 @@ def units(recipe) -> list[Unit]:
                          "max_memory_gb": recipe.run.max_memory_gb}  # over it, the model is not timed
             out.append(Unit(f"validate/{name}/speed", speed_cfg,
                             lambda ctx, n=name, s=src: speed(ctx, recipe, n, s), deps=[src], code=CODE))
+        if v.serve.serves(name):
+            serve_cfg = {"serve": v.serve.model_dump(), "device": recipe.run.device, "data": eval_data}
+            out.append(Unit(f"validate/{name}/serve", serve_cfg, lambda ctx, n=name, s=src: serve(ctx, recipe, n, s),
+                            deps=[src, f"validate/{name}/quality"], code=CODE))
     out += task_units(recipe, models)
     if recipe.draft is not None:
         out.append(speculative_unit(recipe))
@@ -139,3 +143,18 @@ def held_out_prompts(n: int, ppl_cfg, dataset: str | None = None) -> list[str]:
         raise ValueError(f"the evaluation corpus has only {len(paragraphs)} usable prompts; {n} requested")
     step = len(paragraphs) // n
     return [paragraphs[i * step][:600] for i in range(n)]
+
+
+def serve(ctx: UnitContext, recipe, name: str, src: str) -> dict:
+    """`compress serve` on the model's checkpoint: greedy equality with generate, then the load test."""
+    from pipeline.serve.loadtest import corpus_prompts
+    from pipeline.serve.measure import measure
+
+    cfg, ppl = recipe.validate_.serve, recipe.validate_.perplexity
+    prompts = corpus_prompts(max(64, 2 * max(cfg.concurrency)), cfg.prompt_words, ppl.dataset)
+    result = measure(ctx.dep(src), cfg, prompts, ctx.out, recipe.run.threads, ctx.device)
+    eq = result["equality"]
+    if eq["prompts"] and eq["identical"] < eq["prompts"]:
+        log.warning("serve %s: greedy output through the server differs from generate's on %d of %d prompts",
+                    name, eq["prompts"] - eq["identical"], eq["prompts"])
+    return result

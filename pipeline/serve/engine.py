@@ -1,0 +1,96 @@
+"""The model of an export folder behind transformers' continuous-batching manager, as an async token stream.
+
+One manager (one background generation thread) batches every request in flight; each request registers a result
+handler that pushes its GenerationOutput into its own asyncio.Queue. A request that ends early (client gone, server
+draining) is cancelled in the manager and its handler removed, so nothing keeps its slot.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Step:
+    tokens: list[int]  # all tokens generated so far
+    finished: bool
+    error: str | None = None
+
+
+class TransformersEngine:
+    name = "transformers (continuous batching)"
+
+    def __init__(self, folder: Path, max_batch: int, max_len: int, device: str = "cpu") -> None:
+        """max_batch requests at once, each at most max_len tokens (prompt + output, capped at the model's context).
+        The paged KV cache is sized for exactly that: left to itself the manager sizes it to 60% of free memory,
+        which on a CPU means zeroing gigabytes before the first request (tens of seconds, measured here)."""
+        import torch
+        from transformers import AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
+
+        from pipeline.models import load_checkpoint
+
+        self.model = load_checkpoint(folder, device=device)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        eos = self.model.generation_config.eos_token_id
+        self.eos = [eos] if isinstance(eos, int) else list(eos or [])
+        gc = GenerationConfig(do_sample=False, max_new_tokens=16, eos_token_id=self.eos or -1)
+        model_ctx = getattr(self.model.config.get_text_config(), "max_position_embeddings", None) or max_len
+        self.context = min(model_ctx, max_len)
+        page = 256
+        cfg = ContinuousBatchingConfig(max_requests_per_batch=max_batch, page_size=page,
+                                       num_blocks=max_batch * -(-self.context // page) + 1,
+                                       max_batch_tokens=max(self.context, 256))
+        self._cb = self.model.init_continuous_batching(generation_config=gc, continuous_batching_config=cfg)
+        self._ids = itertools.count()
+        self._torch = torch
+        self.versions = {"transformers": __import__("transformers").__version__, "torch": torch.__version__}
+
+    def start(self) -> None:
+        self._cb.start()
+
+    def alive(self) -> bool:
+        return self._cb.is_running() and self._cb.background_thread_status.fatal_error is None
+
+    def stop(self, timeout: float) -> bool:
+        """Stop the generation thread; True if it ended within timeout."""
+        if self._cb.is_running():
+            self._cb.stop(block=True, timeout=timeout, hard_stop=True)
+        return not self._cb.is_running()
+
+    async def generate(self, input_ids: list[int], max_new_tokens: int, ignore_eos: bool) -> AsyncIterator[Step]:
+        """Greedy tokens as they come. Leaving the loop early (break, cancellation) cancels the request."""
+        queue: asyncio.Queue = asyncio.Queue()
+        rid = f"cmp-{next(self._ids)}"
+        finished = False
+        added = self._cb.add_request(list(input_ids), request_id=rid, max_new_tokens=max_new_tokens, streaming=True,
+                                     eos_token_id=-1 if ignore_eos or not self.eos else self.eos)
+        if added is None:
+            yield Step([], True, "the engine is not accepting requests (stopping)")
+            return
+        self._cb.register_result_handler(rid, queue.put_nowait)
+        try:
+            while True:
+                out = await queue.get()
+                finished = out.is_finished()
+                yield Step(list(out.generated_tokens), finished, out.error)
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._cb.cancel_request(rid)
+                with self._cb.output_router._lock:
+                    self._cb.output_router.result_handlers.pop(rid, None)
+                self.drop_orphans()
+
+    def drop_orphans(self) -> None:
+        """Outputs of cancelled requests (no handler any more) land on the manager's shared queue, which this server
+        never reads: empty it so they do not accumulate."""
+        q = self._cb.output_router.output_queue
+        while not q.empty():
+            try:
+                q.get_nowait()
+            except Exception:
+                break
