@@ -15,7 +15,7 @@ A unit names its entry modules and any data files it reads, as paths under pipel
 `code_hash` is the sha256 of those files' paths and bytes: editing a file a unit imports reruns it, editing
 any other file does not.
 
-The harness is never followed: pipeline.runner records outputs, it does not compute them, so its report and
+The harness is never followed: pipeline.runner records outputs, it does not compute them (nor does pipeline.cli), so its report and
 manifest code (which imports the report renderers) is in no unit's identity; this module and
 pipeline.identity compute cache keys (a change to them changes the keys anyway).
 """
@@ -29,7 +29,9 @@ from pathlib import Path
 
 PACKAGE = "pipeline"
 PACKAGE_DIR = Path(__file__).resolve().parent
-HARNESS = frozenset({"pipeline.runner", "pipeline.codehash", "pipeline.identity"})
+# pipeline.cli parses arguments and dispatches (a subprocess that runs `-m pipeline.cli serve` names the module that
+# does the work beside it); followed, it would put every stage's code in any unit that spawns a CLI command
+HARNESS = frozenset({"pipeline.runner", "pipeline.codehash", "pipeline.identity", "pipeline.cli"})
 DATA_DECLARATION = "CODE_DATA"
 _MODULE_STRING = re.compile(r"pipeline(?:\.[A-Za-z_]\w*)*(?::[A-Za-z_]\w*)?")
 

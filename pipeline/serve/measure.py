@@ -13,6 +13,10 @@ from pathlib import Path
 
 from pipeline.errors import StageError
 
+# what the `compress serve` subprocess runs, named so the serve unit's identity covers it (pipeline/codehash.py);
+# the CLI that parses its arguments is harness, followed by no unit
+SERVER_CODE = "pipeline.serve.server"
+
 
 def free_port() -> int:
     with socket.socket() as s:

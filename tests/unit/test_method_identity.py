@@ -62,3 +62,11 @@ def test_editing_gptq_reruns_the_variants_built_on_its_code(units, tmp_path):
 
 def test_editing_a_shared_quantize_module_reruns_every_variant(units, tmp_path):
     assert changed(units, tmp_path, "quant/api.py") == set(methods_of(units))
+
+
+def test_the_serve_unit_covers_the_server_not_the_cli():
+    from pipeline.codehash import code_files
+
+    files = {p.relative_to(PACKAGE_DIR).as_posix() for p in code_files(("stages/validate.py",))}
+    assert "serve/server.py" in files and "cli.py" not in files
+    assert not {f for f in files if f.startswith("stages/") and f != "stages/validate.py" and f != "stages/draft.py"}
