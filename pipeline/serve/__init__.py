@@ -9,6 +9,7 @@ small FastAPI + uvicorn app around transformers' continuous-batching manager
 (`model.init_continuous_batching()`: `add_request(streaming=True)`, `register_result_handler`, `cancel_request`).
 
 Modules: folder (torch-free: what an export folder holds, which engine serves it), engine (the model and the
-manager), app (routes, key, admission queue, validation), server (binding, SIGTERM drain, the other engines),
+manager), app (routes, key, admission queue, validation), server (binding, SIGTERM drain, vLLM), llamacpp (a .gguf
+through llama-cpp-python's own server, with what it does and does not do), measure (the `validate/<model>/serve` unit),
 loadtest (the asyncio load generator), config (the torch-free `[validate.serve]` table).
 """

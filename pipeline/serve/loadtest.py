@@ -20,6 +20,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
+# Greedy, exactly max_tokens tokens, on every server compress serve runs: ignore_eos (compress serve's transformers
+# app, vLLM) or min_tokens = max_tokens (llama-cpp-python's server, vLLM); temperature 0 and no repetition penalty
+# (llama-cpp-python's server samples at 0.8 with repeat_penalty 1.1 unless told). Fields a server does not know are
+# ignored by all three.
+FIXED_LENGTH_GREEDY = {"ignore_eos": True, "temperature": 0.0, "repeat_penalty": 1.0}
+
+
 @dataclass
 class LevelResult:
     concurrency: int
@@ -97,7 +104,10 @@ async def one_request(session, url: str, body: dict, headers: dict, timeout_s: f
                     return out
                 if msg.get("usage"):
                     out["tokens"] = msg["usage"]["completion_tokens"]
-                if msg.get("choices"):
+                choice = (msg.get("choices") or [None])[0]
+                if choice is not None and not (choice.get("text") == "" and choice.get("finish_reason")):
+                    # a token arrived (llama-cpp-python ends its stream with an empty chunk carrying finish_reason,
+                    # and sends no usage record: its tokens are counted as chunks)
                     now = time.perf_counter()
                     chunks += 1
                     if last is None:
@@ -129,7 +139,8 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
         while todo:
             i = todo.pop()
             body = {"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens, "stream": True,
-                    "ignore_eos": True, "stream_options": {"include_usage": True}}
+                    "stream_options": {"include_usage": True}, **FIXED_LENGTH_GREEDY}
+            body["min_tokens"] = max_tokens
             results.append(await one_request(session, url, body, headers, timeout_s))
 
     t0 = time.perf_counter()

@@ -30,26 +30,29 @@ def _post(url: str, body: dict, timeout: float) -> dict:
         return json.loads(r.read())
 
 
-def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | None, device: str = "cpu") -> dict:
+def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | None, device: str = "cpu",
+            engine: str = "transformers") -> dict:
     """{"equality": {...}, "levels": [...], "engine", "versions", "server_exit"}; the server's log in out/."""
-    from pipeline.serve.loadtest import run
+    from pipeline.serve.loadtest import FIXED_LENGTH_GREEDY, run
 
-    port, url = free_port(), None
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "pipeline.cli", "serve", str(folder), "--port", str(port), "--device", device,
-           "--slots", str(max(cfg.concurrency)), "--max-queue", str(max(cfg.concurrency)),
+           "--engine", engine, "--slots", str(max(cfg.concurrency)), "--max-queue", str(max(cfg.concurrency)),
            "--max-model-len", str(cfg.max_model_len), "--queue-timeout-s", str(cfg.timeout_s)]
     if threads:
         cmd += ["--threads", str(threads)]
     log = open(out / "server.log", "wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    exact = engine == "transformers"  # the same weights and kernels as generate: token for token
     try:
         health = _wait(url, proc, cfg.timeout_s, out)
         served = []
         for p in prompts[:cfg.equality_prompts]:
-            r = _post(url + "/v1/completions", {"model": folder.name, "prompt": p, "max_tokens": cfg.equality_tokens,
-                                                "return_token_ids": True}, cfg.timeout_s)
-            served.append(r["choices"][0]["token_ids"])
+            body = {"model": folder.name, "prompt": p, "max_tokens": cfg.equality_tokens, "return_token_ids": True,
+                    "temperature": 0.0, "repeat_penalty": FIXED_LENGTH_GREEDY["repeat_penalty"]}
+            choice = _post(url + "/v1/completions", body, cfg.timeout_s)["choices"][0]
+            served.append(choice["token_ids"] if exact else choice["text"])
         levels = run(url, folder.name, cfg.concurrency, cfg.requests_per_level, cfg.max_tokens, cfg.prompt_words,
                      pid=proc.pid, timeout_s=cfg.timeout_s, prompts=prompts)
     finally:
@@ -60,8 +63,9 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
             proc.kill()
             rc = proc.wait()
         log.close()
+    compare = equality if exact else text_equality
     return {"engine": health["engine"], "versions": health["versions"], "server_exit": rc,
-            "equality": equality(folder, prompts[:cfg.equality_prompts], served, cfg.equality_tokens, device),
+            "equality": compare(folder, prompts[:cfg.equality_prompts], served, cfg.equality_tokens, device),
             "levels": levels}
 
 
@@ -79,26 +83,59 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float, out: Path) -> dict:
     raise StageError(f"compress serve was not healthy within {timeout:g} s (log: {out / 'server.log'})")
 
 
-def equality(folder: Path, prompts: list[str], served: list[list[int]], n: int, device: str) -> dict:
-    """Greedy `generate` on the same prompts (after the server stopped: one copy of the weights at a time)."""
-    if not prompts:
-        return {"prompts": 0, "identical": 0}
+def _generate(folder: Path, prompts: list[str], n: int, device: str):
+    """(greedy `generate` token ids per prompt, tokenizer, dtype), after the server stopped: one copy of the weights
+    at a time. A .gguf folder loads the way transformers reads it: every tensor dequantized."""
     import torch
     from transformers import AutoTokenizer
 
-    from pipeline.models import load_checkpoint
+    from pipeline.models import load_checkpoint, single_gguf
 
     model = load_checkpoint(folder, device=device)
-    tok = AutoTokenizer.from_pretrained(folder)
-    same, first_diff = 0, None
-    for p, got in zip(prompts, served):
+    tok = AutoTokenizer.from_pretrained(folder)  # a GGUF variant's folder holds the baseline's tokenizer files
+    refs = []
+    for p in prompts:
         ids = tok(p, add_special_tokens=False, return_tensors="pt")["input_ids"].to(device)
         with torch.no_grad():
-            ref = model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:].tolist()
+            refs.append(model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1]:].tolist())
+    dtype = str(model.dtype).removeprefix("torch.") + (" (dequantized)" if single_gguf(folder) else "")
+    return refs, tok, dtype
+
+
+def text_equality(folder: Path, prompts: list[str], served: list[str], n: int, device: str) -> dict:
+    """Another engine (llama.cpp) against transformers' greedy `generate` on the same checkpoint, by text: its
+    server tokenizes the prompt with its own tokenizer (the one inside the .gguf) and streams text, not ids. Its
+    kernels differ (quantized dot products against transformers' dequantized float32 matmuls), so identical text
+    is not expected of every prompt: the count and where the first difference falls are recorded, no warning.
+    "tokens": how many leading generate tokens the served text reproduces (their decoded text is its prefix)."""
+    if not prompts:
+        return {"prompts": 0, "identical": 0, "exact": False}
+    refs, tok, dtype = _generate(folder, prompts, n, device)
+    same, agreed, first_diff = 0, [], None
+    for p, ref, got in zip(prompts, refs, served):
+        want = tok.decode(ref, skip_special_tokens=True)
+        k = next((i for i in range(len(ref), -1, -1) if got.startswith(tok.decode(ref[:i], skip_special_tokens=True))), 0)
+        agreed.append(k)
+        if want == got:
+            same += 1
+        elif first_diff is None:
+            c = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+            first_diff = {"prompt": p[:80], "token": k, "char": c, "generate": want[c:c + 40], "served": got[c:c + 40]}
+    return {"prompts": len(prompts), "identical": same, "exact": False, "compared": "text",
+            "reference": f"transformers generate ({dtype})", "tokens_agreed": agreed, "tokens": n,
+            "dtype": dtype, "first_difference": first_diff}
+
+
+def equality(folder: Path, prompts: list[str], served: list[list[int]], n: int, device: str) -> dict:
+    """The transformers server against greedy `generate` on the same prompts: token for token."""
+    if not prompts:
+        return {"prompts": 0, "identical": 0}
+    refs, _, dtype = _generate(folder, prompts, n, device)
+    same, first_diff = 0, None
+    for p, ref, got in zip(prompts, refs, served):
         if ref == got:
             same += 1
         elif first_diff is None:
             k = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
             first_diff = {"prompt": p[:80], "position": k}
-    return {"prompts": len(prompts), "identical": same, "dtype": str(model.dtype).removeprefix("torch."),
-            "first_difference": first_diff}
+    return {"prompts": len(prompts), "identical": same, "dtype": dtype, "first_difference": first_diff}

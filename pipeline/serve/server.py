@@ -1,7 +1,8 @@
 """Start `compress serve`: check the folder, the engine, the bind and the key (all before loading weights), then run.
 
 SIGTERM/SIGINT: new requests get 503, in-flight ones get up to `drain_s` seconds to finish (uvicorn's graceful
-shutdown), the rest are cut; the generation thread is stopped and the process exits 0.
+shutdown), the rest are cut; the generation thread is stopped and the process exits 0. A .gguf file is served by
+llama-cpp-python's server in this process (pipeline/serve/llamacpp.py), vLLM by its own server exec'd in place.
 """
 from __future__ import annotations
 
@@ -71,8 +72,13 @@ def serve(folder: str, *, host: str, port: int, engine: str, api_key: str | None
     key = resolve_key(host, api_key)
     chosen = choose_engine(exp, engine, cuda=cuda_available() if engine in ("vllm",) else False)
     sock = bind(host, port)
-    if chosen != "transformers":
-        return _exec_other(chosen, exp, sock, host, port, key, slots)
+    if chosen == "llama.cpp":
+        from pipeline.serve.llamacpp import serve_gguf
+
+        return serve_gguf(exp.path / exp.gguf_file, exp.path.name, sock, host, port, key, threads=threads,
+                          n_ctx=max_model_len, drain_s=drain_s, slots=slots)
+    if chosen == "vllm":
+        return _exec_vllm(exp, sock, host, port, key, slots)
     return _serve_transformers(exp.path, sock, host, port, key, slots=slots, max_queue=max_queue,
                                queue_timeout_s=queue_timeout_s, max_tokens_limit=max_tokens_limit, drain_s=drain_s,
                                device=device, threads=threads, max_model_len=max_model_len)
@@ -120,19 +126,13 @@ def _serve_transformers(path: Path, sock: socket.socket, host: str, port: int, k
     return 0
 
 
-def _exec_other(engine: str, exp, sock: socket.socket, host: str, port: int, key: str | None, slots: int) -> int:
-    """llama.cpp's and vLLM's own OpenAI-compatible servers, in place of this process (same host, port and key)."""
+def _exec_vllm(exp, sock: socket.socket, host: str, port: int, key: str | None, slots: int) -> int:
+    """vLLM's own OpenAI-compatible server, in place of this process (same host, port and key). Never run here
+    (no GPU in these sessions): its flags are vLLM's documented ones."""
     sock.close()
-    if engine == "llama.cpp":
-        argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(exp.path / exp.gguf_file),
-                "--host", host, "--port", str(port), "--n_parallel", str(slots)]
-        if key:
-            argv += ["--api_key", key]
-    else:
-        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(exp.path),
-                "--served-model-name", exp.path.name, "--host", host, "--port", str(port),
-                "--max-num-seqs", str(slots)]
-        if key:
-            argv += ["--api-key", key]
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(exp.path),
+            "--served-model-name", exp.path.name, "--host", host, "--port", str(port), "--max-num-seqs", str(slots)]
+    if key:
+        argv += ["--api-key", key]
     os.execv(sys.executable, argv)
     return 0  # not reached

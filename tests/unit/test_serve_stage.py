@@ -98,5 +98,5 @@ def test_card_runtime_rows_say_served_or_expected_and_report_has_a_serving_table
     assert served_note(ModelEntry(), {"runtime": "transformers (CPU)", "note": "measured here"}) == \
         "loaded and measured here (quality, speed), not served"
     md = render_markdown(Report.model_validate({"run": RUN, "baseline": {"serve": serve}}), [])
-    assert "## Serving" in md and "| baseline | 16 | 96.7 | 3.00 | 1100 | 1800 | 120 | 700 | 0/32 |" in md and "3/3" in md
+    assert "## Serving" in md and "| baseline | transformers | 16 | 96.7 | 3.00 | 1100 | 1800 | 120 | 700 | 0/32 |" in md and "3/3" in md
     assert "## Serving" not in render_markdown(Report.model_validate({"run": RUN}), [])
