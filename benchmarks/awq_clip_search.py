@@ -39,7 +39,7 @@ def one(mode: str, model_dir: Path, calibration: Path, rows: int, out: Path) -> 
     from safetensors.torch import load_file
 
     from pipeline.quant import awq
-    from pipeline.quant.config import AWQVariant
+    from pipeline.quant.methods.awq import AWQVariant
 
     if mode == "library":
         awq.matmul_clip_search = contextlib.nullcontext

@@ -54,7 +54,7 @@ def gguf_variant(base: Path, out: Path, gguf_type: str) -> Path:
     from pydantic import TypeAdapter
 
     from pipeline.quant.api import quantize_variant
-    from pipeline.quant.config import QuantVariant
+    from pipeline.quant.registry import QuantVariant
 
     v = TypeAdapter(QuantVariant).validate_python({"name": out.name, "method": "gguf", "type": gguf_type,
                                                    "allow_fallback": True})

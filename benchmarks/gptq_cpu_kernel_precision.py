@@ -3,7 +3,7 @@
 GPTQModel's CPU int4 kernel (TorchAtenLinear, aten._weight_int4pack_mm_for_cpu) rounds the group scales and the
 activations to bfloat16. This evaluates each checkpoint twice on the same WikiText-2 windows (GPTQ protocol):
 with that kernel, and with the checkpoint's weights dequantized exactly to float32 (GPTQModel's `dequantize_weight`, into plain
-`nn.Linear` modules: `pipeline.quant.gptq.dequantize_to_linear`), which is what the checkpoint itself encodes.
+`nn.Linear` modules: `pipeline.quant.gptqmodel_driver.dequantize_to_linear`), which is what the checkpoint itself encodes.
 
 Usage (after `compress run recipes/full.toml`):
     .venv/bin/python -m benchmarks.gptq_cpu_kernel_precision --windows 4 \
@@ -23,7 +23,7 @@ from transformers import AutoTokenizer  # noqa: E402
 from pipeline import data  # noqa: E402
 from pipeline.eval.perplexity import gptq_windows, perplexity, windowed_nll  # noqa: E402
 from pipeline.models import load_checkpoint  # noqa: E402
-from pipeline.quant.gptq import dequantize_to_linear  # noqa: E402
+from pipeline.quant.gptqmodel_driver import dequantize_to_linear  # noqa: E402
 
 
 def ppl(model, ids, windows) -> float:

@@ -41,7 +41,7 @@ def one(mode: str, model_dir: Path, calibration: Path, rows: int, mse: float, ou
     from safetensors.torch import load_file
 
     from pipeline.quant import gptq
-    from pipeline.quant.config import GPTQVariant
+    from pipeline.quant.methods.gptq import GPTQVariant
     from pipeline.quant.gptq_search import group_search_only
 
     workers = int(os.environ["GPTQMODEL_CPU_WORKERS"])

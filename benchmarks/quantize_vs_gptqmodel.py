@@ -134,7 +134,7 @@ def run_one(kind: str, model: str, ids_file: str, out: str, fields: dict, seed: 
         from pydantic import TypeAdapter
 
         from pipeline.quant.api import quantize_variant
-        from pipeline.quant.config import QuantVariant
+        from pipeline.quant.registry import QuantVariant
 
         v = TypeAdapter(QuantVariant).validate_python({"name": Path(out).name, **fields})
         m = quantize_variant(Path(model), v, ids, Path(out), logging.getLogger("bench"), seed=seed)
@@ -170,8 +170,8 @@ def quality_settings(fields: dict) -> dict:
     """Every quality-relevant GPTQ setting of our variant (recipe defaults filled in), to pass verbatim."""
     from pydantic import TypeAdapter
 
-    from pipeline.quant.config import QuantVariant
-    from pipeline.quant.gptq import act_group_aware
+    from pipeline.quant.registry import QuantVariant
+    from pipeline.quant.methods.gptq import act_group_aware
 
     v = TypeAdapter(QuantVariant).validate_python({"name": "x", **fields})
     return {"desc_act": v.desc_act, "act_group_aware": act_group_aware(v), "damp_percent": v.damp_percent,

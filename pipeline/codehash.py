@@ -8,12 +8,17 @@ A unit names its entry modules and any data files it reads, as paths under pipel
 `code_files` follows, from each entry module, transitively within the pipeline package:
   - `import pipeline.x`, `from pipeline.x import y` (y itself when it is a module), `from . import y`,
     at module level and inside functions alike (a lazy import is still an import);
-  - string constants naming a pipeline module: "pipeline.quant.gptq" in a capability table that
-    importlib loads, "-m", "pipeline.worker" in a subprocess command, "pipeline.x:function";
+  - string constants naming a pipeline module: "pipeline.quant.gptqmodel_driver" that a method imports by name,
+    "-m", "pipeline.worker" in a subprocess command, "pipeline.x:function";
   - the package __init__.py files Python runs on the way to a module;
   - data files a module declares it reads, as a module-level `CODE_DATA = ("model_configs/*.json",)`.
 `code_hash` is the sha256 of those files' paths and bytes: editing a file a unit imports reruns it, editing
 any other file does not.
+
+Plug-ins are never followed from an import: the registry imports every method file
+(pipeline/quant/methods/<name>.py), and a unit that quantizes, measures or exports a variant names its method's file
+as an entry (pipeline.quant.registry.method_code), so editing one method reruns that method's units and no other's.
+A method file imports no other method file (tests/unit/test_method_identity.py).
 
 The harness is never followed: pipeline.runner records outputs, it does not compute them (nor does pipeline.cli), so its report and
 manifest code (which imports the report renderers) is in no unit's identity; this module and
@@ -32,6 +37,8 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 # pipeline.cli parses arguments and dispatches (a subprocess that runs `-m pipeline.cli serve` names the module that
 # does the work beside it); followed, it would put every stage's code in any unit that spawns a CLI command
 HARNESS = frozenset({"pipeline.runner", "pipeline.codehash", "pipeline.identity", "pipeline.cli"})
+# reached only as a unit's entry, never through an import (see above)
+PLUGINS = ("pipeline.quant.methods.",)
 DATA_DECLARATION = "CODE_DATA"
 _MODULE_STRING = re.compile(r"pipeline(?:\.[A-Za-z_]\w*)*(?::[A-Za-z_]\w*)?")
 
@@ -124,7 +131,7 @@ def code_files(entries: tuple[str, ...], root: Path = PACKAGE_DIR) -> list[Path]
             continue  # a namespace package, or an attribute imported with `from pipeline.x import name`
         files.add(path)
         imported, data = _scan(path, root)
-        todo.extend(n for n in imported if n not in seen and _is_module(n, root))
+        todo.extend(n for n in imported if n not in seen and _is_module(n, root) and not n.startswith(PLUGINS))
         for pattern in data:
             files.update(_glob(pattern, root))
     return sorted(files)

@@ -59,10 +59,6 @@ def quantize_peak(base_dir: Path, calib_ids, offload: bool) -> int:
                           dtype_bytes(config_dtype(config)))
 
 
-# checkpoints whose linears GPTQModel repacks for its CPU kernel at the first forward (a second copy of them)
-REPACKED_ON_CPU = ("gptq", "awq", "auto-round", "autoround")
-
-
 def speed_bytes(config: dict, resident: int, speed: dict) -> int:
     """Predicted peak RSS of timing one model (pipeline/eval/speed.py), runtime included: its weights as they are
     resident (`resident`), the KV cache of the largest batch in float32, a prompt's widest activations in float32,
@@ -93,8 +89,10 @@ def speed_skip(model_dir: Path, speed: dict, limit: int | None, device: str) -> 
         return None
     config = json.loads((Path(model_dir) / "config.json").read_text())
     weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-    method = str((config.get("quantization_config") or {}).get("quant_method", "")).lower()
-    if method in REPACKED_ON_CPU:  # the quantized linears twice (everything but the embeddings and head)
+    from pipeline.quant.registry import by_format
+
+    method = by_format(str((config.get("quantization_config") or {}).get("quant_method", "")).lower())
+    if method is not None and method.repacked_on_cpu:  # the quantized linears twice (all but the embeddings and head)
         weights += max(weights - head_bytes(config, dtype_bytes(config_dtype(config, "bfloat16"))), 0)
     need = speed_bytes(config, weights, speed)
     if need <= limit:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import logging
-import types
 from pathlib import Path
 
 import torch
@@ -103,30 +102,21 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
             model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory={"cpu": in_memory},
                                                          offload_folder=str(scratch), **kwargs)
         return model.eval()
-    if config.get("quantization_config", {}).get("quant_method") in ("gptq", "awq"):  # GPTQModel's kernels
-        from pipeline.env import tame
-
-        tame()
+    method = quant_method(config)  # its reload hook: e.g. GPTQModel tamed before its kernels load
+    if method is not None:
+        method.before_load()
     with MappedPagesTrimmed(folder):  # pages of the mapped checkpoint are not the model's memory (pipeline/memory.py)
         model = AutoModelForCausalLM.from_pretrained(folder, device_map=device, **kwargs)
-    if config.get("quantization_config", {}).get("quant_method") == "torchao":
-        # transformers counts a torchao weight (a tensor subclass) at the dense dtype it stands for
-        model.get_memory_footprint = types.MethodType(footprint_bytes, model)
+    if method is not None:
+        method.after_load(model)
     return model.eval()
 
 
-def footprint_bytes(model, return_buffers: bool = True) -> int:
-    """get_memory_footprint that counts a wrapper tensor subclass (torchao's Int8Tensor, ...) by the
-    inner tensors it stores (int8 data, scales), not by its nominal dtype."""
-    tensors = list(model.parameters()) + (list(model.buffers()) if return_buffers else [])
-    return sum(_stored_bytes(t) for t in tensors)
+def quant_method(config: dict):
+    """The method whose checkpoint format config.json declares (pipeline/quant/registry.py), or None."""
+    from pipeline.quant.registry import by_format
 
-
-def _stored_bytes(t: torch.Tensor) -> int:
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return sum(_stored_bytes(getattr(t, n)) for n in names if getattr(t, n) is not None)
-    return t.nelement() * t.element_size()
+    return by_format((config.get("quantization_config") or {}).get("quant_method"))
 
 
 def single_gguf(folder: Path) -> str | None:

@@ -13,7 +13,7 @@ from pipeline.errors import RecipeError
 from pipeline.dtypes import HALF_UNITS, cpu_flags, dtype_bytes, resolve_dtype
 from pipeline.sources import ModelInfo, describe, link_problem, parse
 
-from pipeline.footprint import REPACKED_ON_CPU, GiB, RUNTIME_OVERHEAD, WORKER_OVERHEAD, quantize_bytes, speed_bytes, window_bytes
+from pipeline.footprint import GiB, RUNTIME_OVERHEAD, WORKER_OVERHEAD, quantize_bytes, speed_bytes, window_bytes
 TRACKED_PACKAGES = ("torch", "transformers", "gptqmodel", "bitsandbytes", "optimum", "accelerate", "datasets",
                     "huggingface-hub", "safetensors", "gguf", "torchao", "pydantic", "numpy", "compress")
 
@@ -64,7 +64,7 @@ def machine_memory() -> int:
 
 
 def arch_dict(info: ModelInfo) -> dict:
-    from pipeline.quant.capabilities import linear_shapes_from_config
+    from pipeline.quant.shapes import linear_shapes_from_config
 
     return linear_shapes_from_config(info.config)
 
@@ -144,7 +144,7 @@ def stage_names(recipe) -> list[str]:
 
 
 def _needs_calibration(variant) -> bool:
-    from pipeline.quant.capabilities import needs_calibration
+    from pipeline.quant.registry import needs_calibration
 
     return needs_calibration(variant)
 
@@ -190,7 +190,7 @@ def _check_device(recipe, plan: Plan) -> list[str]:
 def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[str]:
     if not recipe.quantize:
         return []
-    from pipeline.quant.capabilities import check_variant, runtimes
+    from pipeline.quant.registry import check_variant, runtimes
 
     from pipeline.families import unknown_family
 
@@ -218,9 +218,9 @@ def _check_draft(recipe, info: ModelInfo, plan: Plan) -> list[str]:
     if d.verifier != "baseline" and d.verifier not in names:
         problems.append(f"draft.verifier = {d.verifier!r} is neither 'baseline' nor a [[quantize]] variant "
                         f"(variants: {sorted(names) or 'none'})")
-    from pipeline.quant.capabilities import caps
+    from pipeline.quant.registry import method_of
 
-    gguf = {q.name for q in recipe.quantize if caps(q).checkpoint_format == "gguf"}
+    gguf = {q.name for q in recipe.quantize if method_of(q).checkpoint_format == "gguf"}
     if d.verifier in gguf:
         problems.append(f"draft.verifier = {d.verifier!r} is a GGUF file (llama.cpp's format): the draft is distilled "
                         "and measured in transformers; name the baseline or a transformers variant (gptq, bnb, ...)")
@@ -328,13 +328,13 @@ def _estimate_memory(recipe, info: ModelInfo, plan: Plan, source) -> None:
         plan.memory["load"] = WORKER_OVERHEAD + 2 * dtype_bytes(plan.dtype) * largest
     else:
         plan.memory["load"] = RUNTIME_OVERHEAD + w + 4 * largest
-    from pipeline.quant.capabilities import caps
+    from pipeline.quant.registry import method_of
 
     cal_tokens = cal.num_samples * cal.seq_len
     embed = vocab * h * dtype_bytes(plan.dtype)
     for v in recipe.quantize:
         key = f"quantize/{v.name}"
-        c = caps(v)
+        c = method_of(v)
         if c.memory == "layerwise":
             tokens = cal_tokens if c.needs_calibration else 0
             need = quantize_bytes(cfg, w, tokens, False, dtype_bytes(plan.dtype))
@@ -358,7 +358,7 @@ def _estimate_memory(recipe, info: ModelInfo, plan: Plan, source) -> None:
         # GPTQModel repacks GPTQ-format weights for its CPU kernel at the first forward, while the pages it read
         # from the mapped checkpoint are still resident (measured on the 1.7B: 2.68 GiB against 1.74 predicted
         # without this copy)
-        repacked = linears if plan.device == "cpu" and caps(v).checkpoint_format in REPACKED_ON_CPU else 0
+        repacked = linears if plan.device == "cpu" and method_of(v).repacked_on_cpu else 0
         resident[v.name] = linears + repacked + embed
         plan.memory[f"validate/{v.name}"] = WORKER_OVERHEAD + resident[v.name] + win
     speed = recipe.validate_.speed
@@ -383,11 +383,10 @@ def _estimate_memory(recipe, info: ModelInfo, plan: Plan, source) -> None:
 
 def variant_bits(variant) -> float:
     """Bits per quantized weight on disk, scales and zero points included (an estimate for the disk plan): the
-    method's own figure (MethodCaps.disk_bits)."""
-    from pipeline.quant.capabilities import caps
+    method's own figure (QuantMethod.bits_per_weight)."""
+    from pipeline.quant.registry import method_of
 
-    c = caps(variant)
-    return c.disk_bits(variant) if c.disk_bits is not None else 16.0
+    return method_of(variant).bits_per_weight(variant)
 
 
 def _estimate_disk(recipe, info: ModelInfo, plan: Plan, source) -> list[str]:
@@ -446,10 +445,10 @@ def _half_precision_on_cpu(recipe, plan: Plan) -> list[str]:
     uses: dict[str, list[str]] = {}
     if plan.dtype in HALF:
         uses.setdefault(plan.dtype, []).append("the baseline")
-    from pipeline.quant.capabilities import caps
+    from pipeline.quant.registry import method_of
 
     for v in recipe.quantize:
-        dtype = getattr(v, "dtype", None) or ("bfloat16" if caps(v).half_only and plan.dtype not in HALF else None)
+        dtype = getattr(v, "dtype", None) or ("bfloat16" if method_of(v).half_only and plan.dtype not in HALF else None)
         if dtype in HALF:
             uses.setdefault(dtype, []).append(v.name)
     flags = cpu_flags()

@@ -2,7 +2,7 @@
 
 The recipe is the only source of defaults. Everything here is torch-free so that
 `compress check` answers in a second. Per-family tables live beside their code
-(quant/config.py, speculative/config.py, eval/config.py, publish/config.py).
+(quant/registry.py from quant/methods/*.py, speculative/config.py, eval/config.py, publish/config.py).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pipeline.errors import RecipeError
 from pipeline.eval.config import GatesConfig, SpeedConfig
 from pipeline.eval.tasks_config import TasksConfig
 from pipeline.publish.config import PublishConfig
-from pipeline.quant.config import QuantVariant
+from pipeline.quant.registry import QuantVariant
 from pipeline.speculative.config import DraftConfig
 from pipeline.serve.config import ServeConfig
 

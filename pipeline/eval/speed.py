@@ -341,10 +341,11 @@ def _preimport(model_dir: Path) -> None:
     for arch in config.get("architectures") or []:
         getattr(transformers, arch, None)  # resolves the lazy module: imports modeling_<arch>
     transformers.GenerationMixin  # noqa: B018 - generation utilities
-    quant = config.get("quantization_config") or {}
-    module = {"gptq": "gptqmodel", "awq": "gptqmodel", "bitsandbytes": "bitsandbytes"}.get(quant.get("quant_method"))
-    if module:
-        importlib.import_module(module)
+    from pipeline.models import quant_method
+
+    method = quant_method(config)  # the library transformers will call to load it
+    if method is not None and method.load_module:
+        importlib.import_module(method.load_module)
 
 
 def worker_task(args: dict) -> dict:

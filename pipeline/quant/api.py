@@ -15,7 +15,7 @@ from pipeline.env import tame
 from pipeline.errors import StageError
 from pipeline.memory import PeakMemory
 from pipeline.footprint import GiB, quantize_peak
-from pipeline.quant.capabilities import caps, impl_module
+from pipeline.quant.registry import method_of
 from pipeline.quant.common import calibration_fingerprint, captured_output
 
 # library loggers whose lines go to the variant's log file rather than the console
@@ -28,7 +28,7 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.LongTensor | None
     generation config, the engine's log). Returns the manifest fields. Writes nothing outside out_dir
     except library caches (torch extensions, HF). memory_limit ([run] max_memory_gb in bytes): a method that can
     stream the model from disk does so when the plan predicts the in-memory way would exceed it."""
-    c = caps(variant)
+    c = method_of(variant)
     base_dir, out_dir = Path(base_dir).resolve(), Path(out_dir).resolve()  # engines may chdir
     if c.needs_calibration and calib_ids is None:
         raise StageError(f"variant {variant.name!r} ({c.name}) needs calibration ids; none were given")
@@ -55,8 +55,7 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.LongTensor | None
                      "([run] max_memory_gb): streaming it from disk one layer at a time (about %.1f GiB)", variant.name,
                      need / GiB, memory_limit / GiB, quantize_peak(base_dir, calib_ids, offload=True) / GiB)
     with captured_output(out_dir / log_name, ENGINE_LOGGERS) as console:
-        impl = implementation(variant)
-        importlib.import_module(c.engine)  # import-time memory is not the variant's: import before measuring
+        impl = implementation(variant)  # its engine imported here: import-time memory is not the variant's
         torch.manual_seed(seed)
         try:
             with PeakMemory() as mem, impl.session(out_dir):
@@ -84,11 +83,14 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.LongTensor | None
 
 
 def implementation(variant):
-    """The method's module: session(out_dir) context, quantize(base_dir, variant, calib_ids, console, device)
-    -> in-memory model, save(model, base_dir, out_dir, variant) -> manifest details."""
-    spec = impl_module(caps(variant))
-    try:
-        return importlib.import_module(spec)
-    except ImportError as e:
-        raise StageError(f"{spec} cannot be imported ({e}); install the project's dependencies "
-                         "(pip install -e .)") from e
+    """The variant's method (pipeline/quant/methods/), its engine imported: session(out_dir) context,
+    quantize(base_dir, variant, calib_ids, console, device) -> in-memory model, save(model, base_dir, out_dir,
+    variant) -> manifest details. A missing engine is one line naming it."""
+    m = method_of(variant)
+    for spec in (*m.engine_modules, m.engine):
+        try:
+            importlib.import_module(spec)
+        except ImportError as e:
+            raise StageError(f"{spec} cannot be imported ({e}); install the project's dependencies "
+                             "(pip install -e .)") from e
+    return m

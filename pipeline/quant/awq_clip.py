@@ -12,7 +12,7 @@ from the library's only where two ratios' errors are within 16-bit rounding of e
 of bfloat16 ones); tests/unit/test_quant_awq_autoround.py compares the two, benchmarks/awq_clip_search.py times
 them.
 
-    with matmul_clip_search():         # around GPTQModel's quantize() of an AWQ config (pipeline/quant/awq.py)
+    with matmul_clip_search():         # around GPTQModel's quantize() of an AWQ config (pipeline/quant/methods/awq.py)
         model.quantize(...)
 """
 from __future__ import annotations

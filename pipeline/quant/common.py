@@ -151,7 +151,7 @@ def skipped_linears(base_dir: Path, modules_to_skip: list[str]) -> list[str]:
     """Full names of the model's nn.Linear modules that modules_to_skip names (model built on the meta device)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pipeline.quant.capabilities import is_skipped
+    from pipeline.quant.shapes import is_skipped
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))

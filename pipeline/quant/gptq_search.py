@@ -8,7 +8,7 @@ answers that call with the plain min/max range (the search's own starting point)
 to the library. Measured: GPTQ 1.4-1.7x faster on CPU with byte-identical checkpoints (benchmarks/gptq_mse_search.py;
 tests/unit/test_quant.py checks the bytes for group-aware, act-order, asymmetric and GPTAQ/FOEM GPTQ).
 
-    with group_search_only():          # around GPTQModel's quantize() (pipeline/quant/gptq.py)
+    with group_search_only():          # around GPTQModel's quantize() (pipeline/quant/gptqmodel_driver.py)
         model.quantize(...)
 """
 from __future__ import annotations

@@ -43,7 +43,7 @@ def hub_id(source: Any) -> str | None:
 
 def _method(entry) -> Any:
     """The declared capabilities of the method that made a report entry (None: not a quantized variant)."""
-    from pipeline.quant.capabilities import METHODS
+    from pipeline.quant.registry import METHODS
 
     method = getattr(entry, "method", None) if isinstance(entry, ModelEntry) else None
     return METHODS.get(method) if method and method in METHODS.names() else None
@@ -51,7 +51,7 @@ def _method(entry) -> Any:
 
 def _variant_tags(entry: ModelEntry) -> list[str]:
     c = _method(entry)
-    if c is None or c.hub_tags is None:
+    if c is None:
         return [entry.method] if entry.method else []
     return c.hub_tags(entry.params or {})
 
@@ -92,9 +92,9 @@ def card_data(report: Report, entry: dict) -> ModelCardData:
     from pipeline.results.tasks_render import task_eval_results
 
     results = ((results or []) + task_eval_results(data)) or None  # [validate.tasks], one per task
-    library = "transformers"
-    if getattr(_method(data), "checkpoint_format", None) == "gguf":  # Hub GGUF conventions: library gguf, who quantized it
-        library, extra["quantized_by"] = "gguf", "compress"
+    library = getattr(_method(data), "hub_library", None) or "transformers"
+    if library != "transformers":  # Hub conventions for another library's files (GGUF): who quantized it
+        extra["quantized_by"] = "compress"
     return ModelCardData(base_model=base, library_name=library, pipeline_tag="text-generation",
                          license=model.license or None, tags=tags, datasets=_datasets(report, data) or None,
                          model_name=name, eval_results=results, **extra)
@@ -210,8 +210,9 @@ def _gate_line(report: Report, name: str) -> list[str]:
 def _usage(report: Report, entry: dict, repo: str) -> list[str]:
     data = entry_data(report, entry)
     c = _method(data)
-    if c is not None and c.checkpoint_format == "gguf":
-        return _gguf_usage(data, repo)
+    own = c.usage_section(repo, data.params or {}, data.quantize or {}, size) if c is not None else None
+    if own is not None:  # a format transformers is not the way to run (GGUF): the method's own section
+        return own + _runtime_table(data)
     lines = ["## How to use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
              f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
              f'model = AutoModelForCausalLM.from_pretrained("{repo}")']
@@ -223,41 +224,18 @@ def _usage(report: Report, entry: dict, repo: str) -> list[str]:
                       'inputs = tokenizer("The history of measurement", return_tensors="pt")',
                       "out = model.generate(**inputs, assistant_model=draft, max_new_tokens=64)"]
     lines += ["```", ""]
-    if c is not None and c.card_usage is not None:
+    if c is not None:
         lines += c.card_usage(repo, data.params or {}, data.quantize or {})
+    return lines + _runtime_table(data)
+
+
+def _runtime_table(data) -> list[str]:
     runtimes = data.runtimes if isinstance(data, ModelEntry) else []
-    if runtimes:
-        lines += ["| runtime | kernel | note | served |", "|---|---|---|---|"]
-        lines += [f"| {r.get('runtime', '')} | {r.get('kernel', '')} | {r.get('note', '')} | {served_note(data, r)} |"
-                  for r in runtimes] + [""]
-    return lines
-
-
-def _gguf_usage(data: ModelEntry, repo: str) -> list[str]:
-    """A GGUF variant: its file, then llama.cpp, Ollama, LM Studio and transformers, and the recorded runtimes."""
-    q = data.quantize or {}
-    name, gguf_type = q.get("gguf_file") or "<model>.gguf", q.get("type") or dig(data, "params", "type") or "?"
-    hub = repo if not repo.startswith((".", "/")) else "<namespace>/<repo>"
-    local = f"{repo}/{name}" if repo.startswith((".", "/")) else name
-    types = ", ".join(f"{k} × {v}" for k, v in (q.get("tensor_types") or {}).items()) or "–"
-    lines = ["## Files", "", "| file | type | size | tensors |", "|---|---|---|---|",
-             f"| `{name}` | {gguf_type} | {size(q.get('file_bytes'))} | {types} |", "",
-             "The tokenizer is embedded in the file (tokens, merges, special tokens, chat template); the tokenizer "
-             "files beside it are for transformers.", "", "## How to use", "",
-             "[llama.cpp](https://github.com/ggml-org/llama.cpp):", "", "```sh",
-             f'llama-cli -m {local} -p "The history of measurement"', f"llama-server -m {local}   # OpenAI-compatible server",
-             f"llama-cli -hf {hub}   # or straight from the Hub", "```", "",
-             f"[Ollama](https://ollama.com): `ollama run hf.co/{hub}`, or a Modelfile with `FROM ./{name}`. "
-             "LM Studio loads the file as it is.", "",
-             "transformers dequantizes every tensor on load (`pip install gguf`); figures in this card were measured "
-             "this way, in float32:", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
-             f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
-             f'model = AutoModelForCausalLM.from_pretrained("{repo}", gguf_file="{name}")', "```", ""]
-    if data.runtimes:
-        lines += ["| runtime | kernel | note | served |", "|---|---|---|---|"]
-        lines += [f"| {r.get('runtime', '')} | {r.get('kernel', '')} | {r.get('note', '')} | {served_note(data, r)} |"
-                  for r in data.runtimes]
-    return lines + [""]
+    if not runtimes:
+        return []
+    return (["| runtime | kernel | note | served |", "|---|---|---|---|"]
+            + [f"| {r.get('runtime', '')} | {r.get('kernel', '')} | {r.get('note', '')} | {served_note(data, r)} |"
+               for r in runtimes] + [""])
 
 
 # Parts of recipe.lock.toml that say when, where or whither a run went, not what produced the weights.

@@ -23,9 +23,16 @@ def verifier_key(recipe) -> str:
     return "load" if v == "baseline" else f"quantize/{v}"
 
 
+def verifier_code(recipe) -> tuple[str, ...]:
+    """The verifier's method file (its checkpoint is loaded by that method's reload hook), () for the baseline."""
+    from pipeline.quant.registry import method_code
+
+    return method_code(next((q for q in recipe.quantize if q.name == recipe.draft.verifier), None))
+
+
 def unit(recipe) -> Unit:
     return Unit("draft", unit_config(recipe), lambda ctx: run(ctx, recipe), deps=sorted({"load", verifier_key(recipe)}),
-                code=CODE)
+                code=CODE + verifier_code(recipe))
 
 
 def unit_config(recipe) -> dict:

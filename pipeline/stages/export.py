@@ -17,6 +17,9 @@ def units(recipe, validate_keys: list[str]) -> list[Unit]:
     from pipeline.results.card import card_recipe
 
     card_hash = hashlib.sha256(json.dumps(card_recipe(drop_none(recipe.dump())), sort_keys=True).encode()).hexdigest()
+    from pipeline.quant.registry import method_code
+
+    variants = {q.name: q for q in recipe.quantize}
     entries = [(q.name, "variant", f"quantize/{q.name}", None) for q in recipe.quantize]
     if recipe.export.include_baseline:
         entries.insert(0, ("baseline", "baseline", "load", None))
@@ -30,7 +33,8 @@ def units(recipe, validate_keys: list[str]) -> list[Unit]:
         cfg = {"export": recipe.export.model_dump(), "entry": entry, "card_recipe": card_hash}
         out.append(Unit(f"export/{name}", cfg, lambda ctx, e=entry, s=src: run(ctx, recipe, e, s),
                         deps=[src] + validate_keys,
-                        code=("stages/export.py",)))  # its imports: the card renderer and the report schema
+                        # its imports (the card renderer, the report schema) and a variant's method (its card text)
+                        code=("stages/export.py",) + method_code(variants.get(name))))
     return out
 
 

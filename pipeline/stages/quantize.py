@@ -5,15 +5,15 @@ import logging
 
 from pipeline.runner import Unit, UnitContext
 
-# the entry module; what it imports is found by pipeline/codehash.py. Each unit adds its own method's module
-# (MethodCaps.impl), and only that one: editing one method reruns that method's variants, no other
+# the entry module; what it imports is found by pipeline/codehash.py. Each unit adds its own method's file
+# (pipeline/quant/methods/<name>.py), and only that one: editing one method reruns that method's variants, no other
 CODE = ("stages/quantize.py",)
 
 log = logging.getLogger("compress")
 
 
 def units(recipe) -> list[Unit]:
-    from pipeline.quant.capabilities import caps, needs_calibration
+    from pipeline.quant.registry import method_code, needs_calibration
 
     # not in the units' identity: offloading changes how the weights are computed, not what they are
     limit = recipe.run.memory_limit_bytes
@@ -21,7 +21,7 @@ def units(recipe) -> list[Unit]:
     for v in recipe.quantize:
         deps = ["load"] + (["calibrate"] if needs_calibration(v) else [])
         out.append(Unit(f"quantize/{v.name}", {"variant": v.model_dump(mode="json")},
-                        lambda ctx, v=v: run(ctx, v, limit), deps=deps, code=CODE + (caps(v).impl,)))
+                        lambda ctx, v=v: run(ctx, v, limit), deps=deps, code=CODE + method_code(v)))
     return out
 
 
@@ -43,7 +43,8 @@ def serving_runtimes(model_dir, variant) -> list[dict]:
     """Which runtimes can serve this checkpoint, and with which kernel (from the model's shapes)."""
     import json
 
-    from pipeline.quant.capabilities import linear_shapes_from_config, runtimes
+    from pipeline.quant.registry import runtimes
+    from pipeline.quant.shapes import linear_shapes_from_config
 
     config = json.loads((model_dir / "config.json").read_text())
     return runtimes(variant, linear_shapes_from_config(config))

@@ -20,25 +20,29 @@ def units(recipe) -> list[Unit]:
     models = [("baseline", "load")] + [(q.name, f"quantize/{q.name}") for q in recipe.quantize]
     ppl = v.perplexity
     eval_data = data.identity(data.resolve(ppl.dataset, ppl.text_field))  # the evaluation text, by content
-    methods = {q.name: q.method for q in recipe.quantize}
+    from pipeline.quant.registry import method_code, method_of
+
+    formats = {q.name: method_of(q).checkpoint_format for q in recipe.quantize}
+    variants = {q.name: q for q in recipe.quantize}
     out = []
     for name, src in models:
+        code = CODE + method_code(variants.get(name))  # a variant's checkpoint is loaded by its method's reload hook
         deps = [src] if name == "baseline" else [src, "validate/baseline/quality"]
         cfg = {"perplexity": ppl.model_dump(), "smoke": v.smoke.model_dump(), "device": recipe.run.device,
                "data": eval_data}
         out.append(Unit(f"validate/{name}/quality", cfg, lambda ctx, n=name, s=src: quality(ctx, recipe, n, s),
-                        deps=deps, code=CODE))
+                        deps=deps, code=code))
         if v.speed.enabled and (v.speed.models == "all" or name in v.speed.models):
             speed_cfg = {"speed": v.speed.model_dump(), "device": recipe.run.device,
                          "max_memory_gb": recipe.run.max_memory_gb}  # over it, the model is not timed
             out.append(Unit(f"validate/{name}/speed", speed_cfg,
-                            lambda ctx, n=name, s=src: speed(ctx, recipe, n, s), deps=[src], code=CODE))
+                            lambda ctx, n=name, s=src: speed(ctx, recipe, n, s), deps=[src], code=code))
         if v.serve.serves(name):
             serve_cfg = {"serve": v.serve.model_dump(), "device": recipe.run.device, "data": eval_data}
-            if methods.get(name) == "gguf":  # served by llama.cpp, or skipped while it is missing: a rerun after
+            if formats.get(name) == "gguf":  # served by llama.cpp, or skipped while it is missing: a rerun after
                 serve_cfg["llama_cpp"] = llama_cpp_version()  # installing it serves the file
             out.append(Unit(f"validate/{name}/serve", serve_cfg, lambda ctx, n=name, s=src: serve(ctx, recipe, n, s),
-                            deps=[src, f"validate/{name}/quality"], code=CODE))
+                            deps=[src, f"validate/{name}/quality"], code=code))
     out += task_units(recipe, models)
     if recipe.draft is not None:
         out.append(speculative_unit(recipe))
@@ -49,6 +53,7 @@ def task_units(recipe, models: list[tuple[str, str]]) -> list[Unit]:
     """validate/<model>/tasks ([validate.tasks]): identity = the task config and each task's data by sha256;
     a variant's unit also reads the baseline's saved per-item scores (recovery on the same items)."""
     from pipeline.eval.tasks_config import task_jobs
+    from pipeline.quant.registry import method_code
 
     cfg = recipe.validate_.tasks
     if not cfg.enabled or not cfg.tasks:
@@ -56,13 +61,14 @@ def task_units(recipe, models: list[tuple[str, str]]) -> list[Unit]:
     jobs = task_jobs(cfg)
     config = {"tasks": cfg.model_dump(mode="json"), "jobs": [{k: v for k, v in j.items() if k not in ("data_file", "include")}
                                                             for j in jobs], "device": recipe.run.device}
+    variants = {q.name: q for q in recipe.quantize}
     out = []
     for name, src in models:
         if not cfg.scores(name):
             continue
         deps = [src] if name == "baseline" else [src, "validate/baseline/tasks"]
         out.append(Unit(f"validate/{name}/tasks", config, lambda ctx, n=name, s=src: tasks(ctx, recipe, n, s, jobs),
-                        deps=deps, code=CODE))
+                        deps=deps, code=CODE + method_code(variants.get(name))))
     return out
 
 
@@ -80,7 +86,7 @@ def speculative_unit(recipe) -> Unit:
     """Acceptance and speed-up of the draft: every [draft] field (gamma and [draft.measure] are read here, and
     only here) and the held-out prompts by content."""
     from pipeline import data
-    from pipeline.stages.draft import verifier_key
+    from pipeline.stages.draft import verifier_code, verifier_key
 
     cfg, ppl = recipe.draft, recipe.validate_.perplexity
     if cfg.measure.prompts is not None:
@@ -90,7 +96,7 @@ def speculative_unit(recipe) -> Unit:
                    "data": data.identity(data.resolve(ppl.dataset, ppl.text_field))}
     config = {"draft": cfg.model_dump(mode="json"), "prompts": prompts, "device": recipe.run.device}
     return Unit("validate/draft/speculative", config, lambda ctx: speculative(ctx, recipe),
-                deps=["draft", verifier_key(recipe)], code=CODE)
+                deps=["draft", verifier_key(recipe)], code=CODE + verifier_code(recipe))
 
 
 def quality(ctx: UnitContext, recipe, name: str, src: str) -> dict:

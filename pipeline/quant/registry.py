@@ -1,30 +1,79 @@
-"""What each quantization method can do, and the checks that follow from it. Torch-free.
+"""The one list of quantization methods and export formats, and what the rest of the code asks of them. Torch-free.
 
-Every method declares its bits, group sizes, dtypes, devices and whether it needs calibration
-(the GPTQModel `SUPPORTS_*` habit). `check_variant` turns a recipe variant plus the model's
-linear shapes (`linear_shapes_from_config`, read from config.json) into a list of problems,
-so `compress check` rejects the impossible before any weight is loaded. `runtimes` says which
-serving runtimes can load the checkpoint and with which kernel.
+    METHODS.get("gtpq")  # RecipeError: Unknown quantization method 'gtpq'. Did you mean: gptq?
+
+Each method is a class in pipeline/quant/methods/<name>.py (interface: pipeline/quant/method.py); adding one is
+that file, its test file, and its module in METHOD_MODULES. The recipe's `[[quantize]]` union (`QuantVariant`) is
+built from the registered methods' variant models. `check_variant` applies what every method declares (devices,
+dtypes, bits, group sizes, the model's shapes, modules_to_skip), then the method's own rules.
 """
 from __future__ import annotations
 
+import importlib
 import re
+from typing import Annotated, Union
 
-# the shared declarations (re-exported: the rest of the code reads them from here) and, imported for their
-# registrations into METHODS, each other method's own declarations
-import pipeline.quant.caps_awq  # noqa: F401
-import pipeline.quant.caps_gguf  # noqa: F401
-import pipeline.quant.caps_torchao  # noqa: F401
-from pipeline.quant.caps_base import (GPTQ_GROUP_SIZES, LLAMA_LIKE, METHODS, VLLM_MARLIN, MethodCaps,  # noqa: F401
-                                      caps, gptq_runtimes, impl_module, is_skipped, linear_shapes_from_config, module_names,
-                                      needs_calibration, quantized_linears, skip_pattern)
+from pydantic import BeforeValidator, Field
+
+from pipeline.quant.method import QuantMethod
+from pipeline.quant.shapes import module_names, quantized_linears, skip_pattern
+from pipeline.registry import Registry
+
+# the method files, in the order their variants appear in the recipe's union. Imported by name: a unit's code
+# identity names only the method file of the variant it concerns (pipeline/codehash.py PLUGINS)
+METHOD_MODULES = ("gptq", "rtn", "awq", "autoround", "bnb", "torchao", "gguf")
+PACKAGE = "pipeline.quant.methods"
+
+METHODS: Registry[QuantMethod] = Registry("quantization method")
+_VARIANTS: list[type] = []
+for _module in METHOD_MODULES:
+    for _method in importlib.import_module(f"{PACKAGE}.{_module}").METHODS:
+        METHODS.register(_method.name)(_method)
+        _VARIANTS.append(_method.variant)
+
+
+def method_of(variant) -> QuantMethod:
+    return METHODS.get(variant.method)
+
+
+def by_format(checkpoint_format: str | None) -> QuantMethod | None:
+    """A method that writes checkpoints of this format (config.json's quant_method), for its reload hook and load
+    facts (the methods of one format share them); None for an unquantized or unknown checkpoint."""
+    for name in METHODS:
+        if METHODS.get(name).checkpoint_format == checkpoint_format:
+            return METHODS.get(name)
+    return None
+
+
+def method_code(variant) -> tuple[str, ...]:
+    """The method file a unit that quantizes, measures or exports `variant` adds to its code (() for none)."""
+    return () if variant is None else (method_of(variant).file,)
+
+
+def _known_method(value: object) -> object:
+    """Turn pydantic's tag error into the registry's 'Unknown quantization method ... Did you mean' line."""
+    if isinstance(value, dict) and "method" in value and value["method"] not in METHODS:
+        raise ValueError(METHODS.unknown_message(str(value["method"])))
+    return value
+
+
+QuantVariant = Annotated[
+    Union[tuple(_VARIANTS)],  # type: ignore[valid-type]
+    Field(discriminator="method"),
+    BeforeValidator(_known_method),
+]
+
+
+def needs_calibration(variant) -> bool:
+    return method_of(variant).needs_calibration
+
 
 # ---------------------------------------------------------------- checks
 
 
 def check_variant(variant, arch: dict, device: str) -> list[str]:
     """Problems that make this variant impossible on this model and device ([] = fine)."""
-    c = caps(variant)
+    c = method_of(variant)
     problems = []
     if device not in c.devices:
         problems.append(f"{c.name} cannot run on device {device!r} (it runs on: {', '.join(c.devices)})")
@@ -35,14 +84,7 @@ def check_variant(variant, arch: dict, device: str) -> list[str]:
     bits = getattr(variant, "bits", None)
     if bits is not None and bits not in c.bits:
         problems.append(f"bits = {bits} is not supported by {c.name} (supported: {', '.join(map(str, c.bits))})")
-    if getattr(variant, "act_group_aware", None):
-        if variant.desc_act:
-            problems.append("desc_act = true and act_group_aware = true exclude each other: drop act_group_aware")
-        if variant.group_size <= 0:
-            problems.append(f"act_group_aware reorders columns inside groups: it needs group_size > 0, "
-                            f"not {variant.group_size}; drop act_group_aware")
-    if c.check is not None:
-        problems += c.check(variant, arch, device)
+    problems += c.check(variant, arch, device)
     if arch.get("shapes_known"):
         problems += _check_skips(variant, arch)
         problems += _check_group_size(variant, arch, c)
@@ -62,7 +104,7 @@ def _check_skips(variant, arch: dict) -> list[str]:
             f"(linear names end in: {kinds})"]
 
 
-def _check_group_size(variant, arch: dict, c: MethodCaps) -> list[str]:
+def _check_group_size(variant, arch: dict, c: QuantMethod) -> list[str]:
     g = getattr(variant, "group_size", None)
     if g is None:
         return []
@@ -87,21 +129,6 @@ def _check_group_size(variant, arch: dict, c: MethodCaps) -> list[str]:
             f"Use group_size = {suggest} (or -1 for per-channel)"]
 
 
-# ---------------------------------------------------------------- serving runtimes
-
 def runtimes(variant, arch: dict) -> list[dict]:
     """Which runtimes can serve this checkpoint, with which kernel: [{"runtime", "kernel", "note"}]."""
-    if caps(variant).checkpoint_format == "gptq":
-        return gptq_runtimes(variant, arch)
-    if caps(variant).runtimes is not None:
-        return caps(variant).runtimes(variant, arch)
-    kind = {"bnb-int8": "Linear8bitLt (LLM.int8)", "bnb-nf4": "Linear4bit nf4", "bnb-fp4": "Linear4bit fp4"}
-    k = kind[variant.method]
-    return [
-        {"runtime": "transformers (CPU)", "kernel": f"bitsandbytes {k}", "note": "measured here"},
-        {"runtime": "transformers (CUDA)", "kernel": f"bitsandbytes {k}", "note": ""},
-        {"runtime": "GPTQModel", "kernel": "none", "note": "GPTQModel does not load bitsandbytes checkpoints"},
-        {"runtime": "vLLM (CUDA)", "kernel": "bitsandbytes", "note": "pre-quantized bnb checkpoints (int8, nf4, fp4); "
-                                                                    "slower than GPTQ Marlin"},
-        {"runtime": "llama.cpp", "kernel": "none", "note": "reads GGUF only: add a method = \"gguf\" variant"},
-    ]
+    return method_of(variant).runtimes(variant, arch)

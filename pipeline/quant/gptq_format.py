@@ -1,0 +1,78 @@
+"""What the methods that write GPTQModel-loaded checkpoints share (GPTQ, RTN and AutoRound write the GPTQ format;
+AWQ its GEMM layout, loaded by the same library): the runtime table of the GPTQ format, the card's usage text, and
+the reload hook. Torch-free."""
+from __future__ import annotations
+
+from pipeline.quant.method import LLAMA_CPP_ROW
+from pipeline.quant.shapes import quantized_linears
+
+# GPTQModel 7.6 QuantizeConfig accepts these group sizes; its CPU/torch kernel (TorchLinear) takes them all.
+GPTQ_GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)
+VLLM_MARLIN = {"bits": (4, 8), "group_sizes": (-1, 32, 64, 128), "min_k": 128, "min_n": 64}
+
+
+class GPTQModelKernels:
+    """Mixin of a method whose checkpoints transformers loads through GPTQModel's kernels."""
+
+    repacked_on_cpu = True  # GPTQModel repacks the quantized linears for its CPU kernel at the first forward
+    load_module = "gptqmodel"
+
+    def before_load(self) -> None:
+        from pipeline.env import tame
+
+        tame()
+
+
+def gptq_runtimes(variant, arch: dict) -> list[dict]:
+    b, g, sym = variant.bits, variant.group_size, variant.sym
+    aten = b == 4 and g in (16, 32, 64, 128)
+    cpu_kernel = ("GPTQModel TorchAtenLinear (aten int4 matmul)" if aten
+                  else "GPTQModel TorchLinear (dequantize then matmul; torch.compile'd, needs dynamo)")
+    cuda_kernel = "GPTQModel Marlin" if b in (4, 8) and sym and g in (-1, 32, 64, 128) else "GPTQModel Triton/Torch"
+    out = [
+        {"runtime": "transformers (CPU)", "kernel": cpu_kernel, "note": "via GPTQModel's kernels; measured here"},
+        {"runtime": "transformers (CUDA)", "kernel": cuda_kernel, "note": "via GPTQModel's kernels"},
+        {"runtime": "GPTQModel.load", "kernel": f"CPU: {cpu_kernel.split(' (')[0]}; CUDA: {cuda_kernel}",
+         "note": "float16/bfloat16 (its torch kernels refuse float32; bfloat16 is its CPU default)"},
+        _vllm(variant, arch),
+        dict(LLAMA_CPP_ROW),
+    ]
+    return out
+
+
+def _vllm(variant, arch: dict) -> dict:
+    b, g, sym = variant.bits, variant.group_size, variant.sym
+    if b not in (2, 3, 4, 8):
+        return {"runtime": "vLLM (CUDA)", "kernel": "none", "note": f"vLLM's GPTQ kernels take 2/3/4/8 bits, not {b}"}
+    m = VLLM_MARLIN
+    if b not in m["bits"] or not sym or g not in m["group_sizes"]:
+        why = f"{b}-bit" if b not in m["bits"] else ("asymmetric" if not sym else f"group_size {g}")
+        return {"runtime": "vLLM (CUDA)", "kernel": "gptq (ExLlama)",
+                "note": f"Marlin does not take {why}; the slower gptq kernel serves it"}
+    linears = quantized_linears(arch, variant.modules_to_skip) if arch.get("shapes_known") else {}
+    bad = [f"{k.split('.')[-1]} ({i}x{o})" for k, (i, o) in linears.items() if i % m["min_k"] or o % m["min_n"]]
+    if bad:
+        return {"runtime": "vLLM (CUDA)", "kernel": "gptq_marlin for some layers, slower fallback for others",
+                "note": f"Marlin needs in-features divisible by {m['min_k']} and out-features by {m['min_n']}; "
+                        f"not {', '.join(bad)}: those layers fall back to a slower kernel (Machete/ExLlama), "
+                        "or older vLLM refuses the model unless run with --quantization gptq"}
+    note = "" if linears else "model shapes unknown: Marlin needs in-features divisible by 128"
+    return {"runtime": "vLLM (CUDA)", "kernel": "gptq_marlin", "note": note}
+
+
+def gptq_usage(repo: str, made: str = "") -> list[str]:
+    return [f"The checkpoint{made} is in the GPTQ format (`quantization_config` in config.json). transformers "
+            "loads it through GPTQModel (`pip install gptqmodel optimum`). Directly:", "",
+            "```python", "from gptqmodel import GPTQModel", f'model = GPTQModel.load("{repo}")', "```", "",
+            f"vLLM (CUDA): `vllm serve {repo}`.", "",
+            "**Kernel compatibility:** fast kernels depend on bits, group size, symmetry and act-order "
+            "(e.g. Marlin takes symmetric 4/8-bit with group size -1/32/64/128); other settings fall back to "
+            "slower kernels or are refused. What this run recorded:", ""]
+
+
+def lm_head_rule(variant, method: str) -> list[str]:
+    """AWQ and AutoRound: transformers' loader builds no quantized lm_head for them."""
+    if "lm_head" in variant.modules_to_skip:
+        return []
+    return [f"{method} leaves lm_head in full precision here (transformers' {method} loader builds no quantized "
+            f"lm_head): keep 'lm_head' in modules_to_skip (it is {variant.modules_to_skip})"]

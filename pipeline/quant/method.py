@@ -1,0 +1,125 @@
+"""The one interface every quantization method and export format implements, shaped like transformers'
+`HfQuantizer`: a class per method in pipeline/quant/methods/<name>.py, registered in pipeline/quant/registry.py.
+
+A method declares, as class attributes, what it accepts (bits, group sizes, dtypes, devices, calibration) and how
+it holds the model while quantizing (the memory plan), and implements: `check` (its own rules beyond those
+declarations), `runtimes` (the kernel table the cards print), `bits_per_weight` (on disk), `hub_tags` and
+`card_usage` (the Hub card), `before_load`/`after_load` (the reload hook: how its checkpoint is loaded back),
+and `session`/`quantize`/`save` (the work). Everything but the work is torch-free, and a method file imports its
+engine inside those three, so `compress check` imports every method without torch.
+
+A method file imports no other method's file (a test checks it): a unit's identity names the method file of the
+variant it concerns (pipeline/codehash.py), so what two methods share lives in a module of its own
+(pipeline/quant/gptq_format.py, variant.py, shapes.py, common.py, ...).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from pathlib import Path
+from typing import IO, Any, ClassVar
+
+from pipeline.dtypes import DTYPE_NAMES
+
+LLAMA_CPP_ROW = {"runtime": "llama.cpp", "kernel": "none", "note": "reads GGUF only: add a method = \"gguf\" variant"}
+
+
+class QuantMethod:
+    name: ClassVar[str]
+    variant: ClassVar[type]  # the recipe's [[quantize]] model (pydantic) for this method
+    engine: ClassVar[str]  # the library that does the work (its module name), recorded in the manifest
+    engine_modules: ClassVar[tuple[str, ...]] = ()  # our modules that drive it, imported before it (api.py)
+    checkpoint_format: ClassVar[str]  # config.json's quantization_config.quant_method, or "gguf"
+    bits: ClassVar[tuple[int, ...]]
+    group_sizes: ClassVar[tuple[int, ...]] = ()  # () = the method has no group size
+    dtypes: ClassVar[tuple[str, ...]] = DTYPE_NAMES
+    devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
+    needs_calibration: ClassVar[bool] = False
+    note: ClassVar[str] = ""
+    offload: ClassVar[bool] = False  # quantize(..., offload=folder) streams the model from disk layer by layer
+    # how quantizing holds the model, for the memory plan: "layerwise" (GPTQModel's layer-by-layer loop),
+    # "while_loading" (quantized tensor by tensor as transformers loads it), "whole" (loaded whole, then quantized)
+    memory: ClassVar[str] = "whole"
+    half_only: ClassVar[bool] = False  # computes in 16 bits only: a float32 baseline is quantized in bfloat16
+    repacked_on_cpu: ClassVar[bool] = False  # its CPU kernel repacks the quantized linears at the first forward
+    load_module: ClassVar[str | None] = None  # the library transformers calls to load the checkpoint (imported first)
+    hub_library: ClassVar[str | None] = None  # the card's library_name when it is not transformers
+
+    @property
+    def file(self) -> str:
+        """This method's file as a path under pipeline/ ("quant/methods/gptq.py"): what a unit that quantizes,
+        measures or exports one of its variants adds to its code identity (pipeline/codehash.py)."""
+        return "quant/methods/" + type(self).__module__.rpartition(".")[2] + ".py"
+
+    # ------------------------------------------------------------ declarations (torch-free)
+
+    def check(self, variant, arch: dict, device: str) -> list[str]:
+        """This method's own rules beyond the declared bits/group sizes/dtypes/devices ([] = fine)."""
+        return []
+
+    def runtimes(self, variant, arch: dict) -> list[dict]:
+        """Which runtimes can serve the checkpoint, with which kernel: [{"runtime", "kernel", "note"}]."""
+        raise NotImplementedError
+
+    def bits_per_weight(self, variant) -> float:
+        """Bits per quantized weight on disk, scales included (the disk plan's estimate)."""
+        return 16.0
+
+    def hub_tags(self, params: dict) -> list[str]:
+        """Hub tags from the variant's recorded params."""
+        return [self.name]
+
+    def card_usage(self, repo: str, params: dict, quantize: dict) -> list[str]:
+        """What the card's "How to use" section adds after the transformers snippet (quantize: the variant's
+        recorded manifest)."""
+        return []
+
+    def usage_section(self, repo: str, params: dict, quantize: dict, size) -> list[str] | None:
+        """The card's whole "How to use" section for a format transformers is not the way to run (size: the card's
+        byte formatter, so no method imports the report code); None: the transformers snippet, then card_usage."""
+        return None
+
+    # ------------------------------------------------------------ reload hook
+
+    def before_load(self) -> None:
+        """Called before transformers loads one of this method's checkpoints."""
+
+    def after_load(self, model) -> None:
+        """Called on the model transformers loaded from one of this method's checkpoints."""
+
+    # ------------------------------------------------------------ the work (engine imports inside)
+
+    def session(self, out_dir: Path) -> contextlib.AbstractContextManager:
+        """A context around quantize() and save() (working folder, library settings)."""
+        return contextlib.nullcontext()
+
+    def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str,
+                 offload: Path | None = None) -> Any:
+        """The quantized model in memory (calib_ids: [n, seq_len] ids when needs_calibration, else None)."""
+        raise NotImplementedError
+
+    def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
+        """Write the checkpoint into out_dir; return the manifest details (engine, engine_version, engine_config,
+        dtype, ...)."""
+        raise NotImplementedError
+
+
+def missing_package(package: str, module: str, method: str) -> list[str]:
+    """One line naming the package a method needs when its module cannot be found ([] when it can)."""
+    if importlib.util.find_spec(module) is not None:
+        return []
+    return [f"method {method!r} needs the {package} package, which is not installed: pip install {package} "
+            f"(a dependency of compress: pip install -e .)"]
+
+
+def grouped_bits(variant) -> float:
+    """Bits per quantized weight on disk of a grouped integer format: a 16-bit scale and a packed zero per group."""
+    g = getattr(variant, "group_size", -1)
+    return variant.bits + (32 / g if g and g > 0 else 0.0)
+
+
+def bits_tags(params: dict, *tags: str) -> list[str]:
+    """Hub tags of a method whose variants have `bits`: the method's tags, then "<bits>-bit"."""
+    bits = params.get("bits")
+    return [*tags, f"{bits}-bit"] if bits else list(tags)
+

@@ -1,0 +1,137 @@
+"""AWQ (Lin et al. 2023) through GPTQModel (its AWQConfig), GEMM checkpoint layout.
+
+GPTQModel's AWQ searches, per decoder layer, the input-channel scales that minimise the layer's output error on the
+calibration activations, folds them into the preceding norm or linear, and rounds to the 4-bit grid; it packs the
+result for the kernel it is told. On CPU that is its portable torch kernel (AWQ_TORCH: its default GEMM kernel is
+CUDA-only and refuses a CPU run); the checkpoint is the same GEMM layout either way, the AWQ format transformers
+(through GPTQModel's kernels), vLLM and GPTQModel load. GPTQModel's AWQ packer builds float16/bfloat16 modules only,
+so a float32 checkpoint is quantized in bfloat16. The driver, session, logs and checkpoint finishing are GPTQModel's
+(pipeline/quant/gptqmodel_driver.py); the clipping search runs as matrix products (pipeline/quant/awq_clip.py).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import IO, Literal, Optional
+
+from pydantic import Field
+
+from pipeline.quant.gptq_format import GPTQModelKernels, lm_head_rule
+from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod, bits_tags, grouped_bits, missing_package
+from pipeline.quant.shapes import quantized_linears
+from pipeline.quant.variant import Calibrated, VariantBase
+
+AWQ_GROUP_SIZES = (-1, 16, 32, 64, 128)  # GPTQModel 7.6 AwqTorchLinear (its CPU kernel) takes these
+AWQ_DTYPES = ("bfloat16", "float16")  # GPTQModel's AWQ modules refuse float32
+VLLM_AWQ_MARLIN_GROUPS = (-1, 32, 64, 128)
+DRIVER = "pipeline.quant.gptqmodel_driver"
+
+
+class AWQVariant(Calibrated, VariantBase):
+    """AWQ through GPTQModel: per-input-channel scales searched on the calibration activations, folded into the
+    previous op, then round-to-nearest; GEMM checkpoint layout."""
+
+    method: Literal["awq"]
+    bits: int = Field(4, description="4 (the AWQ GEMM layout packs 4-bit values)")
+    group_size: int = Field(64, description="-1 = one scale per output channel; else columns per scale group")
+    zero_point: bool = Field(True, description="asymmetric grid with a zero point per group (AWQ's default)")
+    dtype: Optional[Literal["bfloat16", "float16"]] = Field(
+        None, description="dtype the model runs in while quantizing; None = the checkpoint's if 16-bit, else "
+                          "bfloat16 (GPTQModel's AWQ modules take no float32)")
+
+
+class AWQMethod(GPTQModelKernels, QuantMethod):
+    name = "awq"
+    variant = AWQVariant
+    engine = "gptqmodel"
+    engine_modules = (DRIVER,)
+    checkpoint_format = "awq"
+    bits = (4,)
+    group_sizes = AWQ_GROUP_SIZES
+    dtypes = AWQ_DTYPES
+    needs_calibration = True
+    note = "AWQ (Lin et al. 2023): activation-aware per-channel scales, then 4-bit round-to-nearest, through GPTQModel"
+    memory = "layerwise"
+    half_only = True
+
+    def check(self, variant, arch: dict, device: str) -> list[str]:
+        # (dtype: the generic check refuses float32 with AWQ_DTYPES)
+        # (GPTQModel's own clipping search asserts out-features in multiples of 64; ours, pipeline/quant/awq_clip.py,
+        # takes any)
+        return missing_package("gptqmodel", "gptqmodel", "awq") + lm_head_rule(variant, "AWQ")
+
+    def runtimes(self, variant, arch: dict) -> list[dict]:
+        g = variant.group_size
+        linears = quantized_linears(arch, variant.modules_to_skip) if arch.get("shapes_known") else {}
+        bad = [f"{k.split('.')[-1]} ({i}x{o})" for k, (i, o) in linears.items() if i % 128 or o % 64]
+        if g not in VLLM_AWQ_MARLIN_GROUPS:
+            vllm = {"runtime": "vLLM (CUDA)", "kernel": "awq (GEMM)", "note": f"awq_marlin does not take group_size {g}"}
+        elif bad:
+            vllm = {"runtime": "vLLM (CUDA)", "kernel": "awq_marlin for some layers, awq GEMM for others",
+                    "note": f"Marlin needs in-features divisible by 128 and out-features by 64; not {', '.join(bad)}"}
+        else:
+            vllm = {"runtime": "vLLM (CUDA)", "kernel": "awq_marlin", "note": ""}
+        return [
+            {"runtime": "transformers (CPU)", "kernel": "GPTQModel TorchAtenAwqLinear (aten int4 matmul)",
+             "note": "via GPTQModel's kernels (transformers' AWQ loader needs gptqmodel); measured here"},
+            {"runtime": "transformers (CUDA)", "kernel": "GPTQModel AWQ GEMM / Marlin", "note": "via GPTQModel's kernels"},
+            {"runtime": "GPTQModel.load", "kernel": "CPU: AwqTorchLinear; CUDA: AWQ GEMM/Marlin", "note": ""},
+            vllm,
+            dict(LLAMA_CPP_ROW),
+        ]
+
+    def bits_per_weight(self, variant) -> float:
+        return grouped_bits(variant)
+
+    def hub_tags(self, params: dict) -> list[str]:
+        return bits_tags(params, "awq")  # the Hub's AWQ filter is the `awq` tag
+
+    def card_usage(self, repo: str, params: dict, quantize: dict) -> list[str]:
+        return ["The checkpoint is in the AWQ GEMM format (`quant_method: \"awq\"` in config.json). transformers "
+                "loads it through GPTQModel's AWQ kernels (`pip install gptqmodel`). Directly:", "",
+                "```python", "from gptqmodel import GPTQModel", f'model = GPTQModel.load("{repo}")', "```", "",
+                f"vLLM (CUDA): `vllm serve {repo}` (awq_marlin where the shapes allow, else awq). "
+                "What this run recorded:", ""]
+
+    def session(self, out_dir: Path):
+        from pipeline.quant.gptqmodel_driver import session
+
+        return session(out_dir)
+
+    def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
+        from gptqmodel import BACKEND
+        from gptqmodel.quantization.config import AWQConfig
+
+        from pipeline.quant.awq_clip import matmul_clip_search
+        from pipeline.quant.gptqmodel_driver import calibration_rows, common_kwargs, quantize_with
+
+        backend = BACKEND.AWQ_TORCH if device == "cpu" else None
+        with matmul_clip_search():  # the clipping search as matrix products (pipeline/quant/awq_clip.py)
+            awq_config = AWQConfig(**common_kwargs(variant, sym=not variant.zero_point))
+            return quantize_with(base_dir, awq_config, calibration_rows(calib_ids), console, variant.name,
+                                 run_dtype(variant, base_dir), device, backend=backend)
+
+    def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
+        from pipeline.quant.common import finish_checkpoint, skipped_linears
+        from pipeline.quant.gptqmodel_driver import ENGINE, append_file, engine_version
+
+        model.save(str(out_dir.resolve()))
+        append_file(out_dir / "quant_log.csv", out_dir / f"{ENGINE}.log")
+        qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
+        skipped = skipped_linears(base_dir, variant.modules_to_skip)
+        if skipped:  # transformers' AWQ loader ignores GPTQModel's `dynamic` skips; it honours this list
+            qc["modules_to_not_convert"] = skipped
+        dtype = run_dtype(variant, base_dir)
+        finish_checkpoint(base_dir, out_dir, qc, dtype)
+        return {"engine": ENGINE, "engine_version": engine_version(), "engine_config": qc, "dtype": dtype}
+
+
+def run_dtype(variant, base_dir: Path) -> str:
+    """The variant's dtype, else the checkpoint's when it is 16-bit, else bfloat16."""
+    from pipeline.quant.common import base_dtype
+
+    base = base_dtype(base_dir)
+    return variant.dtype or (base if base in AWQ_DTYPES else "bfloat16")
+
+
+METHODS = (AWQMethod(),)

@@ -1,0 +1,186 @@
+"""GGUF files for llama.cpp, Ollama and LM Studio, converted from the run's baseline: the types written here and by
+llama.cpp's quantizer, the architectures converted, `compress check`'s rules, the runtimes, and the work (the
+converter, a port of llama.cpp's convert_hf_to_gguf.py through its `gguf` package, is
+pipeline/quant/gguf_export.py)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import IO, Literal
+
+from pydantic import Field
+
+from pipeline.quant.method import QuantMethod
+from pipeline.quant.shapes import is_skipped, linear_shapes_from_config, quantized_linears
+from pipeline.quant.variant import SKIP_HELP, VariantBase
+
+# config.json model_type -> whether llama.cpp permutes the Q/K rows (its LlamaModel does, Qwen2Model does not);
+# the llama.cpp architecture has the same name. transformers' GGUF loader reads both back.
+GGUF_ARCHS = {"llama": True, "qwen2": False}
+GGUF_WRITTEN_TYPES = {"F16": 1, "Q8_0": 32}  # written here by gguf's numpy quantizer: type -> values per block
+# Made by llama.cpp's own quantizer (llama_model_quantize, the gguf-kquants extra), in super-blocks of QK_K.
+GGUF_KQUANT_TYPES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K")
+GGUF_TYPES = (*GGUF_WRITTEN_TYPES, *GGUF_KQUANT_TYPES)
+QK_K = 256
+GGUF_KQUANTS_INSTALL = ("pip install -e '.[gguf-kquants]' (llama-cpp-python 0.3.36 has no wheel: it builds "
+                        "llama.cpp from source, about 8 minutes on 2 cores)")
+# llama.cpp's llama-quant.cpp: a tensor whose rows are not a multiple of QK_K is written in this type instead.
+KQUANT_FALLBACK = "Q2_K/Q3_K -> IQ4_NL, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0"
+
+
+def gguf_problems(variant, arch: dict, device: str = "cpu") -> list[str]:
+    """What makes a GGUF variant impossible for this model (checked by `compress check` on the recipe's source and
+    again by the converter on the baseline checkpoint)."""
+    mt = arch.get("model_type")
+    if mt not in GGUF_ARCHS:
+        return [f"method 'gguf' converts Llama-family checkpoints only (model_type {' or '.join(GGUF_ARCHS)}: "
+                f"llama.cpp's LlamaModel and Qwen2Model); this model is {mt!r}"]
+    problems = []
+    if arch.get("rope_type") not in (None, "default"):
+        problems.append(f"rope_type {arch['rope_type']!r}: RoPE scaling is not converted to GGUF here yet "
+                        "(plain RoPE only)")
+    if mt == "llama" and (arch.get("attention_bias") or arch.get("mlp_bias")):
+        problems.append("attention_bias/mlp_bias = true: transformers' GGUF loader rebuilds a llama model without "
+                        "biases, so the file could not be measured")
+    kquant = variant.type in GGUF_KQUANT_TYPES
+    if kquant and importlib.util.find_spec("llama_cpp") is None:
+        problems.append(f"type = {variant.type!r} is made by llama.cpp's quantizer (llama-cpp-python), which is not "
+                        f"installed: {GGUF_KQUANTS_INSTALL}; or use type = 'Q8_0' (written without it)")
+    if kquant and variant.modules_to_skip:
+        problems.append(f"type = {variant.type!r}: llama.cpp's quantizer takes no per-module skip list here; "
+                        f"leave modules_to_skip empty (it is {variant.modules_to_skip})")
+    if arch.get("shapes_known") and not variant.allow_fallback:
+        problems += _gguf_block_problems(variant, arch)
+    return problems
+
+
+def _gguf_rows(variant, arch: dict) -> dict[str, int]:
+    """Row length (in-features) of every tensor the type quantizes: the quantized linears and the embedding."""
+    rows = {k: i for k, (i, _) in quantized_linears(arch, variant.modules_to_skip).items()}
+    tied = arch.get("tie_word_embeddings")
+    if tied:  # one tensor, token_embd, serves as both: it is skipped with lm_head
+        rows.pop("lm_head", None)
+    if arch.get("hidden_size") and not (tied and is_skipped("lm_head", variant.modules_to_skip)):
+        rows["embed_tokens"] = arch["hidden_size"]
+    return rows
+
+
+def _gguf_block_problems(variant, arch: dict) -> list[str]:
+    kquant = variant.type in GGUF_KQUANT_TYPES
+    block = QK_K if kquant else GGUF_WRITTEN_TYPES[variant.type]
+    bad = {k: n for k, n in _gguf_rows(variant, arch).items() if n % block}
+    if not bad:
+        return []
+    what = ", ".join(f"{k} ({n})" for k, n in bad.items())
+    instead = (f"llama.cpp writes those tensors in a fallback type ({KQUANT_FALLBACK})" if kquant
+               else "the converter writes those tensors in F16")
+    return [f"type = {variant.type!r} quantizes rows in blocks of {block} values, and these rows are not a multiple "
+            f"of {block}: {what}. Use type = 'Q8_0' (blocks of 32), or set allow_fallback = true to accept that "
+            f"{instead}"]
+
+
+def gguf_runtimes(variant, arch: dict) -> list[dict]:
+    t = variant.type
+    bad = {} if not arch.get("shapes_known") else {
+        k: n for k, n in _gguf_rows(variant, arch).items()
+        if n % (QK_K if t in GGUF_KQUANT_TYPES else GGUF_WRITTEN_TYPES[t])}
+    mixed = f"; rows of {', '.join(bad)} do not fit its blocks: written in a fallback type" if bad else ""
+    return [
+        {"runtime": "llama.cpp", "kernel": f"{t} (CPU, CUDA, Metal, Vulkan)",
+         "note": f"llama-cli / llama-server -m <file>.gguf{mixed}"},
+        {"runtime": "Ollama", "kernel": f"llama.cpp {t}", "note": "ollama run hf.co/<repo>, or a Modelfile FROM ./<file>.gguf"},
+        {"runtime": "LM Studio", "kernel": f"llama.cpp {t}", "note": "loads the .gguf as it is"},
+        {"runtime": "transformers", "kernel": "none: dequantizes every tensor on load (float32)",
+         "note": "from_pretrained(repo, gguf_file=...); measured here this way"},
+        {"runtime": "vLLM (CUDA)", "kernel": "GGUF (experimental)",
+         "note": "single-file GGUF: vllm serve <file>.gguf --tokenizer <repo>"},
+        {"runtime": "GPTQModel", "kernel": "none", "note": "GPTQModel does not load GGUF files"},
+    ]
+
+
+# bits per weight on disk of each file type, block scales included (the disk plan's estimate)
+GGUF_BITS = {"F16": 16.0, "Q8_0": 8.5, "Q6_K": 6.6, "Q5_K_M": 5.7, "Q5_K_S": 5.5, "Q4_K_M": 4.9, "Q4_K_S": 4.6,
+             "Q3_K_L": 4.3, "Q3_K_M": 3.9, "Q3_K_S": 3.5, "Q2_K": 3.4}
+
+
+class GGUFVariant(VariantBase):
+    """A GGUF file for llama.cpp, Ollama and LM Studio, converted from the baseline (pipeline/quant/gguf_export.py);
+    what each type needs is in gguf_problems."""
+
+    method: Literal["gguf"]
+    type: Literal[GGUF_TYPES] = Field(  # type: ignore[valid-type]
+        "Q8_0", description="llama.cpp file type: Q8_0 (8-bit, blocks of 32) or F16, written here; K-quants "
+                            "(Q4_K_M, ...) are made by llama.cpp's quantizer (extra gguf-kquants)")
+    modules_to_skip: list[str] = Field([], description=SKIP_HELP + "; written in the checkpoint's float type "
+                                       "('lm_head' of a tied model keeps the embedding unquantized)")
+    allow_fallback: bool = Field(False, description="accept tensors whose rows do not fit the type's blocks in a "
+                                                    "fallback type (F16 for Q8_0, llama.cpp's for K-quants); off: "
+                                                    "compress check refuses such a model")
+
+
+class GGUFMethod(QuantMethod):
+    name = "gguf"
+    variant = GGUFVariant
+    engine = "gguf"
+    engine_modules = ("pipeline.quant.gguf_export",)
+    checkpoint_format = "gguf"
+    hub_library = "gguf"  # Hub GGUF conventions
+    bits = (2, 3, 4, 5, 6, 8, 16)
+    note = "a GGUF file for llama.cpp, Ollama and LM Studio, converted from the baseline"
+
+    def check(self, variant, arch: dict, device: str) -> list[str]:
+        return gguf_problems(variant, arch, device)
+
+    def runtimes(self, variant, arch: dict) -> list[dict]:
+        return gguf_runtimes(variant, arch)
+
+    def bits_per_weight(self, variant) -> float:
+        return GGUF_BITS.get(variant.type, 8.5)
+
+    def hub_tags(self, params: dict) -> list[str]:  # the Hub lists GGUF repos by the `gguf` tag and the file type
+        return ["gguf", "llama.cpp", str(params.get("type") or "")] if params.get("type") else ["gguf", "llama.cpp"]
+
+    def usage_section(self, repo: str, params: dict, quantize: dict, size) -> list[str]:
+        """Its file, then llama.cpp, Ollama, LM Studio and transformers (the card adds the recorded runtimes)."""
+        q = quantize
+        name, gguf_type = q.get("gguf_file") or "<model>.gguf", q.get("type") or params.get("type") or "?"
+        hub = repo if not repo.startswith((".", "/")) else "<namespace>/<repo>"
+        local = f"{repo}/{name}" if repo.startswith((".", "/")) else name
+        types = ", ".join(f"{k} × {v}" for k, v in (q.get("tensor_types") or {}).items()) or "–"
+        return ["## Files", "", "| file | type | size | tensors |", "|---|---|---|---|",
+                f"| `{name}` | {gguf_type} | {size(q.get('file_bytes'))} | {types} |", "",
+                "The tokenizer is embedded in the file (tokens, merges, special tokens, chat template); the tokenizer "
+                "files beside it are for transformers.", "", "## How to use", "",
+                "[llama.cpp](https://github.com/ggml-org/llama.cpp):", "", "```sh",
+                f'llama-cli -m {local} -p "The history of measurement"',
+                f"llama-server -m {local}   # OpenAI-compatible server",
+                f"llama-cli -hf {hub}   # or straight from the Hub", "```", "",
+                f"[Ollama](https://ollama.com): `ollama run hf.co/{hub}`, or a Modelfile with `FROM ./{name}`. "
+                "LM Studio loads the file as it is.", "",
+                "transformers dequantizes every tensor on load (`pip install gguf`); figures in this card were "
+                "measured this way, in float32:", "", "```python",
+                "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
+                f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
+                f'model = AutoModelForCausalLM.from_pretrained("{repo}", gguf_file="{name}")', "```", ""]
+
+    def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
+        """The whole file in memory (pipeline/quant/gguf_export.py Converted)."""
+        from pipeline.quant.gguf_export import convert
+
+        config = json.loads((base_dir / "config.json").read_text())
+        problems = gguf_problems(variant, linear_shapes_from_config(config))
+        if problems:  # the rules `compress check` applied to the recipe's source, now on the checkpoint itself
+            raise ValueError("; ".join(problems))
+        return convert(base_dir, variant, config, variant.type in GGUF_KQUANT_TYPES, GGUF_ARCHS[config["model_type"]],
+                       console)
+
+    def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
+        """Write the file (through llama.cpp's quantizer for K-quants), the tokenizer files beside it, and
+        describe what the file holds, read back from it."""
+        from pipeline.quant.gguf_export import write
+
+        return write(model, base_dir, out_dir, variant, variant.type in GGUF_KQUANT_TYPES)
+
+
+METHODS = (GGUFMethod(),)

@@ -1,0 +1,112 @@
+"""GPTQ (Frantar et al. 2022) through GPTQModel: the recipe variant, what it takes, and the work (GPTQModel's
+driver, shared with RTN and AWQ, is pipeline/quant/gptqmodel_driver.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import IO, Literal, Optional
+
+from pydantic import Field
+
+from pipeline.quant.gptq_format import GPTQ_GROUP_SIZES, GPTQModelKernels, gptq_runtimes, gptq_usage
+from pipeline.quant.method import QuantMethod, bits_tags, grouped_bits
+from pipeline.quant.variant import Calibrated, GPTQFormat
+
+DRIVER = "pipeline.quant.gptqmodel_driver"
+
+
+class GPTQVariant(Calibrated, GPTQFormat):
+    method: Literal["gptq"]
+    desc_act: bool = Field(False, description="act-order: quantize columns by decreasing Hessian diagonal")
+    act_group_aware: Optional[bool] = Field(
+        None, description="GPTQModel's group-aware reordering (GAR): act-order inside each group, g_idx stays "
+                          "monotone (fast kernels). None = on where it applies (group_size > 0, desc_act off)")
+    damp_percent: float = Field(0.05, gt=0, lt=1, description="Hessian dampening, fraction of its mean diagonal")
+    true_sequential: bool = Field(True, description="quantize attention then MLP inside a layer, each on the "
+                                                    "inputs produced by the already-quantized modules")
+    mse: float = Field(2.4, ge=0, description="scale search: shrink each group's min/max range to minimise the "
+                                              "|error|^mse of its weights (GPTQ paper's norm 2.4); 0 = plain "
+                                              "min/max (GPTQModel's default). ~2x quantization time")
+    gptaq_alpha: float = Field(0.0, ge=0, le=1, description="GPTAQ: also fit each layer to the full-precision "
+                                                           "model's inputs (asymmetric calibration), weight of that "
+                                                           "correction term (GPTAQ's recommended 0.25); 0 = off")
+    foem_beta: float = Field(0.0, ge=0, le=1, description="FOEM: first-order error compensation on top of GPTQ "
+                                                         "(or GPTAQ when gptaq_alpha > 0), 0.1-0.25 typical; 0 = off")
+
+
+class GPTQMethod(GPTQModelKernels, QuantMethod):
+    name = "gptq"
+    variant = GPTQVariant
+    engine = "gptqmodel"
+    engine_modules = (DRIVER,)
+    checkpoint_format = "gptq"
+    bits = (2, 3, 4, 8)
+    group_sizes = GPTQ_GROUP_SIZES
+    needs_calibration = True
+    note = "GPTQ (Frantar et al. 2022) through GPTQModel"
+    offload = True
+    memory = "layerwise"
+
+    def check(self, variant, arch: dict, device: str) -> list[str]:
+        problems = []
+        if variant.act_group_aware:
+            if variant.desc_act:
+                problems.append("desc_act = true and act_group_aware = true exclude each other: drop act_group_aware")
+            if variant.group_size <= 0:
+                problems.append(f"act_group_aware reorders columns inside groups: it needs group_size > 0, "
+                                f"not {variant.group_size}; drop act_group_aware")
+        return problems
+
+    def runtimes(self, variant, arch: dict) -> list[dict]:
+        return gptq_runtimes(variant, arch)
+
+    def bits_per_weight(self, variant) -> float:
+        return grouped_bits(variant)
+
+    def hub_tags(self, params: dict) -> list[str]:
+        return bits_tags(params, "gptq")
+
+    def card_usage(self, repo: str, params: dict, quantize: dict) -> list[str]:
+        return gptq_usage(repo)
+
+    def session(self, out_dir: Path):
+        from pipeline.quant.gptqmodel_driver import session
+
+        return session(out_dir)
+
+    def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
+        from pipeline.quant.common import base_dtype
+        from pipeline.quant.gptqmodel_driver import calibration_rows, quantize_with
+
+        return quantize_with(base_dir, gptq_config(variant), calibration_rows(calib_ids), console, variant.name,
+                             variant.dtype or base_dtype(base_dir), device, offload=offload)
+
+    def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
+        from pipeline.quant.gptqmodel_driver import save
+
+        return save(model, base_dir, out_dir, variant)
+
+
+def gptq_config(variant):
+    from gptqmodel import GPTQConfig
+    from gptqmodel.quantization.config import FOEMConfig, GPTAQConfig
+
+    from pipeline.quant.gptqmodel_driver import common_kwargs
+
+    extra = {}
+    if variant.foem_beta > 0:  # GPTQModel: FOEM with alpha > 0 is FOEM + GPTAQ
+        extra["foem"] = FOEMConfig(alpha=variant.gptaq_alpha, beta=variant.foem_beta, device="cpu")
+    elif variant.gptaq_alpha > 0:
+        extra["gptaq"] = GPTAQConfig(alpha=variant.gptaq_alpha, device="cpu")
+    return GPTQConfig(**common_kwargs(variant), desc_act=variant.desc_act, act_group_aware=act_group_aware(variant),
+                      damp_percent=variant.damp_percent, true_sequential=variant.true_sequential, mse=variant.mse,
+                      **extra)
+
+
+def act_group_aware(variant) -> bool:
+    """The recipe's None: on where it applies (GPTQModel's default, except that it fails on group_size -1)."""
+    if variant.act_group_aware is not None:
+        return variant.act_group_aware
+    return variant.group_size > 0 and not variant.desc_act
+
+
+METHODS = (GPTQMethod(),)
