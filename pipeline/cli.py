@@ -78,9 +78,16 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
         click.echo(f"publish   {summary(r.publish)}")
     tasks = r.validate_.tasks
     if tasks.enabled and tasks.tasks:
-        click.echo(f"tasks     {', '.join(tasks.tasks)} (lm-eval; {tasks.limit or 'all'} items each, seed {tasks.seed}, "
-                   f"{tasks.num_fewshot}-shot) on {tasks.models if tasks.models != 'all' else 'every model'}"
-                   + ("; runs generated code (execute_code = true)" if tasks.execute_code else ""))
+        from pipeline.eval.tasks_config import HUMANEVAL
+
+        scored = [t for t in tasks.tasks if t != HUMANEVAL]
+        sample = f"seed {tasks.seed}" if tasks.seed is not None else "the first items"
+        parts = [f"{', '.join(scored)} (lm-eval; {tasks.limit or 'all'} items each, {sample}, "
+                 f"{tasks.num_fewshot}-shot)"] if scored else []
+        if HUMANEVAL in tasks.tasks:
+            parts.append(f"humaneval (greedy pass@1 on the first {tasks.limit or 164} problems; runs generated code "
+                         "in a sandbox, execute_code = true)")
+        click.echo(f"tasks     {'; '.join(parts)} on {tasks.models if tasks.models != 'all' else 'every model'}")
     for w in plan.warnings:
         click.echo(f"warning   {w}")
 

@@ -27,6 +27,7 @@ def lock_text(recipe, vers: dict, device: str, run_id: str) -> str:
     import tomli_w
 
     from pipeline import data
+    from pipeline.eval.tasks_config import data_lock
     from pipeline.fileio import sha256_file
     from pipeline.sources import parse
     from pipeline.fileio import drop_none
@@ -35,6 +36,7 @@ def lock_text(recipe, vers: dict, device: str, run_id: str) -> str:
     files = {}
     for ds in sorted({recipe.calibration.dataset, recipe.validate_.perplexity.dataset}):  # a set: sort for a stable lock
         files[ds] = data.fingerprint(data.resolve(ds)) or "hf-cache"
+    files.update(data_lock(recipe.validate_.tasks))  # [validate.tasks]: each data file read, by its pinned sha256
     lock = {"lock": {"run_id": run_id, "created": schema.now(), "versions": vers,
                      "model_file": str(src.path), "model_sha256": sha256_file(src.path) if src.path.is_file() else "",
                      "data_sha256": files, "device": device},
