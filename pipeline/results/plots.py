@@ -10,6 +10,7 @@ from typing import Any
 from pipeline.results.format import PLOTS
 from pipeline.results.query import dig, models
 from pipeline.results.schema import Report
+from pipeline.results.serve_table import CB, KV, PLAIN, SPEC, STATIC, TECHNIQUES_PLOT, technique_rows
 from pipeline.fileio import atomic_path
 
 _MIB = 2**20
@@ -19,10 +20,11 @@ TASK_PLOT = "task_recovery_vs_bits.png"  # [validate.tasks] (drawn only when a v
 def write_plots(report: Report, out_dir: Path) -> list[str]:
     out_dir = Path(out_dir)
     written = []
+    extra = {"task_recovery": TASK_PLOT, "techniques": TECHNIQUES_PLOT}
     for key, draw in (("frontier", frontier_plot), ("decode", decode_plot), ("acceptance", acceptance_plot),
-                      ("task_recovery", recovery_plot)):
+                      ("task_recovery", recovery_plot), ("techniques", techniques_plot)):
         fig = draw(report)
-        path = out_dir / (PLOTS.get(key) or TASK_PLOT)
+        path = out_dir / (PLOTS.get(key) or extra[key])
         if fig is None:
             path.unlink(missing_ok=True)  # stale plot from an earlier render: its data is gone
             continue
@@ -181,4 +183,52 @@ def recovery_plot(report: Report):
     ax.set_xlabel("bits per weight (decoder linears, as stored)")
     ax.set_ylabel("average task recovery (variant / baseline)")
     ax.set_title("Task recovery vs bits per weight\n" + _subtitle(report), fontsize=9)
+    return fig
+
+
+# the lines of the techniques plot: batch-1 rows are single points, the others one line per model over N
+_TECH_STYLE = {PLAIN: ("x", ""), KV: ("o", ""), STATIC: ("o", "-"), CB: ("s", "--"), SPEC: ("*", "")}
+
+
+def techniques_plot(report: Report):
+    """The techniques table as one figure (pipeline/results/serve_table.py technique_rows): output tok/s against
+    batch size / concurrency N, and p99 time per output token against output tok/s; a colour per model, a marker
+    and line style per technique. Static batching's line starts at its batch-1 KV-cache point."""
+    rows = [r for r in technique_rows(report) if r.tok_s and (r.technique in _TECH_STYLE or r.kind == "server")]
+    if not rows:
+        return None
+    fig = _figure(12.0, 4.8)
+    left, right = fig.subplots(1, 2)
+    names = list(dict.fromkeys(r.model for r in rows))
+    for i, name in enumerate(names):
+        mine = [r for r in rows if r.model == name]
+        for tech in dict.fromkeys(r.technique for r in mine):
+            pts = sorted((r for r in mine if r.technique == tech or (tech == STATIC and r.technique == KV)),
+                         key=lambda r: r.n)
+            if tech == KV and any(r.technique == STATIC for r in mine):
+                continue  # drawn as the first point of the static batching line
+            marker, ls = _TECH_STYLE.get(tech, ("s", ":"))
+            label = f"{name}: {tech}" + (" (N=1: KV cache)" if tech == STATIC and pts[0].n == 1 else "")
+            style = dict(color=f"C{i % 10}", marker=marker, linestyle=ls or "none", label=label)
+            left.plot([r.n for r in pts], [r.tok_s for r in pts], **style)
+            lat = [r for r in pts if r.p99_ms]
+            if lat:
+                right.plot([r.tok_s for r in lat], [r.p99_ms for r in lat], **style)
+                for r in lat:
+                    right.annotate(f"N={r.n}", (r.tok_s, r.p99_ms), textcoords="offset points", xytext=(3, 3),
+                                   fontsize=6)
+    ns = sorted({r.n for r in rows})
+    left.set_xscale("log", base=2)
+    left.set_xticks(ns, [str(n) for n in ns])
+    left.set_xlabel("batch size (generate) / concurrency (server)")
+    left.set_ylabel("output tokens/s (all sequences)")
+    left.set_title("Throughput vs concurrency", fontsize=10)
+    right.set_xlabel("output tokens/s (all sequences)")
+    right.set_ylabel("p99 ms per output token (one sequence)")
+    right.set_title("p99 latency vs throughput", fontsize=10)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=7)
+    fig.suptitle("Techniques: plain decoding, KV cache, static and continuous batching, speculative decoding\n"
+                 + _subtitle(report), fontsize=10)
     return fig

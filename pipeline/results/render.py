@@ -12,7 +12,7 @@ from pipeline.results.format import FP_DISTILLED, num, size, speculative_label, 
 from pipeline.results.gates import fmt_value, gate_status
 from pipeline.results.query import dig, is_distilled, models, shown_params
 from pipeline.results.schema import ModelEntry, ModelInfo, Report
-from pipeline.results.serve_table import serving
+from pipeline.results.serve_table import serving, techniques_section
 
 
 def baseline_label(report: Report) -> str:
@@ -168,12 +168,11 @@ def _speed(report: Report) -> list[str]:
     if bw:
         lines += [f"Roofline = weight bytes read per token / time per token, over the copy bandwidth measured in "
                   f"each model's process ({min(bw) / 1e9:.3g}–{max(bw) / 1e9:.3g} GB/s, read + write bytes).", ""]
-    rows = [[name, t, spread(r.get("decode_tokens_per_s")), spread(r.get("prefill_tokens_per_s")),
-             num(r.get("speedup_vs_kv_cache"), 3), r.get("skipped") or r.get("error") or r.get("note") or ""]
-            for name, s in timed for t, r in (s.get("techniques") or {}).items() if isinstance(r, dict)]
-    if rows:
-        lines += ["Techniques (batch 1):", ""]
-        lines += table(["model", "technique", "decode tok/s", "prefill tok/s", "vs KV cache", "note"], rows) + [""]
+    prefill = [[name, t, spread(r.get("prefill_tokens_per_s"))] for name, s in timed
+               for t, r in (s.get("techniques") or {}).items() if isinstance(r, dict) and r.get("prefill_tokens_per_s")]
+    if prefill:  # attention kernels also time prefill; their decode rows are in the techniques table
+        lines += ["Prefill tok/s by attention kernel (batch 1):", ""]
+        lines += table(["model", "technique", "prefill tok/s"], prefill) + [""]
     return lines
 
 
@@ -263,7 +262,8 @@ def render_markdown(report: Report, plots: list[str]) -> str:
     lines: list[str] = []
     from pipeline.results.tasks_render import tasks_section
 
-    for section in (_header, _quality, tasks_section, _size, _speed, _speculative, serving, _gates, _stages, _exports):
+    for section in (_header, _quality, tasks_section, _size, _speed, _speculative, serving, techniques_section, _gates,
+                    _stages, _exports):
         lines += section(report)
     lines += ["## Plots", ""] + ([f"![{p}](plots/{p})" for p in plots] or ["No data to plot yet."])
     return "\n".join(lines) + "\n"

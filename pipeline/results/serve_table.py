@@ -1,11 +1,19 @@
 """report.md's "Serving" section: each served model's engine, greedy equality and load-test levels
 (validate/<model>/serve), and a line for each model whose serving was skipped (and why). Absent from the report
-when no model was served or skipped."""
+when no model was served or skipped.
+
+Also the one owner of the techniques rows (`technique_rows`): plain decoding, KV cache, static batching (padded
+`generate` at batch N), continuous batching (the server at concurrency N) and speculative decoding, per model, read
+by report.md's techniques table (`techniques_section`) and its plot (pipeline/results/plots.py techniques_plot)."""
 from __future__ import annotations
 
-from pipeline.results.format import num, size, table
+from dataclasses import dataclass
+
+from pipeline.results.format import FP_DISTILLED, num, size, table
 from pipeline.results.query import models
 from pipeline.results.schema import Report
+
+TECHNIQUES_PLOT = "techniques_throughput_latency.png"
 
 
 def _ms(v) -> str:
@@ -54,3 +62,130 @@ def serving(report: Report) -> list[str]:
     out = lines + (table(header, body) + [""] if body else [])
     out += [f"- {name} ({s.get('engine', '?')}): skipped: {s['skipped']}" for name, s in skipped]
     return out + ([""] if skipped else [])
+
+
+# ---------------------------------------------------------------- the techniques table (report.md and its plot)
+@dataclass(frozen=True)
+class TechRow:
+    """One technique of one model at batch size / concurrency n: the row of report.md's techniques table and a
+    point of its plot (pipeline/results/plots.py techniques_plot). tok_s: output tokens/s of all sequences;
+    p99_ms: p99 time per output token of one sequence; kind: which measurement produced it (KIND_NOTES)."""
+
+    model: str
+    technique: str
+    n: int
+    tok_s: float | None
+    p99_ms: float | None
+    ttft_p99_ms: float | None
+    kind: str
+    note: str = ""
+
+
+PLAIN, KV, STATIC, CB, SPEC = ("plain decoding", "KV cache", "static batching", "continuous batching",
+                               "speculative decoding")
+KIND_NOTES = {
+    "generate": "`generate`, decode steps only (median of the timed runs); p99 ms/token and TTFT p99: the slowest "
+                "timed run (nearest rank over so few runs)",
+    "server": "`compress serve` under the load test: completion tokens over the level's wall time (prefill and "
+              "queueing included); p99 ms/token: inter-token latency p99",
+    "speculative": "the verifier with its draft in the speculative decoder's loop: new tokens over whole-call time "
+                   "(prefill included), batch 1",
+}
+
+
+def _median(stats) -> float | None:
+    return stats.get("median") if isinstance(stats, dict) else None
+
+
+def _slowest_ms(stats, n: int) -> float | None:
+    """ms per output token of one sequence in the slowest timed run (n sequences decoded together)."""
+    low = stats.get("min") if isinstance(stats, dict) else None
+    return 1000.0 * n / low if low else None
+
+
+def _generate_rows(name: str, speed: dict) -> list[TechRow]:
+    """Plain decoding, KV cache, the other batch-1 technique rows and static batching, from a speed payload."""
+    rows, tech = [], speed.get("techniques") or {}
+    note = lambda r: r.get("skipped") or r.get("error") or ""  # noqa: E731
+    plain = tech.get("no_kv_cache")
+    if isinstance(plain, dict):
+        tps = plain.get("decode_tokens_per_s")
+        rows.append(TechRow(name, PLAIN, 1, _median(tps), _slowest_ms(tps, 1), None, "generate",
+                            note(plain) or "no KV cache: every step re-runs the whole sequence"))
+    for key, dec in sorted((speed.get("decode") or {}).items(), key=lambda kv: int(kv[0])):
+        n, tps = int(key), (dec or {}).get("tokens_per_s")
+        ttft = ((dec or {}).get("ttft_s") or {}).get("max")
+        rows.append(TechRow(name, KV if n == 1 else STATIC, n, _median(tps), _slowest_ms(tps, n),
+                            ttft * 1000 if ttft is not None else None, "generate",
+                            "dynamic KV cache, batch 1" if n == 1 else
+                            f"padded `generate`: {n} prompts of different lengths left-padded into one batch"))
+        if n == 1:  # the other batch-1 rows follow the one they are compared with
+            for t, r in tech.items():
+                if t not in ("kv_cache", "no_kv_cache") and isinstance(r, dict):
+                    tps = r.get("decode_tokens_per_s")
+                    rows.append(TechRow(name, f"KV cache + {t}", 1, _median(tps), _slowest_ms(tps, 1), None,
+                                        "generate", note(r) or r.get("note", "")))
+    return rows
+
+
+def _served_rows(name: str, serve: dict) -> list[TechRow]:
+    engine = _engine(serve)
+    label = CB if engine == "transformers" else f"served ({engine}, one request at a time)"
+    return [TechRow(name, label, lv["concurrency"], lv.get("output_tok_s"),
+                    lv["itl_p99_s"] * 1000 if lv.get("itl_p99_s") is not None else None,
+                    lv["ttft_p99_s"] * 1000 if lv.get("ttft_p99_s") is not None else None, "server",
+                    f"{lv.get('errors', 0)}/{lv.get('requests', '?')} errors")
+            for lv in serve["levels"]]
+
+
+def _speculative_rows(report: Report) -> list[TechRow]:
+    """The distilled draft's rows (greedy, each temperature) under its verifier's name."""
+    d = report.draft
+    if d is None or not d.verifier or not isinstance(d.speculative, dict):
+        return []
+    rows = []
+    for mode, s in d.speculative.items():
+        if mode.split(" ")[0] in ("undistilled", FP_DISTILLED) or not isinstance(s, dict):  # comparisons only
+            continue
+        speedup, gamma = s.get("speedup"), s.get("gamma")
+        rows.append(TechRow(d.verifier, SPEC, 1, s.get("tokens_per_s"), None, None, "speculative",
+                            f"draft `{d.name}`, {mode}" + (f", gamma {gamma}" if gamma else "")
+                            + (f", {speedup:.2f}× plain decoding in the same loop" if speedup else "")))
+    return rows
+
+
+def technique_rows(report: Report) -> list[TechRow]:
+    """Every model's technique rows, each model's together: plain decoding, KV cache (and the other batch-1 rows),
+    static batching at each batch size, continuous batching at each concurrency level, speculative decoding."""
+    timed = [(n, m.speed, m.serve) for n, m in models(report)]
+    if report.draft is not None:
+        timed.append((report.draft.name, report.draft.speed, None))
+    spec = _speculative_rows(report)
+    rows = []
+    for name, speed, serve in timed:
+        if isinstance(speed, dict) and "skipped" not in speed:
+            rows += _generate_rows(name, speed)
+        if isinstance(serve, dict) and serve.get("levels"):
+            rows += _served_rows(name, serve)
+        rows += [r for r in spec if r.model == name]
+    return rows
+
+
+def techniques_section(report: Report) -> list[str]:
+    """report.md's techniques table: one table, a row per model, technique and batch size / concurrency."""
+    rows = technique_rows(report)
+    if not rows:
+        return []
+    kv = {r.model: r.tok_s for r in rows if r.technique == KV and r.tok_s}
+    body = [[r.model, r.technique, num(r.n), num(r.tok_s, 3), num(r.p99_ms, 3), num(r.ttft_p99_ms, 3),
+             num(r.tok_s / kv[r.model], 3) if r.tok_s and r.model in kv else "–", r.kind, r.note] for r in rows]
+    kinds = sorted({r.kind for r in rows}, key=list(KIND_NOTES).index)
+    lines = ["## Techniques", "", "Output tokens/s of every technique, per model, at batch size / concurrency N "
+             "(plotted in `plots/" + TECHNIQUES_PLOT + "`). × KV cache: over the same model's batch-1 KV-cache "
+             "decode. Rows a model lacks were not measured for it: plain decoding and the other batch-1 rows "
+             "([validate.speed] technique_models), continuous batching ([validate.serve]), speculative decoding "
+             "(the [draft] verifier only).", ""]
+    lines += [f"- {k}: {KIND_NOTES[k]}" for k in kinds] + [""]
+    header = ["model", "technique", "N", "output tok/s", "p99 ms/token", "TTFT p99 ms", "× KV cache", "measured by",
+              "note"]
+    return lines + table(header, body) + [""]
