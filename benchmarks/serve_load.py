@@ -82,18 +82,20 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=None, help="per level (default 2 x concurrency, at least 4)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-words", type=int, default=64)
-    ap.add_argument("--port", type=int, default=18600)
+    ap.add_argument("--port", type=int, default=None, help="default: a free loopback port")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     from pipeline.serve.loadtest import run
+    from pipeline.serve.measure import free_port
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     folder = gguf_folder(a.source, work) if a.engine == "llama.cpp" else hf_folder(a.source, work)
     levels = [int(x) for x in a.concurrency.split(",")]
-    url = f"http://127.0.0.1:{a.port}"
+    port = a.port or free_port()
+    url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
-    cmd = [sys.executable, "-m", "pipeline.cli", "serve", str(folder), "--port", str(a.port), "--engine", a.engine,
+    cmd = [sys.executable, "-m", "pipeline.cli", "serve", str(folder), "--port", str(port), "--engine", a.engine,
            "--threads", str(a.threads), "--slots", str(max(levels)), "--max-queue", str(max(levels)), "--max-model-len", "512"]
     proc = subprocess.Popen(cmd, env=env)
     try:

@@ -22,6 +22,7 @@ class Step:
 
 class TransformersEngine:
     name = "transformers (continuous batching)"
+    POLL_S = 1.0  # how often a request waiting for its next token checks that the generation thread still runs
 
     def __init__(self, folder: Path, max_batch: int, max_len: int, device: str = "cpu") -> None:
         """max_batch requests at once, each at most max_len tokens (prompt + output, capped at the model's context).
@@ -65,15 +66,26 @@ class TransformersEngine:
         queue: asyncio.Queue = asyncio.Queue()
         rid = f"cmp-{next(self._ids)}"
         finished = False
+        # the handler first: the generation thread may emit this request's first output (or its last, for a short
+        # request) before add_request returns, and an output with no handler goes to the shared queue, lost to this
+        # request (a missing token in the stream, or a request that never ends and keeps its slot)
+        self._cb.register_result_handler(rid, queue.put_nowait)
         added = self._cb.add_request(list(input_ids), request_id=rid, max_new_tokens=max_new_tokens, streaming=True,
                                      eos_token_id=-1 if ignore_eos or not self.eos else self.eos)
         if added is None:
+            self._forget(rid)
             yield Step([], True, "the engine is not accepting requests (stopping)")
             return
-        self._cb.register_result_handler(rid, queue.put_nowait)
         try:
             while True:
-                out = await queue.get()
+                try:
+                    out = await asyncio.wait_for(queue.get(), self.POLL_S)
+                except TimeoutError:
+                    if self.alive():
+                        continue  # a long prefill, or a full batch: still coming
+                    # nothing will come: end the request (cancelled and forgotten below), not hold its slot forever
+                    yield Step([], True, "the generation thread stopped")
+                    return
                 finished = out.is_finished()
                 yield Step(list(out.generated_tokens), finished, out.error)
                 if finished:
@@ -81,9 +93,12 @@ class TransformersEngine:
         finally:
             if not finished:
                 self._cb.cancel_request(rid)
-                with self._cb.output_router._lock:
-                    self._cb.output_router.result_handlers.pop(rid, None)
+                self._forget(rid)
                 self.drop_orphans()
+
+    def _forget(self, rid: str) -> None:
+        with self._cb.output_router._lock:
+            self._cb.output_router.result_handlers.pop(rid, None)
 
     def drop_orphans(self) -> None:
         """Outputs of cancelled requests (no handler any more) land on the manager's shared queue, which this server

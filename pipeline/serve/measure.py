@@ -64,9 +64,21 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
             rc = proc.wait()
         log.close()
     compare = equality if exact else text_equality
-    return {"engine": health["engine"], "versions": health["versions"], "server_exit": rc,
+    return {"engine": health.get("engine") or engine, "versions": health.get("versions") or _versions(engine),
+            "device": device, "server_exit": rc,
             "equality": compare(folder, prompts[:cfg.equality_prompts], served, cfg.equality_tokens, device),
             "levels": levels}
+
+
+def _versions(engine: str) -> dict:
+    """An engine's version from its package metadata, for a server whose /health does not say (vLLM's is empty)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    package = {"vllm": "vllm", "llama.cpp": "llama-cpp-python"}.get(engine, engine)
+    try:
+        return {package: version(package)}
+    except PackageNotFoundError:
+        return {}
 
 
 def _wait(url: str, proc: subprocess.Popen, timeout: float, out: Path) -> dict:
@@ -77,9 +89,14 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float, out: Path) -> dict:
             raise StageError(f"compress serve exited {proc.returncode} before it was healthy: {tail}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                return json.loads(r.read())
+                body = r.read()
         except OSError:
             time.sleep(0.5)
+            continue
+        try:  # compress serve's /health says its engine and versions; vLLM's is 200 with an empty body
+            return json.loads(body) if body.strip() else {}
+        except ValueError:
+            return {}
     raise StageError(f"compress serve was not healthy within {timeout:g} s (log: {out / 'server.log'})")
 
 

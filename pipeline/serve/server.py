@@ -78,7 +78,7 @@ def serve(folder: str, *, host: str, port: int, engine: str, api_key: str | None
         return serve_gguf(exp.path / exp.gguf_file, exp.path.name, sock, host, port, key, threads=threads,
                           n_ctx=max_model_len, drain_s=drain_s, slots=slots)
     if chosen == "vllm":
-        return _exec_vllm(exp, sock, host, port, key, slots)
+        return _exec_vllm(exp, sock, host, port, key, slots, max_model_len)
     return _serve_transformers(exp.path, sock, host, port, key, slots=slots, max_queue=max_queue,
                                queue_timeout_s=queue_timeout_s, max_tokens_limit=max_tokens_limit, drain_s=drain_s,
                                device=device, threads=threads, max_model_len=max_model_len)
@@ -126,13 +126,22 @@ def _serve_transformers(path: Path, sock: socket.socket, host: str, port: int, k
     return 0
 
 
-def _exec_vllm(exp, sock: socket.socket, host: str, port: int, key: str | None, slots: int) -> int:
+def _exec_vllm(exp, sock: socket.socket, host: str, port: int, key: str | None, slots: int,
+               max_model_len: int) -> int:
     """vLLM's own OpenAI-compatible server, in place of this process (same host, port and key). Never run here
-    (no GPU in these sessions): its flags are vLLM's documented ones."""
+    (no GPU with vLLM in these sessions): its flags are vLLM's documented ones. The key goes in VLLM_API_KEY, which
+    vLLM reads when --api-key is absent: never on the command line, where the process list and vLLM's own log of
+    its non-default arguments would show it. (vLLM checks the key on /v1 routes only: see its security guide.)"""
     sock.close()
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(exp.path),
-            "--served-model-name", exp.path.name, "--host", host, "--port", str(port), "--max-num-seqs", str(slots)]
+    argv = vllm_argv(exp.path, host, port, slots, min(max_model_len, exp.context or max_model_len))
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
     if key:
-        argv += ["--api-key", key]
-    os.execv(sys.executable, argv)
+        env["VLLM_API_KEY"] = key
+    os.execve(sys.executable, argv, env)
     return 0  # not reached
+
+
+def vllm_argv(path: Path, host: str, port: int, slots: int, max_model_len: int) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
+            "--served-model-name", path.name, "--host", host, "--port", str(port), "--max-num-seqs", str(slots),
+            "--max-model-len", str(max_model_len)]

@@ -145,6 +145,10 @@ def test_compress_serve_exits_2_for_an_engine_that_cannot_serve_the_folder(tmp_p
                        text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert f"engine transformers cannot serve {gguf} here: serves Hugging Face checkpoints, not a .gguf file" in r.stderr
+    r = subprocess.run(serve_cmd(gptq, free_port(), "--engine", "vllm"), env=env(CUDA_VISIBLE_DEVICES=""),
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert f"engine vllm cannot serve {gptq} here: needs a CUDA GPU; engines that can: transformers" in r.stderr
 
 
 def test_compress_check_exits_2_for_vllm_on_cpu(tmp_path):
@@ -199,3 +203,71 @@ def test_serving_section_has_an_engine_per_row_and_the_skipped_line():
     md = render_markdown(only_skipped, [])
     section = md[md.index("## Serving"):].split("\n## ")[0]
     assert f"- g (llama.cpp): skipped: {MISSING}" in section and "| model |" not in section
+
+
+def test_vllm_is_offered_when_installed_with_a_gpu(tmp_path, monkeypatch):
+    real = serve_folder._importable
+    monkeypatch.setattr(serve_folder, "_importable", lambda name: name == "vllm" or real(name))
+    gptq = ExportFolder(tmp_path / "w4", "hf", "gptq")
+    assert serve_folder.engines_for("hf", cuda=True)["vllm"] is None
+    assert choose_engine(gptq, "vllm", cuda=True) == "vllm"
+    assert choose_engine(gptq, "auto", cuda=True) == "transformers"  # --engine chooses it; auto never does
+    monkeypatch.setattr(serve_folder, "_importable", lambda name: name != "vllm" and real(name))
+    with pytest.raises(RecipeError, match="vllm is not installed; engines that can: transformers$"):
+        choose_engine(gptq, "vllm", cuda=True)
+
+
+def test_vllm_gets_the_key_from_the_environment_never_its_command_line(tmp_path, monkeypatch):
+    import socket
+
+    from pipeline.serve import server
+
+    calls = []
+    monkeypatch.setattr(server.os, "execv", lambda exe, argv: calls.append((argv, dict(server.os.environ))))
+    monkeypatch.setattr(server.os, "execve", lambda exe, argv, env: calls.append((argv, env)))
+    monkeypatch.setenv("VLLM_API_KEY", "stale-key-from-the-shell")
+    exp = ExportFolder(tmp_path / "w4", "hf", "gptq", None, 128)
+    for key in ("sk-secret-9d1e", None):
+        server._exec_vllm(exp, socket.socket(), "0.0.0.0", 8123, key, 4, 2048)
+    (argv, env), (argv_none, env_none) = calls
+    assert "sk-secret-9d1e" not in " ".join(argv) and "--api-key" not in argv
+    assert env["VLLM_API_KEY"] == "sk-secret-9d1e"
+    assert "VLLM_API_KEY" not in env_none  # no key asked for: none required, whatever the shell had
+    flags = dict(zip(argv[3::2], argv[4::2]))
+    assert flags == {"--model": str(tmp_path / "w4"), "--served-model-name": "w4", "--host": "0.0.0.0",
+                     "--port": "8123", "--max-num-seqs": "4", "--max-model-len": "128"}  # capped at the context
+
+
+def test_the_serve_unit_reads_a_health_route_with_an_empty_body(tmp_path):
+    """vLLM's /health answers 200 with no body: the measurement starts anyway, its engine and versions from the
+    engine name and package metadata."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from pipeline.serve.measure import _wait
+
+    class Empty(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Empty)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        class Alive:
+            returncode = None
+
+            def poll(self):
+                return None
+
+        assert _wait(f"http://127.0.0.1:{httpd.server_port}", Alive(), 10, tmp_path) == {}
+    finally:
+        httpd.shutdown()
+    from pipeline.serve.measure import _versions
+
+    assert _versions("no-such-engine") == {}
+    assert _versions("transformers")["transformers"]

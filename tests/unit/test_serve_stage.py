@@ -61,6 +61,16 @@ def test_recipe_adds_a_serve_unit_after_quality():
     assert not any(u.key.endswith("/serve") for u in validate.units(off))
 
 
+def test_load_test_prompts_come_from_the_perplexity_corpus():
+    from pipeline.data import resolve, rows
+    from pipeline.serve.loadtest import corpus_prompts
+
+    prompts = corpus_prompts(4, 8, "wikitext2")
+    corpus = " ".join(" ".join(r.split()) for r in rows(resolve("wikitext2")) if r.strip())
+    assert len(prompts) == 4 and all(len(p.split()) == 8 and p in corpus for p in prompts)
+    assert len(set(prompts)) == 4
+
+
 @pytest.mark.slow
 def test_measure_on_the_tiny_model(tmp_path):
     from pipeline.serve.measure import measure
@@ -76,6 +86,7 @@ def test_measure_on_the_tiny_model(tmp_path):
     assert [lv["concurrency"] for lv in res["levels"]] == [1, 4]
     assert all(lv["errors"] == 0 and lv["output_tokens"] == lv["requests"] * 8 for lv in res["levels"])
     assert res["server_exit"] == 0 and res["levels"][-1]["server_peak_rss_bytes"] > 0
+    assert res["engine"].startswith("transformers") and res["device"] == "cpu"  # the card reads the device
 
 
 def test_card_runtime_rows_say_served_or_expected_and_report_has_a_serving_table():
@@ -100,3 +111,20 @@ def test_card_runtime_rows_say_served_or_expected_and_report_has_a_serving_table
     md = render_markdown(Report.model_validate({"run": RUN, "baseline": {"serve": serve}}), [])
     assert "## Serving" in md and "| baseline | transformers | 16 | 96.7 | 3.00 | 1100 | 1800 | 120 | 700 | 0/32 |" in md and "3/3" in md
     assert "## Serving" not in render_markdown(Report.model_validate({"run": RUN}), [])
+
+
+def test_card_rows_served_on_cuda_by_vllm_and_on_cpu_by_llama_cpp():
+    """The serve unit records its device (pipeline/serve/measure.py): a GPU run served by vLLM turns the card's
+    "vLLM (CUDA)" row into "served here" and leaves the CPU transformers row as it was."""
+    from pipeline.results.card import served_note
+    from pipeline.results.schema import ModelEntry
+
+    level = {"concurrency": 16, "requests": 32, "errors": 0, "output_tok_s": 900.0}
+    vllm = ModelEntry(serve={"engine": "vllm", "versions": {"vllm": "0.11.0"}, "device": "cuda", "levels": [level]})
+    assert served_note(vllm, {"runtime": "vLLM (CUDA)"}) == ("served here: 900.0 output tok/s at concurrency 16, "
+                                                             "0 errors of 32 (vllm 0.11.0)")
+    assert served_note(vllm, {"runtime": "transformers (CPU)"}).startswith("expected")
+    gguf = ModelEntry(serve={"engine": "llama.cpp (llama-cpp-python server: one request at a time)",
+                             "versions": {"llama-cpp-python": "0.3.36"}, "device": "cpu", "levels": [level]})
+    assert served_note(gguf, {"runtime": "llama.cpp"}).startswith("served here")
+    assert served_note(gguf, {"runtime": "transformers"}).startswith("expected")

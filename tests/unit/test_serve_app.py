@@ -1,0 +1,241 @@
+"""The routes of `compress serve` (pipeline/serve/app.py) around a fake engine, over loopback, without torch: the
+bounded queue (a full queue and a wait past queue_timeout_s both get 503 with Retry-After), streamed chat
+completions (SSE), the drain's 503, and the validation of a chat request; and the engine's stream
+(pipeline/serve/engine.py) against a fake continuous-batching manager that answers before add_request returns.
+Each test takes a few seconds at most."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import queue
+import threading
+import time
+
+import pytest
+
+from pipeline.serve.app import build_app
+from pipeline.serve.engine import Step, TransformersEngine
+from tests.serve_helpers import free_port, post
+
+
+class FakeTokenizer:
+    chat_template = "{{ messages }}"
+
+    def __len__(self) -> int:
+        return 100
+
+    def __call__(self, text: str, add_special_tokens: bool = False) -> dict:
+        return {"input_ids": [3 + len(w) % 90 for w in text.split()]}
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return "".join(f" w{i}" for i in ids)
+
+    def apply_chat_template(self, messages, **_) -> list[int]:
+        return [5] + [7 for m in messages for _ in str(m.get("content", "")).split()]
+
+
+class FakeEngine:
+    """Generates token 10, 11, ... one every `delay` seconds."""
+    name, context, versions = "fake", 64, {"fake": "1"}
+
+    def __init__(self, delay: float) -> None:
+        self.tokenizer, self.delay = FakeTokenizer(), delay
+
+    def alive(self) -> bool:
+        return True
+
+    def drop_orphans(self) -> None:
+        pass
+
+    async def generate(self, ids, n, ignore_eos):
+        for k in range(1, n + 1):
+            await asyncio.sleep(self.delay)
+            yield Step(list(range(10, 10 + k)), k == n)
+
+
+class Running:
+    """The app under uvicorn in a thread on a free loopback port."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = int(self.url.rsplit(":", 1)[1])
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        end = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < end:
+            time.sleep(0.02)
+        assert self.server.started
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def _app(delay: float, **kw):
+    args = {"slots": 1, "max_queue": 1, "queue_timeout_s": 0.5, "max_tokens_limit": 32, "api_key": None, **kw}
+    return build_app(FakeEngine(delay), "fake", **args)
+
+
+@pytest.fixture
+def run():
+    started = []
+
+    def start(app) -> Running:
+        started.append(Running(app))
+        return started[-1]
+
+    yield start
+    for r in started:
+        r.stop()
+
+
+async def _post_all(url: str, bodies: list[dict], stagger: float) -> list[tuple[int, dict, dict, float]]:
+    import aiohttp
+
+    async def one(i: int, body: dict):
+        await asyncio.sleep(i * stagger)  # arrival order: first, second, third
+        t0 = time.monotonic()
+        async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
+            return r.status, await r.json(), dict(r.headers), time.monotonic() - t0
+
+    return await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
+
+
+def test_full_queue_and_queue_timeout_get_503_with_retry_after(run):
+    app = _app(delay=0.25)  # 10 tokens: 2.5 s in the only slot
+    srv = run(app)
+    body = {"model": "fake", "prompt": "a b", "max_tokens": 10}
+    (s1, o1, _, t1), (s2, o2, h2, t2), (s3, o3, h3, t3) = asyncio.run(
+        _post_all(srv.url + "/v1/completions", [body] * 3, stagger=0.25))
+    assert s1 == 200 and o1["usage"]["completion_tokens"] == 10
+    # the second waits in the queue (max_queue 1) for no longer than queue_timeout_s, then 503
+    assert s2 == 503 and "no slot within 0.5 s" in o2["error"]["message"] and h2["Retry-After"] == "1"
+    assert 0.45 < t2 < 1.5 < t1  # loose bounds: the machine is shared; the message says which path it took
+    # the third finds the slot busy and the queue full: 503 at once, never an unbounded backlog
+    assert s3 == 503 and "the queue is full (1 requests waiting for 1 slots)" in o3["error"]["message"]
+    assert h3["Retry-After"] == "1" and t3 < t2
+    assert app.state.admission.rejected == 2
+    assert app.state.admission.active == 0 and app.state.admission.waiting == 0
+    assert post(srv.url + "/v1/completions", body)[0] == 200  # and it serves the next request
+
+
+def test_streamed_chat_completion(run):
+    import urllib.request
+
+    srv = run(_app(delay=0.0))
+    body = {"model": "fake", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(srv.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = [line.decode().strip()[6:] for line in r if line.startswith(b"data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "fake" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    deltas = [c["choices"][0]["delta"]["content"] for c in chunks[1:] if c["choices"]]
+    assert "".join(deltas) == " w10 w11 w12"
+    assert [c["choices"][0]["finish_reason"] for c in chunks[1:] if c["choices"]][-1] == "length"
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+def test_chat_validation_and_drain(run):
+    app = _app(delay=0.0)
+    srv = run(app)
+    url = srv.url + "/v1/chat/completions"
+    status, out = post(url, {"model": "fake", "messages": [], "max_tokens": 2})
+    assert status == 400 and out["error"]["message"].startswith("messages:")
+    status, out = post(url, {"model": "fake", "messages": [{"role": "user", "content": "x"}], "max_tokens": 33})
+    assert status == 400 and out["error"]["message"] == "max_tokens: 33 is above this server's limit 32"
+    app.state.draining = True
+    status, out = post(url, {"model": "fake", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+    assert status == 503 and out["error"]["message"] == "the server is shutting down"
+
+
+class _Out:
+    def __init__(self, rid: str, tokens: list[int], done: bool) -> None:
+        self.request_id, self.generated_tokens, self._done, self.error = rid, tokens, done, None
+
+    def is_finished(self) -> bool:
+        return self._done
+
+
+class EagerManager:
+    """transformers' manager as far as the engine uses it (OutputRouter.deliver and register_result_handler, as in
+    transformers 5.24's continuous_api.py), with a generation thread faster than its caller: every output of a
+    request is delivered before add_request returns. An output with no handler yet goes to the shared queue."""
+
+    def __init__(self) -> None:
+        self.output_router = type("Router", (), {})()
+        self.output_router._lock, self.output_router.result_handlers = threading.Lock(), {}
+        self.output_router.output_queue = queue.Queue()
+        self.cancelled: list[str] = []
+
+    def _deliver(self, out: _Out) -> None:
+        with self.output_router._lock:
+            entry = self.output_router.result_handlers.get(out.request_id)
+        if entry is None:
+            self.output_router.output_queue.put(out)
+        else:
+            entry[1].call_soon_threadsafe(entry[0], out)
+
+    def register_result_handler(self, rid: str, callback) -> None:
+        def cleanup(out):
+            callback(out)
+            if out.is_finished():
+                with self.output_router._lock:
+                    self.output_router.result_handlers.pop(rid, None)
+
+        with self.output_router._lock:
+            self.output_router.result_handlers[rid] = (cleanup, asyncio.get_running_loop())
+
+    def add_request(self, ids, request_id, max_new_tokens, streaming, eos_token_id):
+        for k in range(1, max_new_tokens + 1):
+            self._deliver(_Out(request_id, list(range(100, 100 + k)), k == max_new_tokens))
+        return request_id
+
+    def cancel_request(self, rid: str) -> None:
+        self.cancelled.append(rid)
+
+
+def test_engine_stream_gets_outputs_emitted_before_add_request_returns():
+    """A request's outputs may come before add_request returns (the generation thread runs beside the event loop):
+    none may be lost, or a stream misses tokens, or a short request never ends and keeps its slot."""
+    eng = TransformersEngine.__new__(TransformersEngine)  # no model: the fake manager stands for it
+    eng._cb, eng._ids, eng.eos = EagerManager(), itertools.count(), [2]
+
+    async def collect(n: int) -> list[Step]:
+        return [s async for s in eng.generate([1, 5, 9], n, ignore_eos=False)]
+
+    for n in (1, 3):
+        steps = asyncio.run(asyncio.wait_for(collect(n), 5))
+        assert [s.tokens for s in steps] == [list(range(100, 100 + k)) for k in range(1, n + 1)]
+        assert steps[-1].finished and not any(s.finished for s in steps[:-1])
+    assert eng._cb.output_router.output_queue.empty() and eng._cb.output_router.result_handlers == {}
+    assert eng._cb.cancelled == []
+
+
+def test_engine_stream_ends_when_the_generation_thread_has_stopped():
+    """A manager whose thread died delivers nothing more: the request ends with an error, not a wait forever."""
+    class Dead(EagerManager):
+        def add_request(self, ids, request_id, max_new_tokens, streaming, eos_token_id):
+            return request_id  # accepted, then the thread stops: no output ever comes
+
+        def is_running(self) -> bool:
+            return False
+
+    eng = TransformersEngine.__new__(TransformersEngine)
+    eng._cb, eng._ids, eng.eos, eng.POLL_S = Dead(), itertools.count(), [2], 0.05
+    eng._cb.background_thread_status = type("Status", (), {"fatal_error": None})()
+
+    async def collect() -> list[Step]:
+        return [s async for s in eng.generate([1, 5], 4, ignore_eos=False)]
+
+    steps = asyncio.run(asyncio.wait_for(collect(), 5))
+    assert len(steps) == 1 and steps[0].finished and steps[0].error == "the generation thread stopped"
+    assert eng._cb.output_router.result_handlers == {}
