@@ -4,7 +4,6 @@ size on disk and in-memory footprint. Runs inside a fresh worker process (pipeli
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import shutil
@@ -18,12 +17,11 @@ from tqdm import tqdm
 from pipeline import data
 from pipeline.compute import describe as describe_compute
 from pipeline.compute import float32_matmuls
-from pipeline.errors import StageError
 from pipeline.eval.perplexity import kl_top1, make_windows, perplexity, topk_reference, windowed_nll
 from pipeline.eval.bits import linear_bits_per_weight
-from pipeline.memory import rss_bytes
-from pipeline.models import folder_bytes, load_checkpoint, single_gguf
-from pipeline.footprint import GiB, window_bytes
+from pipeline.models import folder_bytes, load_checkpoint
+from pipeline.budget.formulas import GiB
+from pipeline.budget.runtime import offload_bytes
 
 log = logging.getLogger("compress")
 EVAL_IDS = "eval_ids.safetensors"
@@ -73,28 +71,6 @@ def measure_perplexity(model, ids: torch.Tensor, cfg, out: Path, reference: Path
         result["top1"] = torch.cat(agrees).mean().item()
         result["kl_top_k"] = int(ref["idx"].shape[1])
     return result
-
-
-def offload_bytes(model_dir: Path, seq_len: int, limit: int | None, device: str) -> int | None:
-    """None when the checkpoint in model_dir fits `limit` beside this process's memory now and one window's
-    activations (or there is no limit); else the bytes of its weights to keep in memory, the rest offloaded.
-    Quantized checkpoints and GPU runs are not offloaded here (`compress check` requires them to fit)."""
-    if limit is None or device != "cpu":
-        return None
-    config = json.loads((model_dir / "config.json").read_text())
-    if "quantization_config" in config or single_gguf(model_dir) is not None:
-        return None
-    room = limit - rss_bytes() - window_bytes(config, seq_len)
-    weights = folder_bytes(model_dir)
-    if weights <= room:
-        return None
-    layer = weights // max(config.get("num_hidden_layers") or 1, 1)
-    if room < layer:
-        raise StageError(f"{model_dir.name}: [run] max_memory_gb = {limit / GiB:.2f} GiB leaves {room / GiB:.2f} GiB "
-                         f"for weights beside a {seq_len}-token window's activations "
-                         f"({window_bytes(config, seq_len) / GiB:.2f} GiB); offloading needs room for at least one "
-                         f"layer ({layer / GiB:.2f} GiB): raise max_memory_gb or lower validate.perplexity.seq_len")
-    return room
 
 
 def is_degenerate(text: str) -> str | None:

@@ -14,7 +14,7 @@ from pipeline.compute import describe as describe_compute
 from pipeline.env import tame
 from pipeline.errors import StageError
 from pipeline.memory import PeakMemory
-from pipeline.footprint import GiB, quantize_peak
+from pipeline.budget.formulas import GiB, quantize_peak
 from pipeline.quant.registry import method_of
 from pipeline.quant.common import calibration_fingerprint, captured_output
 

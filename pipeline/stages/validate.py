@@ -113,7 +113,7 @@ def speed(ctx: UnitContext, recipe, name: str, src: str) -> dict:
     timed and the reason is recorded instead (footprint.speed_skip)."""
     from pipeline.eval.speed import run_speed_subprocess
     from pipeline.fileio import atomic_write_json
-    from pipeline.footprint import speed_skip
+    from pipeline.budget.formulas import speed_skip
 
     cfg = recipe.validate_.speed.for_model(name)
     skipped = speed_skip(ctx.dep(src), cfg.model_dump(mode="json"), recipe.run.memory_limit_bytes, ctx.device)

@@ -144,7 +144,7 @@ def _evaluate(model_dir, out, limit):
 
 
 def test_a_baseline_over_the_limit_is_offloaded_with_identical_perplexity(tiny, tmp_path, monkeypatch):
-    from pipeline.footprint import window_bytes
+    from pipeline.budget.formulas import window_bytes
 
     whole = _evaluate(tiny, tmp_path / "whole", None)
     config = json.loads((tiny / "config.json").read_text())
@@ -159,7 +159,7 @@ def test_a_baseline_over_the_limit_is_offloaded_with_identical_perplexity(tiny, 
 
 
 def test_a_limit_below_two_layers_is_a_clear_error(tiny, tmp_path, monkeypatch):
-    from pipeline.footprint import window_bytes
+    from pipeline.budget.formulas import window_bytes
 
     config = json.loads((tiny / "config.json").read_text())
     monkeypatch.setattr("pipeline.eval.quality.rss_bytes", lambda: 0)
@@ -261,7 +261,7 @@ def test_a_speed_gate_on_a_model_that_will_not_be_timed_is_refused(tmp_path):
 
 
 def test_speed_skip_reads_the_checkpoint_and_counts_the_cpu_repack(tiny, tmp_path):
-    from pipeline.footprint import GiB, speed_bytes, speed_skip
+    from pipeline.budget.formulas import GiB, speed_bytes, speed_skip
 
     cfg = {"batch_sizes": [1, 8], "prompt_len": 16, "new_tokens": 8, "roofline": True, "bandwidth_mib": 256}
     assert speed_skip(tiny, cfg, None, "cpu") is None  # no limit

@@ -18,6 +18,7 @@ from pydantic import TypeAdapter
 
 from pipeline.env import tame
 from pipeline.quant.api import implementation, quantize_variant
+from pipeline.quant.gptqmodel_driver import inference_model
 from pipeline.quant.registry import QuantVariant
 from tests.tiny_models import tiny_llama
 
@@ -61,7 +62,7 @@ def quantize_in_memory(base: Path, name: str, out: Path) -> torch.Tensor:
         impl.save(model, base, out, v)
         # GPTQ format: GPTQModel's in-memory model with its loader's zero-point conversion.
         # bnb: the model object itself, run after the save (see the note in pipeline/quant/methods/bnb.py)
-        runnable = impl.inference_model(model) if fields["method"] in ("gptq", "rtn") else model
+        runnable = inference_model(model) if fields["method"] in ("gptq", "rtn") else model
         with torch.no_grad():
             return runnable(PROBE).logits.float()
 
@@ -209,13 +210,13 @@ def test_skipping_the_discarded_scale_search_leaves_every_byte_as_the_library_wr
     find_params."""
     import contextlib
 
-    from pipeline.quant import gptq
+    from pipeline.quant import gptqmodel_driver
 
     monkeypatch.chdir(tmp_path)
     v = make_variant("w", method="gptq", bits=4, mse=2.4, **fields)
     log = logging.getLogger("test")
     quantize_variant(tiny, v, CALIB, tmp_path / "ours", log, seed=0)
-    monkeypatch.setattr(gptq, "group_search_only", contextlib.nullcontext)
+    monkeypatch.setattr(gptqmodel_driver, "group_search_only", contextlib.nullcontext)
     quantize_variant(tiny, v, CALIB, tmp_path / "library", log, seed=0)
     assert sha256s(tmp_path / "ours")["model.safetensors"] == sha256s(tmp_path / "library")["model.safetensors"]
 

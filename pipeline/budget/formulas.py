@@ -1,7 +1,8 @@
-"""Predicted memory of the stages that can stream weights from disk: one formula shared by the plan
-(`compress check`, pipeline/plan.py) and the stages that decide at run time whether to offload (the GPTQModel
-quantizers, the baseline's perplexity). Torch-free, and imports nothing of the pipeline but its dtype table: a stage's identity includes
-what it imports (pipeline/codehash.py), so editing the plan does not rerun quantization.
+"""The formulas: predicted memory of the stages that can stream weights from disk, shared by the plan
+(`compress check`, pipeline/budget/estimate.py) and the stages that decide at run time whether to offload (the
+GPTQModel quantizers, the baseline's perplexity). Torch-free, and imports nothing of the pipeline but its dtype table
+and the method registry: a stage's identity includes what it imports (pipeline/codehash.py), so editing the plan's
+estimates does not rerun quantization.
 """
 from __future__ import annotations
 

@@ -1,0 +1,158 @@
+"""What `compress check` predicts before any weight is loaded: each stage's peak resident memory (and which stages
+stream weights from disk to stay under [run] max_memory_gb), and what the run folder will hold on disk. Torch-free."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from pipeline.budget.formulas import GiB, RUNTIME_OVERHEAD, WORKER_OVERHEAD, quantize_bytes, speed_bytes, window_bytes
+from pipeline.dtypes import dtype_bytes
+from pipeline.sources import link_problem
+
+
+def machine_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # pragma: no cover
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+
+def estimate_memory(recipe, info, plan, source) -> None:
+    """Predicted peak RSS per stage (bytes, runtime included), keyed like the run's stages ("load",
+    "quantize/<name>", "validate/<model>", "draft"), and which of them stream weights from disk (plan.offload).
+    A stage that can offload (GPTQ and RTN through GPTQModel, the plain baseline's perplexity through accelerate)
+    does so when [run] max_memory_gb is set and the in-memory way would exceed it; the others must fit."""
+    p = max(info.n_params, 1)
+    cfg = info.config
+    h = cfg.get("hidden_size") or 0
+    vocab = cfg.get("vocab_size") or 0
+    inter = cfg.get("intermediate_size") or 0
+    w = dtype_bytes(plan.dtype) * p
+    cal = recipe.calibration
+    ppl = recipe.validate_.perplexity
+    plan.memory_limit = recipe.run.memory_limit_bytes or machine_memory()
+    capped = recipe.run.memory_limit_bytes is not None and plan.device == "cpu"
+    # load: a checkpoint folder kept in its dtype is linked (headers read, no weights in memory); a GGUF is
+    # dequantized and a config: model initialised tensor by tensor into safetensors (its largest tensor in float32
+    # and converted; MoE GGUFs whose tensors transformers merges are loaded whole instead, not estimated here); a
+    # folder converted to another dtype is loaded (one copy) and saved from memory
+    largest = max(vocab * h, h * inter, 1)
+    if source.kind in ("dir", "hf") and link_problem(source, plan.dtype) is None:
+        plan.memory["load"] = WORKER_OVERHEAD
+    elif source.kind in ("gguf", "pkg"):
+        # transformers parses the GGUF's metadata (the tokenizer's tokens and merges: about 7 KB per vocabulary
+        # entry, measured on SmolLM2 and Qwen2.5-1.5B), then the tensors are dequantized a block of rows at a time
+        # (pipeline/materialize.py: a 4096-row block in float32 with gguf's intermediates, or a whole smaller one)
+        plan.memory["load"] = WORKER_OVERHEAD + max(7 * 1024 * vocab, 16 * h * max(inter, h))
+    elif source.kind == "config":  # initialised in its module, then copied out
+        plan.memory["load"] = WORKER_OVERHEAD + 2 * dtype_bytes(plan.dtype) * largest
+    else:
+        plan.memory["load"] = RUNTIME_OVERHEAD + w + 4 * largest
+    from pipeline.quant.registry import method_of
+
+    cal_tokens = cal.num_samples * cal.seq_len
+    embed = vocab * h * dtype_bytes(plan.dtype)
+    for v in recipe.quantize:
+        key = f"quantize/{v.name}"
+        c = method_of(v)
+        if c.memory == "layerwise":
+            tokens = cal_tokens if c.needs_calibration else 0
+            need = quantize_bytes(cfg, w, tokens, False, dtype_bytes(plan.dtype))
+            if capped and c.offload and need > plan.memory_limit:
+                plan.offload[key] = True
+                need = quantize_bytes(cfg, w, tokens, True, dtype_bytes(plan.dtype))
+        elif c.memory == "while_loading":  # quantized while loading, tensor by tensor
+            need = RUNTIME_OVERHEAD + int((p - vocab * h) * variant_bits(v) / 8) + embed + 4 * h * max(inter, h)
+        else:  # loaded whole, then quantized or searched
+            need = RUNTIME_OVERHEAD + 2 * w + cal_tokens * h * 4 * 4
+        plan.memory[key] = need
+    win = window_bytes(cfg, ppl.seq_len)
+    need = WORKER_OVERHEAD + w + win
+    if capped and need > plan.memory_limit:  # accelerate keeps what fits and reads the rest at each forward
+        plan.offload["validate/baseline"] = True
+        need = max(plan.memory_limit, WORKER_OVERHEAD + win + w // max(cfg.get("num_hidden_layers") or 1, 1))
+    plan.memory["validate/baseline"] = need
+    resident = {"baseline": w}  # each model's weights in memory when it is measured
+    for v in recipe.quantize:  # a quantized checkpoint is never offloaded (transformers refuses most of them)
+        linears = int((p - vocab * h) * variant_bits(v) / 8)
+        # GPTQModel repacks GPTQ-format weights for its CPU kernel at the first forward, while the pages it read
+        # from the mapped checkpoint are still resident (measured on the 1.7B: 2.68 GiB against 1.74 predicted
+        # without this copy)
+        repacked = linears if plan.device == "cpu" and method_of(v).repacked_on_cpu else 0
+        resident[v.name] = linears + repacked + embed
+        plan.memory[f"validate/{v.name}"] = WORKER_OVERHEAD + resident[v.name] + win
+    speed = recipe.validate_.speed
+    for name, weights in resident.items() if speed.enabled else ():
+        if speed.models != "all" and name not in speed.models:
+            continue
+        need = speed_bytes(cfg, weights, speed.for_model(name).model_dump(mode="json"))
+        if capped and need > plan.memory_limit:  # timed from disk it would measure the disk: not timed
+            plan.speed_skipped[name] = (f"needs about {need / GiB:.2f} GiB in memory, over [run] max_memory_gb; "
+                                        "a decode rate read from disk offload is not a speed figure")
+        else:
+            plan.memory[f"validate/{name}/speed"] = need
+    if recipe.draft is not None:
+        dd = recipe.draft.distill
+        if dd.steps == 0:  # verifier + the draft, and a copy of it when saved in another dtype
+            draft_w = 4 * plan.draft_model.n_params if plan.draft_model else w  # layer drafts: at most the verifier
+            plan.memory["draft"] = RUNTIME_OVERHEAD + w + 2 * draft_w
+        else:
+            # the verifier in its dtype; the draft (at most the verifier) and its gradients train in float32
+            plan.memory["draft"] = RUNTIME_OVERHEAD + w + 2 * 4 * p + dd.batch_size * dd.seq_len * vocab * 4 * 6
+
+
+def variant_bits(variant) -> float:
+    """Bits per quantized weight on disk, scales and zero points included (an estimate for the disk plan): the
+    method's own figure (QuantMethod.bits_per_weight)."""
+    from pipeline.quant.registry import method_of
+
+    return method_of(variant).bits_per_weight(variant)
+
+
+def estimate_disk(recipe, info, plan, source) -> list[str]:
+    """What the run folder will hold (bytes per stage) against the free space of its filesystem: refused when
+    the disk lacks it. A rerun's completed stages are already on disk and count as available."""
+    p = max(info.n_params, 1)
+    h, vocab = info.config.get("hidden_size") or 0, info.config.get("vocab_size") or 0
+    wbytes = dtype_bytes(plan.dtype)
+    embed = min(vocab * h, p)  # kept in the checkpoint's dtype by every method here
+    linked = source.kind in ("dir", "hf") and link_problem(source, plan.dtype) is None
+    plan.disk["load"] = 0 if linked else wbytes * p
+    variants = sum(int((p - embed) * variant_bits(v) / 8 + embed * wbytes) for v in recipe.quantize)
+    if variants:
+        plan.disk["quantize"] = variants
+    if recipe.draft is not None:
+        draft_p = plan.draft_model.n_params if plan.draft_model else p  # layer drafts: at most the verifier
+        plan.disk["draft"] = 4 * draft_p * (1 if recipe.draft.distill.steps == 0 else 4)  # + optimizer checkpoint
+    plan.disk["export"] = 0 if recipe.export.link == "hardlink" else variants + plan.disk.get("draft", 0)
+    run_dir = Path(recipe.run.output_dir) / recipe.run.name
+    plan.disk_reused = folder_size(run_dir)
+    existing = next((d for d in [run_dir, *run_dir.absolute().parents] if d.exists()), Path("/"))
+    plan.disk_free = shutil.disk_usage(existing).free
+    need = sum(plan.disk.values()) - plan.disk_reused
+    if need > plan.disk_free:
+        return [f"the run folder {run_dir} needs about {need / GiB:.1f} GiB more on its disk "
+                f"({', '.join(f'{k} {b / GiB:.1f}' for k, b in plan.disk.items() if b)} GiB), and {existing} has "
+                f"{plan.disk_free / GiB:.1f} GiB free: free space, or set run.output_dir to a larger disk"]
+    return []
+
+
+def folder_size(folder: Path) -> int:
+    """Bytes a folder occupies (0 when it does not exist); hard links to one file counted once."""
+    seen, total = set(), 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
