@@ -40,9 +40,13 @@ class ServeConfig(BaseModel):
 
 
 def model_format(method: str | None) -> str:
-    """What validate serves for a model: the baseline (method None) and every variant but GGUF are Hugging Face
-    folders; a `method = "gguf"` variant is one .gguf file."""
-    return "gguf" if method == "gguf" else "hf"
+    """What validate serves for a model: the baseline (method None) and every variant whose method writes a
+    Hugging Face folder are "hf"; a method whose checkpoint format is GGUF writes one .gguf file."""
+    if method is None:
+        return "hf"
+    from pipeline.quant.registry import METHODS
+
+    return "gguf" if METHODS.get(method).checkpoint_format == "gguf" else "hf"
 
 
 def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None]], cuda: bool) -> tuple[list[str], dict[str, str]]:
