@@ -6,9 +6,6 @@ import re
 
 from pipeline.families import LLAMA, family_of, linear_shapes
 
-# Decoder families whose linear layers are named and shaped like Llama's (pipeline/families.py is the table).
-LLAMA_LIKE = LLAMA.model_types
-
 
 def linear_shapes_from_config(config: dict) -> dict:
     """In/out features of every linear of a config.json whose family pipeline/families.py knows, keyed by name
