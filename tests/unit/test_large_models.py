@@ -149,7 +149,7 @@ def test_a_baseline_over_the_limit_is_offloaded_with_identical_perplexity(tiny, 
     whole = _evaluate(tiny, tmp_path / "whole", None)
     config = json.loads((tiny / "config.json").read_text())
     weights = (tiny / "model.safetensors").stat().st_size
-    monkeypatch.setattr("pipeline.eval.quality.rss_bytes", lambda: 0)  # the decision, free of this process's noise
+    monkeypatch.setattr("pipeline.budget.runtime.rss_bytes", lambda: 0)  # the decision, free of this process's noise
     limit = window_bytes(config, 64) + 3 * weights // 4  # room for 3/4 of the weights
     off = _evaluate(tiny, tmp_path / "off", limit)
     assert "offload" not in whole and off["offload"]["limit_bytes"] == limit
@@ -162,7 +162,7 @@ def test_a_limit_below_two_layers_is_a_clear_error(tiny, tmp_path, monkeypatch):
     from pipeline.budget.formulas import window_bytes
 
     config = json.loads((tiny / "config.json").read_text())
-    monkeypatch.setattr("pipeline.eval.quality.rss_bytes", lambda: 0)
+    monkeypatch.setattr("pipeline.budget.runtime.rss_bytes", lambda: 0)
     with pytest.raises(StageError, match=r"max_memory_gb = .* GiB leaves .* offloading needs room for at least one layer"):
         _evaluate(tiny, tmp_path / "x", window_bytes(config, 64) + 1000)
 
