@@ -155,7 +155,7 @@ def main() -> None:
                     help="the run's variants timed in transformers (comma-separated; 'baseline' = load/)")
     ap.add_argument("--autoround-iters", type=int, default=0, help="0: no auto-round GGUF row")
     a = ap.parse_args()
-    from pipeline.env import tame
+    from pipeline.core.env import tame
 
     tame()
     base = a.run / "load"

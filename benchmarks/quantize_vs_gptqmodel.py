@@ -81,7 +81,7 @@ def corpus(name: str) -> SimpleNamespace:
 
 
 def calibration_ids(tokenizer, n: int, seq_len: int, chat_template: bool, seed: int):
-    from pipeline import calib
+    from pipeline.data import calib
 
     docs = calib.training_documents(corpus("c4"))
     return calib.sample_token_windows(tokenizer, docs, n, seq_len, "random", seed, chat_template)
@@ -99,7 +99,7 @@ def wikitext_ids(tokenizer):
 def heldout_c4_ids(tokenizer):
     import torch
 
-    from pipeline import calib
+    from pipeline.data import calib
 
     ids: list[int] = []
     for doc in calib.held_out_documents(corpus("c4")):
@@ -122,7 +122,7 @@ def child(args: list[str], timeout: float = 3600) -> dict:
 def run_one(kind: str, model: str, ids_file: str, out: str, fields: dict, seed: int = 0) -> None:
     """One quantization, timed around load + quantize + save. kind: ours | direct | transformers. seed: the
     engine's (ours only; AutoRound draws its tuning batches with it)."""
-    from pipeline.env import tame
+    from pipeline.core.env import tame
 
     tame()
     import torch
@@ -203,7 +203,7 @@ def weights_sha256(folder: Path) -> str:
 
 
 def ppl_one(model_dir: str, ids_file: str, seq_len: int, windows: int) -> None:
-    from pipeline.env import tame
+    from pipeline.core.env import tame
 
     tame()
     import torch

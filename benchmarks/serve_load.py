@@ -8,7 +8,7 @@
 --source: a checkpoint or export folder, or a [model] source (pkg:..., a .gguf file). --engine transformers (the
 default): converted once to a float32 HF folder under --work. --engine llama.cpp: the .gguf file itself, linked into a
 folder under --work (a folder holding one .gguf is used as it is). Uses public functions only:
-pipeline.serve.loadtest, pipeline.sources, pipeline.models.
+pipeline.serve.loadtest, pipeline.model.sources, pipeline.model.models.
 """
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ def hf_folder(source: str, work: Path, dtype: str = "float32") -> Path:
     out = work / (source.replace(":", "_").replace("/", "_") + f"-{dtype}")
     if (out / "config.json").is_file():
         return out
-    from pipeline.models import load_model, source_tokenizer
-    from pipeline.sources import parse
+    from pipeline.model.models import load_model, source_tokenizer
+    from pipeline.model.sources import parse
 
     src = parse(source)
     model = load_model(src, dtype, seed=0)
@@ -46,7 +46,7 @@ def gguf_folder(source: str, work: Path) -> Path:
     p = Path(source)
     if p.is_dir():
         return p
-    from pipeline.sources import parse
+    from pipeline.model.sources import parse
 
     src = parse(source)
     if src.gguf_file is None:

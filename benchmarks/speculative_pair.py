@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from pipeline.models import load_source
+from pipeline.model.models import load_source
 from pipeline.recipe import PerplexityConfig
-from pipeline.sources import parse
+from pipeline.model.sources import parse
 from pipeline.speculative.measure import compare_loops, measure_costs
 from pipeline.speculative.evaluate import encode_prompts
 from pipeline.stages.validate import held_out_prompts

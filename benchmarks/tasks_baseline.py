@@ -29,8 +29,8 @@ def main() -> None:
 
     from pipeline.eval.tasks import score_model
     from pipeline.eval.tasks_config import TasksConfig, task_jobs
-    from pipeline.models import load_source
-    from pipeline.sources import parse
+    from pipeline.model.models import load_source
+    from pipeline.model.sources import parse
 
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("compress").setLevel(logging.INFO)

@@ -41,8 +41,8 @@ def main() -> None:
     from pipeline.eval.recovery import recoveries
     from pipeline.eval.tasks import ITEMS, score_model
     from pipeline.eval.tasks_config import TasksConfig, task_jobs
-    from pipeline.models import load_source
-    from pipeline.sources import parse
+    from pipeline.model.models import load_source
+    from pipeline.model.sources import parse
 
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(a.threads)

@@ -6,9 +6,9 @@ import platform
 from dataclasses import dataclass, field
 
 from pipeline import data
-from pipeline.errors import RecipeError
-from pipeline.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
-from pipeline.sources import ModelInfo, describe, parse
+from pipeline.core.errors import RecipeError
+from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
+from pipeline.model.sources import ModelInfo, describe, parse
 
 from pipeline.budget.estimate import estimate_disk, estimate_memory
 from pipeline.budget.formulas import GiB
@@ -33,7 +33,7 @@ class Plan:
     disk_reused: int = 0  # bytes an earlier run already wrote into the run folder (a rerun reuses them)
     warnings: list[str] = field(default_factory=list)
     device: str = "cpu"  # what "auto" resolves to here
-    gpu: object | None = None  # pipeline.gpu_probe.GpuInfo when an NVIDIA GPU is visible
+    gpu: object | None = None  # pipeline.core.gpu_probe.GpuInfo when an NVIDIA GPU is visible
 
     @property
     def peak_memory(self) -> int:
@@ -163,7 +163,7 @@ def _check_data(recipe) -> list[str]:
 
 def _check_device(recipe, plan: Plan) -> list[str]:
     """Which device the run will use ("auto": CUDA when this environment's torch can use a GPU)."""
-    from pipeline.gpu_probe import probe
+    from pipeline.core.gpu_probe import probe
 
     plan.gpu = probe() if recipe.run.device in ("auto", "cuda") else None
     usable = plan.gpu is not None and plan.gpu.torch_cuda
@@ -179,7 +179,7 @@ def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[str]:
         return []
     from pipeline.quant.registry import check_variant, runtimes
 
-    from pipeline.families import unknown_family
+    from pipeline.model.families import unknown_family
 
     arch = arch_dict(info)
     device = plan.device
@@ -290,7 +290,7 @@ HALF = ("bfloat16", "float16")
 def _half_precision_on_cpu(recipe, plan: Plan) -> list[str]:
     """A note when models run in bfloat16/float16 on a CPU without units for it: torch emulates those matmuls
     (measured on a 2-core AVX2 machine: 1-6 GFLOPS against 38-53 in float32). Quantization and quality compute them
-    in float32 from the 16-bit weights (pipeline/compute.py); the speed figures and the draft's distillation and
+    in float32 from the 16-bit weights (pipeline/model/compute.py); the speed figures and the draft's distillation and
     acceptance measurement run as transformers runs them."""
     if plan.device != "cpu":
         return []

@@ -14,7 +14,7 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pipeline.errors import RecipeError
+from pipeline.core.errors import RecipeError
 from pipeline.eval.config import GatesConfig, SpeedConfig
 from pipeline.eval.tasks_config import TasksConfig
 from pipeline.publish.config import PublishConfig
@@ -53,7 +53,7 @@ class ModelConfig(Strict):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="the baseline's precision; auto: a checkpoint folder keeps its stored dtype, a "
         "config: model its config's, a GGUF is dequantized to bfloat16 where the device computes it natively "
-        "(CUDA, CPUs with AVX512-BF16/AMX), else float32 (pipeline/dtypes.py resolve_dtype)")
+        "(CUDA, CPUs with AVX512-BF16/AMX), else float32 (pipeline/model/dtypes.py resolve_dtype)")
     trust_remote_code: bool = False
 
 

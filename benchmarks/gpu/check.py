@@ -46,8 +46,8 @@ def prepare() -> None:
     subprocess.run(cmd, check=True)
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from pipeline.models import load_tokenizer
-    from pipeline.sources import parse
+    from pipeline.model.models import load_tokenizer
+    from pipeline.model.sources import parse
 
     import torch
 

@@ -7,8 +7,8 @@ import shutil
 from pathlib import Path
 
 from pipeline.budget.formulas import GiB, RUNTIME_OVERHEAD, WORKER_OVERHEAD, quantize_bytes, speed_bytes, window_bytes
-from pipeline.dtypes import dtype_bytes
-from pipeline.sources import link_problem
+from pipeline.model.dtypes import dtype_bytes
+from pipeline.model.sources import link_problem
 
 
 def machine_memory() -> int:
@@ -48,7 +48,7 @@ def estimate_memory(recipe, info, plan, source) -> None:
     elif source.kind in ("gguf", "pkg"):
         # transformers parses the GGUF's metadata (the tokenizer's tokens and merges: about 7 KB per vocabulary
         # entry, measured on SmolLM2 and Qwen2.5-1.5B), then the tensors are dequantized a block of rows at a time
-        # (pipeline/materialize.py: a 4096-row block in float32 with gguf's intermediates, or a whole smaller one)
+        # (pipeline/model/materialize.py: a 4096-row block in float32 with gguf's intermediates, or a whole smaller one)
         plan.memory["load"] = WORKER_OVERHEAD + max(7 * 1024 * vocab, 16 * h * max(inter, h))
     elif source.kind == "config":  # initialised in its module, then copied out
         plan.memory["load"] = WORKER_OVERHEAD + 2 * dtype_bytes(plan.dtype) * largest

@@ -1,7 +1,7 @@
 """The formulas: predicted memory of the stages that can stream weights from disk, shared by the plan
 (`compress check`, pipeline/budget/estimate.py) and the stages that decide at run time whether to offload (the
 GPTQModel quantizers, the baseline's perplexity). Torch-free, and imports nothing of the pipeline but its dtype table
-and the method registry: a stage's identity includes what it imports (pipeline/codehash.py), so editing the plan's
+and the method registry: a stage's identity includes what it imports (pipeline/core/codehash.py), so editing the plan's
 estimates does not rerun quantization.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ WORKER_OVERHEAD = int(0.4 * GiB)
 def window_bytes(config: dict, seq_len: int) -> int:
     """Memory one perplexity window needs beside the weights: its logits (in the model's dtype, then float32, then
     their log-softmax: 2.5 float32 copies), the widest activations of a layer in float32, and a float32 copy of
-    the largest weight, at most 64 MiB at a time (pipeline/compute.py upcasts 16-bit matmuls on CPUs without 16-bit
+    the largest weight, at most 64 MiB at a time (pipeline/model/compute.py upcasts 16-bit matmuls on CPUs without 16-bit
     units)."""
     h, vocab = config.get("hidden_size") or 0, config.get("vocab_size") or 0
     inter = config.get("intermediate_size") or 4 * h
@@ -52,7 +52,7 @@ def quantize_peak(base_dir: Path, calib_ids, offload: bool) -> int:
     """quantize_bytes for the checkpoint in base_dir (its config.json and safetensors sizes)."""
     import json
 
-    from pipeline.dtypes import config_dtype, dtype_bytes
+    from pipeline.model.dtypes import config_dtype, dtype_bytes
 
     config = json.loads((Path(base_dir) / "config.json").read_text())
     weights = sum(f.stat().st_size for f in Path(base_dir).glob("*.safetensors"))
@@ -84,7 +84,7 @@ def speed_skip(model_dir: Path, speed: dict, limit: int | None, device: str) -> 
     else the speed result recorded instead of timing it: why, the predicted peak and the limit."""
     import json
 
-    from pipeline.dtypes import config_dtype, dtype_bytes
+    from pipeline.model.dtypes import config_dtype, dtype_bytes
 
     if limit is None or device != "cpu":
         return None

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from pipeline.budget.formulas import GiB, window_bytes
-from pipeline.errors import StageError
-from pipeline.memory import rss_bytes
-from pipeline.models import folder_bytes, single_gguf
+from pipeline.core.errors import StageError
+from pipeline.model.memory import rss_bytes
+from pipeline.model.models import folder_bytes, single_gguf
 
 
 

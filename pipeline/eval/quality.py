@@ -1,6 +1,6 @@
 """Quality of one checkpoint, measured the way a user loads it: perplexity, KL and top-1
 agreement against the baseline on the baseline's exact tokens, a chat-template smoke test,
-size on disk and in-memory footprint. Runs inside a fresh worker process (pipeline/worker.py).
+size on disk and in-memory footprint. Runs inside a fresh worker process (pipeline/core/worker.py).
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from pipeline import data
-from pipeline.compute import describe as describe_compute
-from pipeline.compute import float32_matmuls
+from pipeline.model.compute import describe as describe_compute
+from pipeline.model.compute import float32_matmuls
 from pipeline.eval.perplexity import kl_top1, make_windows, perplexity, topk_reference, windowed_nll
 from pipeline.eval.bits import linear_bits_per_weight
-from pipeline.models import folder_bytes, load_checkpoint
+from pipeline.model.models import folder_bytes, load_checkpoint
 from pipeline.budget.formulas import GiB
 from pipeline.budget.runtime import offload_bytes
 
@@ -131,7 +131,7 @@ def evaluate(model_dir: Path, out: Path, ppl_cfg, smoke_cfg, device: str, refere
     model = load_checkpoint(model_dir, device, offload=offload)
     dtype = model.dtype
     ids = eval_ids(tokenizer, ppl_cfg, out, reference)
-    with float32_matmuls(dtype, device):  # a 16-bit model on a CPU without 16-bit units (pipeline/compute.py)
+    with float32_matmuls(dtype, device):  # a 16-bit model on a CPU without 16-bit units (pipeline/model/compute.py)
         result = {"perplexity": measure_perplexity(model, ids, ppl_cfg, out, reference, label),
                   "footprint_bytes": int(model.get_memory_footprint()), "compute": describe_compute(dtype, device),
                   "size_on_disk_bytes": folder_bytes(model_dir), "bits_per_weight": linear_bits_per_weight(model_dir)}
@@ -147,7 +147,7 @@ def evaluate(model_dir: Path, out: Path, ppl_cfg, smoke_cfg, device: str, refere
 
 
 def worker_task(args: dict) -> dict:
-    """The worker's "quality" task (pipeline/worker.py TASKS)."""
+    """The worker's "quality" task (pipeline/core/worker.py TASKS)."""
     from pipeline.recipe import PerplexityConfig, SmokeConfig
 
     ref = Path(args["reference"]) if args.get("reference") else None

@@ -1,5 +1,5 @@
 """Speed and memory of one model, meant to run in a fresh worker process (`run_speed_subprocess`, which
-runs pipeline/worker.py's "speed" task).
+runs pipeline/core/worker.py's "speed" task).
 
 What is timed (every cell: `warmup` untimed runs, then `repeats` timed runs; median, min, max):
 - prefill: one forward over a `prompt_len` prompt at batch 1 -> prompt tokens/s;
@@ -8,7 +8,7 @@ What is timed (every cell: `warmup` untimed runs, then `repeats` timed runs; med
   prefill (TTFT from the call), stamps 1..N span N-1 decode forwards. Decode is timed at
   each batch size; batches > 1 are prompts of different lengths left-padded into one batch.
 - technique rows at batch 1: KV cache vs none, static cache, torch.compile, attention kernels;
-- peak memory above the baseline (post-import when this process loads the model), by pipeline/memory.py:
+- peak memory above the baseline (post-import when this process loads the model), by pipeline/model/memory.py:
   CPU = RSS high-water mark (VmHWM, reset via /proc/self/clear_refs), CUDA = max_memory_allocated;
 - roofline: weight bytes read per decoded token / time per token, over the copy bandwidth
   (STREAM convention: bytes read + bytes written) measured in the same process on the same device.
@@ -27,14 +27,14 @@ from typing import Any
 
 import torch
 
-from pipeline.errors import StageError
+from pipeline.core.errors import StageError
 from pipeline.eval.config import SpeedConfig
 from pipeline.eval.measure import (copy_bandwidth, roofline_fraction, summarize, sync,  # noqa: F401
                                    timed_runs, weight_bytes_per_token)
-from pipeline.dtypes import dtype_name
-from pipeline.fileio import atomic_write_json
-from pipeline.memory import PeakMemory
-from pipeline.models import load_checkpoint
+from pipeline.model.dtypes import dtype_name
+from pipeline.core.fileio import atomic_write_json
+from pipeline.model.memory import PeakMemory
+from pipeline.model.models import load_checkpoint
 
 SPEED_SCHEMA = "speed/1"
 _PROMPT_TEXT = (
@@ -304,7 +304,7 @@ def run_speed_subprocess(model_dir: str | Path, cfg: SpeedConfig, device: str, o
 
     model_name ("baseline", a variant, the draft) applies `cfg.for_model` (technique rows only for
     `technique_models`); threads sets torch's CPU threads in the child (None: torch's default)."""
-    from pipeline.worker import run_task  # a killed run kills its timing process too
+    from pipeline.core.worker import run_task  # a killed run kills its timing process too
 
     if model_name is not None:
         cfg = cfg.for_model(model_name)
@@ -341,7 +341,7 @@ def _preimport(model_dir: Path) -> None:
     for arch in config.get("architectures") or []:
         getattr(transformers, arch, None)  # resolves the lazy module: imports modeling_<arch>
     transformers.GenerationMixin  # noqa: B018 - generation utilities
-    from pipeline.models import quant_method
+    from pipeline.model.models import quant_method
 
     method = quant_method(config)  # the library transformers will call to load it
     if method is not None and method.load_module:
@@ -349,5 +349,5 @@ def _preimport(model_dir: Path) -> None:
 
 
 def worker_task(args: dict) -> dict:
-    """The worker's "speed" task (pipeline/worker.py TASKS)."""
+    """The worker's "speed" task (pipeline/core/worker.py TASKS)."""
     return measure_checkpoint(Path(args["model_dir"]), SpeedConfig(**args["cfg"]), args["device"], args.get("label"))

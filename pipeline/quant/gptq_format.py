@@ -18,7 +18,7 @@ class GPTQModelKernels:
     load_module = "gptqmodel"
 
     def before_load(self) -> None:
-        from pipeline.env import tame
+        from pipeline.core.env import tame
 
         tame()
 

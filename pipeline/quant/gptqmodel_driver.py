@@ -1,7 +1,7 @@
 """The GPTQModel driver shared by GPTQ, RTN and AWQ (pipeline/quant/methods/): load, quantize with a GPTQModel
 config, save, and the in-memory model made runnable.
 
-GPTQModel is tamed here, not by the user: `pipeline.env.tame()` has set its worker count and
+GPTQModel is tamed here, not by the user: `pipeline.core.env.tame()` has set its worker count and
 caches before it is imported (api.py); dynamo is disabled around its calls only; it runs with
 the working directory in a scratch folder inside out_dir so its `logs/` never lands in the
 user's folder (the log is appended to out_dir/gptqmodel.log, then the scratch folder removed);
@@ -20,8 +20,8 @@ from typing import IO, Iterator
 
 import torch
 
-from pipeline.compute import float32_matmuls
-from pipeline.dtypes import torch_dtype
+from pipeline.model.compute import float32_matmuls
+from pipeline.model.dtypes import torch_dtype
 from pipeline.quant.common import LayerProgress, base_dtype, finish_checkpoint
 from pipeline.quant.gptq_search import group_search_only
 from pipeline.quant.shapes import skip_pattern
@@ -85,7 +85,7 @@ def quantize_with(base_dir: Path, qcfg, calibration: list[dict] | None, console:
     try:
         model = GPTQModel.load(str(base_dir.resolve()), qcfg, device=device, dtype=torch_dtype(dtype))
         model.layer_callback = progress.layer_done
-        # float32_matmuls: a 16-bit model on a CPU without 16-bit units (pipeline/compute.py); group_search_only: GPTQ's
+        # float32_matmuls: a 16-bit model on a CPU without 16-bit units (pipeline/model/compute.py); group_search_only: GPTQ's
         # mse search minus the whole-matrix round GPTQModel discards (pipeline/quant/gptq_search.py; same bytes)
         with float32_matmuls(dtype, device), group_search_only():
             model.quantize(calibration, batch_size=1, **({"backend": backend} if backend is not None else {}))

@@ -1,14 +1,14 @@
-"""A model's quantizable linears, read from its config.json through the model-family table (pipeline/families.py),
+"""A model's quantizable linears, read from its config.json through the model-family table (pipeline/model/families.py),
 and the `modules_to_skip` rule every method applies to them. Torch-free."""
 from __future__ import annotations
 
 import re
 
-from pipeline.families import LLAMA, family_of, linear_shapes
+from pipeline.model.families import LLAMA, family_of, linear_shapes
 
 
 def linear_shapes_from_config(config: dict) -> dict:
-    """In/out features of every linear of a config.json whose family pipeline/families.py knows, keyed by name
+    """In/out features of every linear of a config.json whose family pipeline/model/families.py knows, keyed by name
     inside a layer.
 
     {"model_type", "shapes_known", "num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size",

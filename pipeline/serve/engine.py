@@ -31,7 +31,7 @@ class TransformersEngine:
         import torch
         from transformers import AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
 
-        from pipeline.models import load_checkpoint
+        from pipeline.model.models import load_checkpoint
 
         self.model = load_checkpoint(folder, device=device)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)

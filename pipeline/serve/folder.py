@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.errors import RecipeError
+from pipeline.core.errors import RecipeError
 
 ENGINES = ("transformers", "llama.cpp", "vllm")
 LLAMA_CPP_INSTALL = ("pip install -e '.[gguf-serve]' (llama-cpp-python[server] 0.3.36; no wheel: it builds llama.cpp "

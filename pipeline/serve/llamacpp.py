@@ -28,7 +28,7 @@ import socket
 import sys
 from pathlib import Path
 
-from pipeline.errors import RecipeError
+from pipeline.core.errors import RecipeError
 
 log = logging.getLogger("compress.serve")
 ENGINE_NAME = "llama.cpp (llama-cpp-python server: one request at a time)"

@@ -11,9 +11,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pipeline.errors import StageError
+from pipeline.core.errors import StageError
 
-# what the `compress serve` subprocess runs, named so the serve unit's identity covers it (pipeline/codehash.py);
+# what the `compress serve` subprocess runs, named so the serve unit's identity covers it (pipeline/core/codehash.py);
 # the CLI that parses its arguments is harness, followed by no unit
 SERVER_CODE = "pipeline.serve.server"
 
@@ -106,7 +106,7 @@ def _generate(folder: Path, prompts: list[str], n: int, device: str):
     import torch
     from transformers import AutoTokenizer
 
-    from pipeline.models import load_checkpoint, single_gguf
+    from pipeline.model.models import load_checkpoint, single_gguf
 
     model = load_checkpoint(folder, device=device)
     tok = AutoTokenizer.from_pretrained(folder)  # a GGUF variant's folder holds the baseline's tokenizer files

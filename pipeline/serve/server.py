@@ -15,7 +15,7 @@ import socket
 import sys
 from pathlib import Path
 
-from pipeline.errors import RecipeError
+from pipeline.core.errors import RecipeError
 from pipeline.serve.folder import choose_engine, inspect
 
 log = logging.getLogger("compress.serve")

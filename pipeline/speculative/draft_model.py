@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.dtypes import torch_dtype
+from pipeline.model.dtypes import torch_dtype
 from pipeline.speculative.targets import autocast
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"

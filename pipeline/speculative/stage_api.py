@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.public import public_tree
+from pipeline.core.public import public_tree
 from pipeline.speculative.config import DraftConfig
 from pipeline.speculative.distill import distill
 from pipeline.speculative.draft_model import (DraftStudent, check_tokenizers_match, evenly_spaced_layers,
@@ -28,8 +28,8 @@ def init_draft(verifier, cfg: DraftConfig, base_dir: Path | None, verifier_tok) 
     untie = (cfg.vocab_size is not None or cfg.init_head == "lens"
              or bool({"head", "embed"} & set(cfg.distill.train)))
     if cfg.init == "model":
-        from pipeline.models import load_source
-        from pipeline.sources import parse
+        from pipeline.model.models import load_source
+        from pipeline.model.sources import parse
 
         draft, draft_tok = load_source(parse(cfg.source), "float32", 0, None)
         check_tokenizers_match(verifier_tok, draft_tok)

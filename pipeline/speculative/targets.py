@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pipeline.fileio import atomic_path
+from pipeline.core.fileio import atomic_path
 from transformers import DynamicCache
 
 

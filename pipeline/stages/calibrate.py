@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 
 from pipeline import data
-from pipeline.runner import Unit, UnitContext
+from pipeline.core.runner import Unit, UnitContext
 
-CODE = ("stages/calibrate.py",)  # the entry module: what it imports is found by pipeline/codehash.py
+CODE = ("stages/calibrate.py",)  # the entry module: what it imports is found by pipeline/core/codehash.py
 
 
 def unit(recipe) -> Unit:
@@ -21,7 +21,7 @@ def run(ctx: UnitContext, recipe) -> dict:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from pipeline.calib import sample_token_windows, training_documents
+    from pipeline.data.calib import sample_token_windows, training_documents
 
     cfg = recipe.calibration
     tokenizer = AutoTokenizer.from_pretrained(ctx.dep("load"))

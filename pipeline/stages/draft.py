@@ -5,9 +5,9 @@ import logging
 import shutil
 from pathlib import Path
 
-from pipeline.runner import Unit, UnitContext
+from pipeline.core.runner import Unit, UnitContext
 
-CODE = ("stages/draft.py",)  # the entry module: what it imports is found by pipeline/codehash.py
+CODE = ("stages/draft.py",)  # the entry module: what it imports is found by pipeline/core/codehash.py
 # [draft] fields only the speculative measurement reads (validate/draft/speculative): changing them never
 # re-distils. measure.compare_fp_distilled is not among them: the draft stage distils the fp comparison draft.
 MEASURE_ONLY = {"gamma": True, "measure": {"num_prompts", "prompts", "prompt_len", "new_tokens", "temperatures",
@@ -39,7 +39,7 @@ def unit_config(recipe) -> dict:
     """The draft's identity: the recipe fields distillation reads (not gamma or how the draft is measured), the
     training corpus by content, and an init='model' source by content."""
     from pipeline import data
-    from pipeline.sources import content_identity, parse
+    from pipeline.model.sources import content_identity, parse
 
     cfg, cal = recipe.draft, recipe.calibration
     return {"draft": cfg.model_dump(mode="json", exclude=MEASURE_ONLY),
@@ -49,7 +49,7 @@ def unit_config(recipe) -> dict:
 
 
 def run(ctx: UnitContext, recipe) -> dict:
-    from pipeline.calib import training_documents
+    from pipeline.data.calib import training_documents
     from pipeline.speculative.stage_api import build_draft
 
     texts = training_documents(recipe.calibration)

@@ -1,21 +1,21 @@
 """load: resolve the recipe's model source and its precision, and write it once into load/ as a normal HF
-checkpoint, holding at most one copy of the weights in memory (pipeline/materialize.py)."""
+checkpoint, holding at most one copy of the weights in memory (pipeline/model/materialize.py)."""
 from __future__ import annotations
 
 import json
 import logging
 
-from pipeline.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
-from pipeline.fileio import sha256_file
-from pipeline.runner import Unit, UnitContext
-from pipeline.sources import content_identity, describe, link_problem, parse
+from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
+from pipeline.core.fileio import sha256_file
+from pipeline.core.runner import Unit, UnitContext
+from pipeline.model.sources import content_identity, describe, link_problem, parse
 
-CODE = ("stages/load.py",)  # the entry module: what it imports is found by pipeline/codehash.py
+CODE = ("stages/load.py",)  # the entry module: what it imports is found by pipeline/core/codehash.py
 log = logging.getLogger("compress")
 
 
 def unit(recipe) -> Unit:
-    from pipeline.models import DEFAULT_TOKENIZER
+    from pipeline.model.models import DEFAULT_TOKENIZER
 
     cfg = recipe.model
     src = parse(cfg.source, cfg.gguf_file)
@@ -30,8 +30,8 @@ def unit(recipe) -> Unit:
 
 
 def run(ctx: UnitContext, recipe) -> dict:
-    from pipeline.materialize import checkpoint_facts
-    from pipeline.models import check_vocab, source_tokenizer
+    from pipeline.model.materialize import checkpoint_facts
+    from pipeline.model.models import check_vocab, source_tokenizer
 
     cfg = recipe.model
     src = parse(cfg.source, cfg.gguf_file)
@@ -57,8 +57,8 @@ def run(ctx: UnitContext, recipe) -> dict:
 
 def write_weights(ctx: UnitContext, src, dtype: str, trust_remote_code: bool) -> str:
     """Put the weights into ctx.out in `dtype` the cheapest way; returns how (recorded in the metrics)."""
-    from pipeline import materialize
-    from pipeline.models import load_model
+    from pipeline.model import materialize
+    from pipeline.model.models import load_model
 
     why = link_problem(src, dtype)
     if why is None:  # a safetensors folder kept as stored: config readable, then its files linked

@@ -105,7 +105,7 @@ def test_kill_mid_stage_then_rerun_completes_with_identical_weights(first_run, t
 
 
 def test_concurrent_run_is_refused(first_run):
-    from pipeline.runner import RunLock
+    from pipeline.core.runner import RunLock
 
     run_dir, _ = first_run
     with RunLock(run_dir):

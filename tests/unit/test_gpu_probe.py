@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.gpu_probe import probe
+from pipeline.core.gpu_probe import probe
 
 ROOT = Path(__file__).resolve().parents[2]
 

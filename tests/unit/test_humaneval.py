@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.eval import humaneval as he
-from pipeline.fileio import sha256_file
+from pipeline.core.fileio import sha256_file
 
 REPO = Path(__file__).resolve().parents[2]
 

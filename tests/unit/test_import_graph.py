@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from pipeline.codehash import PACKAGE_DIR, module_file, module_name
+from pipeline.core.codehash import PACKAGE_DIR, module_file, module_name
 
 
 def imports(path: Path) -> set[str]:
@@ -67,7 +67,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_the_package_has_no_import_cycles():
     g = graph()
-    assert "pipeline.worker" in g and "pipeline.eval.speed" in g["pipeline.stages.validate"] | {"pipeline.eval.speed"}
+    assert "pipeline.core.worker" in g and "pipeline.eval.speed" in g["pipeline.stages.validate"] | {"pipeline.eval.speed"}
     assert cycles(g) == []
 
 

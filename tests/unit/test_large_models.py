@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline import compute
-from pipeline.compute import Float32Matmuls, float32_matmuls, upcasts
-from pipeline.errors import StageError
-from pipeline.memory import PeakMemory
+from pipeline.model import compute
+from pipeline.model.compute import Float32Matmuls, float32_matmuls, upcasts
+from pipeline.core.errors import StageError
+from pipeline.model.memory import PeakMemory
 from tests.tiny_models import tiny_llama
 
 log = logging.getLogger("test")
@@ -51,7 +51,7 @@ def test_a_large_weight_is_upcast_in_blocks_with_the_same_result(monkeypatch):
 def test_linears_on_other_threads_are_upcast_too_and_torch_is_restored_after(monkeypatch):
     import threading
 
-    monkeypatch.setattr("pipeline.dtypes.cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr("pipeline.model.dtypes.cpu_flags", lambda: {"avx2"})
     torch.manual_seed(0)
     layer = torch.nn.Linear(64, 32, dtype=torch.bfloat16)
     x = torch.randn(16, 64, dtype=torch.bfloat16)
@@ -70,12 +70,12 @@ def test_linears_on_other_threads_are_upcast_too_and_torch_is_restored_after(mon
 
 
 def test_the_mode_is_on_only_for_16_bit_models_on_cpus_that_emulate_them(monkeypatch):
-    monkeypatch.setattr("pipeline.dtypes.cpu_flags", lambda: {"avx2"})
+    monkeypatch.setattr("pipeline.model.dtypes.cpu_flags", lambda: {"avx2"})
     assert upcasts("bfloat16", "cpu") and upcasts(torch.float16, "cpu")
     assert not upcasts("float32", "cpu") and not upcasts("bfloat16", "cuda") and not upcasts(None, "cpu")
     with float32_matmuls("float32", "cpu") as mode:
         assert mode is None
-    monkeypatch.setattr("pipeline.dtypes.cpu_flags", lambda: {"avx512_bf16"})
+    monkeypatch.setattr("pipeline.model.dtypes.cpu_flags", lambda: {"avx512_bf16"})
     assert not upcasts("bfloat16", "cpu")
     assert compute.describe("bfloat16", "cpu") == "bfloat16"
 
@@ -95,7 +95,7 @@ def test_random_weights_are_written_tensor_by_tensor_deterministically(tmp_path)
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from pipeline.materialize import random_to_safetensors
+    from pipeline.model.materialize import random_to_safetensors
 
     cfg = _config()
     for d in ("a", "b"):
@@ -114,8 +114,8 @@ def test_random_weights_are_written_tensor_by_tensor_deterministically(tmp_path)
 
 
 def test_random_weights_never_hold_the_whole_model(tmp_path):
-    from pipeline.env import release_freed_memory
-    from pipeline.materialize import random_to_safetensors
+    from pipeline.core.env import release_freed_memory
+    from pipeline.model.materialize import random_to_safetensors
 
     release_freed_memory()
     cfg = _config(num_hidden_layers=8, intermediate_size=4096, hidden_size=1024, vocab_size=8000)  # 0.54 GB float32
@@ -219,7 +219,7 @@ def test_the_large_recipe_is_planned_within_its_limit_with_offload(tmp_path):
 
 
 def test_a_limit_too_small_for_a_stage_that_cannot_offload_is_refused_with_the_need(tmp_path):
-    from pipeline.errors import RecipeError
+    from pipeline.core.errors import RecipeError
 
     text = LARGE.read_text().replace("max_memory_gb = 2.75", "max_memory_gb = 1.5").replace(
         'name = "large"', f'name = "large"\noutput_dir = "{tmp_path}"')
@@ -250,7 +250,7 @@ def test_a_model_whose_timing_would_not_fit_is_not_timed_and_the_plan_says_why(t
 
 
 def test_a_speed_gate_on_a_model_that_will_not_be_timed_is_refused(tmp_path):
-    from pipeline.errors import RecipeError
+    from pipeline.core.errors import RecipeError
 
     text = LARGE.read_text().replace('name = "large"', f'name = "large"\noutput_dir = "{tmp_path}"').replace(
         "[validate.speed]\nenabled = false", "[validate.speed]\nbatch_sizes = [1]\ntechniques = []").replace(
@@ -286,7 +286,7 @@ def test_trimming_mapped_pages_never_reverts_what_a_loader_changed_in_place(tiny
     dropping those pages would silently revert them to the file (a GPTQ checkpoint measured perplexity 3e9)."""
     import contextlib
 
-    from pipeline import memory, models
+    from pipeline.model import memory, models
     from pipeline.quant.api import quantize_variant
     from pipeline.recipe import Recipe
 

@@ -9,18 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.dtypes import native_half, resolve_dtype
+from pipeline.model.dtypes import native_half, resolve_dtype
 from pipeline.eval.perplexity import gptq_windows, perplexity, windowed_nll
-from pipeline.models import load_checkpoint, load_model
+from pipeline.model.models import load_checkpoint, load_model
 from pipeline.recipe import validate
-from pipeline.runner import Runner
-from pipeline.sources import link_problem, parse, safetensors_header, stored_dtype
+from pipeline.core.runner import Runner
+from pipeline.model.sources import link_problem, parse, safetensors_header, stored_dtype
 from pipeline.stages import load as load_stage
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    from pipeline.models import DEFAULT_TOKENIZER, load_tokenizer
+    from pipeline.model.models import DEFAULT_TOKENIZER, load_tokenizer
 
     out = tmp_path_factory.mktemp("tok")
     load_tokenizer(parse(DEFAULT_TOKENIZER)).save_pretrained(out)
@@ -85,13 +85,13 @@ def test_resolve_dtype(requested, kind, stored, expected):
 
 
 def test_auto_on_a_cpu_follows_its_half_precision_units(monkeypatch):
-    import pipeline.dtypes
+    import pipeline.model.dtypes
 
-    monkeypatch.setattr(pipeline.dtypes, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(pipeline.model.dtypes, "cpu_flags", lambda: {"avx2", "fma"})
     assert resolve_dtype("auto", "pkg", None, "cpu") == "float32"  # bfloat16 would be emulated
     assert resolve_dtype("auto", "dir", "bfloat16", "cpu") == "bfloat16"  # a stored dtype is kept (memory)
     assert resolve_dtype("bfloat16", "pkg", None, "cpu") == "bfloat16"  # asked for
-    monkeypatch.setattr(pipeline.dtypes, "cpu_flags", lambda: {"avx2", "amx_bf16"})
+    monkeypatch.setattr(pipeline.model.dtypes, "cpu_flags", lambda: {"avx2", "amx_bf16"})
     assert resolve_dtype("auto", "gguf", None, "cpu") == "bfloat16"
 
 
@@ -241,7 +241,7 @@ def test_gguf_streamed_equals_transformers_gguf_loading(tmp_path, monkeypatch, d
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, GgufConfig
 
-    from pipeline import materialize
+    from pipeline.model import materialize
 
     monkeypatch.setattr(materialize, "ROWS", rows)
     path = tiny_gguf(tmp_path / "tiny.gguf")
@@ -261,7 +261,7 @@ def test_gguf_streamed_equals_transformers_gguf_loading(tmp_path, monkeypatch, d
 def test_gguf_shards_past_the_size_limit_and_loads(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
-    from pipeline import materialize
+    from pipeline.model import materialize
 
     path = tiny_gguf(tmp_path / "tiny.gguf")
     out = tmp_path / "out"
@@ -283,7 +283,7 @@ def test_the_pages_of_a_mapped_gguf_leave_the_resident_set(tmp_path):
     1.1 GB file counted in the load stage's peak) unless the pages are dropped as the writing goes on."""
     import numpy as np
 
-    from pipeline.memory import drop_mapped_pages
+    from pipeline.model.memory import drop_mapped_pages
 
     def file_kb() -> int:
         return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile"))

@@ -20,8 +20,8 @@ import pytest
 import torch
 from pydantic import TypeAdapter
 
-from pipeline.env import tame
-from pipeline.errors import RecipeError
+from pipeline.core.env import tame
+from pipeline.core.errors import RecipeError
 from pipeline.plan import check
 from pipeline.quant.api import quantize_variant
 from pipeline.quant.registry import check_variant, runtimes
@@ -54,10 +54,10 @@ def variant(name: str, **fields):
 
 RELOAD = r"""
 import sys, json, torch
-from pipeline.env import tame; tame()
+from pipeline.core.env import tame; tame()
 torch.set_num_threads(1)
 from pathlib import Path
-from pipeline.models import load_checkpoint
+from pipeline.model.models import load_checkpoint
 probe, calib = (torch.tensor(json.loads(a)) for a in sys.argv[1:3])
 for d in sys.argv[3:]:
     m = load_checkpoint(Path(d))
@@ -133,7 +133,7 @@ def test_autoround_checkpoint_is_gptq_format_and_gptqmodel_loads_it(quantized):
     assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"], qc["iters"]) == ("gptq", 4, 64, True, 20)
     assert manifest["engine"] == "auto_round" and set(reloaded["kinds"].values()) == {"TorchAtenLinear"}
     assert manifest["torch_compile"] is True and quantized["autoround-skip"][1]["torch_compile"] is False
-    code = ("import sys, json, torch\nfrom pipeline.env import tame; tame()\nfrom gptqmodel import GPTQModel\n"
+    code = ("import sys, json, torch\nfrom pipeline.core.env import tame; tame()\nfrom gptqmodel import GPTQModel\n"
             "m = GPTQModel.load(sys.argv[1], device='cpu', dtype=torch.float16)\n"
             "torch.save(m.model(torch.tensor(json.loads(sys.argv[2]))).logits.float(), sys.argv[1] + '/g.pt')")
     r = subprocess.run([sys.executable, "-c", code, str(folder), json.dumps(PROBE.tolist())], capture_output=True,
@@ -192,8 +192,8 @@ def test_check_refuses_torch_compile_without_a_cpp_compiler(monkeypatch):
 
 
 def test_torch_compile_is_off_where_half_precision_matmuls_are_upcast(monkeypatch):
-    """pipeline/compute.py swaps F.linear for float32 matmuls on CPUs without bf16 units; dynamo is kept out of it."""
-    from pipeline import compute
+    """pipeline/model/compute.py swaps F.linear for float32 matmuls on CPUs without bf16 units; dynamo is kept out of it."""
+    from pipeline.model import compute
     from pipeline.quant.methods import autoround
 
     v = variant("r", method="autoround")

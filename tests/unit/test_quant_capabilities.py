@@ -7,7 +7,7 @@ import sys
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from pipeline.errors import RecipeError
+from pipeline.core.errors import RecipeError
 from pipeline.quant.registry import METHODS, check_variant, needs_calibration, runtimes
 from pipeline.quant.shapes import linear_shapes_from_config
 from pipeline.quant.registry import QuantVariant
@@ -132,7 +132,7 @@ def test_config_and_capabilities_import_without_torch():
 
 
 def test_families_are_data_and_an_unknown_one_is_named():
-    from pipeline.families import BY_MODEL_TYPE, unknown_family
+    from pipeline.model.families import BY_MODEL_TYPE, unknown_family
     from pipeline.quant.shapes import linear_shapes_from_config, module_names
 
     cfg = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -144,4 +144,4 @@ def test_families_are_data_and_an_unknown_one_is_named():
     assert "qwen2" in BY_MODEL_TYPE
     unknown = linear_shapes_from_config({**cfg, "model_type": "phi3"})
     assert not unknown["shapes_known"]
-    assert "'phi3' is not in pipeline/families.py" in unknown_family("phi3")
+    assert "'phi3' is not in pipeline/model/families.py" in unknown_family("phi3")

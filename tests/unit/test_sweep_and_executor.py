@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.errors import RecipeError
+from pipeline.core.errors import RecipeError
 from pipeline.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ class FakePlan:
 
 
 def test_task_resources_come_from_the_plan_device_and_threads():
-    from pipeline.ray_executor import options_for
+    from pipeline.core.ray_executor import options_for
 
     o = options_for("quantize/w4", FakePlan, "cuda", 4)
     assert o["num_gpus"] == 1 and o["num_cpus"] == 4 and o["memory"] == 40 * 2**30
@@ -74,7 +74,7 @@ def test_task_resources_come_from_the_plan_device_and_threads():
 
 
 def test_a_unit_no_node_can_hold_is_refused_with_the_figures():
-    from pipeline.ray_executor import refuse_unfit
+    from pipeline.core.ray_executor import refuse_unfit
 
     refuse_unfit(["load", "validate/w4/quality"], FakePlan, "cpu", 1, [node(8), node(16, nid="b" * 40)])
     with pytest.raises(RecipeError) as e:
@@ -94,7 +94,7 @@ def spec(tmp_path, text):
 
 
 def test_matrix_spec_expands_every_combination(tmp_path):
-    from pipeline.sweep import load_all, parse_spec
+    from pipeline.core.sweep import load_all, parse_spec
 
     p = spec(tmp_path, f'[sweep]\nrecipe = "{TINY}"\nset = [\'run.output_dir="{tmp_path}"\']\n'
              '[sweep.matrix]\n"quantize.0.bits" = [3, 4]\n"run.seed" = [0, 1]\n')

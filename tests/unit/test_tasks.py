@@ -294,7 +294,7 @@ def test_tasks_unit_worker_saves_items_and_recovery(tmp_path):
     """validate/<model>/tasks' worker on the tiny model and a local 3-item JSON task: per-item scores saved in
     the unit folder, the variant's recovery computed from both saved files (the same model: exactly 1)."""
     pytest.importorskip("lm_eval")
-    from pipeline.worker import run_task
+    from pipeline.core.worker import run_task
     from tests.tiny_models import tiny_llama
 
     model_dir = tiny_llama(tmp_path / "m")

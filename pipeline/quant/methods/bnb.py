@@ -92,8 +92,8 @@ class BnbMethod(QuantMethod):
         """Quantized while loading; not run (see the module note)."""
         from transformers import AutoModelForCausalLM
 
-        from pipeline.dtypes import torch_dtype
-        from pipeline.memory import MappedPagesTrimmed
+        from pipeline.model.dtypes import torch_dtype
+        from pipeline.model.memory import MappedPagesTrimmed
         from pipeline.quant.common import base_dtype
 
         # transformers maps the whole checkpoint and reads it tensor by tensor: without trimming, every page it read
@@ -117,7 +117,7 @@ class BnbMethod(QuantMethod):
 def bnb_config(variant):
     from transformers import BitsAndBytesConfig
 
-    from pipeline.dtypes import torch_dtype
+    from pipeline.model.dtypes import torch_dtype
 
     skip = list(variant.modules_to_skip) or None
     if variant.method == "bnb-int8":

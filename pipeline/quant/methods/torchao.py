@@ -20,7 +20,7 @@ from typing import IO, Literal, Optional
 
 from pydantic import Field
 
-from pipeline.dtypes import DTYPE_NAMES
+from pipeline.model.dtypes import DTYPE_NAMES
 from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod
 from pipeline.quant.variant import Dtype, VariantBase
 
@@ -160,7 +160,7 @@ class TorchAoMethod(QuantMethod):
         """Quantized while loading (no calibration)."""
         from transformers import AutoModelForCausalLM, TorchAoConfig
 
-        from pipeline.dtypes import torch_dtype
+        from pipeline.model.dtypes import torch_dtype
         from pipeline.quant.common import base_dtype, skipped_linears
 
         qc = TorchAoConfig(ao_config(variant), modules_to_not_convert=skipped_linears(base_dir, variant.modules_to_skip))

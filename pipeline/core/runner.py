@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from pipeline.codehash import code_hash  # what a unit's code is: the files its entry modules import
-from pipeline.fileio import sha256_file
-from pipeline.errors import CompressError, LockedError, StageError
-from pipeline.memory import PeakMemory
+from pipeline.core.codehash import code_hash  # what a unit's code is: the files its entry modules import
+from pipeline.core.fileio import sha256_file
+from pipeline.core.errors import CompressError, LockedError, StageError
+from pipeline.model.memory import PeakMemory
 
 MANIFEST = "manifest.json"
 METRICS = "metrics.json"  # an output like any other, so downstream hashes see changed figures
@@ -38,7 +38,7 @@ class Unit:
     deps: list[str] = field(default_factory=list)
     always: bool = False  # never skipped (cheap units whose output is the report itself)
     # entry modules (and data files) under pipeline/ that compute this unit's outputs; what they import is
-    # found by pipeline.codehash, so the list names where the code starts, not every file it uses
+    # found by pipeline.core.codehash, so the list names where the code starts, not every file it uses
     code: tuple[str, ...] = ()
 
 

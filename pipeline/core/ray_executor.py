@@ -31,7 +31,7 @@ import time
 import uuid
 from pathlib import Path
 
-from pipeline.errors import CompressError, RecipeError, StageError
+from pipeline.core.errors import CompressError, RecipeError, StageError
 
 log = logging.getLogger("compress")
 
@@ -86,12 +86,12 @@ def _unit_task(recipe_data: dict, key: str, h: str, run: dict, manifests: dict) 
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
-    from pipeline.env import tame
+    from pipeline.core.env import tame
 
     tame()
     import torch
 
-    from pipeline.units import build_units
+    from pipeline.core.units import build_units
     from pipeline.recipe import Recipe
 
     if run["threads"]:
@@ -112,7 +112,7 @@ def _unit_task(recipe_data: dict, key: str, h: str, run: dict, manifests: dict) 
 
 
 def _task_runner_cls():
-    from pipeline.runner import Runner
+    from pipeline.core.runner import Runner
 
     class TaskRunner(Runner):
         def _record(self, unit, manifest, skipped):  # the driver records; a task never writes report.json
@@ -296,8 +296,8 @@ class RayExecutor:
         """Every unit once its deps are recorded; up-to-date units are skipped here, as the local runner does."""
         import ray
 
-        from pipeline.fileio import atomic_write_text
-        from pipeline.runner import read_manifest, verify_outputs
+        from pipeline.core.fileio import atomic_write_text
+        from pipeline.core.runner import read_manifest, verify_outputs
 
         pending, running = list(units), {}
         while pending or running:

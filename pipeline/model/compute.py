@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from pipeline.dtypes import DTYPE_NAMES, native_half
+from pipeline.model.dtypes import DTYPE_NAMES, native_half
 
 _HALF = (torch.bfloat16, torch.float16)
 _MATMULS = frozenset({F.linear, F.scaled_dot_product_attention, torch.matmul, torch.Tensor.matmul,

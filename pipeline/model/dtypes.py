@@ -71,7 +71,7 @@ def resolve_dtype(requested: str, source_kind: str, stored: str | None, device: 
     """The dtype a recipe's baseline is loaded, measured and saved in: [model].dtype with "auto" resolved.
 
     requested    [model].dtype: "auto" or a name in DTYPE_NAMES (kept as asked)
-    source_kind  the source's kind (pipeline/sources.py): "dir" and "hf" (safetensors checkpoint folders),
+    source_kind  the source's kind (pipeline/model/sources.py): "dir" and "hf" (safetensors checkpoint folders),
                  "config" (random weights from a config.json), "gguf" and "pkg" (GGUF files)
     stored       the dtype the source declares or stores (config.json `dtype`/`torch_dtype`, else the
                  safetensors header); None when unknown or not a float dtype (a GGUF)
