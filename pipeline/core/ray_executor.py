@@ -27,6 +27,8 @@ import json
 import logging
 import os
 import socket
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -42,6 +44,8 @@ MAX_RETRIES = int(os.environ.get("COMPRESS_RAY_MAX_RETRIES", "2"))
 # tests: a node whose environment sets this sees the filesystem under another root (a node without the run folder)
 PROBE_ROOT_ENV = "COMPRESS_RAY_PROBE_ROOT"
 TASKS_FILE = "ray_tasks.json"  # the driver's record of each task: node, submit/start times (benchmarks read it)
+CONNECT_TIMEOUT_S = 12  # a throwaway ray.init in a child process; with the 10 s TCP check, exit 2 within 30 s
+PROGRESS_S = 2  # how often the driver looks at which queued tasks have started (a line only when something changed)
 
 
 def is_speed(key: str) -> bool:
@@ -86,6 +90,7 @@ def _unit_task(recipe_data: dict, key: str, h: str, run: dict, manifests: dict) 
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
+        log.propagate = False  # Ray's root handler would print every line a second time
     from pipeline.core.env import tame
 
     tame()
@@ -124,8 +129,24 @@ def _task_runner_cls():
 # ---------------------------------------------------------------- on the driver
 
 
+def answers(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
+    """None when a Ray cluster answers at address, else why not. The connection is tried in a child process that is
+    killed after timeout_s: ray.init itself retries an address that accepts TCP but does not speak Ray's protocol
+    (another service, a stale "auto" address) for minutes."""
+    code = "import ray, sys; ray.init(address=sys.argv[1], logging_level='ERROR'); ray.shutdown()"
+    try:
+        p = subprocess.run([sys.executable, "-c", code, address], capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"no Ray cluster answered there within {timeout_s:g} s"
+    if p.returncode == 0:
+        return None
+    lines = [ln.strip() for ln in p.stderr.splitlines() if ln.strip()]
+    return lines[-1] if lines else f"ray.init exited {p.returncode}"
+
+
 def connect(address: str | None) -> None:
-    """ray.init, or exit 2 naming the address when nothing answers there (a TCP check first, 10 s at most)."""
+    """ray.init, or exit 2 naming the address when nothing answers there (a TCP check first, 10 s at most, then a
+    Ray connection in a child process, CONNECT_TIMEOUT_S at most)."""
     import ray
 
     if ray.is_initialized():
@@ -141,6 +162,9 @@ def connect(address: str | None) -> None:
         except (OSError, ValueError) as e:
             raise RecipeError(f"[run] ray_address {address!r} is unreachable: {getattr(e, 'strerror', None) or e}") \
                 from None
+    problem = answers(address)
+    if problem:
+        raise RecipeError(f"[run] ray_address {address!r}: cannot connect to a Ray cluster: {problem}")
     try:
         ray.init(address=address, logging_level=logging.WARNING)
     except Exception as e:  # ConnectionError, an authentication error, a version mismatch: one line, exit 2
@@ -164,7 +188,8 @@ def options_for(key: str, plan, device: str, threads: int | None) -> dict:
 
     opts = {"num_cpus": threads or 1, "num_gpus": 1 if device == "cuda" else 0,
             "resources": {NODE_RESOURCE: 1 if is_speed(key) else SHARE}, "max_retries": MAX_RETRIES}
-    mem = planned(plan.memory, key) if plan is not None else None
+    # a speed unit loads the same model as its quality unit: the plan's figure for "validate/<model>"
+    mem = planned(plan.memory, key.removesuffix("/speed") if is_speed(key) else key) if plan is not None else None
     if mem:
         opts["memory"] = int(mem)
     return opts
@@ -261,12 +286,16 @@ class RayExecutor:
         self.tasks[unit.key] = {"submitted": time.time(), "hash": h}
         return ray.remote(_unit_task).options(**opts).remote(self.recipe_data, unit.key, h, run, manifests)
 
-    def _started_node(self, key: str) -> str:
+    def _node_of(self, key: str) -> str | None:
+        """The node a submitted task started on (its ray-task.json in the run folder), None while it is queued."""
         try:
             return json.loads((self.run_dir / ".work" / key / self.tasks[key]["hash"][:16] / "ray-task.json")
                               .read_text())["node"]
         except (OSError, ValueError, KeyError):
-            return "unknown (the task never started)"
+            return None
+
+    def _started_node(self, key: str) -> str:
+        return self._node_of(key) or "unknown (the task never started)"
 
     def _collect(self, unit, ref) -> None:
         import ray
@@ -291,6 +320,9 @@ class RayExecutor:
         from pipeline.results import schema
 
         schema.save(self.runner.report, self.run_dir)
+        from pipeline.core.runner import fault_point
+
+        fault_point(unit.key, "recorded")  # tests: the driver killed right after recording a unit
 
     def run(self, units: list) -> None:
         """Every unit once its deps are recorded; up-to-date units are skipped here, as the local runner does."""
@@ -299,7 +331,7 @@ class RayExecutor:
         from pipeline.core.fileio import atomic_write_text
         from pipeline.core.runner import read_manifest, verify_outputs
 
-        pending, running = list(units), {}
+        pending, running, shown = list(units), {}, None
         while pending or running:
             for unit in self._ready(pending):
                 h = self.runner.inputs_hash(unit)
@@ -315,8 +347,11 @@ class RayExecutor:
                 if pending:
                     raise StageError(f"units {[u.key for u in pending]} wait for upstream units that did not run")
                 break
-            self._progress(running, pending)
-            ready, _ = ray.wait(list(running), num_returns=1, timeout=None)
+            line = self._progress(running, pending)
+            if line != shown:
+                log.info("%s", line)
+                shown = line
+            ready, _ = ray.wait(list(running), num_returns=1, timeout=PROGRESS_S)
             for ref in ready:
                 unit = running.pop(ref)
                 self._collect(unit, ref)
@@ -340,11 +375,23 @@ class RayExecutor:
             pending.remove(unit)
             yield unit
 
-    def _progress(self, running: dict, pending: list) -> None:
-        per_node: dict[str, int] = {}
-        for s in self.runner.report.stages.values():
-            if s.node:
-                per_node[s.node] = per_node.get(s.node, 0) + 1
-        log.info("ray: running %d (%s), queued %d, done %d%s", len(running),
-                 ", ".join(u.key for u in running.values()), len(pending), len(self.runner.report.stages),
-                 "".join(f"; {n}: {c} done" for n, c in sorted(per_node.items())))
+    def _progress(self, running: dict, pending: list) -> str:
+        done = {}
+        for t in self.tasks.values():
+            if "received" in t:
+                done[t["node"]] = done.get(t["node"], 0) + 1
+        skipped = sum(1 for s in self.runner.report.stages.values() if s.status == "skipped")
+        return progress_line({u.key: self._node_of(u.key) for u in running.values()}, len(pending), done, skipped)
+
+
+def progress_line(running: dict[str, str | None], waiting: int, done: dict[str, int], skipped: int = 0) -> str:
+    """The console's view of the cluster: per node the units running there and how many it finished; then the
+    queue (submitted tasks no node has started yet, units waiting for upstream units) and the up-to-date skips."""
+    nodes = sorted(set(done) | {n for n in running.values() if n})
+    per_node = [f"{n}: running {', '.join(k for k, m in running.items() if m == n) or '-'}, {done.get(n, 0)} done"
+                for n in nodes]
+    queued = [k for k, m in running.items() if m is None]
+    return ("ray: " + "; ".join(per_node + [f"queued {len(queued) + waiting} ({len(queued)} submitted"
+                                            + (f": {', '.join(queued)}" if queued else "")
+                                            + f", {waiting} waiting for upstream units)"])
+            + (f"; {skipped} up to date" if skipped else ""))

@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pipeline.errors import CompressError
-from pipeline.fileio import atomic_write_text
+from pipeline.core.errors import CompressError
+from pipeline.core.fileio import atomic_write_text
 
 SCHEMA_VERSION = 1
 REPORT = "report.json"
@@ -87,7 +87,7 @@ class ModelEntry(_Section):
     footprint_bytes: int | None = None
     size_on_disk_bytes: int | None = None
     bits_per_weight: float | None = None  # decoder-block linears as stored (scales, zeros; skipped ones at float size)
-    compute: str | None = None  # the precision its quality was computed in (pipeline/compute.py describe)
+    compute: str | None = None  # the precision its quality was computed in (pipeline/model/compute.py describe)
     offload: dict[str, Any] | None = None  # set when its perplexity read weights from disk (the memory limit)
     speed: dict[str, Any] | None = None
     tasks: dict[str, dict[str, Any]] | None = None  # [validate.tasks]: {task: {metric, score, stderr, n, split, ...}}

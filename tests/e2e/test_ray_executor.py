@@ -149,11 +149,18 @@ def figures(report: dict) -> dict:
 
 
 def test_ray_run_matches_local_and_uses_both_nodes(cluster, second_node, tiny_run, tmp_path):
-    local_dir = tiny_run[0]
-    run_tiny(tmp_path, *RAY_SETS, f'run.ray_address="{cluster.address}"', env=AUTH)
-    ray_dir = tmp_path / "tiny"
+    """The Ray run's driver is first SIGKILLed right after recording calibrate (COMPRESS_FAULT in its environment
+    only; other units may be running on the nodes then); the rerun resumes from the folder, and what the two produce
+    together must equal the local run byte for byte."""
+    local_dir, ray_dir, address = tiny_run[0], tmp_path / "tiny", f'run.ray_address="{cluster.address}"'
+    killed = run_tiny(tmp_path, *RAY_SETS, address, env={**AUTH, "COMPRESS_FAULT": "calibrate:recorded"}, rc=-9)
+    assert "fault injection: killing the process at calibrate:recorded" in killed.stderr
+    assert json.loads((ray_dir / "report.json").read_text())["run"]["status"] == "running"
+    p = run_tiny(tmp_path, *RAY_SETS, address, env=AUTH)
+    for unit in ("load", "calibrate"):
+        assert f"[{unit}] up to date, skipped" in p.stderr
     local, remote = (json.loads((d / "report.json").read_text()) for d in (local_dir, ray_dir))
-    assert remote["run"]["status"] == "complete"
+    assert remote["run"]["status"] == "complete" and not list(ray_dir.rglob("*.tmp"))
     # (1) every quantized checkpoint file byte-identical, and the report's figures equal
     for name in ("gptq-w4g32", "rtn-w4g32"):
         files = sorted(p.relative_to(local_dir) for p in (local_dir / "quantize" / name).rglob("*")
@@ -163,13 +170,23 @@ def test_ray_run_matches_local_and_uses_both_nodes(cluster, second_node, tiny_ru
             assert sha(local_dir / rel) == sha(ray_dir / rel), rel
     assert figures(local) == figures(remote)
     assert list(local["stages"]) == list(remote["stages"])
-    # (2) both nodes ran units, and the report says which
-    nodes = {s["node"] for s in remote["stages"].values()}
+    # (2) both nodes ran the rerun's units, and the report says which
+    ran = {k: s for k, s in remote["stages"].items() if s["status"] == "done"}
+    assert {"load", "calibrate"} <= set(remote["stages"]) - set(ran)
+    nodes = {s["node"] for s in ran.values()}
     assert None not in nodes and len(nodes) == 2, nodes
     assert all(s["node"] is None for s in local["stages"].values())
     tasks = json.loads((ray_dir / "ray_tasks.json").read_text())
-    assert set(tasks) == set(remote["stages"])
+    assert set(tasks) == set(ran)
     assert all(t["submitted"] <= t["task_start"] <= t["unit_start"] <= t["unit_end"] for t in tasks.values())
+    # ... at the same time: some two units ran on different nodes in overlapping intervals
+    spans = list(tasks.values())
+    assert any(a["node"] != b["node"] and a["unit_start"] < b["unit_end"] and b["unit_start"] < a["unit_end"]
+               for a in spans for b in spans), spans
+    # the console showed, per node, what ran there and what it finished
+    progress = [ln for ln in p.stderr.splitlines() if "ray: " in ln and "queued" in ln]
+    assert any(re.search(r"\): running [a-z]", ln) for ln in progress), p.stderr[-3000:]
+    assert all(any(f"{n}: running" in ln for ln in progress) for n in nodes), progress
     md = (ray_dir / "report.md").read_text()
     assert "| node |" in md and all(n in md for n in nodes)
 
@@ -232,6 +249,42 @@ def test_killing_a_node_mid_quantize_retries_or_exits_4_and_a_rerun_completes(dr
     assert (run_dir / key / "model.safetensors").is_file() and not (run_dir / (key + ".tmp")).exists()
 
 
+def test_a_speed_task_has_its_node_to_itself(cluster, second_node, monkeypatch):
+    """The placement rule of pipeline/core/ray_executor.py on the real cluster, with CPUs not limiting (0.1 each):
+    ordinary tasks share a node, nothing runs on a node beside a speed task."""
+    import ray
+
+    from pipeline.core.ray_executor import options_for
+
+    def hold(seconds):
+        import time
+
+        import ray
+
+        t0 = time.time()
+        time.sleep(seconds)
+        return ray.get_runtime_context().get_node_id(), t0, time.time()
+
+    for k, v in AUTH.items():
+        monkeypatch.setenv(k, v)
+    keys = ["quantize/a", "quantize/b", "validate/a/speed", "quantize/c", "quantize/d", "validate/b/speed"]
+    ray.init(address=cluster.address, logging_level="ERROR")
+    try:
+        task = ray.remote(hold)
+        refs = [task.options(**{**options_for(k, None, "cpu", 1), "num_cpus": 0.1}).remote(2) for k in keys]
+        spans = dict(zip(keys, ray.get(refs, timeout=120)))
+    finally:
+        ray.shutdown()
+
+    def overlap(a, b):
+        return a[0] == b[0] and a[1] < b[2] and b[1] < a[2]
+
+    ordinary = [k for k in keys if not k.endswith("/speed")]
+    assert any(overlap(spans[a], spans[b]) for a in ordinary for b in ordinary if a < b), spans
+    for s in ("validate/a/speed", "validate/b/speed"):
+        assert not any(overlap(spans[s], spans[k]) for k in keys if k != s), spans
+
+
 def test_a_node_that_cannot_see_the_run_folder_is_refused_before_any_work(cluster, tmp_path):
     """The second node sees the filesystem under another root (COMPRESS_RAY_PROBE_ROOT in its environment), as a
     node without the shared mount would: it cannot read the driver's probe file."""
@@ -246,6 +299,35 @@ def test_a_node_that_cannot_see_the_run_folder_is_refused_before_any_work(cluste
     for stage in ("load", "calibrate", "quantize"):
         assert not (tmp_path / "tiny" / stage).exists()
     assert not (tmp_path / "tiny" / ".ray-probe").exists()
+
+
+def test_an_address_that_does_not_speak_ray_exits_2_within_30_s_naming_it(tmp_path):
+    """A port that accepts TCP and says nothing (another service, a stale address): ray.init alone retries it for
+    minutes; the run refuses it in under 30 s."""
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    held = []
+
+    def accept():
+        try:
+            while True:
+                held.append(server.accept())  # kept open, never answered
+        except OSError:  # closed at the end of the test
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
+    address = f"127.0.0.1:{server.getsockname()[1]}"
+    try:
+        t0 = time.time()
+        p = run_tiny(tmp_path, *RAY_SETS, f'run.ray_address="{address}"', env=AUTH, rc=2)
+        assert time.time() - t0 < 30
+    finally:
+        server.close()
+    assert f"ray_address {address!r}: cannot connect to a Ray cluster" in p.stderr, p.stderr[-3000:]
+    assert not (tmp_path / "tiny" / "load").exists()
 
 
 def test_unreachable_ray_address_exits_2_within_30_s_naming_it(tmp_path):

@@ -73,6 +73,40 @@ def test_task_resources_come_from_the_plan_device_and_threads():
     assert "memory" not in options_for("calibrate", FakePlan, "cpu", None)
 
 
+def test_a_speed_unit_asks_for_the_memory_of_its_model():
+    """The plan names a model's figure "validate/<model>"; its speed unit loads that same model."""
+    from pipeline.core.ray_executor import options_for
+
+    assert options_for("validate/w4/speed", FakePlan, "cpu", None)["memory"] == 2**30
+
+
+def test_progress_line_shows_each_node_running_and_done_and_the_queue():
+    from pipeline.core.ray_executor import progress_line
+
+    line = progress_line({"quantize/a": "n1 (10.0.0.1)", "quantize/b": "n2 (10.0.0.2)", "quantize/c": None}, 3,
+                         {"n1 (10.0.0.1)": 2}, 1)
+    assert line.startswith("ray: n1 (10.0.0.1): running quantize/a, 2 done; n2 (10.0.0.2): running quantize/b, 0 done")
+    assert "queued 4 (1 submitted: quantize/c, 3 waiting for upstream units); 1 up to date" in line
+    assert progress_line({}, 0, {"n1 (x)": 5}) == "ray: n1 (x): running -, 5 done; queued 0 (0 submitted, 0 waiting " \
+                                                 "for upstream units)"
+
+
+def test_a_unit_no_node_can_hold_is_refused_before_the_probe_and_any_task(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from pipeline import ray_executor as rx
+
+    calls = []
+    monkeypatch.setattr(rx, "connect", lambda address: calls.append("connect"))
+    monkeypatch.setattr(rx, "alive_nodes", lambda: [node(8), node(16, nid="b" * 40)])
+    monkeypatch.setattr(rx, "probe_nodes", lambda *a, **k: calls.append("probe"))
+    ex = rx.RayExecutor(load_recipe(TINY, ['run.executor="ray"']), SimpleNamespace(device="cpu"), tmp_path, FakePlan)
+    with pytest.raises(RecipeError, match="nothing was submitted") as e:
+        ex.start(["load", "quantize/w4"])
+    assert "quantize/w4 needs 40.00 GiB memory (predicted peak)" in str(e.value) and "16.00 GiB" in str(e.value)
+    assert calls == ["connect"] and ex.tasks == {} and not list(tmp_path.iterdir())
+
+
 def test_a_unit_no_node_can_hold_is_refused_with_the_figures():
     from pipeline.core.ray_executor import refuse_unfit
 
@@ -119,6 +153,15 @@ def test_sweep_with_a_recipe_failing_check_exits_2_naming_it_and_runs_nothing(tm
     assert r.returncode == 2, r.stderr
     assert "--set quantize.0.bits=7" in r.stderr and "nothing was run" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_sweep_matrix_key_unknown_to_the_recipe_is_refused_naming_the_run(tmp_path):
+    from pipeline.core.sweep import load_all, parse_spec
+
+    p = spec(tmp_path, f'[sweep]\nrecipe = "{TINY}"\n[sweep.matrix]\n"quantize.0.bitz" = [4]\n')
+    with pytest.raises(RecipeError) as e:
+        load_all(parse_spec(p))
+    assert "--set quantize.0.bitz=4" in str(e.value) and "nothing was run" in str(e.value)
 
 
 def test_sweep_runs_sharing_a_folder_are_refused(tmp_path):
