@@ -94,7 +94,7 @@ def test_progress_line_shows_each_node_running_and_done_and_the_queue():
 def test_a_unit_no_node_can_hold_is_refused_before_the_probe_and_any_task(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
-    from pipeline import ray_executor as rx
+    from pipeline.core import ray_executor as rx
 
     calls = []
     monkeypatch.setattr(rx, "connect", lambda address: calls.append("connect"))
