@@ -49,3 +49,24 @@ def drop_none(obj: Any) -> Any:
     if isinstance(obj, list):
         return [drop_none(v) for v in obj]
     return obj
+
+
+def canonical_safetensors(path: Path) -> bool:
+    """Rewrite a .safetensors file's header with its `__metadata__` keys sorted; the tensors' bytes, their entries and
+    every value stay as they are. safetensors serializes the metadata from a hash map, whose order changes from
+    process to process: a writer with many metadata keys (torchao: one per tensor) writes different bytes for the
+    same checkpoint each run. Returns whether the file changed."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        meta = header.get("__metadata__")
+        if not meta or list(meta) == sorted(meta):
+            return False
+        header["__metadata__"] = dict(sorted(meta.items()))
+        text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+        text += b" " * (-len(text) % 8)  # the format aligns the data section to 8 bytes with trailing spaces
+        with atomic_path(path) as tmp, open(tmp, "wb") as out:
+            out.write(len(text).to_bytes(8, "little") + text)
+            while chunk := f.read(1 << 24):
+                out.write(chunk)
+    return True

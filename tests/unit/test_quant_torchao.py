@@ -256,3 +256,37 @@ def test_int4_on_cuda_reloads_in_a_fresh_process(tiny, tmp_path):
                        text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert (torch.load(folder / "reload.pt") - in_memory).abs().max().item() <= 1e-3  # bf16 activations
+
+
+def test_a_checkpoint_is_the_same_bytes_whatever_order_its_metadata_was_written_in(tmp_path):
+    """safetensors writes __metadata__ from a hash map (a new order in every process); torchao writes one entry per
+    tensor, so its checkpoints differed run to run in the header alone. canonical_safetensors sorts it."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from pipeline.core.fileio import canonical_safetensors
+
+    tensors = {"a.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b.bias": torch.ones(5)}
+    meta = {f"layer.{i}.weight": json.dumps({"_type": "Int8Tensor", "i": i}) for i in range(40)}
+    files = []
+    for order in (sorted(meta), sorted(meta, reverse=True)):
+        path = tmp_path / f"{len(files)}.safetensors"
+        save_file(tensors, path, metadata={k: meta[k] for k in order})
+        canonical_safetensors(path)
+        files.append(path.read_bytes())
+    assert files[0] == files[1]
+    with safe_open(tmp_path / "0.safetensors", "pt") as f:
+        assert f.metadata() == meta  # (a reader returns it in its own hash-map order: the file is sorted)
+        assert torch.equal(f.get_tensor("a.weight"), tensors["a.weight"])
+        assert torch.equal(f.get_tensor("b.bias"), tensors["b.bias"])
+    assert not canonical_safetensors(tmp_path / "0.safetensors"), "a canonical file is left as it is"
+
+
+@pytest.mark.parametrize("scheme", CPU_SCHEMES)
+def test_the_saved_metadata_is_in_sorted_order(quantized, scheme):
+    import struct
+
+    path = quantized[scheme][0] / "model.safetensors"
+    b = path.read_bytes()
+    meta = json.loads(b[8:8 + struct.unpack("<Q", b[:8])[0]])["__metadata__"]
+    assert len(meta) > 1 and list(meta) == sorted(meta)

@@ -171,9 +171,12 @@ class TorchAoMethod(QuantMethod):
     def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
         import torchao
 
+        from pipeline.core.fileio import canonical_safetensors
         from pipeline.quant.common import base_dtype, finish_checkpoint
 
         model.save_pretrained(out_dir, safe_serialization=True)
+        for f in sorted(out_dir.glob("*.safetensors")):  # one metadata entry per tensor, in hash-map order: sorted,
+            canonical_safetensors(f)  # so the same checkpoint is the same bytes in every run
         qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
         dtype = variant.dtype or base_dtype(base_dir)
         finish_checkpoint(base_dir, out_dir, qc, dtype)
