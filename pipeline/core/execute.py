@@ -78,11 +78,9 @@ def _execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None 
     tame()
     import torch
 
-    from pipeline.model.models import resolve_device
-
     if recipe.run.threads:
         torch.set_num_threads(recipe.run.threads)
-    device = resolve_device(recipe.run.device)
+    device = run_device(recipe)
     torch.manual_seed(recipe.run.seed)
     vers, run_id = versions(), schema.new_run_id()
     report = schema.new_report(run_id=run_id, name=recipe.run.name, recipe=str(recipe_path), device=device,
@@ -123,6 +121,18 @@ def _execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None 
     if recipe.publish is not None:
         code = publish_in_run(run_dir, recipe, report, code)
     return code
+
+
+def run_device(recipe) -> str:
+    """[run] device resolved where the units run: this machine, or the Ray cluster's nodes."""
+    if recipe.run.executor == "ray":
+        from pipeline.core.ray_executor import alive_nodes, cluster_device, connect
+
+        connect(recipe.run.ray_address)  # unreachable: exit 2 naming the address, before any work
+        return cluster_device(recipe.run.device, alive_nodes(), recipe.run.ray_address)
+    from pipeline.model.models import resolve_device
+
+    return resolve_device(recipe.run.device)
 
 
 @contextmanager

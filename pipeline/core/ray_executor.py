@@ -173,6 +173,18 @@ def connect(address: str | None) -> None:
                           f"{type(e).__name__}: {first}") from None
 
 
+def cluster_device(requested: str, nodes: list[dict], address: str | None) -> str:
+    """[run] device resolved against the cluster's nodes, not the driver's machine (a CPU-only head may drive GPU
+    nodes): "auto" is cuda when a compress node offers a GPU, else cpu; "cuda" with no such node is refused."""
+    gpus = any(n["Resources"].get("GPU") for n in nodes if n["Resources"].get(NODE_RESOURCE))
+    if requested == "auto":
+        return "cuda" if gpus else "cpu"
+    if requested == "cuda" and not gpus:
+        where = f"at {address!r}" if address else "started on this machine"
+        raise StageError(f"the recipe asks for device = 'cuda' but no node of the Ray cluster {where} offers a GPU")
+    return requested
+
+
 def alive_nodes() -> list[dict]:
     import ray
 

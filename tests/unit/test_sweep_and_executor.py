@@ -168,3 +168,19 @@ def test_sweep_runs_sharing_a_folder_are_refused(tmp_path):
     p = spec(tmp_path, f'[sweep]\nrecipes = ["{TINY}", "{TINY}"]\n')
     r = cli("sweep", p, "--set", f"run.output_dir={json.dumps(str(tmp_path / 'out'))}")
     assert r.returncode == 2 and "would share the run folder" in r.stderr
+
+
+def test_the_device_of_a_ray_run_is_the_clusters_not_the_drivers():
+    """A CPU-only head drives GPU nodes: "auto" follows the nodes' GPUs, "cuda" without any is refused by name."""
+    from pipeline.core.errors import StageError
+    from pipeline.core.ray_executor import NODE_RESOURCE, cluster_device
+
+    cpu = {"Resources": {"CPU": 8.0, NODE_RESOURCE: 1.0}}
+    gpu = {"Resources": {"CPU": 16.0, "GPU": 1.0, NODE_RESOURCE: 1.0}}
+    other = {"Resources": {"CPU": 8.0, "GPU": 4.0}}  # a node of the cluster that does not run compress units
+    assert cluster_device("auto", [cpu, gpu], "auto") == "cuda"
+    assert cluster_device("auto", [cpu, other], "auto") == "cpu"
+    assert cluster_device("cpu", [gpu], None) == "cpu"
+    assert cluster_device("cuda", [cpu, gpu], "10.0.0.1:6379") == "cuda"
+    with pytest.raises(StageError, match=r"device = 'cuda' but no node of the Ray cluster at 'h:1' offers a GPU"):
+        cluster_device("cuda", [cpu, other], "h:1")
