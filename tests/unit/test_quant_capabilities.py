@@ -145,3 +145,16 @@ def test_families_are_data_and_an_unknown_one_is_named():
     unknown = linear_shapes_from_config({**cfg, "model_type": "phi3"})
     assert not unknown["shapes_known"]
     assert "'phi3' is not in pipeline/model/families.py" in unknown_family("phi3")
+
+
+def test_methods_of_one_checkpoint_format_share_their_load_facts():
+    """A checkpoint folder names its format, not its method (config.json quant_method): registry.by_format picks
+    any method of that format for the reload hook and load facts, so they must agree."""
+    from pipeline.quant.registry import by_format
+
+    for name in METHODS:
+        m, chosen = METHODS.get(name), by_format(METHODS.get(name).checkpoint_format)
+        for attr in ("before_load", "after_load"):
+            assert getattr(type(m), attr) is getattr(type(chosen), attr), (name, attr)
+        assert (m.load_module, m.repacked_on_cpu) == (chosen.load_module, chosen.repacked_on_cpu), name
+    assert by_format(None) is None and by_format("unknown-format") is None
