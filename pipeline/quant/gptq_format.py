@@ -3,7 +3,9 @@ AWQ its GEMM layout, loaded by the same library): the runtime table of the GPTQ 
 the reload hook. Torch-free."""
 from __future__ import annotations
 
-from pipeline.quant.method import LLAMA_CPP_ROW
+from pathlib import Path
+
+from pipeline.quant.method import LLAMA_CPP_ROW, bits_tags, grouped_bits
 from pipeline.quant.shapes import quantized_linears
 
 # GPTQModel 7.6 QuantizeConfig accepts these group sizes; its CPU/torch kernel (TorchLinear) takes them all.
@@ -21,6 +23,46 @@ class GPTQModelKernels:
         from pipeline.core.env import tame
 
         tame()
+
+
+class GPTQFormatMethod(GPTQModelKernels):
+    """Mixin of the methods that write the GPTQ checkpoint format (GPTQ, RTN, AutoRound): its bits, group sizes,
+    runtimes, bits on disk, Hub tags and card usage."""
+
+    checkpoint_format = "gptq"
+    bits = (2, 3, 4, 8)
+    group_sizes = GPTQ_GROUP_SIZES
+    hub_tag_names: tuple[str, ...] = ()  # the Hub tags before "<bits>-bit"
+    made = ""  # how the card says the checkpoint was made, after "The checkpoint"
+
+    def runtimes(self, variant, arch: dict) -> list[dict]:
+        return gptq_runtimes(variant, arch)
+
+    def bits_per_weight(self, variant) -> float:
+        return grouped_bits(variant)
+
+    def hub_tags(self, params: dict) -> list[str]:
+        return bits_tags(params, *self.hub_tag_names)
+
+    def card_usage(self, repo: str, params: dict, quantize: dict) -> list[str]:
+        return gptq_usage(repo, self.made)
+
+
+class GPTQModelDriven:
+    """Mixin of the methods GPTQModel's driver quantizes and saves (pipeline/quant/gptqmodel_driver.py)."""
+
+    engine = "gptqmodel"
+    engine_modules = ("pipeline.quant.gptqmodel_driver",)
+
+    def session(self, out_dir: Path):
+        from pipeline.quant.gptqmodel_driver import session
+
+        return session(out_dir)
+
+    def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
+        from pipeline.quant.gptqmodel_driver import save
+
+        return save(model, base_dir, out_dir, variant)
 
 
 def gptq_runtimes(variant, arch: dict) -> list[dict]:

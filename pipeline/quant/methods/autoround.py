@@ -19,8 +19,8 @@ from typing import IO, Iterator, Literal, NamedTuple, Optional
 
 from pydantic import Field
 
-from pipeline.quant.gptq_format import GPTQ_GROUP_SIZES, GPTQModelKernels, gptq_runtimes, gptq_usage, lm_head_rule
-from pipeline.quant.method import QuantMethod, bits_tags, grouped_bits, missing_package
+from pipeline.quant.gptq_format import GPTQFormatMethod, lm_head_rule
+from pipeline.quant.method import QuantMethod, missing_package
 from pipeline.quant.variant import Calibrated, GPTQFormat
 
 ENGINE = "auto_round"
@@ -45,13 +45,12 @@ class AutoRoundVariant(Calibrated, GPTQFormat):
                                                   "bytes differ from false")
 
 
-class AutoRoundMethod(GPTQModelKernels, QuantMethod):
+class AutoRoundMethod(GPTQFormatMethod, QuantMethod):
     name = "autoround"
     variant = AutoRoundVariant
     engine = ENGINE
-    checkpoint_format = "gptq"
-    bits = (2, 3, 4, 8)
-    group_sizes = GPTQ_GROUP_SIZES
+    hub_tag_names = ("autoround", "gptq")  # a GPTQ-format checkpoint: found under both tags
+    made = " (tuned by auto-round, exported in the GPTQ format)"
     dtypes = ("float32", "bfloat16", "float16")
     needs_calibration = True
     note = ("AutoRound (Cheng et al. 2023): rounding and min/max tuned by signed gradient descent per block, "
@@ -67,18 +66,6 @@ class AutoRoundMethod(GPTQModelKernels, QuantMethod):
                             f"found ({os.environ.get('CXX') or 'g++'} not on PATH): install one (apt install g++) or "
                             "set torch_compile = false (about 2.8x slower on a CPU)")
         return problems
-
-    def runtimes(self, variant, arch: dict) -> list[dict]:
-        return gptq_runtimes(variant, arch)
-
-    def bits_per_weight(self, variant) -> float:
-        return grouped_bits(variant)
-
-    def hub_tags(self, params: dict) -> list[str]:
-        return bits_tags(params, "autoround", "gptq")  # a GPTQ-format checkpoint: found under both tags
-
-    def card_usage(self, repo: str, params: dict, quantize: dict) -> list[str]:
-        return gptq_usage(repo, " (tuned by auto-round, exported in the GPTQ format)")
 
     def session(self, out_dir: Path):
         return session(out_dir)

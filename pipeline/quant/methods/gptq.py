@@ -7,11 +7,9 @@ from typing import IO, Literal, Optional
 
 from pydantic import Field
 
-from pipeline.quant.gptq_format import GPTQ_GROUP_SIZES, GPTQModelKernels, gptq_runtimes, gptq_usage
-from pipeline.quant.method import QuantMethod, bits_tags, grouped_bits
+from pipeline.quant.gptq_format import GPTQFormatMethod, GPTQModelDriven
+from pipeline.quant.method import QuantMethod
 from pipeline.quant.variant import Calibrated, GPTQFormat
-
-DRIVER = "pipeline.quant.gptqmodel_driver"
 
 
 class GPTQVariant(Calibrated, GPTQFormat):
@@ -33,14 +31,10 @@ class GPTQVariant(Calibrated, GPTQFormat):
                                                          "(or GPTAQ when gptaq_alpha > 0), 0.1-0.25 typical; 0 = off")
 
 
-class GPTQMethod(GPTQModelKernels, QuantMethod):
+class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
     name = "gptq"
     variant = GPTQVariant
-    engine = "gptqmodel"
-    engine_modules = (DRIVER,)
-    checkpoint_format = "gptq"
-    bits = (2, 3, 4, 8)
-    group_sizes = GPTQ_GROUP_SIZES
+    hub_tag_names = ("gptq",)
     needs_calibration = True
     note = "GPTQ (Frantar et al. 2022) through GPTQModel"
     offload = True
@@ -56,34 +50,12 @@ class GPTQMethod(GPTQModelKernels, QuantMethod):
                                 f"not {variant.group_size}; drop act_group_aware")
         return problems
 
-    def runtimes(self, variant, arch: dict) -> list[dict]:
-        return gptq_runtimes(variant, arch)
-
-    def bits_per_weight(self, variant) -> float:
-        return grouped_bits(variant)
-
-    def hub_tags(self, params: dict) -> list[str]:
-        return bits_tags(params, "gptq")
-
-    def card_usage(self, repo: str, params: dict, quantize: dict) -> list[str]:
-        return gptq_usage(repo)
-
-    def session(self, out_dir: Path):
-        from pipeline.quant.gptqmodel_driver import session
-
-        return session(out_dir)
-
     def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
         from pipeline.quant.common import base_dtype
         from pipeline.quant.gptqmodel_driver import calibration_rows, quantize_with
 
         return quantize_with(base_dir, gptq_config(variant), calibration_rows(calib_ids), console, variant.name,
                              variant.dtype or base_dtype(base_dir), device, offload=offload)
-
-    def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
-        from pipeline.quant.gptqmodel_driver import save
-
-        return save(model, base_dir, out_dir, variant)
 
 
 def gptq_config(variant):
