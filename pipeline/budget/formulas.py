@@ -90,9 +90,9 @@ def speed_skip(model_dir: Path, speed: dict, limit: int | None, device: str) -> 
         return None
     config = json.loads((Path(model_dir) / "config.json").read_text())
     weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-    from pipeline.quant.registry import by_format
+    from pipeline.quant.registry import checkpoint_method
 
-    method = by_format(str((config.get("quantization_config") or {}).get("quant_method", "")).lower())
+    method = checkpoint_method(config)
     if method is not None and method.repacked_on_cpu:  # the quantized linears twice (all but the embeddings and head)
         weights += max(weights - head_bytes(config, dtype_bytes(config_dtype(config, "bfloat16"))), 0)
     need = speed_bytes(config, weights, speed)

@@ -341,9 +341,9 @@ def _preimport(model_dir: Path) -> None:
     for arch in config.get("architectures") or []:
         getattr(transformers, arch, None)  # resolves the lazy module: imports modeling_<arch>
     transformers.GenerationMixin  # noqa: B018 - generation utilities
-    from pipeline.model.models import quant_method
+    from pipeline.quant.registry import checkpoint_method
 
-    method = quant_method(config)  # the library transformers will call to load it
+    method = checkpoint_method(config)  # the library transformers will call to load it
     if method is not None and method.load_module:
         importlib.import_module(method.load_module)
 

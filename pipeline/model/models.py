@@ -102,7 +102,9 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
             model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory={"cpu": in_memory},
                                                          offload_folder=str(scratch), **kwargs)
         return model.eval()
-    method = quant_method(config)  # its reload hook: e.g. GPTQModel tamed before its kernels load
+    from pipeline.quant.registry import checkpoint_method
+
+    method = checkpoint_method(config)  # its reload hook: e.g. GPTQModel tamed before its kernels load
     if method is not None:
         method.before_load()
     with MappedPagesTrimmed(folder):  # pages of the mapped checkpoint are not the model's memory (pipeline/model/memory.py)
@@ -111,12 +113,6 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
         method.after_load(model)
     return model.eval()
 
-
-def quant_method(config: dict):
-    """The method whose checkpoint format config.json declares (pipeline/quant/registry.py), or None."""
-    from pipeline.quant.registry import by_format
-
-    return by_format((config.get("quantization_config") or {}).get("quant_method"))
 
 
 def single_gguf(folder: Path) -> str | None:

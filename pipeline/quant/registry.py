@@ -45,9 +45,19 @@ def by_format(checkpoint_format: str | None) -> QuantMethod | None:
     return None
 
 
+def checkpoint_method(config: dict) -> QuantMethod | None:
+    """The method whose checkpoint format a config.json declares (quantization_config.quant_method), or None."""
+    return by_format(str((config.get("quantization_config") or {}).get("quant_method") or "").lower() or None)
+
+
 def method_code(variant) -> tuple[str, ...]:
     """The method file a unit that quantizes, measures or exports `variant` adds to its code (() for none)."""
     return () if variant is None else (method_of(variant).file,)
+
+
+def model_code(recipe, name: str) -> tuple[str, ...]:
+    """method_code of the recipe's model `name`: a variant's method file; () for the baseline or a draft."""
+    return method_code(next((q for q in recipe.quantize if q.name == name), None))
 
 
 def _known_method(value: object) -> object:

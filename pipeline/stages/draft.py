@@ -25,9 +25,9 @@ def verifier_key(recipe) -> str:
 
 def verifier_code(recipe) -> tuple[str, ...]:
     """The verifier's method file (its checkpoint is loaded by that method's reload hook), () for the baseline."""
-    from pipeline.quant.registry import method_code
+    from pipeline.quant.registry import model_code
 
-    return method_code(next((q for q in recipe.quantize if q.name == recipe.draft.verifier), None))
+    return model_code(recipe, recipe.draft.verifier)
 
 
 def unit(recipe) -> Unit:

@@ -17,9 +17,8 @@ def units(recipe, validate_keys: list[str]) -> list[Unit]:
     from pipeline.results.card import card_recipe
 
     card_hash = hashlib.sha256(json.dumps(card_recipe(drop_none(recipe.dump())), sort_keys=True).encode()).hexdigest()
-    from pipeline.quant.registry import method_code
+    from pipeline.quant.registry import model_code
 
-    variants = {q.name: q for q in recipe.quantize}
     entries = [(q.name, "variant", f"quantize/{q.name}", None) for q in recipe.quantize]
     if recipe.export.include_baseline:
         entries.insert(0, ("baseline", "baseline", "load", None))
@@ -34,7 +33,7 @@ def units(recipe, validate_keys: list[str]) -> list[Unit]:
         out.append(Unit(f"export/{name}", cfg, lambda ctx, e=entry, s=src: run(ctx, recipe, e, s),
                         deps=[src] + validate_keys,
                         # its imports (the card renderer, the report schema) and a variant's method (its card text)
-                        code=("stages/export.py",) + method_code(variants.get(name))))
+                        code=("stages/export.py",) + model_code(recipe, name)))
     return out
 
 

@@ -20,13 +20,12 @@ def units(recipe) -> list[Unit]:
     models = [("baseline", "load")] + [(q.name, f"quantize/{q.name}") for q in recipe.quantize]
     ppl = v.perplexity
     eval_data = data.identity(data.resolve(ppl.dataset, ppl.text_field))  # the evaluation text, by content
-    from pipeline.quant.registry import method_code, method_of
+    from pipeline.quant.registry import method_of, model_code
 
     formats = {q.name: method_of(q).checkpoint_format for q in recipe.quantize}
-    variants = {q.name: q for q in recipe.quantize}
     out = []
     for name, src in models:
-        code = CODE + method_code(variants.get(name))  # a variant's checkpoint is loaded by its method's reload hook
+        code = CODE + model_code(recipe, name)  # a variant's checkpoint is loaded by its method's reload hook
         deps = [src] if name == "baseline" else [src, "validate/baseline/quality"]
         cfg = {"perplexity": ppl.model_dump(), "smoke": v.smoke.model_dump(), "device": recipe.run.device,
                "data": eval_data}
@@ -53,7 +52,7 @@ def task_units(recipe, models: list[tuple[str, str]]) -> list[Unit]:
     """validate/<model>/tasks ([validate.tasks]): identity = the task config and each task's data by sha256;
     a variant's unit also reads the baseline's saved per-item scores (recovery on the same items)."""
     from pipeline.eval.tasks_config import task_jobs
-    from pipeline.quant.registry import method_code
+    from pipeline.quant.registry import model_code
 
     cfg = recipe.validate_.tasks
     if not cfg.enabled or not cfg.tasks:
@@ -61,14 +60,13 @@ def task_units(recipe, models: list[tuple[str, str]]) -> list[Unit]:
     jobs = task_jobs(cfg)
     config = {"tasks": cfg.model_dump(mode="json"), "jobs": [{k: v for k, v in j.items() if k not in ("data_file", "include")}
                                                             for j in jobs], "device": recipe.run.device}
-    variants = {q.name: q for q in recipe.quantize}
     out = []
     for name, src in models:
         if not cfg.scores(name):
             continue
         deps = [src] if name == "baseline" else [src, "validate/baseline/tasks"]
         out.append(Unit(f"validate/{name}/tasks", config, lambda ctx, n=name, s=src: tasks(ctx, recipe, n, s, jobs),
-                        deps=deps, code=CODE + method_code(variants.get(name))))
+                        deps=deps, code=CODE + model_code(recipe, name)))
     return out
 
 
