@@ -2,7 +2,7 @@
 pipeline/eval/tasks.py (lm-eval 0.4.13 on the packaged data), with the time each task took.
 
     flock /tmp/compress-cpu.lock python -m benchmarks.tasks_baseline --limit 100 --tasks arc_easy,piqa \
-        --threads 2 --batch-size 16 --out benchmarks/results/tasks_baseline.json
+        --threads 2 --batch-size 16 --scorer shared-context --out benchmarks/results/tasks_baseline.json
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--scorer", default="shared-context", choices=["shared-context", "lm-eval"])
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     import torch
@@ -40,10 +41,10 @@ def main() -> None:
     t0 = time.perf_counter()
     model, tok = load_source(parse(a.source), "float32", 0, None)
     out = {"source": a.source, "limit": a.limit, "limits": limits, "seed": a.seed, "batch_size": a.batch_size,
-           "threads": a.threads, "load_s": time.perf_counter() - t0, "tasks": {}}
+           "scorer": a.scorer, "threads": a.threads, "load_s": time.perf_counter() - t0, "tasks": {}}
     for name in names:  # one task at a time, the file rewritten after each
         cfg = TasksConfig(enabled=True, tasks=[name], limit=limits.get(name, a.limit), seed=a.seed,
-                          batch_size=a.batch_size)
+                          batch_size=a.batch_size, scorer=a.scorer)
         with tempfile.TemporaryDirectory() as tmp:
             v = score_model(model, tok, task_jobs(cfg), cfg.model_dump(), Path(tmp), "cpu")["tasks"][name]
         out["tasks"][name] = ({m: v[m] for m in ("metric", "score", "stderr", "n", "split", "time_s")}
@@ -53,6 +54,7 @@ def main() -> None:
         print(text, flush=True)
         if a.out:
             a.out.write_text(text + "\n")
+
 
 if __name__ == "__main__":
     main()

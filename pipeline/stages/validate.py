@@ -74,7 +74,8 @@ def tasks(ctx: UnitContext, recipe, name: str, src: str, jobs: list[dict]) -> di
     cfg = recipe.validate_.tasks
     ref = None if name == "baseline" else str(ctx.dep("validate/baseline/tasks"))
     args = {"model_dir": str(ctx.dep(src)), "out": str(ctx.out), "jobs": jobs, "device": ctx.device,
-            "cfg": {"limit": cfg.limit, "seed": cfg.seed, "num_fewshot": cfg.num_fewshot, "batch_size": cfg.batch_size},
+            "cfg": {"limit": cfg.limit, "seed": cfg.seed, "num_fewshot": cfg.num_fewshot, "batch_size": cfg.batch_size,
+                    "scorer": cfg.scorer},
             "reference": ref, "bootstrap": cfg.bootstrap}
     return run_task("tasks", args, ctx.out, recipe.run.threads, timeout_s=cfg.timeout_s,
                     limit_setting="[validate.tasks] timeout_s")

