@@ -57,6 +57,8 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--reference", type=Path, help="the baseline's output json: adds the paired recovery "
+                                                     "(this pass@1 / its, on the same problems) with its interval")
     args = ap.parse_args()
     tame()
     torch.set_num_threads(args.threads)
@@ -80,11 +82,28 @@ def main() -> int:
            "machine": {"cpu_threads": args.threads, "platform": platform.platform(),
                        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None},
            "command": " ".join(sys.argv), "results": results}
+    if args.reference:
+        out["recovery"] = paired_recovery(json.loads(args.reference.read_text()), out)
     print(json.dumps({k: v for k, v in out.items() if k != "results"}, indent=1))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1))
     return 0
+
+
+def paired_recovery(base: dict, var: dict) -> dict:
+    """pass@1(var) / pass@1(base) on the same problems, with the paired 95 % bootstrap interval and the
+    difference's paired SE (pipeline/eval/recovery.py, as [validate.tasks] computes it)."""
+    from pipeline.eval.recovery import task_recovery
+
+    b = {r["task_id"]: float(r["passed"]) for r in base["results"]}
+    v = {r["task_id"]: float(r["passed"]) for r in var["results"]}
+    if set(b) != set(v):
+        raise SystemExit(f"--reference scored other problems ({len(b)} vs {len(v)}): not paired")
+    ids = sorted(b, key=lambda t: int(t.split("/")[1]))
+    return task_recovery([b[t] for t in ids], [v[t] for t in ids], 2000, 0) | {
+        "both_pass": sum(b[t] and v[t] for t in ids), "only_baseline": sum(b[t] and not v[t] for t in ids),
+        "only_variant": sum(v[t] and not b[t] for t in ids)}
 
 
 if __name__ == "__main__":

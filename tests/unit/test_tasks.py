@@ -104,11 +104,13 @@ def test_lm_eval_offline_three_items_by_hand(tmp_path, monkeypatch, caplog, scor
     assert "limit 10 is larger than its validation split (3 items): all 3 are used" in caplog.text
 
 
-def test_shared_context_scorer_equals_lm_eval_per_request(tmp_path):
+@pytest.mark.parametrize("batch", [3, 8])
+def test_shared_context_scorer_equals_lm_eval_per_request(tmp_path, batch):
     """SharedContextLM against lm-eval's HFLM on the same token requests: choices sharing a context (one
     forward over a cached context), a context of one token (no cache), a context no other request shares and a
     request lm-eval truncates from the left (both through HFLM's own code): every log-probability within float
-    rounding, every greedy flag equal, the results in the requests' order."""
+    rounding, every greedy flag equal, the results in the requests' order; batch 8 puts items with contexts of
+    different lengths in one forward (their padding masked, positions continuing each context)."""
     pytest.importorskip("lm_eval")
     import torch
     from lm_eval.models.huggingface import HFLM
@@ -140,7 +142,7 @@ def test_shared_context_scorer_equals_lm_eval_per_request(tmp_path):
         return real(self, requests, *a, **k)
 
     ref = real(HFLM(pretrained=model, tokenizer=tok, batch_size=3, device="cpu"), reqs)
-    lm = SharedContextLM(pretrained=model, tokenizer=tok, batch_size=3, device="cpu")
+    lm = SharedContextLM(pretrained=model, tokenizer=tok, batch_size=batch, device="cpu")
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(HFLM, "_loglikelihood_tokens", spy)
         got = lm._loglikelihood_tokens(reqs)
