@@ -82,8 +82,8 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
 
         scored = [t for t in tasks.tasks if t != HUMANEVAL]
         sample = f"seed {tasks.seed}" if tasks.seed is not None else "the first items"
-        parts = [f"{', '.join(scored)} (lm-eval; {tasks.limit or 'all'} items each, {sample}, "
-                 f"{tasks.num_fewshot}-shot)"] if scored else []
+        parts = [f"{', '.join(scored)} (lm-eval, {tasks.scorer} scorer; {tasks.limit or 'all'} items each, "
+                 f"{sample}, {tasks.num_fewshot}-shot)"] if scored else []
         if HUMANEVAL in tasks.tasks:
             parts.append(f"humaneval (greedy pass@1 on the first {tasks.limit or 164} problems; runs generated code "
                          "in a sandbox, execute_code = true)")

@@ -1,4 +1,4 @@
-"""Multiple-choice scoring with one forward per item's choices, sharing the context: lm-eval's HF backend, faster.
+"""Multiple-choice scoring over one pass of each item's shared context: lm-eval's HF backend's numbers, faster.
 
 lm-eval's HFLM scores every (context, continuation) request as its own row: an item's four choices repeat the
 context four times through the network and through the vocabulary projection + log-softmax at every position
@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 
 class SharedContextLM(HFLM):
-    """HFLM whose `_loglikelihood_tokens` scores an item's choices in one forward over a shared context cache."""
+    """HFLM whose `_loglikelihood_tokens` scores an item's choices over one cached pass of their shared context."""
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         if self.backend != "causal":
