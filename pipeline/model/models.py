@@ -114,7 +114,6 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
     return model.eval()
 
 
-
 def single_gguf(folder: Path) -> str | None:
     """The name of the .gguf file a folder holds instead of config.json + safetensors (a `method = "gguf"`
     variant), or None for an HF checkpoint folder."""
