@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from pipeline.core.errors import EXIT_CODES, CompressError, RecipeError
+from pipeline.serve.engines import NAMES as ENGINE_NAMES
 
 EPILOG = "Exit codes: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
 SET_HELP = "Override a recipe field, e.g. --set quantize.0.bits=3 (repeatable; type-checked)."
@@ -88,6 +89,16 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
             parts.append(f"humaneval (greedy pass@1 on the first {tasks.limit or 164} problems; runs generated code "
                          "in a sandbox, execute_code = true)")
         click.echo(f"tasks     {'; '.join(parts)} on {tasks.models if tasks.models != 'all' else 'every model'}")
+    if plan.serve_engines:
+        from pipeline.serve import engines
+
+        served = {e for by in plan.serve_engines.values() for e, why in by.items() if why is None}
+        versions = "; ".join(f"{e}: " + (", ".join(f"{k} {v}" for k, v in engines.get(e).version().items()) or "?")
+                             for e in sorted(served))
+        click.echo(f"serve     {versions}" + (" (vLLM compiles: ~60-90 s more start-up per model)"
+                                              if "vllm" in served and r.validate_.serve.compile else ""))
+        for name, by in plan.serve_engines.items():
+            click.echo(f"            {name:<24}" + ", ".join(e if why is None else f"{e} skipped" for e, why in by.items()))
     for w in plan.warnings:
         click.echo(f"warning   {w}")
 
@@ -310,35 +321,45 @@ def _leave_now(code: int) -> None:
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Bind address; anything but loopback needs an API key.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--engine", default="auto", show_default=True,
-              type=click.Choice(["auto", "transformers", "llama.cpp", "vllm"]),
-              help="auto: transformers for Hugging Face folders, llama.cpp for a .gguf file.")
+@click.option("--engine", default="auto", show_default=True, type=click.Choice(["auto", *ENGINE_NAMES]),
+              help="auto: transformers for Hugging Face folders, llama.cpp for a .gguf file; vllm: vLLM's server "
+                   "from its own environment (scripts/setup.sh), supervised by this process.")
 @click.option("--api-key", default=None, help="Key requests must send as 'Authorization: Bearer KEY' "
               "(or set COMPRESS_API_KEY, which keeps it out of the process list).")
 @click.option("--slots", default=16, show_default=True, type=click.IntRange(min=1),
-              help="Requests generated at once (continuous batching).")
+              help="Requests generated at once (continuous batching; vLLM's --max-num-seqs).")
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(min=0),
-              help="Requests waiting for a slot; more get 503.")
+              help="Requests waiting for a slot; more get 503 (not vllm: refused when given).")
 @click.option("--queue-timeout-s", default=30.0, show_default=True, type=click.FloatRange(min=0),
-              help="Longest wait for a slot before 503 with Retry-After.")
+              help="Longest wait for a slot before 503 with Retry-After (not vllm).")
 @click.option("--max-tokens-limit", default=2048, show_default=True, type=click.IntRange(min=1),
-              help="Largest max_tokens a request may ask for.")
+              help="Largest max_tokens a request may ask for (not vllm).")
 @click.option("--max-model-len", default=2048, show_default=True, type=click.IntRange(min=2),
               help="Longest prompt + output served (capped at the model's context); sizes the KV cache.")
 @click.option("--drain-s", default=10.0, show_default=True, type=click.FloatRange(min=0),
               help="On SIGTERM, how long in-flight requests may take to finish.")
+@click.option("--start-timeout-s", default=600.0, show_default=True, type=click.FloatRange(min=1),
+              help="vllm: longest its start-up may take before exit 4 (it compiles on its first start).")
+@click.option("--enforce-eager", is_flag=True, help="vllm: skip its torch.compile step (faster start, slower serving).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--threads", default=None, type=click.IntRange(min=1), help="torch threads (default: all cores).")
-def serve(export_dir: str, host: str, port: int, engine: str, api_key: str | None, slots: int, max_queue: int,
-          queue_timeout_s: float, max_tokens_limit: int, max_model_len: int, drain_s: float, device: str,
-          threads: int | None) -> None:
+@click.pass_context
+def serve(ctx: click.Context, export_dir: str, host: str, port: int, engine: str, api_key: str | None, slots: int,
+          max_queue: int, queue_timeout_s: float, max_tokens_limit: int, max_model_len: int, drain_s: float,
+          start_timeout_s: float, enforce_eager: bool, device: str, threads: int | None) -> None:
     """Serve EXPORT_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health) with continuous batching."""
+    from click.core import ParameterSource
+
+    from pipeline.serve.engines.base import OPTIONS, ServeOptions
     from pipeline.serve.server import serve as run_server
 
-    run_server(export_dir, host=host, port=port, engine=engine, api_key=api_key, slots=slots, max_queue=max_queue,
-               queue_timeout_s=queue_timeout_s, max_tokens_limit=max_tokens_limit, drain_s=drain_s, device=device,
-               threads=threads, max_model_len=max_model_len)
+    explicit = frozenset(o for o in OPTIONS if ctx.get_parameter_source(o) is not ParameterSource.DEFAULT)
+    opts = ServeOptions(host=host, port=port, key=api_key, slots=slots, max_queue=max_queue,
+                        queue_timeout_s=queue_timeout_s, max_tokens_limit=max_tokens_limit,
+                        max_model_len=max_model_len, drain_s=drain_s, device=device, threads=threads,
+                        start_timeout_s=start_timeout_s, enforce_eager=enforce_eager, explicit=explicit)
+    sys.exit(run_server(export_dir, engine, opts))
 
 
 def main() -> None:

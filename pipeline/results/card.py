@@ -230,12 +230,36 @@ def _usage(report: Report, entry: dict, repo: str) -> list[str]:
 
 
 def _runtime_table(data) -> list[str]:
-    runtimes = data.runtimes if isinstance(data, ModelEntry) else []
+    runtimes = list(data.runtimes) if isinstance(data, ModelEntry) else []
     if not runtimes:
         return []
+    runtimes += [r for r in _engine_rows(data) if not any(_serves(r2, r) for r2 in runtimes)]
     return (["| runtime | kernel | note | served |", "|---|---|---|---|"]
             + [f"| {r.get('runtime', '')} | {r.get('kernel', '')} | {r.get('note', '')} | {served_note(data, r)} |"
                for r in runtimes] + [""])
+
+
+ENGINE_LABELS = {"vllm": "vLLM", "transformers": "transformers", "llama.cpp": "llama.cpp"}
+
+
+def _device(s: dict) -> str:
+    return "CUDA" if "cuda" in str(s.get("device", "cpu")) else "CPU"
+
+
+def _engine_rows(data: ModelEntry) -> list[dict]:
+    """A runtime row for each engine this run served (or tried) the model in on its device."""
+    rows = []
+    for engine, s in (data.served or {}).items():
+        if not isinstance(s, dict) or s.get("skipped"):
+            continue
+        kernel = ", ".join(s.get("kernels") or []) or "—"
+        rows.append({"runtime": f"{ENGINE_LABELS.get(engine, engine)} ({_device(s)})", "kernel": kernel,
+                     "note": "its own server, this export folder as it is"})
+    return rows
+
+
+def _serves(row: dict, other: dict) -> bool:
+    return row.get("runtime") == other.get("runtime")
 
 
 # Parts of recipe.lock.toml that say when, where or whither a run went, not what produced the weights.
@@ -330,19 +354,24 @@ def render_cards(run_dir: Path, report: Report) -> list[str]:
 
 
 def served_note(data: ModelEntry, runtime: dict) -> str:
-    """"served here (figures, versions)" when validate/<model>/serve served it on this runtime, else what the row
-    rests on. The server runs on transformers; its row is the one whose runtime names transformers on the run's
-    device (CPU or CUDA)."""
-    s = data.serve if isinstance(data.serve, dict) else None
+    """"served here (engine, version, device, figures)" when validate/<model>/serve/<engine> served it on this
+    runtime, "refused here: <the engine's line>" when the engine would not load it, else what the row rests on. A
+    runtime row matches an engine whose name it starts with, on the run's device (CPU or CUDA)."""
     rt = str(runtime.get("runtime", ""))
-    engine = str((s or {}).get("engine", ""))
-    device = "CUDA" if "cuda" in str((s or {}).get("device", "cpu")) else "CPU"
-    if s and s.get("levels") and engine.split(" ")[0] in rt.lower() and (device in rt or "(" not in rt):
-        top = max(s["levels"], key=lambda lv: lv["concurrency"])
+    for engine, s in (data.served or {}).items():
+        if not isinstance(s, dict) or not rt.lower().startswith(engine.lower()):
+            continue
+        if _device(s) not in rt and "(" in rt:
+            continue
         versions = ", ".join(f"{k} {v}" for k, v in (s.get("versions") or {}).items())
-        return (f"served here: {top['output_tok_s']:.1f} output tok/s at concurrency {top['concurrency']}, "
-                f"{top['errors']} errors of {top['requests']} ({versions})")
+        if s.get("refused"):
+            return f"refused here ({versions}, {_device(s)}): {s['refused']}"
+        if s.get("levels"):
+            top = max(s["levels"], key=lambda lv: lv["concurrency"])
+            eq = s.get("equality") or {}
+            greedy = (f", greedy = generate {eq['identical']}/{eq['prompts']}" if eq.get("prompts") else "")
+            return (f"served here ({versions}, {_device(s)}): {top['output_tok_s']:.1f} output tok/s at concurrency "
+                    f"{top['concurrency']}, {top['errors']} errors of {top['requests']}{greedy}")
     if "measured here" in str(runtime.get("note", "")):
         return "loaded and measured here (quality, speed), not served"
     return "expected from the library's documented support, not tried"
-

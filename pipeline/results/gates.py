@@ -106,28 +106,41 @@ def _smoke_ok(report: Report, e: ModelEntry, name: str) -> tuple[float | None, s
     return (len(judged) - len(bad)) / len(judged), reason
 
 
+def _served(e: ModelEntry | None) -> dict[str, dict]:
+    """The engines a model was load-tested in: {engine: its serve record with levels}."""
+    return {k: v for k, v in ((e.served if e else None) or {}).items() if isinstance(v, dict) and v.get("levels")}
+
+
 def _serve_tok_s_ratio(report: Report, e: ModelEntry, name: str) -> tuple[float | None, str]:
-    """The lowest, over the concurrency levels both were load-tested at, of variant / baseline output tok/s."""
-    base = report.baseline.serve if report.baseline else None
-    if not (e.serve or {}).get("levels"):
-        return None, f"variants.{name}.serve is not in the report (is [validate.serve] enabled for it?)"
-    if not (base or {}).get("levels"):
-        return None, "baseline.serve is not in the report (is [validate.serve] enabled for the baseline?)"
-    b = {lv["concurrency"]: lv["output_tok_s"] for lv in base["levels"]}
-    ratios = [(lv["output_tok_s"] / b[lv["concurrency"]], lv["concurrency"]) for lv in e.serve["levels"]
-              if b.get(lv["concurrency"])]
+    """The lowest, over the engines and concurrency levels both were load-tested in, of variant / baseline output
+    tok/s (each engine against the baseline in the same engine)."""
+    mine, base = _served(e), _served(report.baseline)
+    if not mine:
+        return None, f"variants.{name}.served is not in the report (is [validate.serve] enabled for it?)"
+    if not base:
+        return None, "baseline.served is not in the report (is [validate.serve] enabled for the baseline?)"
+    ratios = []
+    for engine, s in mine.items():
+        b = {lv["concurrency"]: lv["output_tok_s"] for lv in (base.get(engine) or {}).get("levels", [])}
+        ratios += [(lv["output_tok_s"] / b[lv["concurrency"]], lv["concurrency"], engine) for lv in s["levels"]
+                   if b.get(lv["concurrency"])]
     if not ratios:
-        return None, "no concurrency level load-tested for both the variant and the baseline"
-    low, c = min(ratios)
-    return low, f"lowest at concurrency {c}"
+        return None, "no engine and concurrency level load-tested for both the variant and the baseline"
+    low, c, engine = min(ratios)
+    return low, f"lowest at concurrency {c} ({engine})"
 
 
 def _serve_error_rate(report: Report, e: ModelEntry, name: str) -> tuple[float | None, str]:
-    levels = (e.serve or {}).get("levels")
-    if not levels:
-        return None, f"variants.{name}.serve is not in the report (is [validate.serve] enabled for it?)"
-    total = sum(lv["requests"] for lv in levels)
-    return (sum(lv["errors"] for lv in levels) / total if total else 0.0), ""
+    """The highest, over the engines it was load-tested in, share of failed requests."""
+    mine = _served(e)
+    if not mine:
+        return None, f"variants.{name}.served is not in the report (is [validate.serve] enabled for it?)"
+    rates = []
+    for engine, s in mine.items():
+        total = sum(lv["requests"] for lv in s["levels"])
+        rates.append(((sum(lv["errors"] for lv in s["levels"]) / total if total else 0.0), engine))
+    rate, engine = max(rates)
+    return rate, f"highest in {engine}" if len(rates) > 1 else ""
 
 
 def _draft_metric(key: str, label: str) -> Getter:

@@ -26,13 +26,15 @@ def record(report: Report, key: str, manifest: dict, skipped: bool) -> None:
     elif kind == "draft":
         _draft(report, metrics)
     elif kind == "validate":
-        name, _, what = rest.rpartition("/")
+        name, _, what = rest.partition("/")
+        what, _, engine = what.partition("/")  # validate/<model>/serve/<engine>
         if what == "quality":
             _quality(report, name, metrics)
         elif what == "speed":
             entry(report, name).speed = metrics
         elif what == "serve":
-            entry(report, name).serve = metrics
+            e = entry(report, name)
+            e.served = {**(e.served or {}), engine: metrics}
         elif what == "speculative":
             _speculative(report, metrics)
         elif what == "tasks":

@@ -1,4 +1,4 @@
-"""The shape of report.json (schema_version 1): typed sections, created, loaded and saved here only.
+"""The shape of report.json (schema_version 2): typed sections, created, loaded and saved here only.
 
 Later versions only add keys; a key never changes meaning without a new SCHEMA_VERSION. Measurement
 payloads (a perplexity record, a smoke test, a speed run, a speculative row) are kept as the measuring
@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from pipeline.core.errors import CompressError
 from pipeline.core.fileio import atomic_write_text
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a model's `serve` (one engine) became `served` ({engine: ...})
 REPORT = "report.json"
 
 RunStatus = Literal["running", "complete", "gates_failed", "failed", "interrupted"]
@@ -92,7 +92,8 @@ class ModelEntry(_Section):
     speed: dict[str, Any] | None = None
     tasks: dict[str, dict[str, Any]] | None = None  # [validate.tasks]: {task: {metric, score, stderr, n, split, ...}}
     task_recovery: dict[str, Any] | None = None  # variants: pipeline/eval/recovery.py recoveries() ({tasks, average})
-    serve: dict[str, Any] | None = None  # validate/<model>/serve: greedy equality and load-test levels
+    # validate/<model>/serve/<engine>: {engine: greedy equality and load-test levels, or why it was skipped}
+    served: dict[str, dict[str, Any]] | None = None
 
 
 class DraftEntry(_Section):

@@ -28,37 +28,53 @@ def _same(eq: dict) -> str:
     if not eq.get("prompts"):
         return "—"
     cell = f"{eq.get('identical')}/{eq.get('prompts')}"
-    return cell if eq.get("exact", True) else cell + " (text, vs dequantized)"
+    if eq.get("exact", True):
+        return cell
+    return cell + (" (text, vs dequantized)" if eq.get("compared") == "text" else " (other kernels)")
+
+
+def served(report: Report) -> list[tuple[str, dict]]:
+    """(model, serve record) for every model and engine, each model's engines together."""
+    return [(n, s) for n, m in models(report) for s in (m.served or {}).values() if isinstance(s, dict)]
 
 
 def serving(report: Report) -> list[str]:
-    entries = [(n, m.serve) for n, m in models(report) if isinstance(m.serve, dict)]
-    served = [(n, s) for n, s in entries if s.get("levels")]
+    entries = served(report)
+    served_ = [(n, s) for n, s in entries if s.get("levels")]
     skipped = [(n, s) for n, s in entries if s.get("skipped")]
-    if not served and not skipped:
+    if not served_ and not skipped:
         return []
     engines = {}
-    for _, s in served:
+    for _, s in served_:
         engines.setdefault(str(s.get("engine", "?")), s.get("versions") or {})
     lines = ["## Serving", "", "`compress serve` (" + "; ".join(
         f"{e}: " + ", ".join(f"{k} {v}" for k, v in vs.items()) for e, vs in engines.items())
         + "), streaming /v1/completions, fixed output length (ignore_eos / min_tokens), closed loop: each client "
           "sends its next request when the last one ends. Latencies in ms; peak memory is the server's VmHWM.", ""]
-    if any(_engine(s) == "llama.cpp" for _, s in served):
+    if any(_engine(s) == "vllm" for _, s in served_):
+        lines += ["vllm rows: vLLM's own server (from its own environment, supervised by `compress serve`) on the same "
+                  "checkpoint folder, prompts and levels. Its greedy output is compared with transformers generate "
+                  "token for token, but its kernels differ (and it may compute in another precision: its `dtype` is "
+                  "in the record), so not every prompt is expected to match.", ""]
+    if any(_engine(s) == "llama.cpp" for _, s in served_):
         lines += ["llama.cpp rows: llama-cpp-python's server runs one request at a time (the others queue), so a "
                   "level above 1 measures queueing, not continuous batching. Its greedy output is compared with "
                   "transformers generate on the dequantized file by text (different kernels: not expected to be "
                   "identical on every prompt); transformers rows are compared token for token.", ""]
+    hf = {(name, lv["concurrency"]): lv["output_tok_s"] for name, s in served_ if _engine(s) == "transformers"
+          for lv in s["levels"]}
     body = []
-    for name, s in served:
+    for name, s in served_:
         same = _same(s.get("equality") or {})
         for lv in s["levels"]:
-            body.append([name, _engine(s), num(lv["concurrency"]), f"{lv['output_tok_s']:.1f}",
+            ref = hf.get((name, lv["concurrency"]))
+            ratio = f"{lv['output_tok_s'] / ref:.2f}" if ref and _engine(s) != "transformers" else "—"
+            body.append([name, _engine(s), num(lv["concurrency"]), f"{lv['output_tok_s']:.1f}", ratio,
                          f"{lv['requests_s']:.2f}", _ms(lv.get("ttft_p50_s")), _ms(lv.get("ttft_p99_s")),
                          _ms(lv.get("itl_p50_s")), _ms(lv.get("itl_p99_s")), f"{lv['errors']}/{lv['requests']}",
                          size(lv.get("server_peak_rss_bytes")) if lv.get("server_peak_rss_bytes") else "—", same])
-    header = ["model", "engine", "concurrency", "output tok/s", "req/s", "TTFT p50", "TTFT p99", "ITL p50", "ITL p99",
-              "errors", "peak memory", "greedy = generate"]
+    header = ["model", "engine", "concurrency", "output tok/s", "× transformers", "req/s", "TTFT p50", "TTFT p99",
+              "ITL p50", "ITL p99", "errors", "peak memory", "greedy = generate"]
     out = lines + (table(header, body) + [""] if body else [])
     out += [f"- {name} ({s.get('engine', '?')}): skipped: {s['skipped']}" for name, s in skipped]
     return out + ([""] if skipped else [])
@@ -130,7 +146,7 @@ def _generate_rows(name: str, speed: dict) -> list[TechRow]:
 
 def _served_rows(name: str, serve: dict) -> list[TechRow]:
     engine = _engine(serve)
-    label = CB if engine == "transformers" else f"served ({engine}, one request at a time)"
+    label = {"transformers": CB, "vllm": f"{CB} (vLLM)"}.get(engine, f"served ({engine}, one request at a time)")
     return [TechRow(name, label, lv["concurrency"], lv.get("output_tok_s"),
                     lv["itl_p99_s"] * 1000 if lv.get("itl_p99_s") is not None else None,
                     lv["ttft_p99_s"] * 1000 if lv.get("ttft_p99_s") is not None else None, "server",
@@ -157,16 +173,17 @@ def _speculative_rows(report: Report) -> list[TechRow]:
 def technique_rows(report: Report) -> list[TechRow]:
     """Every model's technique rows, each model's together: plain decoding, KV cache (and the other batch-1 rows),
     static batching at each batch size, continuous batching at each concurrency level, speculative decoding."""
-    timed = [(n, m.speed, m.serve) for n, m in models(report)]
+    timed = [(n, m.speed, list((m.served or {}).values())) for n, m in models(report)]
     if report.draft is not None:
-        timed.append((report.draft.name, report.draft.speed, None))
+        timed.append((report.draft.name, report.draft.speed, []))
     spec = _speculative_rows(report)
     rows = []
     for name, speed, serve in timed:
         if isinstance(speed, dict) and "skipped" not in speed:
             rows += _generate_rows(name, speed)
-        if isinstance(serve, dict) and serve.get("levels"):
-            rows += _served_rows(name, serve)
+        for one in serve:
+            if isinstance(one, dict) and one.get("levels"):
+                rows += _served_rows(name, one)
         rows += [r for r in spec if r.model == name]
     return rows
 

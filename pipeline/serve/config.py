@@ -12,9 +12,13 @@ class ServeConfig(BaseModel):
 
     enabled: bool = False
     models: Literal["all"] | list[str] = Field("all", description="which models are served ('all' or names)")
-    engine: Literal["auto", "transformers", "llama.cpp", "vllm"] = Field(
-        "auto", description="auto: transformers for Hugging Face checkpoints, llama.cpp for a GGUF variant "
-                            "(skipped with a recorded reason when llama-cpp-python is not installed)")
+    engines: Literal["all"] | list[Literal["auto", "transformers", "llama.cpp", "vllm"]] = Field(
+        default_factory=lambda: ["auto"],
+        description="engines each model is served and load-tested in, one unit each. auto: transformers for Hugging "
+                    "Face checkpoints, llama.cpp for a GGUF variant (skipped with a recorded reason when "
+                    "llama-cpp-python is not installed); all: every engine that declares the model's format on this "
+                    "device (pipeline/serve/engines), those not installed skipped with the reason recorded; a named "
+                    "engine serves the models whose format it declares and must be installed")
     concurrency: list[int] = Field(default_factory=lambda: [1, 4, 16],
                                    description="load-test levels (concurrent streaming clients)")
     requests_per_level: int | None = Field(None, ge=1, description="requests per level (None: 2 x concurrency, "
@@ -26,7 +30,17 @@ class ServeConfig(BaseModel):
                                                       "on llama.cpp, against the dequantized checkpoint)")
     equality_tokens: int = Field(16, ge=1, description="tokens generated per equality prompt")
     max_model_len: int = Field(512, ge=2, description="longest prompt + output served (sizes the KV cache)")
+    compile: bool = Field(True, description="vllm: let vLLM compile the model (its default; on 2 cores ~60-90 s more "
+                                            "start-up per model for 1.2-1.4x eager mode's throughput); false: "
+                                            "--enforce-eager")
     timeout_s: float = Field(300.0, gt=0, description="longest a request (and the server's start) may take")
+
+    @field_validator("engines")
+    @classmethod
+    def _engines(cls, v):
+        if isinstance(v, list) and (not v or len(set(v)) < len(v)):
+            raise ValueError("engines: 'all' or a list of distinct engines")
+        return v
 
     @field_validator("concurrency")
     @classmethod
@@ -40,36 +54,62 @@ class ServeConfig(BaseModel):
 
 
 def model_format(method: str | None) -> str:
-    """What validate serves for a model: the baseline (method None) and every variant whose method writes a
-    Hugging Face folder are "hf"; a method whose checkpoint format is GGUF writes one .gguf file."""
+    """The checkpoint format validate serves for a model, as engines declare formats: the baseline (method None) is
+    "unquantized", a variant its method's checkpoint format ("gptq", "awq", "bitsandbytes", "torchao", "gguf")."""
     if method is None:
-        return "hf"
+        return "unquantized"
     from pipeline.quant.registry import METHODS
 
-    return "gguf" if METHODS.get(method).checkpoint_format == "gguf" else "hf"
+    return METHODS.get(method).checkpoint_format
 
 
-def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None]], cuda: bool) -> tuple[list[str], dict[str, str]]:
-    """`compress check` for [validate.serve]: (problems, {model: why its serving is skipped}). `models` are
-    (name, method) pairs, the baseline's method None. A model no engine can serve here is refused, naming the
-    engines that can; with engine = "auto", a GGUF variant while llama-cpp-python is missing is skipped instead
-    (recorded in the report), since that is an optional extra and not a wrong recipe."""
-    from pipeline.serve.folder import able, default_engine, engines_for, llama_cpp_missing
+def engine_plan(cfg: ServeConfig, fmt: str, device: str) -> tuple[dict[str, str | None], list[tuple[str, str]]]:
+    """({engine: None to serve it, or why it is skipped}, [(engine, why it cannot)]) for one model of format `fmt`.
+    "all": every engine declaring the format here, one not installed skipped with its reason. A list: "auto" is the
+    format's default engine (skipped with its reason when that is an extra not installed); a named engine serves the
+    models whose format it declares, must be installed, and a model that no listed engine declares is refused."""
+    from pipeline.serve import engines
 
-    problems, skipped = [], {}
+    declared = engines.declared(fmt, device)
+    why = engines.engines_for(fmt, device)
+    if cfg.engines == "all":
+        return {n: why[n] for n in declared}, []
+    plan, problems = {}, []
+    for asked in cfg.engines:
+        name = engines.default_engine(fmt) if asked == "auto" else asked
+        if name in plan:
+            continue
+        if name not in declared:
+            problems.append((name, why[name]))
+        elif why[name] is None or (asked == "auto" and engines.get(name).optional):
+            plan[name] = why[name]
+        else:
+            problems.append((name, why[name]))
+    if plan:  # a named engine that does not declare this format is simply not asked for this model
+        problems = [(n, w) for n, w in problems if n in declared]
+    return plan, problems
+
+
+def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None]], device: str
+               ) -> tuple[list[str], dict[str, dict[str, str | None]]]:
+    """`compress check` for [validate.serve]: (problems, {model: {engine: None (served) or why it is skipped}}).
+    `models` are (name, method) pairs, the baseline's method None. A model no engine can serve here is refused,
+    naming the engines that can."""
+    from pipeline.serve import engines
+    from pipeline.serve.engines.base import describe
+
+    problems, out = [], {}
     for name, method in models:
         if not cfg.serves(name):
             continue
         fmt = model_format(method)
-        why = engines_for(fmt, cuda)
-        engine = default_engine(fmt) if cfg.engine == "auto" else cfg.engine
-        if why[engine] is None:
-            continue
-        if cfg.engine == "auto" and engine == "llama.cpp" and why[engine] == llama_cpp_missing():
-            skipped[name] = why[engine]
-            continue
-        what = "a GGUF file" if fmt == "gguf" else f"a Hugging Face checkpoint ({method or 'unquantized'})"
-        problems.append(f"[validate.serve] engine = {cfg.engine!r}: {engine} cannot serve {name!r} ({what}) here: "
-                        f"{why[engine]}; {able(why)} (set engine = 'auto' or leave {name!r} out of "
-                        "[validate.serve] models)")
-    return problems, skipped
+        plan, refused = engine_plan(cfg, fmt, device)
+        what = describe(fmt) if fmt == "gguf" else f"a Hugging Face checkpoint ({method or 'unquantized'})"
+        for engine, why in refused:
+            problems.append(f"[validate.serve] engines = {cfg.engines!r}: {engine} cannot serve {name!r} ({what}) "
+                            f"here: {why}; {engines.able(engines.engines_for(fmt, device))} (set engines = ['auto'] "
+                            f"or leave {name!r} out of [validate.serve] models)")
+        if not plan and not refused:
+            problems.append(f"[validate.serve] engines = 'all': no engine serves {name!r} ({what}) here")
+        out[name] = plan
+    return problems, out

@@ -55,16 +55,26 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 
 def peak_rss(pid: int | None) -> int | None:
-    """VmHWM (peak resident set) of a process, in bytes; None if it cannot be read."""
+    """VmHWM (peak resident set) of a process and its descendants added up (vLLM's server runs its engine in child
+    processes), in bytes; None if it cannot be read."""
     if pid is None:
         return None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    total, todo, seen = 0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) * 1024
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            if p == pid:
+                return None
+    return total or None
 
 
 def corpus_prompts(n: int, words: int = 64, dataset: str = "wikitext2") -> list[str]:

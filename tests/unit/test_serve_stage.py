@@ -28,24 +28,30 @@ def test_config_defaults_and_refusals():
 
 
 def test_serve_gates_read_the_lowest_ratio_and_the_error_rate():
-    rep = Report.model_validate({"run": RUN, "baseline": {"serve": {"levels": _levels((1, 20.0), (16, 100.0))}},
-                                 "variants": {"w4": {"serve": {"levels": _levels((1, 18.0), (16, 60.0), errors=1)}},
-                                              "w8": {}}})
+    rep = Report.model_validate({
+        "run": RUN, "baseline": {"served": {"transformers": {"levels": _levels((1, 20.0), (16, 100.0))},
+                                            "vllm": {"levels": _levels((1, 40.0), (16, 200.0))}}},
+        "variants": {"w4": {"served": {"transformers": {"levels": _levels((1, 18.0), (16, 60.0), errors=1)},
+                                       "vllm": {"levels": _levels((1, 40.0), (16, 180.0))}}},
+                     "w8": {}}})
     cfg = GatesConfig(min_smoke_ok=None, min_serve_tok_s_ratio=0.7, max_serve_error_rate=0.04)
     g = {(x.model, x.gate): x for x in evaluate_gates(rep, cfg)}
     ratio = g[("w4", "min_serve_tok_s_ratio")]
-    assert ratio.value == pytest.approx(0.6) and not ratio.passed and "concurrency 16" in ratio.reason
+    # each engine against the baseline in the same engine: transformers 60/100, vLLM 180/200
+    assert ratio.value == pytest.approx(0.6) and not ratio.passed and "concurrency 16 (transformers)" in ratio.reason
     err = g[("w4", "max_serve_error_rate")]
-    assert err.value == pytest.approx(2 / 20) and not err.passed
+    assert err.value == pytest.approx(2 / 20) and not err.passed and "highest in transformers" in err.reason
     missing = g[("w8", "min_serve_tok_s_ratio")]
     assert missing.value is None and not missing.passed and "[validate.serve]" in missing.reason
 
 
 def test_serve_unit_recorded_in_the_report():
     rep = Report.model_validate({"run": RUN})
-    record(rep, "validate/baseline/serve", {"time_s": 1.0, "peak_rss_bytes": 1, "metrics": {"levels": _levels((1, 5.0))}},
-           skipped=False)
-    assert rep.baseline.serve["levels"][0]["output_tok_s"] == 5.0
+    for engine, tok_s in (("transformers", 5.0), ("vllm", 9.0)):
+        record(rep, f"validate/baseline/serve/{engine}", {"time_s": 1.0, "peak_rss_bytes": 1,
+                                                          "metrics": {"levels": _levels((1, tok_s))}}, skipped=False)
+    assert rep.baseline.served["transformers"]["levels"][0]["output_tok_s"] == 5.0
+    assert rep.baseline.served["vllm"]["levels"][0]["output_tok_s"] == 9.0
 
 
 def test_recipe_adds_a_serve_unit_after_quality():
@@ -54,11 +60,11 @@ def test_recipe_adds_a_serve_unit_after_quality():
 
     r = load_recipe("recipes/tiny.toml", ["validate.serve.enabled=true", "validate.serve.models=[\"baseline\"]"])
     units = {u.key: u for u in validate.units(r)}
-    assert "validate/baseline/serve" in units
-    assert units["validate/baseline/serve"].deps == ["load", "validate/baseline/quality"]
-    assert not any(k.endswith("/serve") and k != "validate/baseline/serve" for k in units)
+    assert "validate/baseline/serve/transformers" in units  # engines = ["auto"]: the format's default engine
+    assert units["validate/baseline/serve/transformers"].deps == ["load", "validate/baseline/quality"]
+    assert [k for k in units if "/serve/" in k] == ["validate/baseline/serve/transformers"]
     off = load_recipe("recipes/tiny.toml", [])
-    assert not any(u.key.endswith("/serve") for u in validate.units(off))
+    assert not any("/serve/" in u.key for u in validate.units(off))
 
 
 def test_load_test_prompts_come_from_the_perplexity_corpus():
@@ -102,14 +108,15 @@ def test_card_runtime_rows_say_served_or_expected_and_report_has_a_serving_table
                         {"concurrency": 16, "requests": 32, "errors": 0, "output_tok_s": 96.7, "requests_s": 3.0,
                          "ttft_p50_s": 1.1, "ttft_p99_s": 1.8, "itl_p50_s": 0.12, "itl_p99_s": 0.7,
                          "server_peak_rss_bytes": 2**30}]}
-    e = ModelEntry(serve=serve)
-    assert served_note(e, {"runtime": "transformers (CPU)", "note": ""}).startswith(
-        "served here: 96.7 output tok/s at concurrency 16, 0 errors of 32 (transformers 5.24.0)")
+    e = ModelEntry(served={"transformers": serve})
+    assert served_note(e, {"runtime": "transformers (CPU)", "note": ""}) == (
+        "served here (transformers 5.24.0, CPU): 96.7 output tok/s at concurrency 16, 0 errors of 32, "
+        "greedy = generate 3/3")
     assert served_note(e, {"runtime": "vLLM (CUDA)"}) == "expected from the library's documented support, not tried"
     assert served_note(ModelEntry(), {"runtime": "transformers (CPU)", "note": "measured here"}) == \
         "loaded and measured here (quality, speed), not served"
-    md = render_markdown(Report.model_validate({"run": RUN, "baseline": {"serve": serve}}), [])
-    assert "## Serving" in md and "| baseline | transformers | 16 | 96.7 | 3.00 | 1100 | 1800 | 120 | 700 | 0/32 |" in md and "3/3" in md
+    md = render_markdown(Report.model_validate({"run": RUN, "baseline": {"served": {"transformers": serve}}}), [])
+    assert "## Serving" in md and "| baseline | transformers | 16 | 96.7 | — | 3.00 | 1100 | 1800 | 120 | 700 | 0/32 |" in md and "3/3" in md
     assert "## Serving" not in render_markdown(Report.model_validate({"run": RUN}), [])
 
 
@@ -120,11 +127,13 @@ def test_card_rows_served_on_cuda_by_vllm_and_on_cpu_by_llama_cpp():
     from pipeline.results.schema import ModelEntry
 
     level = {"concurrency": 16, "requests": 32, "errors": 0, "output_tok_s": 900.0}
-    vllm = ModelEntry(serve={"engine": "vllm", "versions": {"vllm": "0.11.0"}, "device": "cuda", "levels": [level]})
-    assert served_note(vllm, {"runtime": "vLLM (CUDA)"}) == ("served here: 900.0 output tok/s at concurrency 16, "
-                                                             "0 errors of 32 (vllm 0.11.0)")
+    vllm = ModelEntry(served={"vllm": {"engine": "vllm", "versions": {"vllm": "0.11.0"}, "device": "cuda",
+                                       "levels": [level]}})
+    assert served_note(vllm, {"runtime": "vLLM (CUDA)"}) == ("served here (vllm 0.11.0, CUDA): 900.0 output tok/s at "
+                                                             "concurrency 16, 0 errors of 32")
+    assert served_note(vllm, {"runtime": "vLLM (CPU)"}).startswith("expected")
     assert served_note(vllm, {"runtime": "transformers (CPU)"}).startswith("expected")
-    gguf = ModelEntry(serve={"engine": "llama.cpp (llama-cpp-python server: one request at a time)",
-                             "versions": {"llama-cpp-python": "0.3.36"}, "device": "cpu", "levels": [level]})
+    gguf = ModelEntry(served={"llama.cpp": {"engine": "llama.cpp", "versions": {"llama-cpp-python": "0.3.36"},
+                                            "device": "cpu", "levels": [level]}})
     assert served_note(gguf, {"runtime": "llama.cpp"}).startswith("served here")
     assert served_note(gguf, {"runtime": "transformers"}).startswith("expected")

@@ -40,9 +40,10 @@ def report() -> Report:
     spec = {"alpha": 0.7, "speedup": 1.4, "tokens_per_s": 28.0, "gamma": 4}
     return Report.model_validate({
         "run": RUN,
-        "baseline": {"speed": _speed(20.0, 50.0, 3.0), "serve": _serve((1, 21.0, 0.05), (4, 60.0, 0.09),
-                                                                        (16, 96.7, 0.7))},
-        "variants": {"w4": {"speed": _speed(12.0, 35.0, None), "serve": _serve((1, 11.0, 0.1), (16, 60.0, 0.9))}},
+        "baseline": {"speed": _speed(20.0, 50.0, 3.0), "served": {"transformers": _serve(
+            (1, 21.0, 0.05), (4, 60.0, 0.09), (16, 96.7, 0.7))}},
+        "variants": {"w4": {"speed": _speed(12.0, 35.0, None), "served": {"transformers": _serve(
+            (1, 11.0, 0.1), (16, 60.0, 0.9))}}},
         "draft": {"name": "draft", "verifier": "w4",
                   "speculative": {"greedy": spec, "undistilled greedy": {**spec, "speedup": 0.9}}},
     })

@@ -1,4 +1,4 @@
-"""`compress serve` on a .gguf file: llama-cpp-python's own OpenAI-compatible server (llama_cpp.server, the
+"""The llama.cpp engine: `compress serve` on a .gguf file through llama-cpp-python's own OpenAI-compatible server (llama_cpp.server, the
 `gguf-serve` extra), run in this process on the socket `compress serve` already bound, so the checks before it
 (folder, engine, port in use, loopback without a key) and the exit on SIGTERM are the same as for transformers.
 
@@ -21,6 +21,7 @@ What llama-cpp-python 0.3.36's server does, read from its source (llama_cpp/serv
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ import sys
 from pathlib import Path
 
 from pipeline.core.errors import RecipeError
+from pipeline.serve.engines.base import Engine, ServeOptions
 
 log = logging.getLogger("compress.serve")
 ENGINE_NAME = "llama.cpp (llama-cpp-python server: one request at a time)"
@@ -56,8 +58,6 @@ def serve_gguf(gguf: Path, model_name: str, sock: socket.socket, host: str, port
     import uvicorn
     from fastapi.responses import JSONResponse
     from llama_cpp.server.app import create_app
-
-    from pipeline.serve.folder import llama_cpp_version
 
     server_settings, model_settings = settings(gguf, model_name, host, port, key, threads, n_ctx)
     app = create_app(server_settings=server_settings, model_settings=[model_settings])  # loads the model
@@ -91,3 +91,58 @@ def serve_gguf(gguf: Path, model_name: str, sock: socket.socket, host: str, port
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+LLAMA_CPP_INSTALL = ("pip install -e '.[gguf-serve]' (llama-cpp-python[server] 0.3.36; no wheel: it builds llama.cpp "
+                     "from source, about 8 minutes on 2 cores)")
+# llama_cpp.server's own imports beyond llama_cpp (its [server] extra): without them `python -m llama_cpp.server` fails
+LLAMA_CPP_SERVER_MODULES = ("llama_cpp", "sse_starlette", "starlette_context", "pydantic_settings")
+
+
+def _importable(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None
+
+
+def llama_cpp_missing() -> str | None:
+    """Why llama.cpp's server cannot start here (None: it can): llama_cpp, or its [server] extra, is not installed."""
+    if not _importable("llama_cpp"):
+        return f"llama_cpp is not installed ({LLAMA_CPP_INSTALL})"
+    missing = [m for m in LLAMA_CPP_SERVER_MODULES if not _importable(m)]
+    if missing:
+        return f"llama_cpp's server needs {', '.join(missing)}, not installed ({LLAMA_CPP_INSTALL})"
+    return None
+
+
+def llama_cpp_version() -> str | None:
+    """llama-cpp-python's version, read from its metadata (nothing imported); None when it is not installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("llama-cpp-python")
+    except PackageNotFoundError:
+        return None
+
+
+class LlamaCpp(Engine):
+    name = "llama.cpp"
+    formats = {"cpu": ("gguf",), "cuda": ("gguf",)}
+    honours = ("max_model_len", "threads", "drain_s", "max_tokens_limit")
+    install = LLAMA_CPP_INSTALL
+    optional = True  # an extra: engines = "all" skips it with a recorded reason when it is missing
+
+    def missing(self) -> str | None:
+        return llama_cpp_missing()
+
+    def version(self) -> dict[str, str]:
+        v = llama_cpp_version()
+        return {"llama-cpp-python": v} if v else {}
+
+    def unhonoured(self, opts: ServeOptions) -> list[str]:
+        return []  # what it does not apply, its start line says (it has always served with that line)
+
+    def serve(self, exp, sock: socket.socket, opts: ServeOptions) -> int:
+        return serve_gguf(exp.path / exp.gguf_file, exp.path.name, sock, opts.host, opts.port, opts.key,
+                          threads=opts.threads, n_ctx=opts.max_model_len, drain_s=opts.drain_s, slots=opts.slots)
+
+
+ENGINES = (LlamaCpp,)

@@ -1,0 +1,66 @@
+"""The one list of serving engines and what the rest of the code asks of them. Torch-free.
+
+    ENGINES.get("vlm")  # RecipeError: Unknown serving engine 'vlm'. Did you mean: vllm?
+
+Each engine is a class in pipeline/serve/engines/<name>.py (interface: pipeline/serve/engines/base.py) declaring the
+checkpoint formats it serves per device, the `compress serve` options it applies, whether it is installed and how
+it serves. `compress serve`, `compress check`'s [validate.serve] rules and the serve unit all ask this module.
+"""
+from __future__ import annotations
+
+import importlib
+
+from pipeline.core.errors import RecipeError
+from pipeline.core.registry import Registry
+from pipeline.serve.engines.base import UNQUANTIZED, Engine, describe
+
+ENGINE_MODULES = ("transformers", "llamacpp", "vllm")
+ENGINES: Registry[Engine] = Registry("serving engine")
+for _module in ENGINE_MODULES:
+    for _engine in importlib.import_module(f"pipeline.serve.engines.{_module}").ENGINES:
+        ENGINES.register(_engine.name)(_engine())
+NAMES = tuple(ENGINES.names())
+
+
+def get(name: str) -> Engine:
+    return ENGINES.get(name)
+
+
+def checkpoint_format(fmt: str, quant_method: str | None) -> str:
+    """A folder's checkpoint format as engines declare them: "gguf", "unquantized" or config.json's quant_method."""
+    return "gguf" if fmt == "gguf" else (str(quant_method).lower() if quant_method else UNQUANTIZED)
+
+
+def engines_for(fmt: str, device: str) -> dict[str, str | None]:
+    """engine -> None if it can serve a checkpoint of this format on this device here, else why not (read by
+    `compress serve` from the folder and by `compress check` from the recipe, before any folder exists)."""
+    return {name: ENGINES.get(name).refuses(fmt, device) for name in NAMES}
+
+
+def default_engine(fmt: str) -> str:
+    """What "auto" means: llama.cpp for a .gguf file, transformers for a Hugging Face folder."""
+    return "llama.cpp" if fmt == "gguf" else "transformers"
+
+
+def declared(fmt: str, device: str) -> list[str]:
+    """The engines that declare this format on this device, installed or not."""
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    return [n for n in NAMES if fmt in ENGINES.get(n).formats.get(kind, ())]
+
+
+def choose(fmt: str, where: str, engine: str, device: str) -> str:
+    """The engine to use ("auto": transformers for HF folders, llama.cpp for GGUF), or RecipeError naming the engines
+    that can serve it here."""
+    why = engines_for(fmt, device)
+    if engine == "auto":
+        engine = default_engine(fmt)
+    if engine not in why:
+        raise RecipeError(f"--engine {engine}: unknown (choose from auto, {', '.join(NAMES)})")
+    if why[engine] is not None:
+        raise RecipeError(f"engine {engine} cannot serve {where} ({describe(fmt)}) here: {why[engine]}; {able(why)}")
+    return engine
+
+
+def able(why: dict[str, str | None]) -> str:
+    ok = [e for e, w in why.items() if w is None]
+    return f"engines that can: {', '.join(ok)}" if ok else "no engine can serve it here"

