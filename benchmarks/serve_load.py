@@ -75,7 +75,8 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", required=True)
-    ap.add_argument("--engine", default="transformers", choices=["transformers", "llama.cpp"])
+    ap.add_argument("--engine", default="transformers", choices=["transformers", "llama.cpp", "vllm"])
+    ap.add_argument("--enforce-eager", action="store_true", help="vllm: skip its compile step")
     ap.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "compress-serve-bench"))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--concurrency", default="1,16")
@@ -85,6 +86,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=None, help="default: a free loopback port")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    from pipeline.serve.engines import get
     from pipeline.serve.loadtest import run
     from pipeline.serve.measure import free_port
 
@@ -95,22 +97,28 @@ def main() -> None:
     port = a.port or free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
+    engine = get(a.engine)
     cmd = [sys.executable, "-m", "pipeline.cli", "serve", str(folder), "--port", str(port), "--engine", a.engine,
-           "--threads", str(a.threads), "--slots", str(max(levels)), "--max-queue", str(max(levels)), "--max-model-len", "512"]
+           "--threads", str(a.threads), "--slots", str(max(levels)), "--max-model-len", "512"]
+    if "max_queue" in engine.honours:
+        cmd += ["--max-queue", str(max(levels))]
+    if a.enforce_eager:
+        cmd.append("--enforce-eager")
     proc = subprocess.Popen(cmd, env=env)
     try:
-        wait_healthy(url, proc)
+        wait_healthy(url, proc, 900)
         run(url, folder.name, [1], 1, 4, a.prompt_words, pid=proc.pid)  # warm-up, not recorded
         levels_out = run(url, folder.name, levels, a.requests, a.max_tokens, a.prompt_words, pid=proc.pid,
                          timeout_s=600)
         with urllib.request.urlopen(url + "/health") as r:
-            health = json.loads(r.read())
+            body = r.read()
+        health = json.loads(body) if body.strip() else {}  # vLLM's /health has no body
     finally:
         proc.terminate()
         rc = proc.wait(60)
     result = {"source": a.source, "folder": str(folder), "threads": a.threads, "max_tokens": a.max_tokens,
-              "prompt_words": a.prompt_words, "levels": levels_out, "server_exit": rc, "engine": health["engine"],
-              "versions": health["versions"], "command": " ".join(sys.argv)}
+              "prompt_words": a.prompt_words, "levels": levels_out, "server_exit": rc, "engine": health.get("engine", a.engine),
+              "versions": health.get("versions") or engine.version(), "command": " ".join(sys.argv)}
     if len(levels_out) > 1 and levels_out[0]["output_tok_s"]:
         result["gain_last_vs_first"] = round(levels_out[-1]["output_tok_s"] / levels_out[0]["output_tok_s"], 2)
     text = json.dumps(result, indent=2)

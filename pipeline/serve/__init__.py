@@ -8,8 +8,11 @@ would mean patching its app in four places; the part worth reusing is the engine
 small FastAPI + uvicorn app around transformers' continuous-batching manager
 (`model.init_continuous_batching()`: `add_request(streaming=True)`, `register_result_handler`, `cancel_request`).
 
-Modules: folder (torch-free: what an export folder holds, which engine serves it), engine (the model and the
-manager), app (routes, key, admission queue, validation), server (binding, SIGTERM drain, vLLM), llamacpp (a .gguf
-through llama-cpp-python's own server, with what it does and does not do), measure (the `validate/<model>/serve` unit),
-loadtest (the asyncio load generator), config (the torch-free `[validate.serve]` table).
+Modules: folder (torch-free: what an export folder holds), engines/ (the registry of serving engines, one file each:
+transformers (this package's app over transformers' manager), llamacpp (a .gguf through llama-cpp-python's own
+server, with what it does and does not do), vllm (vLLM's own server from its own environment, supervised as a child
+process); each declares the formats it serves per device and the options it applies), engine (the model and the
+manager), app (routes, key, admission queue, validation), server (checks, binding, then the chosen engine), measure
+(the `validate/<model>/serve/<engine>` unit), loadtest (the asyncio load generator), config (the torch-free
+`[validate.serve]` table and which engines serve which model).
 """

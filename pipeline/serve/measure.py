@@ -91,7 +91,7 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
     result = {"engine": engine, "versions": health.get("versions") or eng.version(), "device": device,
               "server_exit": rc, "ready_s": round(ready_s, 1), "equality": eq, "levels": levels,
               **({"compiled": cfg.compile} if engine == "vllm" else {})}
-    return {**result, **_vllm_facts(out / "server.log")} if engine == "vllm" else result
+    return {**result, **_vllm_facts(out / "server.log", folder)} if engine == "vllm" else result
 
 
 def _error_line(out: Path) -> str:
@@ -100,15 +100,25 @@ def _error_line(out: Path) -> str:
     return error_line((out / "server.log").read_text(errors="replace").splitlines())
 
 
-def _vllm_facts(log: Path) -> dict:
+def _vllm_facts(log: Path, folder: Path) -> dict:
     """What vLLM's log says it ran: the precision (`dtype=torch.bfloat16` in its engine's start line) and the linear
-    kernels it chose ("Using CPUWNA16LinearKernel for ...")."""
+    kernels it chose ("Using CPUWNA16LinearKernel for ..."); and whether its CPU kernel multiplied 4-bit weights with
+    int8-quantized activations: vLLM 0.32 does for 4-bit GPTQ/AWQ in bfloat16 on a CPU with AMX unless
+    VLLM_CPU_INT4_W4A8=0 (read in its source, mixed_precision/cpu.py; its log does not say)."""
     import re
 
     text = log.read_text(errors="replace")
     m = re.search(r"\bdtype=torch\.(\w+)", text)
     kernels = sorted(set(re.findall(r"Using (\w+Kernel|\w+LinearMethod) for", text)))
-    return {**({"served_dtype": m.group(1)} if m else {}), **({"kernels": kernels} if kernels else {})}
+    out = {**({"served_dtype": m.group(1)} if m else {}), **({"kernels": kernels} if kernels else {})}
+    try:
+        bits = (json.loads((folder / "config.json").read_text()).get("quantization_config") or {}).get("bits")
+        amx = "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except (OSError, ValueError):
+        bits, amx = None, False
+    if "CPUWNA16LinearKernel" in kernels and bits == 4 and out.get("served_dtype") == "bfloat16":
+        out["int8_activations"] = amx and os.environ.get("VLLM_CPU_INT4_W4A8", "1") != "0"
+    return out
 
 
 def _wait(url: str, proc: subprocess.Popen, timeout: float, out: Path) -> dict:

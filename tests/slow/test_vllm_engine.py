@@ -158,3 +158,15 @@ def test_sigterm_under_load_exits_0_and_leaves_no_process(export, tmp_path):
     time.sleep(1)
     assert not _group_alive(pgid) and not _vllm_pids(export)
     assert "signal 15: stopping vLLM" in (tmp_path / "serve.log").read_text()
+
+
+def test_setup_reuses_both_environments_on_a_second_call():
+    """scripts/setup.sh built .venv-vllm (this module runs only then): a second call installs nothing."""
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run(["bash", "scripts/setup.sh"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "setup: .venv is up to date" in r.stdout and "setup: .venv-vllm is up to date" in r.stdout, r.stdout
+    check = subprocess.run([str(root / ".venv-vllm" / "bin" / "python"), "-c",
+                            "import vllm.entrypoints.openai.api_server, torch; print(torch.__version__)"],
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0 and check.stdout.strip() == "2.13.0+cpu", check.stderr[-2000:]

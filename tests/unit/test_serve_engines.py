@@ -139,8 +139,8 @@ def test_a_model_no_listed_engine_declares_is_refused_naming_those_that_can(tmp_
     assert ("vllm cannot serve 'int8' (a Hugging Face checkpoint (bnb-int8)) here: does not serve bitsandbytes "
             "checkpoints on CPU") in msg and "engines that can: transformers (set engines = ['auto']" in msg
     assert ("vllm cannot serve 'gguf-q8_0' (a .gguf file) here: does not serve a .gguf file on CPU (it serves "
-            "unquantized checkpoints, gptq checkpoints, awq checkpoints, compressed-tensors checkpoints); engines that "
-            "can: llama.cpp") in msg
+            "unquantized checkpoints, gptq checkpoints, awq checkpoints, compressed-tensors checkpoints, torchao "
+            "checkpoints); engines that can: llama.cpp") in msg
     plan = check(_recipe(tmp_path, 'validate.serve.engines=["vllm"]', 'validate.serve.models=["baseline", "w4"]'))
     assert plan.serve_engines == {"baseline": {"vllm": None}, "w4": {"vllm": None}}
 
@@ -231,7 +231,8 @@ def test_compress_serve_exits_2_for_an_engine_that_cannot_serve_the_folder(tmp_p
                        timeout=120)
     assert r.returncode == 2, r.stderr
     assert ("does not serve bitsandbytes checkpoints on CPU (it serves unquantized checkpoints, gptq checkpoints, awq "
-            "checkpoints, compressed-tensors checkpoints); engines that can: transformers") in r.stderr
+            "checkpoints, compressed-tensors checkpoints, torchao checkpoints); engines that can: transformers") \
+        in r.stderr
 
 
 def test_compress_serve_vllm_refuses_what_it_cannot_apply_before_starting(tmp_path):
