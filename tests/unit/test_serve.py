@@ -210,4 +210,6 @@ def test_refusals_at_start(folder, tmp_path):
         r = _run(serve_cmd(folder, port))
     assert r.returncode == 2 and f"port {port}" in r.stderr and "in use" in r.stderr
     r = _run(serve_cmd(folder, free_port(), "--engine", "llama.cpp"))
-    assert r.returncode == 2 and "serves .gguf files only" in r.stderr and "engines that can: transformers" in r.stderr
+    assert r.returncode == 2, r.stderr
+    assert (f"engine llama.cpp cannot serve {folder} (unquantized checkpoints) here: does not serve unquantized "
+            "checkpoints on CPU (it serves a .gguf file); engines that can: transformers") in r.stderr
