@@ -19,6 +19,11 @@ class ServeConfig(BaseModel):
                     "llama-cpp-python is not installed); all: every engine that declares the model's format on this "
                     "device (pipeline/serve/engines), those not installed skipped with the reason recorded; a named "
                     "engine serves the models whose format it declares and must be installed")
+    engine_models: dict[Literal["transformers", "llama.cpp", "vllm"], list[str]] = Field(
+        default_factory=dict,
+        description="an engine named here serves only these models (of those `models` and `engines` select), e.g. "
+                    "{ vllm = [\"gptq-w4g64\"] } to serve only the deployed export in vLLM; an engine not named "
+                    "serves every selected model. Which units exist, not what they measure: not in any identity")
     concurrency: list[int] = Field(default_factory=lambda: [1, 4, 16],
                                    description="load-test levels (concurrent streaming clients)")
     requests_per_level: int | None = Field(None, ge=1, description="requests per level (None: 2 x concurrency, "
@@ -52,6 +57,10 @@ class ServeConfig(BaseModel):
     def serves(self, name: str) -> bool:
         return self.enabled and (self.models == "all" or name in self.models)
 
+    def engine_serves(self, engine: str, name: str) -> bool:
+        """Whether `engine_models` lets `engine` serve model `name` (an engine it does not name serves all)."""
+        return engine not in self.engine_models or name in self.engine_models[engine]
+
 
 def model_format(method: str | None) -> str:
     """The checkpoint format validate serves for a model, as engines declare formats: the baseline (method None) is
@@ -63,21 +72,23 @@ def model_format(method: str | None) -> str:
     return METHODS.get(method).checkpoint_format
 
 
-def engine_plan(cfg: ServeConfig, fmt: str, device: str) -> tuple[dict[str, str | None], list[tuple[str, str]]]:
+def engine_plan(cfg: ServeConfig, fmt: str, device: str, model: str
+                ) -> tuple[dict[str, str | None], list[tuple[str, str]]]:
     """({engine: None to serve it, or why it is skipped}, [(engine, why it cannot)]) for one model of format `fmt`.
     "all": every engine declaring the format here, one not installed skipped with its reason. A list: "auto" is the
     format's default engine (skipped with its reason when that is an extra not installed); a named engine serves the
-    models whose format it declares, must be installed, and a model that no listed engine declares is refused."""
+    models whose format it declares, must be installed, and a model that no listed engine declares is refused.
+    An engine that `engine_models` keeps for other models is not asked for this one at all."""
     from pipeline.serve import engines
 
     declared = engines.declared(fmt, device)
     why = engines.engines_for(fmt, device)
     if cfg.engines == "all":
-        return {n: why[n] for n in declared}, []
+        return {n: why[n] for n in declared if cfg.engine_serves(n, model)}, []
     plan, problems = {}, []
     for asked in cfg.engines:
         name = engines.default_engine(fmt) if asked == "auto" else asked
-        if name in plan:
+        if name in plan or not cfg.engine_serves(name, model):
             continue
         if name not in declared:
             problems.append((name, why[name]))
@@ -99,17 +110,23 @@ def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None]], device: s
     from pipeline.serve.engines.base import describe
 
     problems, out = [], {}
+    served = [n for n, _ in models if cfg.serves(n)]
+    for engine, names in cfg.engine_models.items():
+        if unknown := [n for n in names if n not in served]:
+            problems.append(f"[validate.serve] engine_models.{engine}: {', '.join(map(repr, unknown))} not among the "
+                            f"served models ({', '.join(served) or 'none'})")
     for name, method in models:
         if not cfg.serves(name):
             continue
         fmt = model_format(method)
-        plan, refused = engine_plan(cfg, fmt, device)
+        plan, refused = engine_plan(cfg, fmt, device, name)
         what = describe(fmt) if fmt == "gguf" else f"a Hugging Face checkpoint ({method or 'unquantized'})"
         for engine, why in refused:
             problems.append(f"[validate.serve] engines = {cfg.engines!r}: {engine} cannot serve {name!r} ({what}) "
                             f"here: {why}; {engines.able(engines.engines_for(fmt, device))} (set engines = ['auto'] "
                             f"or leave {name!r} out of [validate.serve] models)")
         if not plan and not refused:
-            problems.append(f"[validate.serve] engines = 'all': no engine serves {name!r} ({what}) here")
+            problems.append(f"[validate.serve] engines = {cfg.engines!r}: no engine serves {name!r} ({what}) here"
+                            + (f" (engine_models: {cfg.engine_models})" if cfg.engine_models else ""))
         out[name] = plan
     return problems, out

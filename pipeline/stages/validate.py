@@ -54,10 +54,10 @@ def serve_units(recipe, name: str, src: str, fmt: str | None, eval_data, code: t
         return []
     fmt = fmt or model_format(None)
     device = "cuda" if recipe.run.device.startswith("cuda") else "cpu"  # "auto": planned for the CPU
-    plan, _ = engine_plan(cfg, fmt, device)
+    plan, _ = engine_plan(cfg, fmt, device, name)
     out = []
     for engine, skipped in plan.items():
-        config = {"serve": cfg.model_dump(exclude={"engines"}), "engine": engine,
+        config = {"serve": cfg.model_dump(exclude={"engines", "engine_models"}), "engine": engine,
                   "engine_version": engines.get(engine).version(), "device": recipe.run.device, "data": eval_data}
         out.append(Unit(f"validate/{name}/serve/{engine}", config,
                         lambda ctx, n=name, s=src, e=engine, w=skipped: serve(ctx, recipe, n, s, e, w),

@@ -127,6 +127,27 @@ def test_all_with_vllm_set_up_plans_a_vllm_unit_per_hf_format_it_declares(tmp_pa
     assert units["validate/w4/serve/transformers"].config["engine_version"]["transformers"]
 
 
+def test_engine_models_keeps_an_engine_for_its_models_without_changing_any_identity(tmp_path, with_llama_cpp,
+                                                                                     fake_vllm):
+    from pipeline.stages import validate
+
+    everywhere = {u.key: u for u in validate.units(_recipe(tmp_path, 'validate.serve.engines="all"'))}
+    r = _recipe(tmp_path, 'validate.serve.engines="all"', 'validate.serve.engine_models={vllm = ["w4"]}')
+    plan = check(r)
+    assert plan.serve_engines["w4"] == {"transformers": None, "vllm": None}
+    assert plan.serve_engines["baseline"] == {"transformers": None}  # vLLM kept for w4 only
+    units = {u.key: u for u in validate.units(r)}
+    assert sorted(k for k in units if k.endswith("/serve/vllm")) == ["validate/w4/serve/vllm"]
+    for key, unit in units.items():  # which units exist, not what they measure
+        assert unit.config == everywhere[key].config, key
+    listed = _recipe(tmp_path, 'validate.serve.engines=["auto", "vllm"]', 'validate.serve.engine_models={vllm = ["w4"]}')
+    assert check(listed).serve_engines["baseline"] == {"transformers": None}  # not asked, not refused
+    msg = _refused(tmp_path, 'validate.serve.engine_models={vllm = ["w5"]}')
+    assert "[validate.serve] engine_models.vllm: 'w5' not among the served models (baseline, w4, gguf-q8_0, int8)" in msg
+    with pytest.raises(RecipeError, match="engine_models"):
+        _recipe(tmp_path, 'validate.serve.engine_models={ollama = ["w4"]}')
+
+
 def test_named_vllm_serves_the_formats_it_declares_and_refuses_when_missing(tmp_path, no_vllm, with_llama_cpp):
     msg = _refused(tmp_path, 'validate.serve.engines=["auto", "vllm"]')
     assert (f"[validate.serve] engines = ['auto', 'vllm']: vllm cannot serve 'w4' (a Hugging Face checkpoint (gptq)) "
