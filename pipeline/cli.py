@@ -322,7 +322,9 @@ def _leave_now(code: int) -> None:
               help="Bind address; anything but loopback needs an API key.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--engine", default="auto", show_default=True, type=click.Choice(["auto", *ENGINE_NAMES]),
-              help="auto: transformers for Hugging Face folders, llama.cpp for a .gguf file; vllm: vLLM's server "
+              help="auto: the engine the export's run measured fastest here (its serving.json, at the level "
+                   "nearest --slots), else transformers for Hugging Face folders, llama.cpp for a .gguf file; vllm: "
+                   "vLLM's server "
                    "from its own environment (scripts/setup.sh), supervised by this process.")
 @click.option("--api-key", default=None, help="Key requests must send as 'Authorization: Bearer KEY' "
               "(or set COMPRESS_API_KEY, which keeps it out of the process list).")

@@ -64,6 +64,9 @@ def serve(folder: str, engine: str, opts: ServeOptions) -> int:
 
     exp = inspect(folder)
     opts = replace(opts, key=resolve_key(opts.host, opts.key))
+    if engine == "auto":
+        engine, why = engines.auto(exp.checkpoint_format, exp.path, opts)
+        log.info(why)
     chosen = engines.get(engines.choose(exp.checkpoint_format, str(exp.path), engine, opts.device))
     refused = chosen.unhonoured(opts)
     if refused:

@@ -61,6 +61,11 @@ def run(ctx: UnitContext, recipe, entry: dict, src_key: str) -> dict:
     report = schema.load(ctx.run_dir)
     lock_text = (ctx.run_dir / "recipe.lock.toml").read_text()
     write_model_card(ctx.out, report, entry, recipe_excerpt(recipe, entry), lock_text)
+    if entry["kind"] != "draft":  # the figures `compress serve --engine auto` picks an engine by
+        from pipeline.results.card import entry_data
+        from pipeline.serve import measured
+
+        measured.write(ctx.out, entry_data(report, entry).served)
     files = {p.name: p.stat().st_size for p in ctx.out.iterdir() if p.is_file()}
     return {**entry, "folder": f"export/{entry['name']}", "files": files}
 

@@ -160,6 +160,30 @@ def test_sigterm_under_load_exits_0_and_leaves_no_process(export, tmp_path):
     assert "signal 15: stopping vLLM" in (tmp_path / "serve.log").read_text()
 
 
+def test_auto_serves_with_vllm_when_the_exports_figures_say_it_is_fastest(export, tmp_path):
+    from pipeline.serve import measured
+
+    levels = {"transformers": 38.2, "vllm": 63.3}
+    measured.write(export, {e: {"engine": e, "device": "cpu", "levels": [
+        {"concurrency": 4, "requests": 8, "errors": 0, "output_tok_s": r}]} for e, r in levels.items()})
+    log_path = tmp_path / "serve.log"
+    proc = subprocess.Popen(serve_cmd(export, free_port(), "--enforce-eager", "--slots", "4", "--max-model-len", "128"),
+                            env=env(), stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 300
+        while b"serving tiny (vllm" not in log_path.read_bytes():
+            assert proc.poll() is None and time.monotonic() < end, log_path.read_text()[-2000:]
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        (export / measured.SERVING_FILE).unlink()
+        if proc.poll() is None:
+            proc.kill()
+    assert ("auto: vllm, measured fastest for this export on CPU: 63.3 output tok/s at concurrency 4 (against "
+            "transformers 38.2 at 4)") in log_path.read_text()
+
+
 def test_setup_reuses_both_environments_on_a_second_call():
     """scripts/setup.sh built .venv-vllm (this module runs only then): a second call installs nothing."""
     root = Path(__file__).resolve().parents[2]

@@ -203,7 +203,7 @@ def test_choose_messages(tmp_path, with_llama_cpp, no_vllm):
     assert str(e.value) == ("engine llama.cpp cannot serve w4 (gptq checkpoints) here: does not serve gptq "
                             "checkpoints on CPU (it serves a .gguf file); engines that can: transformers")
     assert engines.choose("gguf", "g", "auto", "cpu") == "llama.cpp"
-    assert engines.choose("gptq", "w4", "auto", "cpu") == "transformers"  # auto never picks vllm today
+    assert engines.choose("gptq", "w4", "auto", "cpu") == "transformers"  # the default; compress serve: engines.auto
     with pytest.raises(RecipeError, match="vllm cannot serve g \\(a .gguf file\\) here: does not serve a .gguf file "
                                           "on CPU .*; engines that can: llama.cpp$"):
         engines.choose("gguf", "g", "vllm", "cpu")
@@ -405,3 +405,51 @@ def test_the_serve_unit_reads_a_health_route_with_an_empty_body(tmp_path):
     finally:
         httpd.shutdown()
     assert engines.get("transformers").version()["transformers"]
+
+
+def _served(engine, rates, errors=0, device="cpu"):
+    return {"engine": engine, "versions": {engine: "1"}, "device": device, "equality": {"prompts": 3, "identical": 2},
+            "levels": [{"concurrency": c, "requests": 4, "completed": 4, "errors": errors, "output_tok_s": r}
+                       for c, r in rates.items()]}
+
+
+def _auto_opts(**kw):
+    base = dict(host="127.0.0.1", port=0, key=None, slots=16, max_queue=64, queue_timeout_s=30.0, max_tokens_limit=2048,
+                max_model_len=2048, drain_s=10.0, device="cpu", threads=None, start_timeout_s=600.0)
+    return ServeOptions(**{**base, **kw})
+
+
+def test_auto_picks_the_engine_the_run_measured_fastest_at_the_slots_level(tmp_path, fake_vllm):
+    from pipeline.serve import measured
+
+    folder = tmp_path / "w4"
+    folder.mkdir()
+    assert engines.auto("gptq", folder, _auto_opts()) == ("transformers", "auto: transformers, the default for gptq "
+        "checkpoints (no error-free serving figures on CPU for an engine usable here in the folder's serving.json)")
+    served = {"transformers": _served("transformers", {1: 11.5, 16: 38.2}),
+              "vllm": _served("vllm", {1: 9.5, 16: 63.3}), "llama.cpp": {"engine": "llama.cpp", "skipped": "x"}}
+    assert measured.write(folder, served)
+    record = json.loads((folder / measured.SERVING_FILE).read_text())
+    assert sorted(record["engines"]) == ["transformers", "vllm"]  # a skipped engine is not a measurement
+    name, why = engines.auto("gptq", folder, _auto_opts(slots=16))
+    assert name == "vllm" and why.startswith("auto: vllm, measured fastest for this export on CPU: 63.3 output tok/s "
+                                             "at concurrency 16 (against transformers 38.2 at 16)")
+    assert engines.auto("gptq", folder, _auto_opts(slots=4))[0] == "transformers"  # level 1 is the nearest not above 4
+    # an option vLLM does not apply, a CUDA device or vLLM not set up: not a candidate
+    assert engines.auto("gptq", folder, _auto_opts(max_queue=8, explicit=frozenset({"max_queue"})))[0] == "transformers"
+    assert engines.auto("gptq", folder, _auto_opts(device="cuda"))[0] == "transformers"
+    measured.write(folder, {**served, "vllm": _served("vllm", {1: 9.5, 16: 63.3}, errors=1)})
+    assert engines.auto("gptq", folder, _auto_opts())[0] == "transformers"  # errors under load: never picked
+    (folder / measured.SERVING_FILE).write_text('{"schema": 9}')
+    with pytest.raises(RecipeError, match="serving.json: not a compress serving record .*pass --engine"):
+        engines.auto("gptq", folder, _auto_opts())
+    assert measured.serving_record({"vllm": {"engine": "vllm", "refused": "ValueError: no"}}) is None
+
+
+def test_auto_without_vllm_set_up_keeps_the_default(tmp_path, no_vllm):
+    from pipeline.serve import measured
+
+    folder = tmp_path / "w4"
+    folder.mkdir()
+    measured.write(folder, {"transformers": _served("transformers", {16: 38.2}), "vllm": _served("vllm", {16: 63.3})})
+    assert engines.auto("gptq", folder, _auto_opts())[0] == "transformers"

@@ -12,7 +12,7 @@ import importlib
 
 from pipeline.core.errors import RecipeError
 from pipeline.core.registry import Registry
-from pipeline.serve.engines.base import UNQUANTIZED, Engine, describe
+from pipeline.serve.engines.base import UNQUANTIZED, Engine, ServeOptions, describe, device_kind
 
 ENGINE_MODULES = ("transformers", "llamacpp", "vllm")
 ENGINES: Registry[Engine] = Registry("serving engine")
@@ -64,3 +64,20 @@ def choose(fmt: str, where: str, engine: str, device: str) -> str:
 def able(why: dict[str, str | None]) -> str:
     ok = [e for e, w in why.items() if w is None]
     return f"engines that can: {', '.join(ok)}" if ok else "no engine can serve it here"
+
+
+def auto(fmt: str, folder, opts: ServeOptions) -> tuple[str, str]:
+    """What `--engine auto` serves a folder with, and the line that says why: the engine its run measured fastest
+    on this kind of device among those that can serve it here and apply every option set (pipeline/serve/measured.py),
+    else the format's default engine."""
+    from pipeline.serve import measured
+
+    why = engines_for(fmt, opts.device)
+    usable = [n for n in NAMES if why[n] is None and not ENGINES.get(n).unhonoured(opts)]
+    kind = device_kind(opts.device)
+    found = measured.pick(measured.read(folder), kind, opts.slots, usable)
+    if found:
+        return found
+    name = default_engine(fmt)
+    return name, (f"auto: {name}, the default for {describe(fmt)} (no error-free serving figures on {kind.upper()} "
+                  f"for an engine usable here in the folder's {measured.SERVING_FILE})")
