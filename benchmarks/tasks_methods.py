@@ -1,7 +1,8 @@
 """Task recovery of every variant of a finished run (recipes/methods-tasks.toml: every method of methods.toml plus
-bnb-int8, the same seeded items for every model), read from the run folder: per-task and average recovery against
-the baseline with the paired interval, bits per weight, and which 4-bit variant recovers best and whether the paired
-interval separates it from GPTQ (the two variants compared item by item on the same items).
+bnb-int8, the same seeded items for every model), read from the run folder: per-task and average recovery above
+chance against the baseline with the paired interval (a task whose baseline is at chance excluded), bits per weight,
+and which 4-bit variant recovers best and whether the paired interval separates it from GPTQ (the two variants
+compared item by item on the same items).
 
     compress run recipes/methods-tasks.toml
     python -m benchmarks.tasks_methods artifacts/methods-tasks --out benchmarks/results/tasks_methods.json
@@ -57,6 +58,7 @@ def main() -> None:
             rows[name] = {"method": v.get("method"), "bits_per_weight": v.get("bits_per_weight"),
                           "ppl_ratio": v.get("ppl_ratio"), **recoveries(items["baseline"], items[name], metrics)}
     four = {n: r for n, r in rows.items() if r["bits_per_weight"] and r["bits_per_weight"] < 6}
+    four = {n: r for n, r in four.items() if (r.get("average") or {}).get("recovery") is not None}
     best = max(four, key=lambda n: four[n]["average"]["recovery"]) if four else None
     gptq = next((n for n, r in rows.items() if r["method"] == "gptq"), None)
     vs = compare(items, metrics, gptq, best) if best and gptq and best != gptq else None
@@ -67,10 +69,11 @@ def main() -> None:
     print("| variant | bits/weight | ppl ratio | " + " | ".join(metrics) + " | average recovery [95 % paired] |")
     print("|---|---|---|" + "---|" * len(metrics) + "---|")
     for name, r in rows.items():
-        cells = [f"{r['tasks'][t]['recovery']:.3f}" for t in metrics]
-        a = r["average"]
-        print(f"| {name} | {r['bits_per_weight']:.2f} | {r['ppl_ratio']:.4f} | " + " | ".join(cells)
-              + f" | **{a['recovery']:.3f}** [{a['low']:.3f}, {a['high']:.3f}] |")
+        cells = [f"{r['tasks'][t]['recovery']:.3f}" if r["tasks"][t]["recovery"] is not None else "excluded (at chance)"
+                 for t in metrics]
+        a = r.get("average") or {}
+        avg = f"**{a['recovery']:.3f}** [{a['low']:.3f}, {a['high']:.3f}]" if a.get("low") is not None else "-"
+        print(f"| {name} | {r['bits_per_weight']:.2f} | {r['ppl_ratio']:.4f} | " + " | ".join(cells) + f" | {avg} |")
     if vs:
         print(f"\nbest 4-bit: {best}; {best} / {gptq} on the same items: {vs['recovery']:.3f} "
               f"[{vs['low']:.3f}, {vs['high']:.3f}], difference {vs['diff']:+.4f} +- {vs['diff_se']:.4f} (SE): "

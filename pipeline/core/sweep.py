@@ -93,13 +93,19 @@ def load_all(runs: list[SweepRun]):
             plan = check(r)
         except RecipeError as e:
             raise RecipeError(f"sweep run {run.label}: {e} (nothing was run)") from None
-        folder = Path(r.run.output_dir) / r.run.name
+        folder = run_folder(r)
         if folder in folders:
             raise RecipeError(f"sweep runs {folders[folder]} and {run.label} would share the run folder {folder} "
                               "(nothing was run)")
         folders[folder] = run.label
         out.append((run, r, plan))
     return out
+
+
+def run_folder(recipe) -> Path:
+    """The run folder, resolved (symlinks, "..", relative to the working directory as `compress run` writes it):
+    "artifacts" and "$PWD/artifacts" are one folder, and two runs in it would delete each other's exports."""
+    return (Path(recipe.run.output_dir) / recipe.run.name).resolve()
 
 
 def run_sweep(spec: Path, extra_sets: list[str] = ()) -> tuple[list[dict], int]:
@@ -109,7 +115,7 @@ def run_sweep(spec: Path, extra_sets: list[str] = ()) -> tuple[list[dict], int]:
     checked = load_all(parse_spec(spec, extra_sets))
     rows = []
     for i, (run, r, plan) in enumerate(checked, 1):
-        folder = Path(r.run.output_dir) / r.run.name
+        folder = run_folder(r)
         log.info("sweep %d/%d: %s -> %s (executor %s)", i, len(checked), run.label, folder, r.run.executor)
         try:
             code = execute(r, run.path, plan)

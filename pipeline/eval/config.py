@@ -117,8 +117,9 @@ GATES: tuple[GateSpec, ...] = (
     GateSpec("min_spec_speedup", "spec_speedup", "draft", "draft:speedup:speculative speed-up",
              "speculative speed-up over the verifier alone", {"gt": 0}),
     GateSpec("min_task_recovery", "task_recovery", "variant", "task_recovery",
-             "[validate.tasks] variant score / baseline's on the same items, each task and the average "
-             "(task_recovery_scope, task_recovery_bound)", {"gt": 0}, needs_tasks=True, multi=True),
+             "[validate.tasks] recovery above chance, (variant - chance) / (baseline - chance) on the same "
+             "items, each task and the average (task_recovery_scope, task_recovery_bound); a task whose baseline is "
+             "not above chance is excluded", {"gt": 0}, needs_tasks=True, multi=True),
     GateSpec("min_serve_tok_s_ratio", "serve_tok_s_ratio", "variant", "serve_tok_s_ratio",
              "served output tok/s / baseline's at the same concurrency (lowest level ratio)", {"gt": 0}),
     GateSpec("max_serve_error_rate", "serve_error_rate", "variant", "serve_error_rate",

@@ -215,29 +215,43 @@ def evaluate_gates(report: Report, cfg: GatesConfig) -> list[Gate]:
 
 def task_recovery_gates(e: ModelEntry, name: str, bound: float, cfg: GatesConfig) -> list[Gate]:
     """min_task_recovery: one record per task and/or the average ([validate.gates] task_recovery_scope), judging
-    the point recovery or the lower end of its paired interval (task_recovery_bound)."""
+    the point recovery or the lower end of its paired interval (task_recovery_bound). Recovery is measured above
+    chance (pipeline/eval/recovery.py); a task whose baseline is not above chance is excluded from the gate, and
+    the average's record (or, without one, the last record) names it and says why."""
     warn = "min_task_recovery" in cfg.warn_only
     rec = e.task_recovery or {}
     if not rec.get("tasks"):
         return [_record(name, "min_task_recovery", None, bound,
                         f"variants.{name}.task_recovery is not in the report (did [validate.tasks] run?)", warn)]
+    excluded = {t: r["excluded"] for t, r in sorted(rec["tasks"].items()) if r.get("excluded")}
+    note = "; excluded: " + "; ".join(f"{t}: {why}" for t, why in excluded.items()) if excluded else ""
     rows = []
     if cfg.task_recovery_scope in ("each", "both"):
-        rows += sorted(rec["tasks"].items())
+        rows += [(t, r) for t, r in sorted(rec["tasks"].items()) if t not in excluded]
     if cfg.task_recovery_scope in ("average", "both") and rec.get("average"):
         rows.append(("average", rec["average"]))
+    if not rows:
+        return [_record(name, "min_task_recovery", None, bound, "no task to judge: every task's baseline is not "
+                        "above chance" + note, warn).model_copy(update={"metric": "task_recovery[none]"})]
     out = []
-    for task, r in rows:
+    for i, (task, r) in enumerate(rows):
         value = r.get("low") if cfg.task_recovery_bound == "lower" else r.get("recovery")
-        low, high = r.get("low"), r.get("high")
-        interval = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else "[n/a]"
-        reason = (f"{task}: recovery {fmt_value(r.get('recovery'))} {interval} on {r.get('n')} paired items "
-                  f"({cfg.task_recovery_bound} judged)")
-        if value is None:
-            reason += "; the baseline scored 0, recovery undefined"
-        g = _record(name, "min_task_recovery", value, bound, reason, warn)
-        out.append(g.model_copy(update={"metric": f"task_recovery[{task}]"}))
+        out.append(_record(name, "min_task_recovery", value, bound, _recovery_reason(task, r, value, cfg)
+                           + (note if i == len(rows) - 1 else ""), warn)
+                   .model_copy(update={"metric": f"task_recovery[{task}]"}))
     return out
+
+
+def _recovery_reason(task: str, r: dict, value: float | None, cfg: GatesConfig) -> str:
+    low, high = r.get("low"), r.get("high")
+    interval = f"[{low:.3f}, {high:.3f}]" if low is not None and high is not None else "[n/a]"
+    reason = (f"{task}: recovery {fmt_value(r.get('recovery'))} {interval} on {r.get('n')} paired items "
+              f"({cfg.task_recovery_bound} judged)")
+    if r.get("chance") is not None:
+        reason += f", above chance {r['chance']:.3f}"
+    if value is None:
+        reason += "; the baseline is not above chance, recovery undefined"
+    return reason
 
 
 READERS["task_recovery"] = task_recovery_gates  # a multi reader: (entry, name, bound, cfg) -> records

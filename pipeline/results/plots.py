@@ -181,7 +181,9 @@ def recovery_plot(report: Report):
         ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("bits per weight (decoder linears, as stored)")
-    ax.set_ylabel("average task recovery (variant / baseline)")
+    above = any((e.task_recovery or {}).get("definition") for e in report.variants.values())
+    ax.set_ylabel("average task recovery " + ("above chance\n(variant - chance) / (baseline - chance)" if above
+                                              else "(variant / baseline)"))
     ax.set_title("Task recovery vs bits per weight\n" + _subtitle(report), fontsize=9)
     return fig
 

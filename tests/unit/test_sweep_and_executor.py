@@ -1,5 +1,6 @@
 """`[run] executor` checks, the Ray executor's placement rules (no cluster), and `compress sweep`'s spec handling."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -168,6 +169,31 @@ def test_sweep_runs_sharing_a_folder_are_refused(tmp_path):
     p = spec(tmp_path, f'[sweep]\nrecipes = ["{TINY}", "{TINY}"]\n')
     r = cli("sweep", p, "--set", f"run.output_dir={json.dumps(str(tmp_path / 'out'))}")
     assert r.returncode == 2 and "would share the run folder" in r.stderr
+
+
+def _recipe_in(path: Path, output_dir: str) -> None:
+    """tiny.toml with its run folder under `output_dir`."""
+    path.write_text(TINY.read_text().replace("[run]\n", f"[run]\noutput_dir = {json.dumps(output_dir)}\n", 1))
+
+
+def test_sweep_runs_spelling_one_folder_two_ways_are_refused(tmp_path, monkeypatch):
+    """"out" and "$PWD/out" (or "sub/../out") are one folder: the second run would delete the first's exports.
+    Two recipes that differ only in that spelling: exit 2 naming both, nothing run."""
+    _recipe_in(tmp_path / "a.toml", "out")
+    _recipe_in(tmp_path / "b.toml", str(tmp_path / "out"))
+    p = spec(tmp_path, '[sweep]\nrecipes = ["a.toml", "b.toml"]\n')
+    r = cli("sweep", p, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "sweep runs a.toml and b.toml would share the run folder" in r.stderr and "nothing was run" in r.stderr
+    assert not (tmp_path / "out").exists()
+
+    from pipeline.core.sweep import load_all, parse_spec
+
+    monkeypatch.chdir(tmp_path)
+    _recipe_in(tmp_path / "b.toml", "sub/../out")
+    folder = tmp_path.resolve() / "out" / "tiny"
+    with pytest.raises(RecipeError, match=re.escape(f"would share the run folder {folder} ")):
+        load_all(parse_spec(p))
 
 
 def test_the_device_of_a_ray_run_is_the_clusters_not_the_drivers():

@@ -234,13 +234,15 @@ def test_paired_interval_synthetic():
 
 
 def test_recoveries_refuse_different_items():
-    b = {"t": {"doc_ids": [0, 1, 2], "acc": [1.0, 1.0, 0.0]}}
-    v = {"t": {"doc_ids": [0, 1, 3], "acc": [1.0, 0.0, 0.0]}}
+    four = [[-1.0] * 4] * 12  # per-choice log-likelihoods of 12 four-way items: chance 0.25
+    b = {"t": {"doc_ids": list(range(12)), "acc": [1.0, 1.0, 0.0] * 4, "loglik": four}}
+    v = {"t": {"doc_ids": list(range(1, 13)), "acc": [1.0, 0.0, 0.0] * 4, "loglik": four}}
     with pytest.raises(ValueError, match="different items"):
         recovery.recoveries(b, v, {"t": "acc"})
-    v["t"]["doc_ids"] = [0, 1, 2]
+    v["t"]["doc_ids"] = list(range(12))
     out = recovery.recoveries(b, v, {"t": "acc"}, iters=200)
-    assert out["tasks"]["t"]["recovery"] == 0.5 and out["average"]["recovery"] == 0.5
+    # above chance (#32): (1/3 - 1/4) / (2/3 - 1/4) = 0.2 (the plain ratio was 0.5)
+    assert out["tasks"]["t"]["recovery"] == pytest.approx(0.2) and out["average"]["recovery"] == pytest.approx(0.2)
 
 
 # ---------------------------------------------------------------- the gate
@@ -415,10 +417,14 @@ def test_tasks_unit_worker_saves_items_and_recovery(tmp_path):
         assert items["doc_ids"] == item_indices(6, 4, 0) and len(items["acc_norm"]) == 4
         assert res["tasks"]["local"]["n"] == 4 and res["tasks"]["local"]["metric"] == "acc_norm"
         assert res["tasks"]["local"]["score"] == pytest.approx(sum(items["acc_norm"]) / 4)
-    if res["tasks"]["local"]["score"] > 0:
-        assert res["recovery"]["tasks"]["local"]["recovery"] == 1.0
-        assert res["recovery"]["average"]["low"] == 1.0
-    assert "recovery" in res and "local" in res["recovery"]["tasks"]
+    rec = res["recovery"]["tasks"]["local"]
+    chance = np.mean([1 / len(DOCS[i % 3]["choices"]) for i in items["doc_ids"]])  # from the items' choice counts
+    assert rec["chance"] == pytest.approx(chance) and rec["diff"] == 0.0
+    if rec["excluded"] is None:  # the same model: exactly 1 above chance
+        assert rec["recovery"] == 1.0 and res["recovery"]["average"]["low"] == 1.0
+    else:  # random weights: at chance on 4 items, out of recovery (#32)
+        assert rec["recovery"] is None and "not above chance" in rec["excluded"]
+        assert "average" not in res["recovery"] and list(res["recovery"]["excluded"]) == ["local"]
 
 
 def test_task_units_identity_and_deps(tmp_path):

