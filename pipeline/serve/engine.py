@@ -96,6 +96,25 @@ class TransformersEngine:
                 self._forget(rid)
                 self.drop_orphans()
 
+    def score(self, ids: list[int], first: int, k: int) -> list[tuple[float, list[tuple[int, float]]]]:
+        """For each position i in [first, len(ids)): (log p(ids[i] | ids[:i]), the k most likely (id, log p) there),
+        from one forward pass of the model (its log-softmax in float32). Blocking: run it off the event loop. The
+        manager's thread keeps generating meanwhile (the forward pass uses no cache and changes no state)."""
+        torch = self._torch
+        keep = len(ids) - first + 1  # the logits at positions first-1 .. len-1; the last one predicts nothing here
+        with torch.inference_mode():
+            x = torch.tensor([ids], device=self.model.device)
+            logits = self.model(input_ids=x, logits_to_keep=keep).logits[0, :-1]
+            target = x[0, first:]
+            out = []
+            for s in range(0, logits.shape[0], 256):  # log-softmax a block of rows at a time: one vocab-wide copy
+                lp = logits[s:s + 256].float().log_softmax(-1)
+                chosen = lp.gather(-1, target[s:s + 256, None])[:, 0].tolist()
+                top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+                for c, vs, is_ in zip(chosen, top_v.tolist(), top_i.tolist()):
+                    out.append((c, list(zip(is_, vs))))
+        return out
+
     def _forget(self, rid: str) -> None:
         with self._cb.output_router._lock:
             self._cb.output_router.result_handlers.pop(rid, None)

@@ -1,8 +1,10 @@
 """Start `compress serve`: check the folder, the engine, the bind and the key (all before loading weights), then
 hand the bound socket to the engine (pipeline/serve/engines).
 
-SIGTERM/SIGINT: new requests get 503, in-flight ones get up to `drain_s` seconds to finish (uvicorn's graceful
-shutdown), the rest are cut; the generation thread is stopped and the process exits 0. A .gguf file is served by
+SIGTERM/SIGINT (transformers, llama.cpp: pipeline/serve/drain.py): the listening socket stays open and new requests
+get 503 with Retry-After while in-flight ones get up to `drain_s` seconds to finish; then the socket is closed (a
+client gets "connection refused" from then on), what is left is cut, the generation thread is stopped and the
+process exits 0 (vLLM: its own server's shutdown, pipeline/serve/engines/vllm.py). A .gguf file is served by
 llama-cpp-python's server in this process (pipeline/serve/engines/llamacpp.py), vLLM by its own server in its own
 environment, a child process this one supervises (pipeline/serve/engines/vllm.py).
 """

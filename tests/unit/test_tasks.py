@@ -464,10 +464,11 @@ def test_humaneval_through_the_tasks_scorer(tmp_path):
     model_dir = tiny_llama(tmp_path / "m")
     model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
     job = {"task": "humaneval", "metric": "pass@1", "split": "test", "items": 164, "timeout_s": 5.0,
-           "max_new_tokens": 8, "execute_code": True}
+           "execute_code": True}
     out = score_model(model, tok, [job], {"batch_size": 2, "limit": 2, "seed": 0, "num_fewshot": 0}, tmp_path, "cpu")
     summary = out["tasks"]["humaneval"]
     assert summary["n"] == 2 and summary["score"] == 0.0 and summary["metric"] == "pass@1"
+    assert summary["protocol"] == he.protocol_for(tok).describe()  # the benchmark's protocol (batch 4, 384 tokens)
     items = json.loads((tmp_path / out["items_file"]).read_text())["humaneval"]
     assert items["task_ids"] == ["HumanEval/0", "HumanEval/1"] and items["pass@1"] == [0.0, 0.0]
     assert all(r != "passed" for r in items["results"])

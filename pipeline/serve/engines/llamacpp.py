@@ -18,19 +18,26 @@ What llama-cpp-python 0.3.36's server does, read from its source (llama_cpp/serv
 - its settings are pydantic-settings read from the environment too (MODEL, N_CTX, API_KEY, ...; HOST and PORT
   even override the command line in its __main__); here they are built with a prefix no variable uses, so only
   what `compress serve` passes applies, and CONFIG_FILE (which would replace them all) is refused.
+- no max-tokens setting, and max_tokens 0/null (chat: absent) means "up to the context": `--max-tokens-limit` is
+  applied here by a middleware in front of its routes (TokenCap: above it 400, "up to the context" becomes it),
+  which also caps the body (413, as for transformers).
+- its `authenticate` compares the key with ==: replaced (dependency_overrides) by a constant-time comparison.
+- SIGTERM: the drain of pipeline/serve/drain.py (socket kept open, 503 to new requests, in-flight ones finish).
 """
 from __future__ import annotations
 
+import hmac
 import importlib.util
+import json
 import logging
 import os
-import signal
 import socket
 import sys
 from pathlib import Path
 
 from pipeline.core.errors import RecipeError
 from pipeline.serve.engines.base import Engine, ServeOptions
+from pipeline.serve.openai_schema import MAX_BODY_BYTES
 
 log = logging.getLogger("compress.serve")
 ENGINE_NAME = "llama.cpp (llama-cpp-python server: one request at a time)"
@@ -51,46 +58,127 @@ def settings(gguf: Path, model_name: str, host: str, port: int, key: str | None,
 
 
 def serve_gguf(gguf: Path, model_name: str, sock: socket.socket, host: str, port: int, key: str | None, *,
-               threads: int | None, n_ctx: int, drain_s: float, slots: int) -> int:
+               threads: int | None, n_ctx: int, drain_s: float, slots: int, max_tokens_limit: int) -> int:
     if os.environ.get("CONFIG_FILE"):
         raise RecipeError("CONFIG_FILE is set: llama_cpp.server would read its settings from that file instead of "
                           "compress serve's options; unset it")
-    import uvicorn
     from fastapi.responses import JSONResponse
-    from llama_cpp.server.app import create_app
+    from llama_cpp.server.app import authenticate, create_app
+
+    from pipeline.serve import drain as draining
 
     server_settings, model_settings = settings(gguf, model_name, host, port, key, threads, n_ctx)
     app = create_app(server_settings=server_settings, model_settings=[model_settings])  # loads the model
+    app.dependency_overrides[authenticate] = bearer_check(key)  # its own compares the key with ==
     versions = {"llama-cpp-python": llama_cpp_version()}
-    state = {"draining": False}
+    gate = draining.Drain()
 
     async def health():
         return JSONResponse({"status": "ok", "model": model_name, "engine": ENGINE_NAME, "versions": versions,
-                             "draining": state["draining"]})
+                             "draining": gate.draining, "in_flight": gate.in_flight})
 
     app.add_api_route("/health", health, methods=["GET"])
-
-    class _Server(uvicorn.Server):
-        def handle_exit(self, sig, frame) -> None:
-            if not state["draining"]:
-                log.warning("signal %s: draining in-flight requests for up to %g s", sig, drain_s)
-            state["draining"] = True
-            super().handle_exit(sig, frame)
-
-    config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=drain_s, access_log=False,
-                            timeout_keep_alive=5)
+    app.add_middleware(TokenCap, limit=max_tokens_limit)
+    app.add_middleware(draining.DrainMiddleware, drain=gate)  # outermost: 503 during the drain, socket kept open
     print(f"serving {model_name} ({ENGINE_NAME}) on http://{host}:{port}/v1  context {n_ctx}, "
-          f"{model_settings.n_threads} threads" + (", API key required" if key else "")
+          f"{model_settings.n_threads} threads, max_tokens <= {max_tokens_limit}"
+          + (", API key required" if key else "")
           + (f"; --slots {slots}, --max-queue and --queue-timeout-s are not applied: this server runs one request "
              "at a time and queues the rest" if slots > 1 else ""), file=sys.stderr, flush=True)
-    for sig in (signal.SIGTERM, signal.SIGINT):  # as for transformers: the drained exit is 0, not -15
-        signal.signal(sig, lambda *_: None)
-    server = _Server(config)
-    server.run(sockets=[sock])
+    draining.run(app, gate, sock, drain_s)
     # a generation cut by the shutdown may still hold a worker thread inside llama.cpp: leave without joining it
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def bearer_check(key: str | None):
+    """llama_cpp.server's `authenticate` dependency (the same 401), comparing the key in constant time."""
+    from fastapi import Depends, HTTPException
+    from fastapi.security import HTTPBearer
+
+    bearer = HTTPBearer(auto_error=False)
+
+    async def check(authorization=Depends(bearer)):
+        if key is None:
+            return True
+        got = authorization.credentials if authorization else ""
+        if hmac.compare_digest(got.encode(), key.encode()):
+            return got
+        raise HTTPException(status_code=401, detail="Invalid API key")
+
+    return check
+
+
+GENERATION_ROUTES = {"/v1/completions": False, "/v1/engines/copilot-codex/completions": False,
+                     "/v1/chat/completions": True}  # path: is chat
+
+
+def cap_max_tokens(body: dict, chat: bool, limit: int) -> str | None:
+    """Apply --max-tokens-limit to a llama_cpp.server request body in place (it has no such setting), or say why
+    the request is refused. llama.cpp reads max_tokens 0 (and null, and for chat an absent one) as "up to the
+    context": those become the limit; an absent one on completions keeps its default 16 (at most the limit);
+    max_completion_tokens, which it ignores, is read as max_tokens."""
+    if "max_tokens" not in body and "max_completion_tokens" in body:
+        body["max_tokens"] = body.pop("max_completion_tokens")
+    n = body.get("max_tokens")
+    if isinstance(n, bool) or not isinstance(n, (int, type(None))):
+        return None  # its own validation answers
+    if n is not None and n > limit:
+        return f"max_tokens: {n} is above this server's limit {limit}"
+    if n is None or n <= 0:
+        body["max_tokens"] = limit if chat or "max_tokens" in body or n is not None else min(16, limit)
+    return None
+
+
+class TokenCap:
+    """Pure-ASGI middleware: --max-tokens-limit (cap_max_tokens) and the body cap on llama_cpp.server's generation
+    routes; 400 / 413 in the OpenAI error shape. The body is read, rewritten and replayed to the app."""
+
+    def __init__(self, app, limit: int, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.app, self.limit, self.max_body = app, limit, max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        chat = GENERATION_ROUTES.get(scope.get("path", ""))
+        if scope["type"] != "http" or scope["method"] != "POST" or chat is None:
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            body, more = body + msg.get("body", b""), msg.get("more_body", False)
+            if len(body) > self.max_body:
+                return await _reply(send, 413, f"the request body is larger than this server's limit of "
+                                               f"{self.max_body} bytes")
+        try:
+            raw = json.loads(body)
+        except ValueError:
+            raw = None  # its own validation answers
+        if isinstance(raw, dict):
+            why = cap_max_tokens(raw, chat, self.limit)
+            if why:
+                return await _reply(send, 400, why)
+            body = json.dumps(raw).encode()
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() != b"content-length"]
+        scope = {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
+        sent = False
+
+        async def replay():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+async def _reply(send, status: int, message: str) -> None:
+    payload = json.dumps({"error": {"message": message, "type": "invalid_request_error"}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
 
 
 LLAMA_CPP_INSTALL = ("pip install -e '.[gguf-serve]' (llama-cpp-python[server] 0.3.36; no wheel: it builds llama.cpp "
@@ -142,7 +230,8 @@ class LlamaCpp(Engine):
 
     def serve(self, exp, sock: socket.socket, opts: ServeOptions) -> int:
         return serve_gguf(exp.path / exp.gguf_file, exp.path.name, sock, opts.host, opts.port, opts.key,
-                          threads=opts.threads, n_ctx=opts.max_model_len, drain_s=opts.drain_s, slots=opts.slots)
+                          threads=opts.threads, n_ctx=opts.max_model_len, drain_s=opts.drain_s, slots=opts.slots,
+                          max_tokens_limit=opts.max_tokens_limit)
 
 
 ENGINES = (LlamaCpp,)

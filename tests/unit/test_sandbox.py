@@ -1,0 +1,130 @@
+"""The sandbox (pipeline/eval/sandbox.py): from inside, no host path is writable (a walk of the whole tree with
+os.access and real writes in every directory); the limits hold; the output cap; the host's mounts are untouched;
+the user-namespace mode as a real non-root user."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.eval import sandbox
+
+needs_sandbox = pytest.mark.skipif(sandbox.mode() is None, reason="no sandbox (unshare/setpriv) works here")
+
+# Walks / (no symlinks followed): every directory gets a real create+unlink attempt, every other entry os.access
+# W_OK; prints the writable paths with their kind.
+WALK = r"""
+import json, os, stat
+writable, dirs = [], 0
+for root, ds, fs in os.walk("/", followlinks=False):
+    dirs += 1
+    probe = os.path.join(root, ".sandbox-write-probe")
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        os.unlink(probe)
+        writable.append([root, "dir (created a file)"])
+    except OSError:
+        pass
+    for name in fs + ds:
+        path = os.path.join(root, name)
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            continue
+        if not stat.S_ISLNK(mode) and os.access(path, os.W_OK):
+            writable.append([path, "chr" if stat.S_ISCHR(mode) else "dir" if stat.S_ISDIR(mode) else "other"])
+print(json.dumps({"writable": writable, "dirs": dirs}))
+"""
+DEVICES = {f"/dev/{d}" for d in ("null", "zero", "full", "random", "urandom")}  # writes to them persist nowhere
+WALK_LIMITS = sandbox.Limits(timeout_s=400.0, output_bytes=16 << 20)
+
+
+def _writable(out: dict, private: set[str]) -> set[str]:
+    assert out["dirs"] > 1000, out["dirs"]  # it did walk the tree
+    for path, kind in out["writable"]:
+        if path in DEVICES:
+            assert kind == "chr", (path, kind)
+    return {p for p, _ in out["writable"] if p not in DEVICES} - private
+
+
+@needs_sandbox
+def test_only_the_private_tmp_is_writable_from_inside():
+    before = Path("/proc/self/mountinfo").read_text()
+    r = sandbox.run_script(WALK, limits=WALK_LIMITS)
+    assert r["status"] == "exited" and r["returncode"] == 0, r
+    out = json.loads(r["stdout"])
+    private = {"/tmp/work"} if sandbox.kind() == "root" else {"/tmp", "/tmp/work"}
+    assert _writable(out, private) == set(), out["writable"]
+    assert Path("/proc/self/mountinfo").read_text() == before  # the host's mounts: untouched
+
+
+@needs_sandbox
+def test_the_hosts_world_writable_folders_are_out_of_reach():
+    """/run/lock (mode 1777 on the host: a completion once left /run/lock/forge-probe there), /var/lock, /var/tmp,
+    /dev/shm: each write fails inside, and nothing appears on the host."""
+    targets = [f"{d}/forge-probe-{os.getpid()}" for d in ("/run/lock", "/var/lock", "/var/tmp", "/dev/shm")]
+    code = ("import json\nout = {}\nfor t in %r:\n    try:\n        open(t, 'w').write('x')\n"
+            "        out[t] = 'written'\n    except OSError as e:\n        out[t] = e.strerror\n"
+            "print(json.dumps(out))\n") % (targets,)
+    r = sandbox.run_script(code)
+    out = json.loads(r["stdout"])
+    assert "written" not in out.values() and set(out) == set(targets), out
+    assert not any(Path(t).exists() for t in targets)
+
+
+@needs_sandbox
+@pytest.mark.skipif(not shutil.which("setpriv"), reason="needs setpriv")
+def test_the_user_namespace_mode_as_a_non_root_user():
+    """What a non-root user gets (as root: run as nobody): no host path writable, no process can start, no net."""
+    probe = ("import posix, socket\ntry:\n    posix.fork()\n    print('forked')\nexcept OSError as e:\n"
+             "    print('fork refused', e.errno)\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=2)\n"
+             "except OSError as e:\n    print('net refused', e.errno)\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o755)
+        shutil.copy(sandbox.__file__, Path(tmp) / "sbx.py")
+        os.chmod(Path(tmp) / "sbx.py", 0o644)
+        script = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nimport sbx\nassert sbx.kind() == 'user'\n"
+                  f"lim = sbx.Limits(timeout_s={WALK_LIMITS.timeout_s}, output_bytes={WALK_LIMITS.output_bytes})\n"
+                  f"a = sbx.run_script({probe!r})\nb = sbx.run_script({WALK!r}, limits=lim)\n"
+                  "print(json.dumps([a['stdout'].decode(), b['status'], b['stdout'].decode()]))\n")
+        cmd = [sandbox.python(), "-I", "-S", "-c", script, tmp]
+        if os.geteuid() == 0:
+            cmd = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", "env", "-i",
+                   "PATH=/usr/bin:/bin", "HOME=/tmp"] + cmd
+        res = subprocess.run(cmd, capture_output=True, text=True, cwd="/", timeout=500)
+    if "Operation not permitted" in res.stderr or "unshare failed" in res.stderr:
+        pytest.skip(f"no unprivileged user namespaces here: {res.stderr[-200:]}")
+    assert res.returncode == 0, res.stderr[-2000:]
+    probe_out, status, walk = json.loads(res.stdout)
+    assert probe_out.split("\n")[:2] == ["fork refused 11", "net refused 101"], probe_out
+    assert status == "exited"
+    assert _writable(json.loads(walk), {"/tmp", "/tmp/work"}) == set(), walk
+
+
+@needs_sandbox
+def test_limits_inside():
+    r = sandbox.run_script("print(open('/proc/self/limits').read()); import os; print(os.getuid(), os.getpid())")
+    lines = {ln[:26].strip(): ln[26:].split()[:2] for ln in r["stdout"].decode().splitlines()[1:] if ln.strip()}
+    assert lines["Max processes"] == ["1", "1"]
+    assert lines["Max address space"] == [str(4 << 30)] * 2
+    assert lines["Max file size"] == [str(16 << 20)] * 2 and lines["Max core file size"] == ["0", "0"]
+    uid, pid = r["stdout"].decode().splitlines()[-1].split()
+    assert (uid == "65534") == (sandbox.kind() == "root") and int(pid) > 1  # pid 1 is the root shell
+
+
+@needs_sandbox
+def test_output_is_capped_and_the_program_killed():
+    lim = sandbox.Limits(timeout_s=30.0, output_bytes=256 << 10)
+    t0 = time.monotonic()
+    for code in ("while True: print('x' * 1000)", "import os\nwhile True: os.write(2, b'y' * 4096)"):
+        r = sandbox.run_script(code, limits=lim)
+        assert r["status"] == "output over the cap", r["status"]
+    assert time.monotonic() - t0 < 20
+    r = sandbox.run_script("import time; time.sleep(60)", limits=sandbox.Limits(timeout_s=1.0))
+    assert r["status"] == "timed out"
