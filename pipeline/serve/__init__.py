@@ -12,7 +12,11 @@ Modules: folder (torch-free: what an export folder holds), engines/ (the registr
 transformers (this package's app over transformers' manager), llamacpp (a .gguf through llama-cpp-python's own
 server, with what it does and does not do), vllm (vLLM's own server from its own environment, supervised as a child
 process); each declares the formats it serves per device and the options it applies), engine (the model and the
-manager), app (routes, key, admission queue, validation), server (checks, binding, then the chosen engine), measure
-(the `validate/<model>/serve/<engine>` unit), loadtest (the asyncio load generator), config (the torch-free
+manager, the scoring forward for logprobs), app (routes, key, body cap, middleware), openai_schema (request models:
+fields served, accepted without effect, refused with 400), completions (generation, batches, echo, logprobs, SSE),
+output (stop strings, logprobs shapes, prompt-aware decoding), admission (the bounded queue), metrics (Prometheus
+/metrics), drain (SIGTERM: port kept open, 503 until in-flight requests finish), server (checks, binding, then the
+chosen engine), measured (serving.json: the figures `--engine auto` picks by), measure (the
+`validate/<model>/serve/<engine>` unit), loadtest (the asyncio load generator), config (the torch-free
 `[validate.serve]` table and which engines serve which model).
 """
