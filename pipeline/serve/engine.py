@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +46,24 @@ class TransformersEngine:
                                        num_blocks=max_batch * -(-self.context // page) + 1,
                                        max_batch_tokens=max(self.context, 256))
         self._cb = self.model.init_continuous_batching(generation_config=gc, continuous_batching_config=cfg)
+        self._serialize_forwards()
         self._ids = itertools.count()
         self._torch = torch
         self.versions = {"transformers": __import__("transformers").__version__, "torch": torch.__version__}
+
+    def _serialize_forwards(self) -> None:
+        """One forward pass of the model at a time: the manager's steps (its thread calls `model(**batch)`) and
+        `score`'s forward share the model's modules and attention state, and side by side they corrupt each other's
+        results (measured: lm-eval's log-likelihood requests at 4 concurrent clients through this server flipped 83
+        of 200 task items against the in-process scores, 3 of 200 one client at a time;
+        benchmarks/tasks_served.py). The lock is the model's instance `forward`, which `nn.Module.__call__` calls."""
+        lock, forward = threading.Lock(), self.model.forward
+
+        def serialized(*args, **kwargs):
+            with lock:
+                return forward(*args, **kwargs)
+
+        self.model.forward = serialized
 
     def start(self) -> None:
         self._cb.start()
