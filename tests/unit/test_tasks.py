@@ -12,6 +12,7 @@ import pytest
 
 from pipeline.eval import recovery
 from pipeline.eval.tasks import item_indices
+from tests.humaneval_marks import sandboxes_alone  # noqa: F401
 
 DOCS = [{"q": "t5 t6 t7", "choices": ["t8", "t9 t10 t11"], "label": 0},
         {"q": "t12 t13", "choices": ["t14 t15", "t16", "t17"], "label": 2},
@@ -445,6 +446,7 @@ def test_task_units_identity_and_deps(tmp_path):
     assert task_units(r, [("baseline", "load")]) == []
 
 
+@pytest.mark.usefixtures("sandboxes_alone")
 def test_humaneval_through_the_tasks_scorer(tmp_path):
     """The humaneval job of [validate.tasks]: generation, sandboxed execution, pass@1 and per-item results saved
     like every task's (a tiny random model writes code that fails: 0 of 2, each failure recorded)."""
