@@ -67,7 +67,7 @@ def test_task_resources_come_from_the_plan_device_and_threads():
 
     o = options_for("quantize/w4", FakePlan, "cuda", 4)
     assert o["num_gpus"] == 1 and o["num_cpus"] == 4 and o["memory"] == 40 * 2**30
-    assert o["resources"] == {"compress_node": 0.01} and o["max_retries"] >= 1
+    assert o["resources"] == {"compress_node": 0.01}
     assert options_for("validate/w4/quality", FakePlan, "cpu", None)["memory"] == 2**30
     speed = options_for("validate/w4/speed", FakePlan, "cpu", None)
     assert speed["resources"] == {"compress_node": 1} and speed["num_gpus"] == 0 and speed["num_cpus"] == 1
@@ -101,7 +101,8 @@ def test_a_unit_no_node_can_hold_is_refused_before_the_probe_and_any_task(monkey
     monkeypatch.setattr(rx, "connect", lambda address: calls.append("connect"))
     monkeypatch.setattr(rx, "alive_nodes", lambda: [node(8), node(16, nid="b" * 40)])
     monkeypatch.setattr(rx, "probe_nodes", lambda *a, **k: calls.append("probe"))
-    ex = rx.RayExecutor(load_recipe(TINY, ['run.executor="ray"']), SimpleNamespace(device="cpu"), tmp_path, FakePlan)
+    ex = rx.RayExecutor(load_recipe(TINY, ['run.executor="ray"']), SimpleNamespace(device="cpu", versions={}), tmp_path,
+                        FakePlan)
     with pytest.raises(RecipeError, match="nothing was submitted") as e:
         ex.start(["load", "quantize/w4"])
     assert "quantize/w4 needs 40.00 GiB memory (predicted peak)" in str(e.value) and "16.00 GiB" in str(e.value)
