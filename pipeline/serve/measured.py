@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline.core.fileio import atomic_write_text
+
 SERVING_FILE = "serving.json"
 SCHEMA = 1
 
@@ -38,7 +40,7 @@ def write(folder: Path, served: dict | None) -> bool:
     record = serving_record(served)
     if record is None:
         return False
-    (folder / SERVING_FILE).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    atomic_write_text(folder / SERVING_FILE, json.dumps(record, indent=1, sort_keys=True) + "\n")
     return True
 
 
