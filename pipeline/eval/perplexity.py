@@ -98,7 +98,8 @@ def kl_top1(ref_logp: torch.Tensor, ref_idx: torch.Tensor, logq: torch.Tensor) -
 
     ref_logp, ref_idx: [n, k] (from topk_reference); logq: [n, vocab] log-probs of the model under test.
     """
-    idx = ref_idx.long()
+    idx = ref_idx.to(logq.device).long()  # the reference is read from disk onto the CPU
+    ref_logp = ref_logp.to(logq.device)
     p = ref_logp.exp()
     logq_k = logq.gather(1, idx)
     kl = (p * (ref_logp - logq_k)).sum(-1)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
+from pipeline.model.forward import cache_kwargs
 
 
 class SharedContextLM(HFLM):
@@ -104,7 +105,7 @@ class SharedContextLM(HFLM):
             select = torch.tensor(owner, device=dev)
             cache.batch_select_indices(select)
             starts = torch.tensor([prefix_len[g] for g in owner])
-            kwargs = {"past_key_values": cache, "use_cache": True,
+            kwargs = {**cache_kwargs(self.model, cache), "use_cache": True,
                       "attention_mask": torch.cat([pmask[owner], torch.ones((len(conts), width), dtype=torch.long)],
                                                   dim=1).to(dev),
                       "position_ids": (starts[:, None] + torch.arange(width)[None, :]).to(dev)}

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from pipeline.model.forward import cache_kwargs
 
 
 @dataclass
@@ -158,14 +159,14 @@ def make_logits_fn(model, vocab: torch.Tensor | None = None):
     only those rows of the output head are computed (the reduced draft head)."""
     if vocab is None:
         def full(ids, cache, keep):
-            out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=keep)
+            out = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=keep)
             return out.logits[0, -keep:].float()
         return full
     head = model.get_output_embeddings().weight.detach()[vocab.to(model.device)].contiguous()
     backbone = model.get_decoder()
 
     def sliced(ids, cache, keep):
-        hidden = backbone(input_ids=ids, cache=cache, use_cache=True).last_hidden_state
+        hidden = backbone(input_ids=ids, **cache_kwargs(backbone, cache), use_cache=True).last_hidden_state
         return F.linear(hidden[0, -keep:], head).float()
     return sliced
 

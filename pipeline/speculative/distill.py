@@ -130,7 +130,8 @@ def distill(student, data, cfg, work_dir: Path | None, seed: int, log=print, fau
     if ckpt and ckpt.exists():
         state = _load_checkpoint(ckpt, student, opt, run_fingerprint, log) or state
     resumed_from = state["step"]
-    index = student.full_to_student(data.vocab_size)
+    device = next(student.parameters()).device  # the student trains where it lives; targets are kept on the CPU
+    index = student.full_to_student(data.vocab_size).to(device)
     bar = tqdm(total=cfg.steps, initial=state["step"], disable=not progress, desc="distill draft",
                unit="step", dynamic_ncols=True)
     while not _done(state, cfg):
@@ -169,7 +170,7 @@ def _progress(state: dict, cfg) -> float:
 
 def _train_step(student, data, opt, params, index, cfg, state) -> tuple[float, float]:
     t0 = time.perf_counter()
-    batch = data.batch(state["step"])  # teacher targets (computed or cached)
+    batch = data.batch(state["step"]).to(index.device)  # teacher targets (computed or cached)
     t1 = time.perf_counter()
     factor = lr_factor(state["step"], _progress(state, cfg), cfg.schedule, cfg.warmup)
     for group in opt.param_groups:

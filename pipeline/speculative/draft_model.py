@@ -90,7 +90,7 @@ def fit_output_map(draft: nn.Module, verifier: nn.Module, windows: torch.Tensor,
             vs.append(verifier.get_decoder()(input_ids=ids).last_hidden_state.float().flatten(0, 1))
     u, v = torch.cat(us).double(), torch.cat(vs).double()
     gram = u.T @ u
-    lam = ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
+    lam = ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     m_t = torch.linalg.solve(gram + lam, u.T @ v + lam)
     head = draft.get_output_embeddings().weight
     head.copy_((head.double() @ m_t.T).to(head.dtype))
@@ -187,7 +187,8 @@ class DraftStudent(nn.Module):
         out_dir.mkdir(parents=True, exist_ok=True)
         if self.head is not None:
             with torch.no_grad():
-                self.model.get_output_embeddings().weight[self.vocab] = self.head.detach()
+                weight = self.model.get_output_embeddings().weight
+                weight[self.vocab.to(weight.device)] = self.head.detach()
         target = torch_dtype(dtype)
         if target == self.model.dtype:
             self.model.save_pretrained(out_dir)

@@ -58,6 +58,7 @@ def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], ou
     tok = AutoTokenizer.from_pretrained(str(verifier_dir))
     verifier = load_causal_lm(verifier_dir, device)
     draft, layers = init_draft(verifier, cfg, base_dir, tok)
+    draft = draft.to(verifier.device)  # built on the CPU; it trains and is fitted where the verifier runs
     d = cfg.distill
     windows = token_windows(tok, train_texts, d.seq_len)
     vocab, coverage = choose_vocab(cfg, windows, verifier, tok)

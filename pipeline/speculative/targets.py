@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from pipeline.core.fileio import atomic_path
+from pipeline.model.forward import cache_kwargs
 from transformers import DynamicCache
 
 
@@ -35,6 +36,9 @@ class Targets:
     @staticmethod
     def cat(parts: list[Targets]) -> Targets:
         return Targets(*(torch.cat([getattr(p, f) for p in parts]) for f in ("ids", "logprobs", "top_ids", "rest")))
+
+    def to(self, device) -> Targets:
+        return Targets(*(getattr(self, f).to(device) for f in ("ids", "logprobs", "top_ids", "rest")))
 
     def row(self, i: int) -> Targets:
         return Targets(self.ids[i:i + 1], self.logprobs[i:i + 1], self.top_ids[i:i + 1], self.rest[i:i + 1])
@@ -73,7 +77,7 @@ def generate_with_targets(teacher, prompts: torch.Tensor, new_tokens: int, k: in
 
     def forward(ids):
         with autocast(teacher, precision):
-            return teacher(input_ids=ids, cache=cache, use_cache=True).logits.float()
+            return teacher(input_ids=ids, **cache_kwargs(teacher, cache), use_cache=True).logits.float()
     logits = forward(seq)
     parts = [topk_targets(seq, logits, k, temperature)]
     for _ in range(new_tokens):
