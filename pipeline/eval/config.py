@@ -22,7 +22,8 @@ class SpeedConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = True
+    enabled: bool = Field(True, description="time the models `models` selects (validate/<model>/speed); false: no "
+                                            "speed figures (min_decode_speed_ratio needs them)")
     prompt_len: int = Field(128, ge=1, description="prompt tokens for prefill, TTFT and decode")
     new_tokens: int = Field(32, ge=2, description="tokens generated per timed decode run")
     batch_sizes: list[int] = Field(

@@ -12,7 +12,8 @@ Metric = Literal["acc", "acc_norm", "pass@1"]
 class TasksConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="score `tasks` on the models `models` selects (validate/<model>/tasks); "
+                                             "min_task_recovery needs it")
     tasks: list[str] = Field(default_factory=list, description="task names (pipeline/eval/taskdata.py TASKS; "
                                                                "'humaneval' needs execute_code)")
     limit: Optional[int] = Field(None, ge=1, description="items per task; default: the whole split")

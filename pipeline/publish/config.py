@@ -9,7 +9,7 @@ import re
 import string
 from typing import Any, Literal
 
-from pydantic import BaseModel, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 TOKEN_MESSAGE = (
     "the Hub token must come from HF_TOKEN or `huggingface-cli login`, never from a recipe"
@@ -76,21 +76,37 @@ def check_endpoint(url: str, what: str) -> str:
 class PublishConfig(BaseModel, extra="forbid", hide_input_in_errors=True):
     """Where and how `compress` pushes export folders to the Hugging Face Hub."""
 
-    org: str
-    repo_id: str = "{org}/{model}-{variant}"
-    layout: Literal["repo-per-variant", "branches"] = "repo-per-variant"
-    main_variant: str | None = None
-    draft: Literal["repo", "folder"] = "repo"
-    private: bool = True  # new repos are private until you say otherwise
-    revision: str = "main"
+    org: str = Field(description="Hub user or organisation (letters, digits, -_.), {org} in repo_id")
+    repo_id: str = Field("{org}/{model}-{variant}", description="target repo template: {org}, {model}, {variant}; "
+                                                                "needs {variant} with repo-per-variant, must not have "
+                                                                "it with branches")
+    layout: Literal["repo-per-variant", "branches"] = Field(
+        "repo-per-variant", description="repo-per-variant: a repo per export, at revision; branches: one repo, each "
+                                        "export on a branch of its name")
+    main_variant: str | None = Field(None, description="layout = branches: the export pushed to main instead of its "
+                                                       "own branch; unset: none")
+    draft: Literal["repo", "folder"] = Field(
+        "repo", description="repo: the draft gets its own repo; folder: draft/ in its verifier's repo (refused for a "
+                            "baseline verifier)")
+    private: bool = Field(True, description="new repos are private; true also refuses pushing to an existing public "
+                                            "repo; false: new repos are public")
+    revision: str = Field("main", description="branch pushed to with repo-per-variant (created if missing); branches "
+                                              "refuses any other value than main")
     # open a pull request instead of committing to the branch; reruns reuse the open PR that an
     # earlier push opened for the same folder (commit onto refs/pr/N, or "up to date")
-    create_pr: bool = False
-    commit_message: str = DEFAULT_COMMIT_MESSAGE
-    endpoint: str | None = None
-    dry_run: bool = False
-    partial: bool = False
-    include: list[str] | None = None
+    create_pr: bool = Field(False, description="open a pull request instead of committing to the branch; reruns reuse "
+                                               "the PR opened for the same folder")
+    commit_message: str = Field(DEFAULT_COMMIT_MESSAGE, description="template: {variant}, {perplexity}, {ppl_ratio} "
+                                                                    "(a draft: its verifier's), {run}; format specs "
+                                                                    "allowed; not empty")
+    endpoint: str | None = Field(None, description="Hub URL: https, or http for 127.0.0.1/localhost only; unset: "
+                                                   "$HF_ENDPOINT, else https://huggingface.co")
+    dry_run: bool = Field(False, description="print which files would go where, with sizes; send nothing (no token "
+                                             "needed)")
+    partial: bool = Field(False, description="when gates failed, push the exports whose gates passed (a draft only "
+                                             "with its verifier); false: push nothing")
+    include: list[str] | None = Field(None, description="export names to push (distinct, not empty); unset: every "
+                                                        "export the gates allow")
 
     @model_validator(mode="before")
     @classmethod

@@ -10,7 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="serve the selected models in each engine and load-test them "
+                                             "(validate/<model>/serve/<engine>)")
     models: Literal["all"] | list[str] = Field("all", description="which models are served ('all' or names)")
     engines: Literal["all"] | list[Literal["auto", "transformers", "llama.cpp", "vllm"]] = Field(
         default_factory=lambda: ["auto"],

@@ -19,14 +19,22 @@ class DistillConfig(BaseModel, extra="forbid"):
                                                        "first); 0 = no distillation, the draft is used as initialised "
                                                        "(e.g. a smaller model of the verifier's family)")
     time_budget_s: float | None = Field(180.0, gt=0, description="wall-time budget for teacher targets + training")
-    batch_size: int = Field(8, ge=1)
-    seq_len: int = Field(128, ge=8)
-    lr: float = Field(1e-3, gt=0)
-    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    batch_size: int = Field(8, ge=1, description="sequences per optimizer step (on-policy ones included), seq_len "
+                                                 "tokens each")
+    seq_len: int = Field(128, ge=8, description="tokens per training sequence (windows of the calibration corpus)")
+    lr: float = Field(1e-3, gt=0, description="AdamW peak learning rate (betas 0.9, 0.95), reached after warmup")
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="lr decay after warm-up, to 10 % of lr at the end of steps or time_budget_s, whichever "
+                              "comes first; constant: none")
     warmup: int = Field(10, ge=0, description="linear warm-up steps")
-    loss: Literal["forward_kl", "reverse_kl", "tvd", "jsd"] = "jsd"
-    temperature: float = Field(1.0, gt=0)
-    train: list[ParamGroup] = Field(default_factory=lambda: ["layers", "norm", "head"])
+    loss: Literal["forward_kl", "reverse_kl", "tvd", "jsd"] = Field(
+        "jsd", description="divergence between verifier and draft over the top_k tokens + one rest bucket (tvd = 1 - "
+                           "acceptance)")
+    temperature: float = Field(1.0, gt=0, description="softens both the teacher's and the draft's distributions in "
+                                                      "the loss (no T^2 rescaling)")
+    train: list[ParamGroup] = Field(default_factory=lambda: ["layers", "norm", "head"],
+                                    description="parameter groups that are trained (distinct, at least one); the "
+                                                "others stay frozen")
     top_k: int = Field(64, ge=1, description="teacher top-k log-probs kept per position")
     teacher_precision: Literal["fp32", "bf16"] = Field("bf16", description="teacher forward precision (bf16 autocast)")
     train_precision: Literal["fp32", "bf16"] = Field("bf16", description="student forward/backward (bf16 autocast, fp32 weights)")
@@ -36,9 +44,10 @@ class DistillConfig(BaseModel, extra="forbid"):
     on_policy_temperature: float = Field(0.7, ge=0, description="verifier sampling temperature for on-policy data (0 = greedy)")
     prompt_len: int = Field(32, ge=1, description="corpus tokens that prompt each on-policy sequence")
     on_policy_batch: int = Field(32, ge=1, description="sequences the verifier generates together")
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
-    checkpoint_every: int = Field(25, ge=1)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="gradient norm clipped to this each step")
+    checkpoint_every: int = Field(25, ge=1, description="steps between resumable checkpoints (weights, optimizer, "
+                                                        "RNG) in the unit's work dir")
 
     @model_validator(mode="after")
     def _check(self) -> DistillConfig:
@@ -59,13 +68,16 @@ class MeasureConfig(BaseModel, extra="forbid"):
                                                   "'code-prompts', or a .jsonl/.txt path): each document is one "
                                                   "prompt; None = paragraphs of the perplexity evaluation corpus")
     prompt_len: int = Field(64, ge=1, description="prompt tokens")
-    new_tokens: int = Field(64, ge=1)
-    temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.7])
+    new_tokens: int = Field(64, ge=1, description="tokens generated per prompt, plain and speculative")
+    temperatures: list[float] = Field(default_factory=lambda: [0.0, 0.7],
+                                      description="sampling temperatures, each measured separately (0 = greedy); at "
+                                                  "least one, each >= 0")
     repeats: int = Field(1, ge=1, description="timed passes over the prompts (plain and speculative interleaved per prompt); median reported")
     warmup: int = Field(2, ge=0, description="untimed warm-up generations")
     compare_undistilled: bool = Field(True, description="also measure the draft before distillation "
                                                         "(draft/undistilled, a quarter of the prompts)")
-    compare_hf_assisted: bool = True
+    compare_hf_assisted: bool = Field(True, description="also time transformers' generate with assistant_model "
+                                                        "against plain generate (a quarter of the prompts)")
     compare_fp_distilled: bool = Field(
         False, description="with a quantized [draft].verifier: the draft stage also distils a draft with the same "
                            "settings and budget against the full-precision baseline (draft/fp-distilled, not "
@@ -81,7 +93,9 @@ class MeasureConfig(BaseModel, extra="forbid"):
 
 class DraftConfig(BaseModel, extra="forbid"):
     verifier: str = Field("baseline", description='"baseline" or the name of a [[quantize]] variant')
-    init: Literal["layers", "model"] = "layers"
+    init: Literal["layers", "model"] = Field(
+        "layers", description="layers: keep some of the verifier's layers (num_layers or layers); model: start from "
+                              "another model, source")
     num_layers: int | None = Field(None, ge=1, description="evenly spaced verifier layers (first and last included)")
     layers: list[int] | None = Field(None, description="explicit verifier layer indices")
     source: str | None = Field(None, description="init='model': hf:, gguf:, pkg:, config: or a local dir")
