@@ -6,11 +6,11 @@ import platform
 from dataclasses import dataclass, field
 
 from pipeline import data
-from pipeline.core.errors import RecipeError
+from pipeline.base.errors import RecipeError
 from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
 from pipeline.model.sources import ModelInfo, describe, parse
 
-from pipeline.budget.estimate import estimate_disk, estimate_memory
+from pipeline.estimate import estimate_disk, estimate_memory
 from pipeline.budget.formulas import GiB
 TRACKED_PACKAGES = ("torch", "transformers", "gptqmodel", "bitsandbytes", "optimum", "accelerate", "datasets",
                     "huggingface-hub", "safetensors", "gguf", "torchao", "pydantic", "numpy", "compress")
@@ -35,7 +35,7 @@ class Plan:
     disk_reused: int = 0  # bytes an earlier run already wrote into the run folder (a rerun reuses them)
     warnings: list[str] = field(default_factory=list)
     device: str = "cpu"  # what "auto" resolves to here
-    gpu: object | None = None  # pipeline.core.gpu_probe.GpuInfo when an NVIDIA GPU is visible
+    gpu: object | None = None  # pipeline.base.gpu_probe.GpuInfo when an NVIDIA GPU is visible
 
     @property
     def peak_memory(self) -> int:
@@ -165,7 +165,7 @@ def _check_data(recipe) -> list[str]:
 
 def _check_device(recipe, plan: Plan) -> list[str]:
     """Which device the run will use ("auto": CUDA when this environment's torch can use a GPU)."""
-    from pipeline.core.gpu_probe import probe
+    from pipeline.base.gpu_probe import probe
 
     plan.gpu = probe() if recipe.run.device in ("auto", "cuda") else None
     usable = plan.gpu is not None and plan.gpu.torch_cuda

@@ -14,17 +14,14 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pipeline.core.errors import RecipeError
-from pipeline.eval.config import GatesConfig, SpeedConfig
+from pipeline.base.errors import RecipeError
+from pipeline.base.strict import Strict
+from pipeline.eval.config import GatesConfig, PerplexityConfig, SmokeConfig, SpeedConfig
 from pipeline.eval.tasks_config import TasksConfig
 from pipeline.publish.config import PublishConfig
 from pipeline.quant.registry import QuantVariant
 from pipeline.speculative.config import DraftConfig
 from pipeline.serve.config import ServeConfig
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class RunConfig(Strict):
@@ -66,21 +63,6 @@ class CalibrationConfig(Strict):
     chat_template: bool = False
     held_out_docs: int = Field(200, ge=0, description="documents at the end of the corpus never used (for settings searches)")
     allow_overlap: bool = False
-
-
-class PerplexityConfig(Strict):
-    dataset: str = "wikitext2"
-    text_field: str = "text"
-    seq_len: int = Field(2048, ge=8)
-    stride: Optional[int] = Field(None, ge=1, description="None: non-overlapping windows (GPTQ protocol)")
-    max_windows: Optional[int] = Field(None, ge=1)
-    kl_top_k: int = Field(256, ge=1, description="baseline log-probs kept per token for KL (tail folded into one bucket)")
-
-
-class SmokeConfig(Strict):
-    enabled: bool = True
-    prompts: list[str] = ["What is the capital of France?", "Write one sentence about the sea."]
-    max_new_tokens: int = Field(32, ge=1)
 
 
 class ValidateConfig(Strict):

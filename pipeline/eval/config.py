@@ -1,4 +1,5 @@
-"""Recipe sections owned by evaluation: `[validate.speed]` and `[validate.gates]`.
+"""Recipe sections owned by evaluation: `[validate.perplexity]`, `[validate.smoke]`, `[validate.speed]` and
+`[validate.gates]`.
 
 Torch-free on purpose: `compress check` validates a recipe without importing torch.
 The recipe loader (pipeline/recipe.py) embeds these models; their defaults are the
@@ -11,10 +12,27 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from pipeline.base.strict import Strict
+
 Technique = Literal[
     "kv_cache", "no_kv_cache", "static_cache", "compile", "sdpa", "eager", "flash_attention_2"
 ]
 TECHNIQUES: tuple[str, ...] = Technique.__args__  # type: ignore[attr-defined]
+
+
+class PerplexityConfig(Strict):
+    dataset: str = "wikitext2"
+    text_field: str = "text"
+    seq_len: int = Field(2048, ge=8)
+    stride: Optional[int] = Field(None, ge=1, description="None: non-overlapping windows (GPTQ protocol)")
+    max_windows: Optional[int] = Field(None, ge=1)
+    kl_top_k: int = Field(256, ge=1, description="baseline log-probs kept per token for KL (tail folded into one bucket)")
+
+
+class SmokeConfig(Strict):
+    enabled: bool = True
+    prompts: list[str] = ["What is the capital of France?", "Write one sentence about the sea."]
+    max_new_tokens: int = Field(32, ge=1)
 
 
 class SpeedConfig(BaseModel):

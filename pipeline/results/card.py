@@ -18,12 +18,12 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from pipeline.core.public import local_name, public, public_text, public_tree
+from pipeline.base.public import local_name, public, public_text, public_tree
 from pipeline.results.format import num, size, speculative_label
 from pipeline.results.gates import blocks, gate_status
 from pipeline.results.query import dig, is_distilled, shown_params
 from pipeline.results.schema import DraftEntry, ModelEntry, ModelInfo, Report
-from pipeline.core.fileio import atomic_write_text
+from pipeline.base.fileio import atomic_write_text
 
 # names of our datasets -> Hub dataset ids (metadata only lists ids the Hub can resolve)
 HUB_DATASETS = {"wikitext2": "Salesforce/wikitext", "wikitext-2": "Salesforce/wikitext",

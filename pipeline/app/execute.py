@@ -13,12 +13,13 @@ import signal
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.core.errors import CompressError, GateFailure, Interrupted, StageError
-from pipeline.core.fileio import atomic_write_text
+from pipeline.base.errors import CompressError, GateFailure, Interrupted, StageError
+from pipeline.base.fileio import atomic_write_text
 from pipeline.plan import Plan, versions
 from pipeline.results import schema
-from pipeline.core.runner import Runner, RunLock, Unit
-from pipeline.core.units import build_units  # noqa: F401  (re-exported: the stages of a recipe)
+from pipeline.app.runner import Runner, RunLock
+from pipeline.base.unit import Unit
+from pipeline.app.units import build_units  # noqa: F401  (re-exported: the stages of a recipe)
 
 log = logging.getLogger("compress")
 
@@ -28,9 +29,9 @@ def lock_text(recipe, vers: dict, device: str, run_id: str) -> str:
 
     from pipeline import data
     from pipeline.eval.tasks_config import data_lock
-    from pipeline.core.fileio import sha256_file
+    from pipeline.base.fileio import sha256_file
     from pipeline.model.sources import parse
-    from pipeline.core.fileio import drop_none
+    from pipeline.base.fileio import drop_none
 
     src = parse(recipe.model.source, recipe.model.gguf_file)
     files = {}
@@ -73,7 +74,7 @@ def stop_signals():
 
 
 def _execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None = None) -> int:
-    from pipeline.core.env import tame
+    from pipeline.base.env import tame
 
     tame()
     import torch
@@ -126,7 +127,7 @@ def _execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None 
 def run_device(recipe) -> str:
     """[run] device resolved where the units run: this machine, or the Ray cluster's nodes."""
     if recipe.run.executor == "ray":
-        from pipeline.core.ray_executor import alive_nodes, cluster_device, connect
+        from pipeline.app.ray_executor import alive_nodes, cluster_device, connect
 
         connect(recipe.run.ray_address)  # unreachable: exit 2 naming the address, before any work
         return cluster_device(recipe.run.device, alive_nodes(), recipe.run.ray_address)
@@ -139,7 +140,7 @@ def run_device(recipe) -> str:
 def unit_executor(recipe, runner: Runner, run_dir: Path, plan: Plan | None, units: list[Unit]):
     """run_units(units, first_index, total): one after another here ("local"), or as Ray tasks ("ray")."""
     if recipe.run.executor == "ray":
-        from pipeline.core.ray_executor import RayExecutor
+        from pipeline.app.ray_executor import RayExecutor
 
         ex = RayExecutor(recipe, runner, run_dir, plan)
         try:
@@ -181,7 +182,7 @@ def publish_in_run(run_dir: Path, recipe, report: schema.Report, code: int) -> i
     """The run's [publish] step, after the final report is on disk: the same rule as `compress push`. A
     refusal because gates failed keeps the gates' exit code (5); any other publish problem is exit 6. The
     run's own status stays what the stages and gates made it, so `compress push` can retry."""
-    from pipeline.core.errors import PublishError
+    from pipeline.base.errors import PublishError
     from pipeline.publish.hub import publish_run
     from pipeline.results.publishing import PublishRefused
 

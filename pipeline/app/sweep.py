@@ -23,7 +23,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.core.errors import CompressError, Interrupted, RecipeError
+from pipeline.base.errors import CompressError, Interrupted, RecipeError
 
 log = logging.getLogger("compress")
 KEYS = {"recipes", "recipe", "set", "matrix"}
@@ -110,7 +110,7 @@ def run_folder(recipe) -> Path:
 
 def run_sweep(spec: Path, extra_sets: list[str] = ()) -> tuple[list[dict], int]:
     """Run every run of SPEC one after another; ([summary row per run], the worst exit code)."""
-    from pipeline.core.execute import execute
+    from pipeline.app.execute import execute
 
     checked = load_all(parse_spec(spec, extra_sets))
     rows = []

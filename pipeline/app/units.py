@@ -1,8 +1,8 @@
-"""A recipe's units in run order: what `compress run` executes, locally or as Ray tasks (pipeline/core/ray_executor.py
+"""A recipe's units in run order: what `compress run` executes, locally or as Ray tasks (pipeline/app/ray_executor.py
 rebuilds them from the recipe on each worker)."""
 from __future__ import annotations
 
-from pipeline.core.runner import Unit
+from pipeline.base.unit import Unit
 
 
 def build_units(recipe) -> tuple[list[Unit], list[Unit]]:
