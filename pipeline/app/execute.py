@@ -20,6 +20,13 @@ from pipeline.results import schema
 from pipeline.app.runner import Runner, RunLock
 from pipeline.base.unit import Unit
 from pipeline.app.units import build_units  # noqa: F401  (re-exported: the stages of a recipe)
+from pipeline import data
+from pipeline.eval.tasks_config import data_lock
+from pipeline.model.sources import parse
+from pipeline.results.gates import evaluate_gates, failed_gates, gates_table
+from pipeline.publish.hub import publish_run
+from pipeline.results.publishing import PublishRefused
+from pipeline.results.render import render_report
 
 log = logging.getLogger("compress")
 
@@ -27,10 +34,7 @@ log = logging.getLogger("compress")
 def lock_text(recipe, vers: dict, device: str, run_id: str) -> str:
     import tomli_w
 
-    from pipeline import data
-    from pipeline.eval.tasks_config import data_lock
     from pipeline.base.fileio import sha256_file
-    from pipeline.model.sources import parse
     from pipeline.base.fileio import drop_none
 
     src = parse(recipe.model.source, recipe.model.gguf_file)
@@ -104,7 +108,6 @@ def _execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None 
                 run_units(head, 1, total)
                 apply_gates(report, recipe, run_dir)
                 run_units(exports, len(head) + 1, total)
-            from pipeline.results.gates import failed_gates
 
             code = GateFailure.exit_code if failed_gates(report) else 0
             finish(run_dir, report, "gates_failed" if code else "complete", code)
@@ -169,8 +172,6 @@ def remove_stale_exports(run_dir: Path, export_keys: list[str]) -> None:
 
 
 def apply_gates(report: schema.Report, recipe, run_dir: Path) -> None:
-    from pipeline.results.gates import evaluate_gates, gates_table
-
     report.gates = evaluate_gates(report, recipe.validate_.gates)
     report.run.gates_evaluated = True
     schema.save(report, run_dir)
@@ -183,8 +184,6 @@ def publish_in_run(run_dir: Path, recipe, report: schema.Report, code: int) -> i
     refusal because gates failed keeps the gates' exit code (5); any other publish problem is exit 6. The
     run's own status stays what the stages and gates made it, so `compress push` can retry."""
     from pipeline.base.errors import PublishError
-    from pipeline.publish.hub import publish_run
-    from pipeline.results.publishing import PublishRefused
 
     try:
         section = publish_run(run_dir, recipe.publish, log)
@@ -225,8 +224,6 @@ def _stopped(run_dir: Path, report: schema.Report, status: str, code: int, error
 
 def _render(run_dir: Path) -> None:
     try:
-        from pipeline.results.render import render_report
-
         render_report(run_dir)
     except Exception as e:  # the report must never hide the run's own outcome
         log.warning("could not render report.md: %s: %s", type(e).__name__, e)

@@ -32,6 +32,7 @@ from pipeline.base.errors import CompressError, StageError
 from pipeline.app.ray_nodes import (NODE_RESOURCE, Admission, alive_nodes, cluster_device,  # noqa: F401 (API)
                                      connect, exclusive, node_name, options_for, probe_nodes, refuse_unfit)
 from pipeline.app.ray_task import NodeNotAdmitted, attempts_of
+from pipeline.results import schema
 
 log = logging.getLogger("compress")
 
@@ -134,7 +135,6 @@ class RayExecutor:
                      ", ".join(a.get("node", "?") for a in out["attempts"]))
         self.runner._record(unit, out["manifest"], skipped=False)
         self.runner.report.stages[unit.key].node = out["node"]
-        from pipeline.results import schema
 
         schema.save(self.runner.report, self.run_dir)
         from pipeline.base.unit import fault_point

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from pipeline.base.errors import RecipeError, StageError
 from pipeline.app.ray_task import PROBE_DIR, admitted_file, probe_task, version_mismatch
+from pipeline.results.render import planned
 
 log = logging.getLogger("compress")
 
@@ -40,8 +41,6 @@ def unit_memory(plan, key: str) -> int | None:
     """The plan's predicted peak for a unit: its own figure; else, for a unit measuring one model (quality, speed,
     tasks, serve/<engine>), that model's figure, which pipeline/plan.py names "validate/<model>"; the speculative
     unit holds the verifier and the draft, as the draft unit does: that unit's figure."""
-    from pipeline.results.render import planned
-
     if plan is None:
         return None
     if key in plan.memory:

@@ -22,6 +22,7 @@ from pipeline.base.fileio import sha256_file
 from pipeline.base.errors import CompressError, LockedError, StageError
 from pipeline.base.memory import PeakMemory
 from pipeline.base.unit import MANIFEST, METRICS, Unit, UnitContext, fault_point
+from pipeline.results import merge, schema
 
 log = logging.getLogger("compress")
 
@@ -89,8 +90,6 @@ class Runner:
 
     def __init__(self, run_dir: Path, seed: int, device: str, versions: dict, report=None,
                  run_id: str | None = None) -> None:
-        from pipeline.results import schema
-
         self.run_dir, self.seed, self.device, self.versions = run_dir, seed, device, versions
         self.run_id = run_id or schema.new_run_id()
         self.report = report or schema.new_report(run_id=self.run_id, name=Path(run_dir).name, recipe="",
@@ -159,8 +158,6 @@ class Runner:
         return manifest
 
     def _record(self, unit: Unit, manifest: dict, skipped: bool) -> None:
-        from pipeline.results import merge, schema
-
         self.manifests[unit.key] = manifest
         merge.record(self.report, unit.key, manifest, skipped)
         schema.save(self.report, self.run_dir)

@@ -24,6 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.base.errors import CompressError, Interrupted, RecipeError
+from pipeline.plan import check
+from pipeline.recipe import load_recipe
+from pipeline.results import schema
+from pipeline.results.gates import gates_summary
 
 log = logging.getLogger("compress")
 KEYS = {"recipes", "recipe", "set", "matrix"}
@@ -81,9 +85,6 @@ def parse_spec(spec: Path, extra_sets: list[str] = ()) -> list[SweepRun]:
 
 def load_all(runs: list[SweepRun]):
     """[(run, recipe, plan)], every recipe loaded and checked, or RecipeError naming the first that fails."""
-    from pipeline.plan import check
-    from pipeline.recipe import load_recipe
-
     out, folders = [], {}
     for run in runs:
         try:
@@ -129,9 +130,6 @@ def run_sweep(spec: Path, extra_sets: list[str] = ()) -> tuple[list[dict], int]:
 
 
 def summary_row(label: str, folder: Path, code: int) -> dict:
-    from pipeline.results import schema
-    from pipeline.results.gates import gates_summary
-
     row = {"run": folder.name, "recipe": label, "folder": str(folder), "exit_code": code, "status": "-",
            "best": "-", "gates": "-"}
     try:

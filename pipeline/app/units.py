@@ -3,13 +3,12 @@ rebuilds them from the recipe on each worker)."""
 from __future__ import annotations
 
 from pipeline.base.unit import Unit
+from pipeline.plan import stage_names
+from pipeline.stages import calibrate, draft, export, load, quantize, validate
 
 
 def build_units(recipe) -> tuple[list[Unit], list[Unit]]:
     """(units up to validate, export units). Gates are applied between the two."""
-    from pipeline.plan import stage_names
-    from pipeline.stages import calibrate, draft, export, load, quantize, validate
-
     units = [load.unit(recipe)]
     if "calibrate" in stage_names(recipe):
         units.append(calibrate.unit(recipe))
