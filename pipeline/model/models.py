@@ -1,4 +1,5 @@
-"""Loading models and tokenizers: from a recipe source (load stage) or a checkpoint folder (every later stage)."""
+"""Loading models and tokenizers from a recipe source (load stage), and the file facts of a checkpoint folder; a
+checkpoint folder itself loads through pipeline/quant/checkpoint.py (every later stage)."""
 from __future__ import annotations
 
 import json
