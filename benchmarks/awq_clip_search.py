@@ -33,7 +33,7 @@ MODES = ("library", "matmul")
 
 def one(mode: str, model_dir: Path, calibration: Path, rows: int, out: Path) -> dict:
     """Quantize in this interpreter with `mode`'s clipping search; returns seconds and the checkpoint's sha256."""
-    from pipeline.core.env import tame
+    from pipeline.base.env import tame
 
     tame()
     from safetensors.torch import load_file
@@ -82,14 +82,14 @@ def child(args: list[str]) -> dict:
 
 
 def ppl(model_dir: Path, ids_file: Path, seq_len: int, windows: int) -> dict:
-    """Perplexity of a checkpoint loaded as validate loads it (pipeline/model/models.py), in this interpreter."""
-    from pipeline.core.env import tame
+    """Perplexity of a checkpoint loaded as validate loads it (pipeline/quant/checkpoint.py), in this interpreter."""
+    from pipeline.base.env import tame
 
     tame()
     from safetensors.torch import load_file
 
     from pipeline.eval.perplexity import gptq_windows, perplexity, windowed_nll
-    from pipeline.model.models import load_checkpoint
+    from pipeline.quant.checkpoint import load_checkpoint
 
     ids = load_file(str(ids_file))["input_ids"]
     model = load_checkpoint(model_dir)

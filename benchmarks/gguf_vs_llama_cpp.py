@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def compress(*args: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "pipeline.app.cli", *args], cwd=ROOT, capture_output=True, text=True)
     if r.returncode != 0:
         raise SystemExit(f"compress {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
 
@@ -155,7 +155,7 @@ def main() -> None:
                     help="the run's variants timed in transformers (comma-separated; 'baseline' = load/)")
     ap.add_argument("--autoround-iters", type=int, default=0, help="0: no auto-round GGUF row")
     a = ap.parse_args()
-    from pipeline.core.env import tame
+    from pipeline.base.env import tame
 
     tame()
     base = a.run / "load"

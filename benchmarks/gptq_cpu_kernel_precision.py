@@ -14,7 +14,7 @@ import json
 import time
 from pathlib import Path
 
-from pipeline.core.env import tame
+from pipeline.base.env import tame
 
 tame()
 import torch  # noqa: E402
@@ -22,7 +22,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from pipeline import data  # noqa: E402
 from pipeline.eval.perplexity import gptq_windows, perplexity, windowed_nll  # noqa: E402
-from pipeline.model.models import load_checkpoint  # noqa: E402
+from pipeline.quant.checkpoint import load_checkpoint  # noqa: E402
 from pipeline.quant.gptqmodel_driver import dequantize_to_linear  # noqa: E402
 
 

@@ -3,9 +3,9 @@ Usage: .venv/bin/python -m benchmarks.gptq_kernel_shape_check  (after compress r
 """
 import torch
 from pathlib import Path
-from pipeline.core.env import tame; tame()
+from pipeline.base.env import tame; tame()
 torch.set_num_threads(1)
-from pipeline.model.models import load_checkpoint
+from pipeline.quant.checkpoint import load_checkpoint
 from transformers import AutoTokenizer
 tok = AutoTokenizer.from_pretrained("artifacts/full/load")
 ids = tok("The history of measurement is the history of agreeing on what to count. Merchants weighed grain against stones, builders paced out foundations", return_tensors="pt").input_ids

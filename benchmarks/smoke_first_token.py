@@ -3,9 +3,9 @@ Usage: .venv/bin/python -m benchmarks.smoke_first_token  (after compress run rec
 """
 import torch
 from pathlib import Path
-from pipeline.core.env import tame; tame()
+from pipeline.base.env import tame; tame()
 torch.set_num_threads(1)
-from pipeline.model.models import load_checkpoint
+from pipeline.quant.checkpoint import load_checkpoint
 from transformers import AutoTokenizer
 tok = AutoTokenizer.from_pretrained("artifacts/full/load")
 msgs=[{"role":"user","content":"What is the capital of France?"}]

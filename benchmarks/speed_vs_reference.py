@@ -104,7 +104,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="write the comparison as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from pipeline.model.models import load_checkpoint
+    from pipeline.quant.checkpoint import load_checkpoint
 
     t0 = time.perf_counter()
     model = load_checkpoint(Path(args.model), "cpu")

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def serve(folder: Path, engine: str, port: int, log: Path, eager: bool) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pipeline.cli", "serve", str(folder), "--engine", engine, "--port", str(port),
+    cmd = [sys.executable, "-m", "pipeline.app.cli", "serve", str(folder), "--engine", engine, "--port", str(port),
            "--slots", "8", "--max-model-len", "2048"] + (["--enforce-eager"] if eager and engine == "vllm" else [])
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
     end = time.monotonic() + 900

@@ -6,12 +6,19 @@ import platform
 from dataclasses import dataclass, field
 
 from pipeline import data
-from pipeline.core.errors import RecipeError
+from pipeline.base.errors import RecipeError
 from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
 from pipeline.model.sources import ModelInfo, describe, parse
 
-from pipeline.budget.estimate import estimate_disk, estimate_memory
+from pipeline.estimate import estimate_disk, estimate_memory
 from pipeline.budget.formulas import GiB
+from pipeline.quant.shapes import linear_shapes_from_config
+from pipeline.eval.config import GATE_SPECS, gate_problems, speed_problems
+from pipeline.quant.registry import check_variant, method_of, needs_calibration, runtimes
+from pipeline.model.families import unknown_family
+from pipeline.eval.tasks_config import task_problems
+from pipeline.serve.config import serve_plan
+
 TRACKED_PACKAGES = ("torch", "transformers", "gptqmodel", "bitsandbytes", "optimum", "accelerate", "datasets",
                     "huggingface-hub", "safetensors", "gguf", "torchao", "pydantic", "numpy", "compress")
 
@@ -35,7 +42,7 @@ class Plan:
     disk_reused: int = 0  # bytes an earlier run already wrote into the run folder (a rerun reuses them)
     warnings: list[str] = field(default_factory=list)
     device: str = "cpu"  # what "auto" resolves to here
-    gpu: object | None = None  # pipeline.core.gpu_probe.GpuInfo when an NVIDIA GPU is visible
+    gpu: object | None = None  # pipeline.base.gpu_probe.GpuInfo when an NVIDIA GPU is visible
 
     @property
     def peak_memory(self) -> int:
@@ -53,8 +60,6 @@ def versions() -> dict[str, str]:
 
 
 def arch_dict(info: ModelInfo) -> dict:
-    from pipeline.quant.shapes import linear_shapes_from_config
-
     return linear_shapes_from_config(info.config)
 
 
@@ -107,8 +112,6 @@ def _check_executor(recipe) -> list[str]:
 
 def _untimed_gates(recipe, plan: Plan) -> list[str]:
     """A speed gate on a model that will not be timed (plan.speed_skipped) could only fail: refused here."""
-    from pipeline.eval.config import GATE_SPECS
-
     gates = recipe.validate_.gates
     problems = []
     for v in recipe.quantize:
@@ -133,8 +136,6 @@ def stage_names(recipe) -> list[str]:
 
 
 def _needs_calibration(variant) -> bool:
-    from pipeline.quant.registry import needs_calibration
-
     return needs_calibration(variant)
 
 
@@ -165,7 +166,7 @@ def _check_data(recipe) -> list[str]:
 
 def _check_device(recipe, plan: Plan) -> list[str]:
     """Which device the run will use ("auto": CUDA when this environment's torch can use a GPU)."""
-    from pipeline.core.gpu_probe import probe
+    from pipeline.base.gpu_probe import probe
 
     plan.gpu = probe() if recipe.run.device in ("auto", "cuda") else None
     usable = plan.gpu is not None and plan.gpu.torch_cuda
@@ -179,9 +180,6 @@ def _check_device(recipe, plan: Plan) -> list[str]:
 def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[str]:
     if not recipe.quantize:
         return []
-    from pipeline.quant.registry import check_variant, runtimes
-
-    from pipeline.model.families import unknown_family
 
     arch = arch_dict(info)
     device = plan.device
@@ -207,7 +205,6 @@ def _check_draft(recipe, info: ModelInfo, plan: Plan) -> list[str]:
     if d.verifier != "baseline" and d.verifier not in names:
         problems.append(f"draft.verifier = {d.verifier!r} is neither 'baseline' nor a [[quantize]] variant "
                         f"(variants: {sorted(names) or 'none'})")
-    from pipeline.quant.registry import method_of
 
     gguf = {q.name for q in recipe.quantize if method_of(q).checkpoint_format == "gguf"}
     if d.verifier in gguf:
@@ -248,8 +245,6 @@ def _check_draft_tokenizer(recipe, info: ModelInfo, plan: Plan) -> list[str]:
 
 def _check_gates(recipe, random_init: bool) -> list[str]:
     """[validate.gates] and [validate.speed]: every model they name exists, every gate can be measured."""
-    from pipeline.eval.config import gate_problems, speed_problems
-
     v = recipe.validate_  # the smoke gate does not apply to random weights
     variants, draft = [q.name for q in recipe.quantize], "draft" if recipe.draft else None
     return (gate_problems(v.gates, v.speed, variants, draft, smoke=v.smoke.enabled or random_init,
@@ -259,8 +254,6 @@ def _check_gates(recipe, random_init: bool) -> list[str]:
 
 def _check_tasks(recipe, plan: Plan) -> list[str]:
     """[validate.tasks] (pipeline/eval/tasks_config.py): problems are returned, notes become warnings."""
-    from pipeline.eval.tasks_config import task_problems
-
     found = task_problems(recipe.validate_.tasks, [q.name for q in recipe.quantize])
     plan.warnings += [p.removeprefix("note: ") for p in found if p.startswith("note: ")]
     return [p for p in found if not p.startswith("note: ")]
@@ -269,9 +262,6 @@ def _check_tasks(recipe, plan: Plan) -> list[str]:
 def _check_serve(recipe, plan: Plan) -> list[str]:
     """[validate.serve]: an engine that can serve every served model here (pipeline/serve/config.py); a serve gate
     on a model that will not be served could only fail."""
-    from pipeline.eval.config import GATE_SPECS
-    from pipeline.serve.config import serve_plan
-
     cfg = recipe.validate_.serve
     if not cfg.enabled:
         return []
@@ -302,7 +292,6 @@ def _half_precision_on_cpu(recipe, plan: Plan) -> list[str]:
     uses: dict[str, list[str]] = {}
     if plan.dtype in HALF:
         uses.setdefault(plan.dtype, []).append("the baseline")
-    from pipeline.quant.registry import method_of
 
     for v in recipe.quantize:
         dtype = getattr(v, "dtype", None) or ("bfloat16" if method_of(v).half_only and plan.dtype not in HALF else None)

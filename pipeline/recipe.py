@@ -14,17 +14,14 @@ from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from pipeline.core.errors import RecipeError
-from pipeline.eval.config import GatesConfig, SpeedConfig
+from pipeline.base.errors import RecipeError
+from pipeline.base.strict import Strict
+from pipeline.eval.config import GatesConfig, PerplexityConfig, SmokeConfig, SpeedConfig
 from pipeline.eval.tasks_config import TasksConfig
 from pipeline.publish.config import PublishConfig
 from pipeline.quant.registry import QuantVariant
 from pipeline.speculative.config import DraftConfig
 from pipeline.serve.config import ServeConfig
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class RunConfig(Strict):
@@ -81,27 +78,6 @@ class CalibrationConfig(Strict):
     held_out_docs: int = Field(200, ge=0, description="documents at the end of the corpus never used (for settings searches)")
     allow_overlap: bool = Field(False, description="accept dataset equal to the perplexity corpus or "
                                                    "draft.measure.prompts (compress check refuses it otherwise)")
-
-
-class PerplexityConfig(Strict):
-    dataset: str = Field("wikitext2", description="evaluation corpus: shipped name, .txt/.jsonl/.parquet path or "
-                                                  "hf:<id>; also where default draft and serve prompts come from")
-    text_field: str = Field("text", description="field/column holding the text in a .jsonl, .parquet or hf: dataset "
-                                                "(shipped corpora name their own)")
-    seq_len: int = Field(2048, ge=8, description="tokens per window; each window predicts its last seq_len-1 tokens")
-    stride: Optional[int] = Field(None, ge=1, description="None: non-overlapping windows (GPTQ protocol)")
-    max_windows: Optional[int] = Field(None, ge=1, description="evaluate only the first max_windows windows; unset: "
-                                                               "every window of the corpus")
-    kl_top_k: int = Field(256, ge=1, description="baseline log-probs kept per token for KL (tail folded into one bucket)")
-
-
-class SmokeConfig(Strict):
-    enabled: bool = Field(True, description="run the smoke test on the baseline and every variant (in their quality "
-                                            "unit); min_smoke_ok needs it")
-    prompts: list[str] = Field(["What is the capital of France?", "Write one sentence about the sea."],
-                               description="user messages, sent through the chat template when the tokenizer has one, "
-                                           "else as raw text")
-    max_new_tokens: int = Field(32, ge=1, description="tokens generated greedily per smoke prompt")
 
 
 class ValidateConfig(Strict):

@@ -27,8 +27,8 @@ def sha256_file(path: Path) -> str:
 
 
 def write_manifest(folder: Path, kind: str, verifier: str | None) -> dict:
-    """The manifest the runner writes for an export unit (pipeline/core/runner.py); also listed in the report."""
-    from pipeline.core.runner import canonical_hash, hash_outputs
+    """The manifest the runner writes for an export unit (pipeline/app/runner.py); also listed in the report."""
+    from pipeline.app.runner import canonical_hash, hash_outputs
 
     files = {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file() and p.name != "manifest.json"}
     entry = {"kind": kind, "name": folder.name, "verifier": verifier, "folder": f"export/{folder.name}",

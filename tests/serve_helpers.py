@@ -34,7 +34,7 @@ def tiny_export(out: Path) -> Path:
 
 
 def serve_cmd(folder: Path, port: int, *args: str) -> list[str]:
-    return [sys.executable, "-m", "pipeline.cli", "serve", str(folder), "--port", str(port), "--threads", "1", *args]
+    return [sys.executable, "-m", "pipeline.app.cli", "serve", str(folder), "--port", str(port), "--threads", "1", *args]
 
 
 def env(**extra: str) -> dict:

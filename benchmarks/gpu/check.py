@@ -114,7 +114,7 @@ def check(device: str, out: Path, scale: float = 1.0) -> dict:
     save = lambda: (out / "check.json").write_text(json.dumps(result, indent=2, default=str))  # noqa: E731
     save()
     run_root = Path("/tmp/compress-gpu-check")
-    result["e2e"] = step("e2e", [sys.executable, "-m", "pipeline.cli", "run", str(RECIPE),
+    result["e2e"] = step("e2e", [sys.executable, "-m", "pipeline.app.cli", "run", str(RECIPE),
                                  "--set", f"run.device={json.dumps(device)}",
                                  "--set", f"run.output_dir={json.dumps(str(run_root))}",
                                  "--set", f"model.source={json.dumps(str(TINY))}"], out, 240 * scale)

@@ -1,7 +1,7 @@
 """The formulas: predicted memory of the stages that can stream weights from disk, shared by the plan
-(`compress check`, pipeline/budget/estimate.py) and the stages that decide at run time whether to offload (the
-GPTQModel quantizers, the baseline's perplexity). Torch-free, and imports nothing of the pipeline but its dtype table
-and the method registry: a stage's identity includes what it imports (pipeline/core/codehash.py), so editing the plan's
+(`compress check`, pipeline/estimate.py) and the stages that decide at run time whether to offload (the
+GPTQModel quantizers, the baseline's perplexity). Torch-free, and imports nothing of the pipeline but its dtype table:
+a stage's identity includes what it imports (pipeline/base/codehash.py), so editing the plan's
 estimates does not rerun quantization.
 """
 from __future__ import annotations
@@ -64,7 +64,8 @@ def speed_bytes(config: dict, resident: int, speed: dict) -> int:
     """Predicted peak RSS of timing one model (pipeline/eval/speed.py), runtime included: its weights as they are
     resident (`resident`), the KV cache of the largest batch in float32, a prompt's widest activations in float32,
     the last position's logits, and the copy-bandwidth buffers. Timing never offloads weights to disk: a decode
-    rate read from disk is not a speed figure, so a model that does not fit is not timed (speed_skip)."""
+    rate read from disk is not a speed figure, so a model that does not fit is not timed (pipeline/eval/speed.py
+    speed_skip)."""
     h = config.get("hidden_size") or 0
     inter = config.get("intermediate_size") or 4 * h
     heads = config.get("num_attention_heads") or 1
@@ -77,27 +78,3 @@ def speed_bytes(config: dict, resident: int, speed: dict) -> int:
     logits = batch * (config.get("vocab_size") or 0) * 4 * 2
     bandwidth = 2 * (speed.get("bandwidth_mib", 256) << 20) if speed.get("roofline", True) else 0
     return int(WORKER_OVERHEAD + resident + kv + acts + logits + bandwidth)
-
-
-def speed_skip(model_dir: Path, speed: dict, limit: int | None, device: str) -> dict | None:
-    """None when timing the checkpoint in model_dir fits `limit` (or there is no limit, or it runs on a GPU);
-    else the speed result recorded instead of timing it: why, the predicted peak and the limit."""
-    import json
-
-    from pipeline.model.dtypes import config_dtype, dtype_bytes
-
-    if limit is None or device != "cpu":
-        return None
-    config = json.loads((Path(model_dir) / "config.json").read_text())
-    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
-    from pipeline.quant.registry import checkpoint_method
-
-    method = checkpoint_method(config)
-    if method is not None and method.repacked_on_cpu:  # the quantized linears twice (all but the embeddings and head)
-        weights += max(weights - head_bytes(config, dtype_bytes(config_dtype(config, "bfloat16"))), 0)
-    need = speed_bytes(config, weights, speed)
-    if need <= limit:
-        return None
-    return {"skipped": f"not timed: it needs about {need / GiB:.2f} GiB in memory, over [run] max_memory_gb = "
-                       f"{limit / GiB:.2f} GiB (a decode rate read from disk offload is not a speed figure)",
-            "predicted_peak_bytes": need, "memory_limit_bytes": limit}

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from pipeline.budget.formulas import GiB, window_bytes
-from pipeline.core.errors import StageError
-from pipeline.model.memory import rss_bytes
+from pipeline.base.errors import StageError
+from pipeline.base.memory import rss_bytes
 from pipeline.model.models import folder_bytes, single_gguf
 
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from pipeline.core.errors import RecipeError, StageError
-from pipeline.core.fileio import sha256_file
-from pipeline.core.registry import Registry
+from pipeline.base.errors import RecipeError, StageError
+from pipeline.base.fileio import sha256_file
+from pipeline.base.registry import Registry
 
 CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "calibration"
 LOCAL_FORMATS = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
@@ -125,8 +125,8 @@ def eval_text(ref: DatasetRef) -> str:
 
 
 def fingerprint(ref: DatasetRef) -> str | None:
-    """sha256 of the data file (None for HF-cache datasets), cached by the file's stats (pipeline/core/identity.py)."""
-    from pipeline.core.identity import content_id
+    """sha256 of the data file (None for HF-cache datasets), cached by the file's stats (pipeline/base/identity.py)."""
+    from pipeline.base.identity import content_id
 
     return content_id(ref.path) if ref.path is not None and ref.path.is_file() else None
 

@@ -6,7 +6,7 @@ import random
 import torch
 
 from pipeline import data
-from pipeline.core.errors import StageError
+from pipeline.base.errors import StageError
 
 
 def training_documents(cfg) -> list[str]:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Iterator
 
 from pipeline.model.models import single_gguf
+from pipeline.quant.shapes import linear_shapes_from_config, module_names
 
 
 def linear_bits_per_weight(folder: Path) -> float | None:
@@ -21,7 +22,6 @@ def linear_bits_per_weight(folder: Path) -> float | None:
                if t.name.startswith("blk.") and len(t.shape) == 2]  # norms are 1-D
         weights = sum(int(t.n_elements) for t in blk)
         return 8 * sum(int(t.n_bytes) for t in blk) / weights if weights else None
-    from pipeline.quant.shapes import linear_shapes_from_config, module_names
 
     arch = linear_shapes_from_config(json.loads((folder / "config.json").read_text()))
     if not arch.get("shapes_known"):

@@ -1,4 +1,5 @@
-"""Recipe sections owned by evaluation: `[validate.speed]` and `[validate.gates]`.
+"""Recipe sections owned by evaluation: `[validate.perplexity]`, `[validate.smoke]`, `[validate.speed]` and
+`[validate.gates]`.
 
 Torch-free on purpose: `compress check` validates a recipe without importing torch.
 The recipe loader (pipeline/recipe.py) embeds these models; their defaults are the
@@ -11,10 +12,33 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from pipeline.base.strict import Strict
+
 Technique = Literal[
     "kv_cache", "no_kv_cache", "static_cache", "compile", "sdpa", "eager", "flash_attention_2"
 ]
 TECHNIQUES: tuple[str, ...] = Technique.__args__  # type: ignore[attr-defined]
+
+
+class PerplexityConfig(Strict):
+    dataset: str = Field("wikitext2", description="evaluation corpus: shipped name, .txt/.jsonl/.parquet path or "
+                                                  "hf:<id>; also where default draft and serve prompts come from")
+    text_field: str = Field("text", description="field/column holding the text in a .jsonl, .parquet or hf: dataset "
+                                                "(shipped corpora name their own)")
+    seq_len: int = Field(2048, ge=8, description="tokens per window; each window predicts its last seq_len-1 tokens")
+    stride: Optional[int] = Field(None, ge=1, description="None: non-overlapping windows (GPTQ protocol)")
+    max_windows: Optional[int] = Field(None, ge=1, description="evaluate only the first max_windows windows; unset: "
+                                                               "every window of the corpus")
+    kl_top_k: int = Field(256, ge=1, description="baseline log-probs kept per token for KL (tail folded into one bucket)")
+
+
+class SmokeConfig(Strict):
+    enabled: bool = Field(True, description="run the smoke test on the baseline and every variant (in their quality "
+                                            "unit); min_smoke_ok needs it")
+    prompts: list[str] = Field(["What is the capital of France?", "Write one sentence about the sea."],
+                               description="user messages, sent through the chat template when the tokenizer has one, "
+                                           "else as raw text")
+    max_new_tokens: int = Field(32, ge=1, description="tokens generated greedily per smoke prompt")
 
 
 class SpeedConfig(BaseModel):

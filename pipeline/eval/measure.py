@@ -1,5 +1,5 @@
 """Measurement primitives shared by the speed stage and the benchmarks: synchronized clocks,
-median/min/max, copy bandwidth, weight bytes per token, roofline. Peak memory: pipeline/model/memory.py."""
+median/min/max, copy bandwidth, weight bytes per token, roofline. Peak memory: pipeline/base/memory.py."""
 from __future__ import annotations
 
 import statistics

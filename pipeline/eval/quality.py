@@ -1,6 +1,6 @@
 """Quality of one checkpoint, measured the way a user loads it: perplexity, KL and top-1
 agreement against the baseline on the baseline's exact tokens, a chat-template smoke test,
-size on disk and in-memory footprint. Runs inside a fresh worker process (pipeline/core/worker.py).
+size on disk and in-memory footprint. Runs inside a fresh worker process (pipeline/base/worker.py).
 """
 from __future__ import annotations
 
@@ -19,7 +19,9 @@ from pipeline.model.compute import describe as describe_compute
 from pipeline.model.compute import float32_matmuls
 from pipeline.eval.perplexity import kl_top1, make_windows, perplexity, topk_reference, windowed_nll
 from pipeline.eval.bits import linear_bits_per_weight
-from pipeline.model.models import folder_bytes, load_checkpoint
+from pipeline.eval.config import PerplexityConfig, SmokeConfig
+from pipeline.model.models import folder_bytes
+from pipeline.quant.checkpoint import load_checkpoint
 from pipeline.budget.formulas import GiB
 from pipeline.budget.runtime import offload_bytes
 
@@ -147,9 +149,7 @@ def evaluate(model_dir: Path, out: Path, ppl_cfg, smoke_cfg, device: str, refere
 
 
 def worker_task(args: dict) -> dict:
-    """The worker's "quality" task (pipeline/core/worker.py TASKS)."""
-    from pipeline.recipe import PerplexityConfig, SmokeConfig
-
+    """The worker's "quality" task (pipeline/base/worker.py TASKS)."""
     ref = Path(args["reference"]) if args.get("reference") else None
     return evaluate(Path(args["model_dir"]), Path(args["out"]), PerplexityConfig(**args["perplexity"]),
                     SmokeConfig(**args["smoke"]), args["device"], ref, args["label"], args.get("memory_limit"))

@@ -1,5 +1,5 @@
 """Speed and memory of one model, meant to run in a fresh worker process (`run_speed_subprocess`, which
-runs pipeline/core/worker.py's "speed" task).
+runs pipeline/base/worker.py's "speed" task).
 
 What is timed (every cell: `warmup` untimed runs, then `repeats` timed runs; median, min, max):
 - prefill: one forward over a `prompt_len` prompt at batch 1 -> prompt tokens/s;
@@ -8,7 +8,7 @@ What is timed (every cell: `warmup` untimed runs, then `repeats` timed runs; med
   prefill (TTFT from the call), stamps 1..N span N-1 decode forwards. Decode is timed at
   each batch size; batches > 1 are prompts of different lengths left-padded into one batch.
 - technique rows at batch 1: KV cache vs none, static cache, torch.compile, attention kernels;
-- peak memory above the baseline (post-import when this process loads the model), by pipeline/model/memory.py:
+- peak memory above the baseline (post-import when this process loads the model), by pipeline/base/memory.py:
   CPU = RSS high-water mark (VmHWM, reset via /proc/self/clear_refs), CUDA = max_memory_allocated;
 - roofline: weight bytes read per decoded token / time per token, over the copy bandwidth
   (STREAM convention: bytes read + bytes written) measured in the same process on the same device.
@@ -27,14 +27,16 @@ from typing import Any
 
 import torch
 
-from pipeline.core.errors import StageError
+from pipeline.base.errors import StageError
 from pipeline.eval.config import SpeedConfig
 from pipeline.eval.measure import (copy_bandwidth, roofline_fraction, summarize, sync,  # noqa: F401
                                    timed_runs, weight_bytes_per_token)
-from pipeline.model.dtypes import dtype_name
-from pipeline.core.fileio import atomic_write_json
-from pipeline.model.memory import PeakMemory
-from pipeline.model.models import load_checkpoint
+from pipeline.budget.formulas import GiB, head_bytes, speed_bytes
+from pipeline.model.dtypes import config_dtype, dtype_bytes, dtype_name
+from pipeline.base.fileio import atomic_write_json
+from pipeline.base.memory import PeakMemory
+from pipeline.quant.checkpoint import load_checkpoint
+from pipeline.quant.registry import checkpoint_method
 
 SPEED_SCHEMA = "speed/1"
 _PROMPT_TEXT = (
@@ -304,7 +306,7 @@ def run_speed_subprocess(model_dir: str | Path, cfg: SpeedConfig, device: str, o
 
     model_name ("baseline", a variant, the draft) applies `cfg.for_model` (technique rows only for
     `technique_models`); threads sets torch's CPU threads in the child (None: torch's default)."""
-    from pipeline.core.worker import run_task  # a killed run kills its timing process too
+    from pipeline.base.worker import run_task  # a killed run kills its timing process too
 
     if model_name is not None:
         cfg = cfg.for_model(model_name)
@@ -320,6 +322,24 @@ def run_speed_subprocess(model_dir: str | Path, cfg: SpeedConfig, device: str, o
         raise StageError(f"speed measurement of {model_dir}: {e}") from None
     atomic_write_json(out_json, result)
     return result
+
+
+def speed_skip(model_dir: Path, speed: dict, limit: int | None, device: str) -> dict | None:
+    """None when timing the checkpoint in model_dir fits `limit` (or there is no limit, or it runs on a GPU);
+    else the speed result recorded instead of timing it: why, the predicted peak and the limit."""
+    if limit is None or device != "cpu":
+        return None
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    weights = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    method = checkpoint_method(config)
+    if method is not None and method.repacked_on_cpu:  # the quantized linears twice (all but the embeddings and head)
+        weights += max(weights - head_bytes(config, dtype_bytes(config_dtype(config, "bfloat16"))), 0)
+    need = speed_bytes(config, weights, speed)
+    if need <= limit:
+        return None
+    return {"skipped": f"not timed: it needs about {need / GiB:.2f} GiB in memory, over [run] max_memory_gb = "
+                       f"{limit / GiB:.2f} GiB (a decode rate read from disk offload is not a speed figure)",
+            "predicted_peak_bytes": need, "memory_limit_bytes": limit}
 
 
 def measure_checkpoint(model_dir: Path, cfg: SpeedConfig, device: str, label: str | None = None) -> dict:
@@ -341,13 +361,11 @@ def _preimport(model_dir: Path) -> None:
     for arch in config.get("architectures") or []:
         getattr(transformers, arch, None)  # resolves the lazy module: imports modeling_<arch>
     transformers.GenerationMixin  # noqa: B018 - generation utilities
-    from pipeline.quant.registry import checkpoint_method
-
     method = checkpoint_method(config)  # the library transformers will call to load it
     if method is not None and method.load_module:
         importlib.import_module(method.load_module)
 
 
 def worker_task(args: dict) -> dict:
-    """The worker's "speed" task (pipeline/core/worker.py TASKS)."""
+    """The worker's "speed" task (pipeline/base/worker.py TASKS)."""
     return measure_checkpoint(Path(args["model_dir"]), SpeedConfig(**args["cfg"]), args["device"], args.get("label"))

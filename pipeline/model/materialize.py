@@ -21,8 +21,8 @@ from typing import Any, Callable
 import torch
 
 from pipeline.model.dtypes import SAFETENSORS_DTYPES, torch_dtype
-from pipeline.core.errors import StageError
-from pipeline.model.memory import MappedPagesTrimmed
+from pipeline.base.errors import StageError
+from pipeline.base.memory import MappedPagesTrimmed
 from pipeline.model.sources import weight_files
 
 log = logging.getLogger("compress")

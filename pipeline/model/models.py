@@ -1,4 +1,5 @@
-"""Loading models and tokenizers: from a recipe source (load stage) or a checkpoint folder (every later stage)."""
+"""Loading models and tokenizers from a recipe source (load stage), and the file facts of a checkpoint folder; a
+checkpoint folder itself loads through pipeline/quant/checkpoint.py (every later stage)."""
 from __future__ import annotations
 
 import json
@@ -7,9 +8,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.model.dtypes import config_dtype, torch_dtype
-from pipeline.core.errors import StageError
-from pipeline.model.memory import MappedPagesTrimmed
+from pipeline.model.dtypes import torch_dtype
+from pipeline.base.errors import StageError
 from pipeline.model.sources import ModelSource, parse
 
 log = logging.getLogger("compress")
@@ -76,42 +76,6 @@ def check_vocab(tokenizer, vocab_size: int) -> None:
     if len(tokenizer) > vocab_size:
         raise StageError(f"tokenizer has {len(tokenizer)} tokens but the model's vocab_size is "
                          f"{vocab_size}; pick a matching [model].tokenizer")
-
-
-def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None = None,
-                    offload: tuple[int, Path] | None = None):
-    """A checkpoint folder written by a stage (plain, GPTQ, bitsandbytes, or one .gguf file), ready for inference.
-    offload (a plain checkpoint on the CPU only): (bytes of weights to keep in memory, a scratch folder): accelerate
-    keeps the first layers in memory and reads the others from the checkpoint's own safetensors files at each
-    forward (nothing is copied when the files are safetensors in the loaded dtype; anything else it writes goes to
-    the scratch folder)."""
-    from transformers import AutoModelForCausalLM
-
-    gguf_file = single_gguf(folder)
-    if gguf_file is not None:
-        return load_gguf(folder, gguf_file, device, dtype)
-    config = json.loads((folder / "config.json").read_text())
-    kwargs: dict = {}
-    if "quantization_config" not in config:
-        kwargs["dtype"] = dtype or torch_dtype(config_dtype(config))
-    if offload is not None:
-        if "quantization_config" in config or device != "cpu":
-            raise StageError(f"{folder}: only a plain checkpoint on the CPU is offloaded to disk here")
-        in_memory, scratch = offload
-        with MappedPagesTrimmed(folder):
-            model = AutoModelForCausalLM.from_pretrained(folder, device_map="auto", max_memory={"cpu": in_memory},
-                                                         offload_folder=str(scratch), **kwargs)
-        return model.eval()
-    from pipeline.quant.registry import checkpoint_method
-
-    method = checkpoint_method(config)  # its reload hook: e.g. GPTQModel tamed before its kernels load
-    if method is not None:
-        method.before_load()
-    with MappedPagesTrimmed(folder):  # pages of the mapped checkpoint are not the model's memory (pipeline/model/memory.py)
-        model = AutoModelForCausalLM.from_pretrained(folder, device_map=device, **kwargs)
-    if method is not None:
-        method.after_load(model)
-    return model.eval()
 
 
 def single_gguf(folder: Path) -> str | None:

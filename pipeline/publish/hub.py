@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from pipeline.core.errors import PublishError
+from pipeline.base.errors import PublishError
 from pipeline.publish.config import PublishConfig
 from pipeline.publish.plan import LocalFile, Plan, PushItem, human, plan, render_dry_run
 from pipeline.results.publishing import PublishRefused
@@ -371,7 +371,7 @@ def publish_run(run_dir: Path, cfg: PublishConfig, log: logging.Logger,
     Raises PublishRefused (a PublishError; `.section` holds the refusal for the report)
     when the publish rule forbids publishing, PublishError for anything else.
     """
-    from pipeline.core.fileio import atomic_write_json
+    from pipeline.base.fileio import atomic_write_json
 
     run_dir = Path(run_dir)
     endpoint = resolve_endpoint(cfg)

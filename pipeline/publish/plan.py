@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.core.errors import PublishError
-from pipeline.core.fileio import sha256_file
+from pipeline.base.errors import PublishError
+from pipeline.base.fileio import sha256_file
 from pipeline.publish.config import PublishConfig, template_fields
 from pipeline.results import schema
 from pipeline.results.publishing import PublishRefused, eligible

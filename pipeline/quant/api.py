@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from pipeline.model.compute import describe as describe_compute
-from pipeline.core.env import tame
-from pipeline.core.errors import StageError
-from pipeline.model.memory import PeakMemory
+from pipeline.base.env import tame
+from pipeline.base.errors import StageError
+from pipeline.base.memory import PeakMemory
 from pipeline.budget.formulas import GiB, quantize_peak
 from pipeline.quant.registry import method_of
 from pipeline.quant.common import calibration_fingerprint, captured_output

@@ -20,7 +20,7 @@ class GPTQModelKernels:
     load_module = "gptqmodel"
 
     def before_load(self) -> None:
-        from pipeline.core.env import tame
+        from pipeline.base.env import tame
 
         tame()
 

@@ -1,7 +1,7 @@
 """The GPTQModel driver shared by GPTQ, RTN and AWQ (pipeline/quant/methods/): load, quantize with a GPTQModel
 config, save, and the in-memory model made runnable.
 
-GPTQModel is tamed here, not by the user: `pipeline.core.env.tame()` has set its worker count and
+GPTQModel is tamed here, not by the user: `pipeline.base.env.tame()` has set its worker count and
 caches before it is imported (api.py); dynamo is disabled around its calls only; it runs with
 the working directory in a scratch folder inside out_dir so its `logs/` never lands in the
 user's folder (the log is appended to out_dir/gptqmodel.log, then the scratch folder removed);

@@ -9,7 +9,7 @@ and `session`/`quantize`/`save` (the work). Everything but the work is torch-fre
 engine inside those three, so `compress check` imports every method without torch.
 
 A method file imports no other method's file (a test checks it): a unit's identity names the method file of the
-variant it concerns (pipeline/core/codehash.py), so what two methods share lives in a module of its own
+variant it concerns (pipeline/base/codehash.py), so what two methods share lives in a module of its own
 (pipeline/quant/gptq_format.py, variant.py, shapes.py, common.py, ...).
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ class QuantMethod:
     @property
     def file(self) -> str:
         """This method's file as a path under pipeline/ ("quant/methods/gptq.py"): what a unit that quantizes,
-        measures or exports one of its variants adds to its code identity (pipeline/core/codehash.py)."""
+        measures or exports one of its variants adds to its code identity (pipeline/base/codehash.py)."""
         return "quant/methods/" + type(self).__module__.rpartition(".")[2] + ".py"
 
     # ------------------------------------------------------------ declarations (torch-free)

@@ -17,10 +17,10 @@ from pydantic import BeforeValidator, Field
 
 from pipeline.quant.method import QuantMethod
 from pipeline.quant.shapes import module_names, quantized_linears, skip_pattern
-from pipeline.core.registry import Registry
+from pipeline.base.registry import Registry
 
 # the method files, in the order their variants appear in the recipe's union. Imported by name: a unit's code
-# identity names only the method file of the variant it concerns (pipeline/core/codehash.py PLUGINS)
+# identity names only the method file of the variant it concerns (pipeline/base/codehash.py PLUGINS)
 METHOD_MODULES = ("gptq", "rtn", "awq", "autoround", "bnb", "torchao", "gguf")
 PACKAGE = "pipeline.quant.methods"
 

@@ -18,12 +18,14 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
-from pipeline.core.public import local_name, public, public_text, public_tree
+from pipeline.base.public import local_name, public, public_text, public_tree
 from pipeline.results.format import num, size, speculative_label
 from pipeline.results.gates import blocks, gate_status
 from pipeline.results.query import dig, is_distilled, shown_params
 from pipeline.results.schema import DraftEntry, ModelEntry, ModelInfo, Report
-from pipeline.core.fileio import atomic_write_text
+from pipeline.base.fileio import atomic_write_text
+from pipeline.quant.registry import METHODS
+from pipeline.model.sources import packaged_upstream
 
 # names of our datasets -> Hub dataset ids (metadata only lists ids the Hub can resolve)
 HUB_DATASETS = {"wikitext2": "Salesforce/wikitext", "wikitext-2": "Salesforce/wikitext",
@@ -43,8 +45,6 @@ def hub_id(source: Any) -> str | None:
 
 def _method(entry) -> Any:
     """The declared capabilities of the method that made a report entry (None: not a quantized variant)."""
-    from pipeline.quant.registry import METHODS
-
     method = getattr(entry, "method", None) if isinstance(entry, ModelEntry) else None
     return METHODS.get(method) if method and method in METHODS.names() else None
 
@@ -66,7 +66,6 @@ def _datasets(report: Report, entry: ModelEntry | DraftEntry) -> list[str]:
 def card_data(report: Report, entry: dict) -> ModelCardData:
     kind, name = entry["kind"], entry["name"]
     model = report.model or ModelInfo()
-    from pipeline.model.sources import packaged_upstream
 
     base = hub_id(model.source) or packaged_upstream(model.source) or hub_id(model.name)
     data = entry_data(report, entry)

@@ -1,5 +1,5 @@
 """Formatting shared by report.md, the model cards and the plots: numbers, sizes, tables, the speculative
-row labels, the plot file names. (What a published file may say about a local path: pipeline/core/public.py.)
+row labels, the plot file names. (What a published file may say about a local path: pipeline/base/public.py.)
 
 Nothing here reads a report: renderers pass in the values. No torch, no matplotlib.
 """

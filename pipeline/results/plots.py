@@ -11,7 +11,7 @@ from pipeline.results.format import PLOTS
 from pipeline.results.query import dig, models
 from pipeline.results.schema import Report
 from pipeline.results.serve_table import CB, KV, PLAIN, SPEC, STATIC, TECHNIQUES_PLOT, technique_rows
-from pipeline.core.fileio import atomic_path
+from pipeline.base.fileio import atomic_path
 
 _MIB = 2**20
 TASK_PLOT = "task_recovery_vs_bits.png"  # [validate.tasks] (drawn only when a variant has task recovery)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import tomllib
 from pathlib import Path
 
-from pipeline.core.errors import PublishError
+from pipeline.base.errors import PublishError
 from pipeline.results.gates import blocking_by_model, failed_gates
 from pipeline.results.schema import FINAL, ExportEntry, Gate, PublishSection, Report
 

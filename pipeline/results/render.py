@@ -272,7 +272,7 @@ def render_markdown(report: Report, plots: list[str]) -> str:
 def render_report(run_dir: Path) -> None:
     """Write report.md, plots/*.png and the model cards of existing export folders from
     run_dir/report.json and recipe.lock.toml (nothing is recomputed)."""
-    from pipeline.core.fileio import atomic_write_text
+    from pipeline.base.fileio import atomic_write_text
     from pipeline.results import schema
     from pipeline.results.card import render_cards
     from pipeline.results.plots import write_plots

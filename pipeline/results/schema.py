@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from pipeline.core.errors import CompressError
-from pipeline.core.fileio import atomic_write_text
+from pipeline.base.errors import CompressError
+from pipeline.base.fileio import atomic_write_text
 
 SCHEMA_VERSION = 2  # 2: a model's `serve` (one engine) became `served` ({engine: ...})
 REPORT = "report.json"

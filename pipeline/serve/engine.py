@@ -32,7 +32,7 @@ class TransformersEngine:
         import torch
         from transformers import AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
 
-        from pipeline.model.models import load_checkpoint
+        from pipeline.quant.checkpoint import load_checkpoint
 
         self.model = load_checkpoint(folder, device=device)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -11,9 +11,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pipeline.core.errors import StageError
+from pipeline.base.errors import StageError
 
-# what the `compress serve` subprocess runs, named so the serve unit's identity covers it (pipeline/core/codehash.py);
+# what the `compress serve` subprocess runs, named so the serve unit's identity covers it (pipeline/base/codehash.py);
 # the CLI that parses its arguments is harness, followed by no unit
 SERVER_CODE = "pipeline.serve.server"
 
@@ -52,7 +52,7 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
     opts = {"slots": max(cfg.concurrency), "max_queue": max(cfg.concurrency), "max_model_len": cfg.max_model_len,
             "queue_timeout_s": cfg.timeout_s, "threads": threads}
     eager = ["--enforce-eager"] if engine == "vllm" and not cfg.compile else []
-    cmd = [sys.executable, "-m", "pipeline.cli", "serve", str(folder), "--port", str(port), "--device", device,
+    cmd = [sys.executable, "-m", "pipeline.app.cli", "serve", str(folder), "--port", str(port), "--device", device,
            "--engine", engine, "--start-timeout-s", str(cfg.timeout_s), *eager]
     for k, v in opts.items():
         if v is not None and k in eng.honours:
@@ -148,7 +148,8 @@ def _generate(folder: Path, prompts: list[str], n: int, device: str):
     import torch
     from transformers import AutoTokenizer
 
-    from pipeline.model.models import load_checkpoint, single_gguf
+    from pipeline.model.models import single_gguf
+    from pipeline.quant.checkpoint import load_checkpoint
 
     model = load_checkpoint(folder, device=device)
     tok = AutoTokenizer.from_pretrained(folder)  # a GGUF variant's folder holds the baseline's tokenizer files

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.core.fileio import atomic_write_text
+from pipeline.base.fileio import atomic_write_text
 
 SERVING_FILE = "serving.json"
 SCHEMA = 1
@@ -56,7 +56,7 @@ def read(folder: Path) -> dict:
             raise ValueError(f"schema {data.get('schema')!r}, expected {SCHEMA}")
         return data["engines"]
     except (ValueError, AttributeError) as e:
-        from pipeline.core.errors import RecipeError
+        from pipeline.base.errors import RecipeError
 
         raise RecipeError(f"{path}: not a compress serving record ({e}); remove it or pass --engine") from None
 

@@ -17,7 +17,7 @@ import os
 import socket
 from dataclasses import replace
 
-from pipeline.core.errors import RecipeError
+from pipeline.base.errors import RecipeError
 from pipeline.serve.engines.base import ServeOptions
 from pipeline.serve.folder import inspect
 

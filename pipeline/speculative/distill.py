@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from pipeline.core.errors import StageError
-from pipeline.core.fileio import atomic_path
+from pipeline.base.errors import StageError
+from pipeline.base.fileio import atomic_path
 
 LOSSES = ("forward_kl", "reverse_kl", "tvd", "jsd")
 _LOG_FLOOR = -1e4

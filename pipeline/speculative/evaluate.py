@@ -78,7 +78,7 @@ def check_no_overlap(train_texts: list[str], prompts: list[str], probe_chars: in
 
 
 def worker_task(args: dict) -> dict:
-    """The worker's "speculative" task (pipeline/core/worker.py TASKS)."""
+    """The worker's "speculative" task (pipeline/base/worker.py TASKS)."""
     import logging
 
     from pipeline.speculative.config import DraftConfig

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from pipeline.core.public import public_tree
+from pipeline.base.public import public_tree
 from pipeline.speculative.config import DraftConfig
 from pipeline.speculative.distill import distill
 from pipeline.speculative.draft_model import (DraftStudent, check_tokenizers_match, evenly_spaced_layers,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from pipeline.core.fileio import atomic_path
+from pipeline.base.fileio import atomic_path
 from pipeline.model.forward import cache_kwargs
 from transformers import DynamicCache
 

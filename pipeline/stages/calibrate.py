@@ -4,9 +4,9 @@ from __future__ import annotations
 import json
 
 from pipeline import data
-from pipeline.core.runner import Unit, UnitContext
+from pipeline.base.unit import Unit, UnitContext
 
-CODE = ("stages/calibrate.py",)  # the entry module: what it imports is found by pipeline/core/codehash.py
+CODE = ("stages/calibrate.py",)  # the entry module: what it imports is found by pipeline/base/codehash.py
 
 
 def unit(recipe) -> Unit:

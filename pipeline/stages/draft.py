@@ -5,9 +5,9 @@ import logging
 import shutil
 from pathlib import Path
 
-from pipeline.core.runner import Unit, UnitContext
+from pipeline.base.unit import Unit, UnitContext
 
-CODE = ("stages/draft.py",)  # the entry module: what it imports is found by pipeline/core/codehash.py
+CODE = ("stages/draft.py",)  # the entry module: what it imports is found by pipeline/base/codehash.py
 # [draft] fields only the speculative measurement reads (validate/draft/speculative): changing them never
 # re-distils. measure.compare_fp_distilled is not among them: the draft stage distils the fp comparison draft.
 MEASURE_ONLY = {"gamma": True, "measure": {"num_prompts", "prompts", "prompt_len", "new_tokens", "temperatures",

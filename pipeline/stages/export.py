@@ -7,8 +7,8 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline.core.fileio import drop_none
-from pipeline.core.runner import METRICS, MANIFEST, Unit, UnitContext
+from pipeline.base.fileio import drop_none
+from pipeline.base.unit import METRICS, MANIFEST, Unit, UnitContext
 
 SKIP_SUFFIXES = (".log", ".jsonl")
 
@@ -74,7 +74,7 @@ def recipe_excerpt(recipe, entry: dict) -> str:
     """The recipe tables that made this entry, as its card shows them (local paths reduced to file names)."""
     import tomli_w
 
-    from pipeline.core.public import public_tree
+    from pipeline.base.public import public_tree
 
     data = recipe.dump()
     keep = {"model": data["model"], "calibration": data["calibration"]}

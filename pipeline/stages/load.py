@@ -6,11 +6,11 @@ import json
 import logging
 
 from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
-from pipeline.core.fileio import sha256_file
-from pipeline.core.runner import Unit, UnitContext
+from pipeline.base.fileio import sha256_file
+from pipeline.base.unit import Unit, UnitContext
 from pipeline.model.sources import content_identity, describe, link_problem, parse
 
-CODE = ("stages/load.py",)  # the entry module: what it imports is found by pipeline/core/codehash.py
+CODE = ("stages/load.py",)  # the entry module: what it imports is found by pipeline/base/codehash.py
 log = logging.getLogger("compress")
 
 

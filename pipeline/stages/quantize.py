@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import logging
 
-from pipeline.core.runner import Unit, UnitContext
+from pipeline.base.unit import Unit, UnitContext
 
-# the entry module; what it imports is found by pipeline/core/codehash.py. Each unit adds its own method's file
+# the entry module; what it imports is found by pipeline/base/codehash.py. Each unit adds its own method's file
 # (pipeline/quant/methods/<name>.py), and only that one: editing one method reruns that method's variants, no other
 CODE = ("stages/quantize.py",)
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 
-from pipeline.core.runner import Unit, UnitContext
-from pipeline.core.worker import run_task
+from pipeline.base.unit import Unit, UnitContext
+from pipeline.base.worker import run_task
 
-# the entry module; what it imports (the worker, the eval and speculative code it runs) is found by pipeline/core/codehash.py
+# the entry module; what it imports (the worker, the eval and speculative code it runs) is found by pipeline/base/codehash.py
 CODE = ("stages/validate.py",)
 log = logging.getLogger("compress")
 
@@ -126,10 +126,9 @@ def quality(ctx: UnitContext, recipe, name: str, src: str) -> dict:
 
 def speed(ctx: UnitContext, recipe, name: str, src: str) -> dict:
     """Time one model in a fresh process; under [run] max_memory_gb, a model whose timing would not fit is not
-    timed and the reason is recorded instead (footprint.speed_skip)."""
-    from pipeline.eval.speed import run_speed_subprocess
-    from pipeline.core.fileio import atomic_write_json
-    from pipeline.budget.formulas import speed_skip
+    timed and the reason is recorded instead (speed_skip)."""
+    from pipeline.eval.speed import run_speed_subprocess, speed_skip
+    from pipeline.base.fileio import atomic_write_json
 
     cfg = recipe.validate_.speed.for_model(name)
     skipped = speed_skip(ctx.dep(src), cfg.model_dump(mode="json"), recipe.run.memory_limit_bytes, ctx.device)

@@ -15,7 +15,7 @@ RECIPE = ROOT / "recipes" / "tiny.toml"
 def rerun(src: Path, out: Path) -> dict[str, str]:
     """`compress run` of the tiny recipe from the package copy in src; each stage's status."""
     env = {**os.environ, "PYTHONPATH": str(src), "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", RECIPE, "--set",
+    p = subprocess.run([sys.executable, "-m", "pipeline.app.cli", "run", RECIPE, "--set",
                         f"run.output_dir={json.dumps(str(out))}"], cwd=src, env=env, capture_output=True, text=True,
                        timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]

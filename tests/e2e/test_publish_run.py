@@ -21,7 +21,7 @@ WRITES = {"preupload", "lfs_batch", "lfs_upload", "lfs_verify", "commit", "creat
 
 
 def compress_run(run_root: Path, *sets: str):
-    args = [sys.executable, "-m", "pipeline.cli", "run", str(RECIPE), "--set", f"run.output_dir={json.dumps(str(run_root))}"]
+    args = [sys.executable, "-m", "pipeline.app.cli", "run", str(RECIPE), "--set", f"run.output_dir={json.dumps(str(run_root))}"]
     for s in sets:
         args += ["--set", s]
     return subprocess.run(args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,

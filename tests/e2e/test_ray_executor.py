@@ -210,7 +210,7 @@ def start_run(cluster, tmp_path) -> subprocess.Popen:
     """`compress run` of the tiny recipe on the cluster, in the background, its output in tmp_path/out.log."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **AUTH}
     env.pop("COMPRESS_FAULT", None)
-    args = [sys.executable, "-m", "pipeline.cli", "run", str(ROOT / "recipes" / "tiny.toml"),
+    args = [sys.executable, "-m", "pipeline.app.cli", "run", str(ROOT / "recipes" / "tiny.toml"),
             "--set", f"run.output_dir={json.dumps(str(tmp_path))}", "--set", RAY_SETS[0],
             "--set", f'run.ray_address="{cluster.address}"']
     with open(tmp_path / "out.log", "w") as log:
@@ -290,11 +290,11 @@ def test_a_node_joining_mid_run_with_other_library_versions_is_refused_before_an
 
 
 def test_a_speed_task_has_its_node_to_itself(cluster, second_node, monkeypatch):
-    """The placement rule of pipeline/core/ray_nodes.py on the real cluster, with CPUs not limiting (0.1 each):
+    """The placement rule of pipeline/app/ray_nodes.py on the real cluster, with CPUs not limiting (0.1 each):
     ordinary tasks share a node, nothing runs on a node beside a speed task."""
     import ray
 
-    from pipeline.core.ray_nodes import options_for
+    from pipeline.app.ray_nodes import options_for
 
     def hold(seconds):
         import time

@@ -15,7 +15,7 @@ RECIPE = ROOT / "recipes" / "tiny.toml"
 
 def compress(*args, env=None, check_rc=None):
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    p = subprocess.run([sys.executable, "-m", "pipeline.cli", *map(str, args)], cwd=ROOT, env=full_env,
+    p = subprocess.run([sys.executable, "-m", "pipeline.app.cli", *map(str, args)], cwd=ROOT, env=full_env,
                        capture_output=True, text=True, timeout=900)
     if check_rc is not None:
         assert p.returncode == check_rc, f"exit {p.returncode}\nSTDOUT:\n{p.stdout[-3000:]}\nSTDERR:\n{p.stderr[-6000:]}"
@@ -105,7 +105,7 @@ def test_kill_mid_stage_then_rerun_completes_with_identical_weights(first_run, t
 
 
 def test_concurrent_run_is_refused(first_run):
-    from pipeline.core.runner import RunLock
+    from pipeline.app.runner import RunLock
 
     run_dir, _ = first_run
     with RunLock(run_dir):

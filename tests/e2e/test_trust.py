@@ -83,7 +83,7 @@ def test_an_export_of_a_renamed_variant_is_removed_and_never_planned(out):
 
 def test_sigterm_is_a_status_push_during_a_run_is_refused_and_the_rerun_completes(tmp_path):
     run_dir = tmp_path / "tiny"
-    args = [sys.executable, "-m", "pipeline.cli", "run", str(RECIPE), "--set",
+    args = [sys.executable, "-m", "pipeline.app.cli", "run", str(RECIPE), "--set",
             f"run.output_dir={json.dumps(str(tmp_path))}", *[a for s in DRY for a in ("--set", s)]]
     proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1",
                                                  "COMPRESS_FAULT": "draft:start:pause"},

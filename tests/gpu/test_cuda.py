@@ -42,7 +42,7 @@ def test_identical_draft_accepts_everything_on_cuda():
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="bitsandbytes is not installed")
 @pytest.mark.parametrize("method", ["bnb-int8", "bnb-nf4"])
 def test_bnb_quantize_save_and_reload_on_cuda(tmp_path, method):
-    from pipeline.model.models import load_checkpoint
+    from pipeline.quant.checkpoint import load_checkpoint
     from pipeline.quant.api import quantize_variant
     from pipeline.recipe import validate
 
@@ -58,7 +58,7 @@ def test_bnb_quantize_save_and_reload_on_cuda(tmp_path, method):
 
 @pytest.mark.skipif(importlib.util.find_spec("gptqmodel") is None, reason="gptqmodel is not installed")
 def test_gptq_quantize_and_reload_on_cuda(tmp_path):
-    from pipeline.model.models import load_checkpoint
+    from pipeline.quant.checkpoint import load_checkpoint
     from pipeline.quant.api import quantize_variant
     from pipeline.recipe import validate
 
@@ -74,7 +74,7 @@ def test_gptq_quantize_and_reload_on_cuda(tmp_path):
 
 
 def test_peak_memory_is_cuda_max_allocated_above_the_entry():
-    from pipeline.model.memory import PeakMemory
+    from pipeline.base.memory import PeakMemory
 
     keep = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")  # allocated before: not counted
     with PeakMemory("cuda") as mem:

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def report():
     exe = Path(sys.executable).with_name("compress")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "pipeline.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "pipeline.app.cli"]
     p = subprocess.run(cmd + ["run", "recipes/ci-real.toml"], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=1800)
     assert p.returncode == 0, p.stderr[-8000:]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core.errors import StageError
+from pipeline.base.errors import StageError
 from pipeline.serve.config import ServeConfig
 from pipeline.serve.engines import get
 from tests.serve_helpers import env, free_port, serve_cmd, tiny_export

@@ -70,7 +70,7 @@ def test_compress_commands_exist_in_the_cli():
     assert commands == [["run", "recipes/publish-example.toml"]]
     import click
 
-    from pipeline.cli import cli as group  # a CLI that fails to import fails this test (it never skips)
+    from pipeline.app.cli import cli as group  # a CLI that fails to import fails this test (it never skips)
 
     for argv in commands:
         name, rest = argv[0], argv[1:]
@@ -95,9 +95,9 @@ def test_compress_commands_exist_in_the_cli():
 
 
 def test_a_cli_that_fails_to_import_fails_the_command_check(monkeypatch):
-    """The check above once skipped (pytest.importorskip) when pipeline.cli failed to import, so a broken CLI
+    """The check above once skipped (pytest.importorskip) when pipeline.app.cli failed to import, so a broken CLI
     passed CI as a skip: with the module unimportable it must raise the import error, not skip."""
-    monkeypatch.setitem(sys.modules, "pipeline.cli", None)  # `import pipeline.cli` now raises ImportError
+    monkeypatch.setitem(sys.modules, "pipeline.app.cli", None)  # `import pipeline.app.cli` now raises ImportError
     try:
         test_compress_commands_exist_in_the_cli()
     except ImportError:

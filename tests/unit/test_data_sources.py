@@ -3,9 +3,9 @@ import json
 import pytest
 
 from pipeline import data
-from pipeline.core.errors import RecipeError, StageError
+from pipeline.base.errors import RecipeError, StageError
 from pipeline.model.gguf_header import read_header
-from pipeline.core.registry import Registry
+from pipeline.base.registry import Registry
 from pipeline.model.sources import describe, estimate_params, parse
 
 

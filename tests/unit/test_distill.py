@@ -191,7 +191,7 @@ class _Planted:
 
 
 def test_a_planted_pickle_in_the_resume_checkpoint_is_refused_and_never_runs(tmp_path):
-    from pipeline.core.errors import StageError
+    from pipeline.base.errors import StageError
 
     marker = tmp_path / "ran.txt"
     ckpt = tmp_path / "run" / "work" / "checkpoint.pt"
@@ -367,7 +367,8 @@ def test_draft_stage_compares_a_draft_distilled_against_the_full_precision_model
     import pipeline.data.calib
     from pipeline.results.render import render_report
     from pipeline.recipe import load_recipe
-    from pipeline.core.runner import Runner, Unit
+    from pipeline.app.runner import Runner
+    from pipeline.base.unit import Unit
     from pipeline.stages import draft as draft_stage
     from pipeline.stages import export as export_stage
     from pipeline.stages import validate as validate_stage

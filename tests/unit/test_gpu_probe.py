@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.core.gpu_probe import probe
+from pipeline.base.gpu_probe import probe
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,11 +34,11 @@ def test_no_nvidia_smi_means_no_gpu(monkeypatch):
 def test_check_refuses_cuda_without_a_usable_gpu_and_stays_torch_free(tmp_path):
     env = fake_smi(tmp_path, "NVIDIA H200, 143771")
     code = ("import sys, runpy; sys.argv = ['compress', 'check', 'recipes/tiny.toml', '--set', 'run.device=\"cuda\"'];"
-            "import pipeline.cli as c\ntry:\n    c.main()\nfinally:\n    print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
+            "import pipeline.app.cli as c\ntry:\n    c.main()\nfinally:\n    print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2, p.stderr
     assert "[run].device = 'cuda': torch" in p.stderr and "has no CUDA" in p.stderr
     assert p.stdout.strip().endswith("NO-TORCH")
-    auto = subprocess.run([sys.executable, "-m", "pipeline.cli", "check", "recipes/tiny.toml"], cwd=ROOT, env=env,
+    auto = subprocess.run([sys.executable, "-m", "pipeline.app.cli", "check", "recipes/tiny.toml"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert auto.returncode == 0 and "device    cpu (NVIDIA H200, 140 GiB); torch" in auto.stdout

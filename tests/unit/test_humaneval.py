@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.eval import humaneval as he
-from pipeline.core.fileio import sha256_file
+from pipeline.base.fileio import sha256_file
 
 REPO = Path(__file__).resolve().parents[2]
 

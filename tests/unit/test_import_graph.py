@@ -1,11 +1,12 @@
-"""The package's import graph has no cycles: every `import pipeline.x` / `from pipeline.x import y`, at module level
-or inside a function (a lazy import is still a dependency), read from the source with ast."""
+"""The package's import graph has no cycles and runs down its layers: every `import pipeline.x` /
+`from pipeline.x import y`, at module level or inside a function (a lazy import is still a dependency), read from the
+source with ast."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-from pipeline.core.codehash import PACKAGE_DIR, module_file, module_name
+from pipeline.base.codehash import PACKAGE_DIR, module_file, module_name
 
 
 def imports(path: Path) -> set[str]:
@@ -67,7 +68,7 @@ def test_the_cycle_finder_finds_a_cycle():
 
 def test_the_package_has_no_import_cycles():
     g = graph()
-    assert "pipeline.core.worker" in g and "pipeline.eval.speed" in g["pipeline.stages.validate"] | {"pipeline.eval.speed"}
+    assert "pipeline.base.worker" in g and "pipeline.eval.speed" in g["pipeline.stages.validate"] | {"pipeline.eval.speed"}
     assert cycles(g) == []
 
 
@@ -99,3 +100,59 @@ def test_every_pipeline_import_names_a_module_that_exists():
                 missing += [f"{module_name(path)}: import {a.name}" for a in node.names
                             if a.name.startswith("pipeline.") and module_file(a.name) is None]
     assert not missing, missing
+
+
+# ---------------------------------------------------------------- layers (the design's "Layout"), ground first
+# A module imports only from its own package and from packages on lower floors. Packages on one floor are siblings:
+# they import none of each other. A root module (pipeline/recipe.py, ...) is a package of its own.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("base",),  # errors, files, env, registries, code identity, Unit types, workers, peak memory, logging
+    ("model", "data"),  # where weights and text come from; model families as data
+    ("budget",),  # memory formulas and run-time offload decisions
+    ("quant",),  # the methods behind one registry, and loading any checkpoint they write
+    ("speculative", "eval", "serve"),  # measuring
+    ("results",),  # report.json: schema, merges, gates, renderers
+    ("publish",),
+    ("stages",),
+    ("recipe", "estimate"),
+    ("plan",),
+    ("app",),  # cli, execute, runner, units, executors, sweep
+)
+FLOOR = {package: n for n, floor in enumerate(LAYERS) for package in floor}
+
+
+def package_of(module: str) -> str:
+    """"pipeline.eval.speed" -> "eval", "pipeline.recipe" -> "recipe"; pipeline/__init__.py stands on the ground."""
+    return module.split(".")[1] if "." in module else "base"
+
+
+def function_level_imports() -> list[str]:
+    """`module:line` of every import of a pipeline module inside a function."""
+    found = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        for fn in ast.walk(ast.parse(path.read_bytes())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    if isinstance(node, ast.Import) and any(a.name.startswith("pipeline") for a in node.names) or \
+                            isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("pipeline")):
+                        found.append(f"{module_name(path)}:{node.lineno}")
+    return sorted(set(found))
+
+
+def test_every_package_has_a_floor():
+    assert {package_of(m) for m in graph()} <= set(FLOOR), "a new package: give it a floor in LAYERS"
+
+
+def test_no_import_runs_up_the_layers():
+    up = [f"{m} -> {t}" for m, targets in graph().items() for t in sorted(targets)
+          if package_of(m) != package_of(t) and FLOOR[package_of(t)] >= FLOOR[package_of(m)]]
+    print(f"\n{len(function_level_imports())} function-level imports of pipeline modules")
+    assert up == [], "imports from a floor to a higher one, or between siblings"
+
+
+def test_no_package_level_cycles():
+    packages: dict[str, set[str]] = {}
+    for m, targets in graph().items():
+        packages.setdefault(package_of(m), set()).update(package_of(t) for t in targets if package_of(t) != package_of(m))
+    assert cycles(packages) == []
+    assert cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b"]], "the check itself finds a package cycle"

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from pipeline.model import compute
 from pipeline.model.compute import Float32Matmuls, float32_matmuls, upcasts
-from pipeline.core.errors import StageError
-from pipeline.model.memory import PeakMemory
+from pipeline.base.errors import StageError
+from pipeline.base.memory import PeakMemory
 from tests.tiny_models import tiny_llama
 
 log = logging.getLogger("test")
@@ -114,7 +114,7 @@ def test_random_weights_are_written_tensor_by_tensor_deterministically(tmp_path)
 
 
 def test_random_weights_never_hold_the_whole_model(tmp_path):
-    from pipeline.core.env import release_freed_memory
+    from pipeline.base.env import release_freed_memory
     from pipeline.model.materialize import random_to_safetensors
 
     release_freed_memory()
@@ -219,7 +219,7 @@ def test_the_large_recipe_is_planned_within_its_limit_with_offload(tmp_path):
 
 
 def test_a_limit_too_small_for_a_stage_that_cannot_offload_is_refused_with_the_need(tmp_path):
-    from pipeline.core.errors import RecipeError
+    from pipeline.base.errors import RecipeError
 
     text = LARGE.read_text().replace("max_memory_gb = 2.75", "max_memory_gb = 1.5").replace(
         'name = "large"', f'name = "large"\noutput_dir = "{tmp_path}"')
@@ -250,7 +250,7 @@ def test_a_model_whose_timing_would_not_fit_is_not_timed_and_the_plan_says_why(t
 
 
 def test_a_speed_gate_on_a_model_that_will_not_be_timed_is_refused(tmp_path):
-    from pipeline.core.errors import RecipeError
+    from pipeline.base.errors import RecipeError
 
     text = LARGE.read_text().replace('name = "large"', f'name = "large"\noutput_dir = "{tmp_path}"').replace(
         "[validate.speed]\nenabled = false", "[validate.speed]\nbatch_sizes = [1]\ntechniques = []").replace(
@@ -261,7 +261,8 @@ def test_a_speed_gate_on_a_model_that_will_not_be_timed_is_refused(tmp_path):
 
 
 def test_speed_skip_reads_the_checkpoint_and_counts_the_cpu_repack(tiny, tmp_path):
-    from pipeline.budget.formulas import GiB, speed_bytes, speed_skip
+    from pipeline.budget.formulas import GiB, speed_bytes
+    from pipeline.eval.speed import speed_skip
 
     cfg = {"batch_sizes": [1, 8], "prompt_len": 16, "new_tokens": 8, "roofline": True, "bandwidth_mib": 256}
     assert speed_skip(tiny, cfg, None, "cpu") is None  # no limit
@@ -286,7 +287,8 @@ def test_trimming_mapped_pages_never_reverts_what_a_loader_changed_in_place(tiny
     dropping those pages would silently revert them to the file (a GPTQ checkpoint measured perplexity 3e9)."""
     import contextlib
 
-    from pipeline.model import memory, models
+    from pipeline.base import memory
+    from pipeline.quant import checkpoint
     from pipeline.quant.api import quantize_variant
     from pipeline.recipe import Recipe
 
@@ -300,10 +302,10 @@ def test_trimming_mapped_pages_never_reverts_what_a_loader_changed_in_place(tiny
         def __init__(self, folder):
             super().__init__(folder, interval_s=0.0005)
 
-    monkeypatch.setattr(models, "MappedPagesTrimmed", EveryStep)
+    monkeypatch.setattr(checkpoint, "MappedPagesTrimmed", EveryStep)
     with torch.no_grad():
-        trimmed = models.load_checkpoint(tmp_path / "q")(ids).logits
+        trimmed = checkpoint.load_checkpoint(tmp_path / "q")(ids).logits
         memory.drop_mapped_pages(tmp_path / "q")
-        monkeypatch.setattr(models, "MappedPagesTrimmed", lambda folder: contextlib.nullcontext())
-        plain = models.load_checkpoint(tmp_path / "q")(ids).logits
+        monkeypatch.setattr(checkpoint, "MappedPagesTrimmed", lambda folder: contextlib.nullcontext())
+        plain = checkpoint.load_checkpoint(tmp_path / "q")(ids).logits
     assert torch.equal(trimmed, plain)

@@ -11,9 +11,10 @@ import torch
 
 from pipeline.model.dtypes import native_half, resolve_dtype
 from pipeline.eval.perplexity import gptq_windows, perplexity, windowed_nll
-from pipeline.model.models import load_checkpoint, load_model
+from pipeline.model.models import load_model
+from pipeline.quant.checkpoint import load_checkpoint
 from pipeline.recipe import validate
-from pipeline.core.runner import Runner
+from pipeline.app.runner import Runner
 from pipeline.model.sources import link_problem, parse, safetensors_header, stored_dtype
 from pipeline.stages import load as load_stage
 
@@ -283,7 +284,7 @@ def test_the_pages_of_a_mapped_gguf_leave_the_resident_set(tmp_path):
     1.1 GB file counted in the load stage's peak) unless the pages are dropped as the writing goes on."""
     import numpy as np
 
-    from pipeline.model.memory import drop_mapped_pages
+    from pipeline.base.memory import drop_mapped_pages
 
     def file_kb() -> int:
         return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssFile"))

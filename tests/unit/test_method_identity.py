@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core.codehash import PACKAGE_DIR, code_hash
-from pipeline.core.units import build_units
+from pipeline.base.codehash import PACKAGE_DIR, code_hash
+from pipeline.app.units import build_units
 from pipeline.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,7 +82,7 @@ def test_editing_a_shared_quantize_module_reruns_every_variant(units, tmp_path):
 
 
 def test_a_method_file_imports_no_other_method_file():
-    """The identity rule above relies on it (pipeline/core/codehash.py PLUGINS): what two methods share lives in a module
+    """The identity rule above relies on it (pipeline/base/codehash.py PLUGINS): what two methods share lives in a module
     of its own."""
     from tests.unit.test_import_graph import imports
 
@@ -102,7 +102,7 @@ def test_every_method_file_is_registered_and_declares_its_file():
 
 
 def test_the_serve_unit_covers_the_server_not_the_cli():
-    from pipeline.core.codehash import code_files
+    from pipeline.base.codehash import code_files
 
     files = {p.relative_to(PACKAGE_DIR).as_posix() for p in code_files(("stages/validate.py",))}
     assert "serve/server.py" in files and "cli.py" not in files

@@ -12,7 +12,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from pipeline.core.errors import CompressError, PublishError
+from pipeline.base.errors import CompressError, PublishError
 from pipeline.publish.config import TOKEN_MESSAGE, PublishConfig
 from pipeline.publish.hub import plan, publish_run, render_dry_run
 from pipeline.publish.plan import PublishRefused
@@ -232,7 +232,7 @@ def test_an_export_rewritten_since_the_report_is_refused(run_dir, hub_server, lo
     folder = run_dir / "export" / "w8"
     (folder / "config.json").write_text("{}")
     manifest = json.loads((folder / "manifest.json").read_text())
-    from pipeline.core.runner import canonical_hash, hash_outputs
+    from pipeline.app.runner import canonical_hash, hash_outputs
 
     manifest["outputs"] = hash_outputs(folder)  # a consistent folder + manifest the report never saw
     manifest["outputs_hash"], manifest["run_id"] = canonical_hash(manifest["outputs"]), RUN_ID

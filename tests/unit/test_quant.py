@@ -16,7 +16,7 @@ import pytest
 import torch
 from pydantic import TypeAdapter
 
-from pipeline.core.env import tame
+from pipeline.base.env import tame
 from pipeline.quant.api import implementation, quantize_variant
 from pipeline.quant.gptqmodel_driver import inference_model
 from pipeline.quant.registry import QuantVariant
@@ -69,7 +69,7 @@ def quantize_in_memory(base: Path, name: str, out: Path) -> torch.Tensor:
 
 RELOAD = r"""
 import sys, json, torch
-from pipeline.core.env import tame; tame()
+from pipeline.base.env import tame; tame()
 torch.set_num_threads(1)
 from transformers import AutoModelForCausalLM
 probe = torch.tensor(json.loads(sys.argv[1]))
@@ -278,7 +278,7 @@ def test_gptaq_and_foem_reach_the_engine_and_change_the_weights(checkpoints):
 
 
 def test_calibration_is_required_for_gptq_only(tiny, tmp_path):
-    from pipeline.core.errors import StageError
+    from pipeline.base.errors import StageError
 
     log = logging.getLogger("test")
     with pytest.raises(StageError, match="needs calibration ids"):

@@ -20,8 +20,8 @@ import pytest
 import torch
 from pydantic import TypeAdapter
 
-from pipeline.core.env import tame
-from pipeline.core.errors import RecipeError
+from pipeline.base.env import tame
+from pipeline.base.errors import RecipeError
 from pipeline.plan import check
 from pipeline.quant.api import quantize_variant
 from pipeline.quant.registry import check_variant, runtimes
@@ -54,10 +54,10 @@ def variant(name: str, **fields):
 
 RELOAD = r"""
 import sys, json, torch
-from pipeline.core.env import tame; tame()
+from pipeline.base.env import tame; tame()
 torch.set_num_threads(1)
 from pathlib import Path
-from pipeline.model.models import load_checkpoint
+from pipeline.quant.checkpoint import load_checkpoint
 probe, calib = (torch.tensor(json.loads(a)) for a in sys.argv[1:3])
 for d in sys.argv[3:]:
     m = load_checkpoint(Path(d))
@@ -133,7 +133,7 @@ def test_autoround_checkpoint_is_gptq_format_and_gptqmodel_loads_it(quantized):
     assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["sym"], qc["iters"]) == ("gptq", 4, 64, True, 20)
     assert manifest["engine"] == "auto_round" and set(reloaded["kinds"].values()) == {"TorchAtenLinear"}
     assert manifest["torch_compile"] is True and quantized["autoround-skip"][1]["torch_compile"] is False
-    code = ("import sys, json, torch\nfrom pipeline.core.env import tame; tame()\nfrom gptqmodel import GPTQModel\n"
+    code = ("import sys, json, torch\nfrom pipeline.base.env import tame; tame()\nfrom gptqmodel import GPTQModel\n"
             "m = GPTQModel.load(sys.argv[1], device='cpu', dtype=torch.float16)\n"
             "torch.save(m.model(torch.tensor(json.loads(sys.argv[2]))).logits.float(), sys.argv[1] + '/g.pt')")
     r = subprocess.run([sys.executable, "-c", code, str(folder), json.dumps(PROBE.tolist())], capture_output=True,
@@ -229,7 +229,7 @@ def test_compress_check_exit_2_names_the_key(tmp_path):
     assert "bits = 8 is not supported by awq" in str(e.value)
     assert "quantize.1 (ar): calibration_rows = 9 exceeds calibration.num_samples = 8" in str(e.value)
     assert "v_proj" not in str(e.value), "our clipping search takes any out-features (tiny-llama's v_proj: 32)"
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "check", str(bad)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "pipeline.app.cli", "check", str(bad)], capture_output=True, text=True,
                        cwd=ROOT)
     assert r.returncode == 2 and "awq-w8" in r.stderr + r.stdout
 
@@ -255,7 +255,7 @@ def test_tiny_recipe_runs_awq_and_autoround_end_to_end(tmp_path):
                                    'calibration_rows = 4\n\n'
                                    '[[quantize]]\nname = "autoround-w4g32"\nmethod = "autoround"\ngroup_size = 32\n'
                                    'iters = 5\ntorch_compile = false\n\n')  # compiling: the `quantized` fixture
-    r = subprocess.run([sys.executable, "-m", "pipeline.cli", "run", str(recipe), "--set",
+    r = subprocess.run([sys.executable, "-m", "pipeline.app.cli", "run", str(recipe), "--set",
                         f"run.output_dir={tmp_path / 'out'}"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "tiny" / "report.json").read_text())

@@ -7,7 +7,7 @@ import sys
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from pipeline.core.errors import RecipeError
+from pipeline.base.errors import RecipeError
 from pipeline.quant.registry import METHODS, check_variant, needs_calibration, runtimes
 from pipeline.quant.shapes import linear_shapes_from_config
 from pipeline.quant.registry import QuantVariant

@@ -1,5 +1,5 @@
 """torchao on a tiny random Llama: quantize each CPU scheme, save, reload in a fresh process with the loader
-validate uses (pipeline.model.models.load_checkpoint), compare; and what `compress check` refuses.
+validate uses (pipeline.quant.checkpoint.load_checkpoint), compare; and what `compress check` refuses.
 
 Tolerances. Reloaded vs in-memory: the same int8 data and scales come back from the safetensors and the
 same kernel runs them, so the logits should be identical; 1e-5 leaves room for nothing but summation order.
@@ -20,7 +20,7 @@ import pytest
 import torch
 from pydantic import TypeAdapter
 
-from pipeline.core.errors import RecipeError, StageError
+from pipeline.base.errors import RecipeError, StageError
 from pipeline.plan import check
 from pipeline.quant.api import implementation
 from pipeline.quant.methods.torchao import TORCHAO_SCHEMES
@@ -58,7 +58,8 @@ RELOAD = r"""
 import sys, json, torch
 torch.set_num_threads(1)
 from pathlib import Path
-from pipeline.model.models import load_checkpoint, folder_bytes
+from pipeline.model.models import folder_bytes
+from pipeline.quant.checkpoint import load_checkpoint
 probe = torch.tensor(json.loads(sys.argv[1]))
 for d in map(Path, sys.argv[2:]):
     m = load_checkpoint(d)
@@ -249,7 +250,7 @@ def test_int4_on_cuda_reloads_in_a_fresh_process(tiny, tmp_path):
         model = impl.quantize(tiny, v, None, sys.stderr, "cuda")
         impl.save(model, tiny, folder, v)
         in_memory = model(probe).logits.float().cpu()
-    code = ("import sys, json, torch; from pathlib import Path; from pipeline.model.models import load_checkpoint; "
+    code = ("import sys, json, torch; from pathlib import Path; from pipeline.quant.checkpoint import load_checkpoint; "
             "m = load_checkpoint(Path(sys.argv[1]), 'cuda'); p = torch.tensor(json.loads(sys.argv[2])).cuda(); "
             "torch.save(m(p).logits.float().cpu(), Path(sys.argv[1]) / 'reload.pt')")
     r = subprocess.run([sys.executable, "-c", code, str(folder), json.dumps(PROBE.tolist())], capture_output=True,
@@ -264,7 +265,7 @@ def test_a_checkpoint_is_the_same_bytes_whatever_order_its_metadata_was_written_
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from pipeline.core.fileio import canonical_safetensors
+    from pipeline.base.fileio import canonical_safetensors
 
     tensors = {"a.weight": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b.bias": torch.ones(5)}
     meta = {f"layer.{i}.weight": json.dumps({"_type": "Int8Tensor", "i": i}) for i in range(40)}

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.core.errors import StageError
-from pipeline.core.runner import MANIFEST, Unit, read_manifest
+from pipeline.base.errors import StageError
+from pipeline.app.runner import read_manifest
+from pipeline.base.unit import MANIFEST, Unit
 from pipeline.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +31,7 @@ def node(nid, compress_node=1):
 def test_a_node_whose_own_versions_differ_is_refused_naming_both(monkeypatch, tmp_path):
     """The versions compared are the node's own (pipeline.plan.versions where the attempt runs), not the copy of
     the driver's that every task carries: a node with another transformers is refused before any work."""
-    from pipeline.core import ray_task
+    from pipeline.app import ray_task
     from pipeline.plan import versions
 
     driver = versions()
@@ -44,7 +45,7 @@ def test_a_node_whose_own_versions_differ_is_refused_naming_both(monkeypatch, tm
 
 
 def test_the_probe_reports_the_nodes_own_versions(monkeypatch, tmp_path):
-    from pipeline.core import ray_task
+    from pipeline.app import ray_task
 
     monkeypatch.setattr(ray_task, "this_node", lambda: ("c" * 40, "cccccccccccc (10.0.0.3)"))
     monkeypatch.setenv(ray_task.VERSIONS_ENV, json.dumps({"torch": "1.0"}))
@@ -59,9 +60,9 @@ def test_the_probe_reports_the_nodes_own_versions(monkeypatch, tmp_path):
 
 
 def test_admission_probes_each_node_once_and_a_node_that_joins_later_before_its_first_task(monkeypatch, tmp_path):
-    from pipeline.core import ray_task
-    from pipeline.core.ray_nodes import Admission
-    from pipeline.core.ray_task import NodeNotAdmitted, admitted_file, check_node, node_versions
+    from pipeline.app import ray_task
+    from pipeline.app.ray_nodes import Admission
+    from pipeline.app.ray_task import NodeNotAdmitted, admitted_file, check_node, node_versions
 
     monkeypatch.setattr(ray_task, "ADMIT_WAIT_S", 0)
     table, probed = [node("a"), node("x", compress_node=0)], []
@@ -142,7 +143,7 @@ def done(key, node="a"):
 
 
 def executor(monkeypatch, tmp_path, table, results):
-    from pipeline.core import ray_executor as rx
+    from pipeline.app import ray_executor as rx
     from pipeline.results import schema
 
     fake, probed = FakeRay(results), []
@@ -179,7 +180,7 @@ def test_a_node_that_joins_mid_run_is_probed_before_the_next_submission(monkeypa
 def test_an_attempt_on_a_node_not_admitted_yet_makes_the_driver_probe_it_and_submit_again(monkeypatch, tmp_path):
     """A node joining between the driver's look and Ray placing a task there: the attempt refuses to start
     (ray_task.check_node), the driver probes the node and submits the unit again; no unit is lost or run twice."""
-    from pipeline.core.ray_task import NodeNotAdmitted
+    from pipeline.app.ray_task import NodeNotAdmitted
 
     table = [node("a")]
 
@@ -198,7 +199,7 @@ def test_an_attempt_on_a_node_not_admitted_yet_makes_the_driver_probe_it_and_sub
 
 
 def test_a_node_refused_mid_run_fails_the_run_naming_it(monkeypatch, tmp_path):
-    from pipeline.core import ray_executor as rx
+    from pipeline.app import ray_executor as rx
 
     table = [node("a")]
 
@@ -229,7 +230,7 @@ def write_unit(folder: Path, h: str, content: str) -> Path:
 
 
 def test_two_attempts_committing_at_once_commit_exactly_one(tmp_path):
-    from pipeline.core.ray_task import commit_attempt
+    from pipeline.app.ray_task import commit_attempt
 
     for i in range(30):
         final = tmp_path / f"u{i}"
@@ -253,7 +254,7 @@ def test_two_attempts_committing_at_once_commit_exactly_one(tmp_path):
 
 
 def test_a_late_attempt_discards_its_own_and_a_stale_unit_folder_is_replaced(tmp_path):
-    from pipeline.core.ray_task import commit_attempt
+    from pipeline.app.ray_task import commit_attempt
 
     final = write_unit(tmp_path / "unit", "old" * 20, "an earlier recipe's")
     m, committed = commit_attempt(write_unit(tmp_path / "a1" / "out", H, "retry"), final, H)
@@ -267,7 +268,7 @@ def test_attempts_of_one_unit_run_in_folders_of_their_own_and_one_commits(tmp_pa
     """Two attempts of the same unit at once (a retry while the attempt Ray gave up on still runs), through the
     runner's own execution: separate tmp and work folders, both written to the end, exactly one committed.
     Before, both wrote <key>.tmp and .work/<key>/<hash16>: the retry's start removed the first's outputs."""
-    from pipeline.core.ray_task import ATTEMPT_FILE, attempt_dir, attempts_of, seed_scratch, task_runner_cls
+    from pipeline.app.ray_task import ATTEMPT_FILE, attempt_dir, attempts_of, seed_scratch, task_runner_cls
 
     seen, gate = {}, threading.Barrier(2)
 
@@ -302,7 +303,7 @@ def test_attempts_of_one_unit_run_in_folders_of_their_own_and_one_commits(tmp_pa
 
 
 def test_a_retry_starts_from_a_copy_of_the_earlier_attempts_scratch(tmp_path):
-    from pipeline.core.ray_task import ATTEMPT_FILE, attempt_dir, seed_scratch
+    from pipeline.app.ray_task import ATTEMPT_FILE, attempt_dir, seed_scratch
 
     old = attempt_dir(tmp_path, "draft", H, "old1")
     (old / "scratch").mkdir(parents=True)
@@ -325,8 +326,8 @@ def test_every_unit_kind_asks_for_its_plans_memory_and_timed_units_for_a_whole_n
     """tiny.toml with speed, serving and tasks on, and its real plan: every unit the plan has a figure for (its
     own, or its model's) asks for that memory; speed, serve and the speculative speed-up take the whole node.
     Before, tasks and serve units asked for no memory and serve units shared their node."""
-    from pipeline.core.ray_nodes import NODE_RESOURCE, options_for
-    from pipeline.core.units import build_units
+    from pipeline.app.ray_nodes import NODE_RESOURCE, options_for
+    from pipeline.app.units import build_units
     from pipeline.plan import check
 
     r = load_recipe(TINY, ["validate.speed.enabled=true", "validate.serve.enabled=true",

@@ -4,7 +4,7 @@ import re
 import pytest
 
 from pipeline.model.dtypes import native_half
-from pipeline.core.errors import RecipeError
+from pipeline.base.errors import RecipeError
 from pipeline.plan import check
 from pipeline.recipe import apply_override, load_recipe
 

@@ -5,8 +5,9 @@ import textwrap
 
 import pytest
 
-from pipeline.core.errors import LockedError, StageError
-from pipeline.core.runner import FAULT_ENV, MANIFEST, Runner, RunLock, Unit, verify_outputs
+from pipeline.base.errors import LockedError, StageError
+from pipeline.app.runner import Runner, RunLock, verify_outputs
+from pipeline.base.unit import FAULT_ENV, MANIFEST, Unit
 
 
 def make_runner(tmp_path):
@@ -72,7 +73,8 @@ def test_missing_upstream_is_an_error(tmp_path):
 KILL_SCRIPT = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from pipeline.core.runner import Runner, Unit
+    from pipeline.app.runner import Runner
+    from pipeline.base.unit import Unit
     def fn(ctx):
         (ctx.out / "part1").write_text("1")
         ctx.fault("mid")
@@ -104,7 +106,7 @@ def test_lock_refuses_second_holder_and_is_released(tmp_path):
 
 
 def test_lock_of_killed_process_is_not_stale(tmp_path):
-    code = f"from pathlib import Path; from pipeline.core.runner import RunLock; import os\n" \
+    code = f"from pathlib import Path; from pipeline.app.runner import RunLock; import os\n" \
            f"l = RunLock(Path({str(tmp_path)!r})).__enter__(); os.kill(os.getpid(), 9)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == -9
     with RunLock(tmp_path):
@@ -112,18 +114,18 @@ def test_lock_of_killed_process_is_not_stale(tmp_path):
 
 
 def test_editing_a_module_the_unit_imports_reruns_it(tmp_path, monkeypatch):
-    """Unit.code names entry modules; the runner hashes everything they import (pipeline/core/codehash.py)."""
+    """Unit.code names entry modules; the runner hashes everything they import (pipeline/base/codehash.py)."""
     import functools
 
-    import pipeline.core.runner
-    from pipeline.core.codehash import code_hash
+    import pipeline.app.runner
+    from pipeline.base.codehash import code_hash
 
     pkg = tmp_path / "src" / "pipeline"
     (pkg / "stages").mkdir(parents=True)
     (pkg / "stages" / "s.py").write_text("def run():\n    from pipeline.algo import f\n    return f()\n")
     (pkg / "algo.py").write_text("def f():\n    return 1\n")
     (pkg / "other.py").write_text("x = 1\n")
-    monkeypatch.setattr(pipeline.core.runner, "code_hash", functools.partial(code_hash, root=pkg))
+    monkeypatch.setattr(pipeline.app.runner, "code_hash", functools.partial(code_hash, root=pkg))
     calls = []
     run_dir = tmp_path / "run"
     rerun = lambda: make_runner(run_dir).run_unit(Unit("s", {}, writer("s", "S", calls), code=("stages/s.py",)))  # noqa: E731

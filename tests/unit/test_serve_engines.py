@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from pipeline.core.errors import RecipeError
+from pipeline.base.errors import RecipeError
 from pipeline.plan import check
 from pipeline.recipe import load_recipe
 from pipeline.serve import engines

@@ -8,7 +8,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from pipeline.core.errors import StageError
+from pipeline.base.errors import StageError
 from pipeline.eval.config import SpeedConfig, speed_problems
 from pipeline.eval.speed import (PeakMemory, StepClock, make_batch, measure_speed, roofline_fraction,
                                  run_speed_subprocess, summarize, weight_bytes_per_token)
@@ -236,7 +236,7 @@ def test_measure_speed_on_cuda():
 def test_eval_and_bench_refuse_bad_threads_and_unwritable_out(tmp_path):
     from click.testing import CliRunner
 
-    from pipeline.cli import cli
+    from pipeline.app.cli import cli
 
     tiny_llama().save_pretrained(tmp_path / "ckpt")
     runner = CliRunner()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core.errors import RecipeError
+from pipeline.base.errors import RecipeError
 from pipeline.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -15,7 +15,7 @@ TINY = ROOT / "recipes" / "tiny.toml"
 
 
 def cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "pipeline.cli", *map(str, args)], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pipeline.app.cli", *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=300)
 
 
@@ -37,7 +37,7 @@ def test_unknown_executor_is_a_recipe_error():
 def test_check_refuses_ray_without_the_extra(monkeypatch, capsys):
     import importlib.util
 
-    from pipeline import cli as cli_mod
+    from pipeline.app import cli as cli_mod
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
@@ -63,7 +63,7 @@ class FakePlan:
 
 
 def test_task_resources_come_from_the_plan_device_and_threads():
-    from pipeline.core.ray_executor import options_for
+    from pipeline.app.ray_executor import options_for
 
     o = options_for("quantize/w4", FakePlan, "cuda", 4)
     assert o["num_gpus"] == 1 and o["num_cpus"] == 4 and o["memory"] == 40 * 2**30
@@ -76,13 +76,13 @@ def test_task_resources_come_from_the_plan_device_and_threads():
 
 def test_a_speed_unit_asks_for_the_memory_of_its_model():
     """The plan names a model's figure "validate/<model>"; its speed unit loads that same model."""
-    from pipeline.core.ray_executor import options_for
+    from pipeline.app.ray_executor import options_for
 
     assert options_for("validate/w4/speed", FakePlan, "cpu", None)["memory"] == 2**30
 
 
 def test_progress_line_shows_each_node_running_and_done_and_the_queue():
-    from pipeline.core.ray_executor import progress_line
+    from pipeline.app.ray_executor import progress_line
 
     line = progress_line({"quantize/a": "n1 (10.0.0.1)", "quantize/b": "n2 (10.0.0.2)", "quantize/c": None}, 3,
                          {"n1 (10.0.0.1)": 2}, 1)
@@ -95,7 +95,7 @@ def test_progress_line_shows_each_node_running_and_done_and_the_queue():
 def test_a_unit_no_node_can_hold_is_refused_before_the_probe_and_any_task(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
-    from pipeline.core import ray_executor as rx
+    from pipeline.app import ray_executor as rx
 
     calls = []
     monkeypatch.setattr(rx, "connect", lambda address: calls.append("connect"))
@@ -110,7 +110,7 @@ def test_a_unit_no_node_can_hold_is_refused_before_the_probe_and_any_task(monkey
 
 
 def test_a_unit_no_node_can_hold_is_refused_with_the_figures():
-    from pipeline.core.ray_executor import refuse_unfit
+    from pipeline.app.ray_executor import refuse_unfit
 
     refuse_unfit(["load", "validate/w4/quality"], FakePlan, "cpu", 1, [node(8), node(16, nid="b" * 40)])
     with pytest.raises(RecipeError) as e:
@@ -130,7 +130,7 @@ def spec(tmp_path, text):
 
 
 def test_matrix_spec_expands_every_combination(tmp_path):
-    from pipeline.core.sweep import load_all, parse_spec
+    from pipeline.app.sweep import load_all, parse_spec
 
     p = spec(tmp_path, f'[sweep]\nrecipe = "{TINY}"\nset = [\'run.output_dir="{tmp_path}"\']\n'
              '[sweep.matrix]\n"quantize.0.bits" = [3, 4]\n"run.seed" = [0, 1]\n')
@@ -158,7 +158,7 @@ def test_sweep_with_a_recipe_failing_check_exits_2_naming_it_and_runs_nothing(tm
 
 
 def test_sweep_matrix_key_unknown_to_the_recipe_is_refused_naming_the_run(tmp_path):
-    from pipeline.core.sweep import load_all, parse_spec
+    from pipeline.app.sweep import load_all, parse_spec
 
     p = spec(tmp_path, f'[sweep]\nrecipe = "{TINY}"\n[sweep.matrix]\n"quantize.0.bitz" = [4]\n')
     with pytest.raises(RecipeError) as e:
@@ -188,7 +188,7 @@ def test_sweep_runs_spelling_one_folder_two_ways_are_refused(tmp_path, monkeypat
     assert "sweep runs a.toml and b.toml would share the run folder" in r.stderr and "nothing was run" in r.stderr
     assert not (tmp_path / "out").exists()
 
-    from pipeline.core.sweep import load_all, parse_spec
+    from pipeline.app.sweep import load_all, parse_spec
 
     monkeypatch.chdir(tmp_path)
     _recipe_in(tmp_path / "b.toml", "sub/../out")
@@ -199,8 +199,8 @@ def test_sweep_runs_spelling_one_folder_two_ways_are_refused(tmp_path, monkeypat
 
 def test_the_device_of_a_ray_run_is_the_clusters_not_the_drivers():
     """A CPU-only head drives GPU nodes: "auto" follows the nodes' GPUs, "cuda" without any is refused by name."""
-    from pipeline.core.errors import StageError
-    from pipeline.core.ray_executor import NODE_RESOURCE, cluster_device
+    from pipeline.base.errors import StageError
+    from pipeline.app.ray_executor import NODE_RESOURCE, cluster_device
 
     cpu = {"Resources": {"CPU": 8.0, NODE_RESOURCE: 1.0}}
     gpu = {"Resources": {"CPU": 16.0, "GPU": 1.0, NODE_RESOURCE: 1.0}}

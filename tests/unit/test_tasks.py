@@ -310,7 +310,7 @@ def _check_errors(tmp_path, text):
     p.write_text(text)
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    res = subprocess.run([sys.executable, "-m", "pipeline.cli", "check", str(p)], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "pipeline.app.cli", "check", str(p)], capture_output=True, text=True,
                          env=env)
     return res.returncode, res.stdout + res.stderr
 
@@ -396,7 +396,7 @@ def test_tasks_unit_worker_saves_items_and_recovery(tmp_path):
     """validate/<model>/tasks' worker on the tiny model and a local 3-item JSON task: per-item scores saved in
     the unit folder, the variant's recovery computed from both saved files (the same model: exactly 1)."""
     pytest.importorskip("lm_eval")
-    from pipeline.core.worker import run_task
+    from pipeline.base.worker import run_task
     from tests.tiny_models import tiny_llama
 
     model_dir = tiny_llama(tmp_path / "m")

@@ -145,7 +145,8 @@ def test_lm_eval_task_yaml_on_the_packaged_data_and_a_gguf_variant(tmp_path):
 
     from pipeline.eval.tasks import evaluate_tasks
     from pipeline.eval.tasks_config import TasksConfig, task_jobs
-    from pipeline.model.models import load_checkpoint, load_tokenizer
+    from pipeline.model.models import load_tokenizer
+    from pipeline.quant.checkpoint import load_checkpoint
     from pipeline.model.sources import parse
 
     torch.set_num_threads(1)

@@ -1,12 +1,12 @@
-"""Child processes (pipeline.core.worker.run_child / run_task): stdout to a log, stderr to the console (less known
+"""Child processes (pipeline.base.worker.run_child / run_task): stdout to a log, stderr to the console (less known
 library noise) and the log, its tail kept for the error, a time limit that kills, clear errors from a failing task."""
 import sys
 import time
 
 import pytest
 
-from pipeline.core.errors import StageError
-from pipeline.core.worker import ChildTimeout, harmless, run_child, run_task
+from pipeline.base.errors import StageError
+from pipeline.base.worker import ChildTimeout, harmless, run_child, run_task
 
 CHILD = "import sys; print('banner on stdout'); print('progress', file=sys.stderr); " \
         "print('ValueError: the real problem', file=sys.stderr); sys.exit(3)"

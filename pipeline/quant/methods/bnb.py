@@ -93,7 +93,7 @@ class BnbMethod(QuantMethod):
         from transformers import AutoModelForCausalLM
 
         from pipeline.model.dtypes import torch_dtype
-        from pipeline.model.memory import MappedPagesTrimmed
+        from pipeline.base.memory import MappedPagesTrimmed
         from pipeline.quant.common import base_dtype
 
         # transformers maps the whole checkpoint and reads it tensor by tensor: without trimming, every page it read

@@ -171,7 +171,7 @@ class TorchAoMethod(QuantMethod):
     def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
         import torchao
 
-        from pipeline.core.fileio import canonical_safetensors
+        from pipeline.base.fileio import canonical_safetensors
         from pipeline.quant.common import base_dtype, finish_checkpoint
 
         model.save_pretrained(out_dir, safe_serialization=True)

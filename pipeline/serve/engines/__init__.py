@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import importlib
 
-from pipeline.core.errors import RecipeError
-from pipeline.core.registry import Registry
+from pipeline.base.errors import RecipeError
+from pipeline.base.registry import Registry
 from pipeline.serve.engines.base import UNQUANTIZED, Engine, ServeOptions, describe, device_kind
 
 ENGINE_MODULES = ("transformers", "llamacpp", "vllm")

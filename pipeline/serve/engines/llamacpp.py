@@ -35,7 +35,7 @@ import socket
 import sys
 from pathlib import Path
 
-from pipeline.core.errors import RecipeError
+from pipeline.base.errors import RecipeError
 from pipeline.serve.engines.base import Engine, ServeOptions
 from pipeline.serve.openai_schema import MAX_BODY_BYTES
 

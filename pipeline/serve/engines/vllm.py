@@ -33,7 +33,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pipeline.core.errors import RecipeError, StageError
+from pipeline.base.errors import RecipeError, StageError
 from pipeline.serve.engines.base import UNQUANTIZED, Engine, ServeOptions, error_line
 
 log = logging.getLogger("compress.serve")

@@ -1,4 +1,4 @@
-"""The Ray cluster as the driver of pipeline/core/ray_executor.py sees it: connecting, the nodes, what each unit asks
+"""The Ray cluster as the driver of pipeline/app/ray_executor.py sees it: connecting, the nodes, what each unit asks
 for, and the probe that admits a node before its first task.
 
 Resources per task: `num_gpus` 1 when the run's device is cuda, `num_cpus` = [run].threads (1 when unset), `memory`
@@ -20,8 +20,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from pipeline.core.errors import RecipeError, StageError
-from pipeline.core.ray_task import PROBE_DIR, admitted_file, probe_task, version_mismatch
+from pipeline.base.errors import RecipeError, StageError
+from pipeline.app.ray_task import PROBE_DIR, admitted_file, probe_task, version_mismatch
+from pipeline.results.render import planned
 
 log = logging.getLogger("compress")
 
@@ -40,8 +41,6 @@ def unit_memory(plan, key: str) -> int | None:
     """The plan's predicted peak for a unit: its own figure; else, for a unit measuring one model (quality, speed,
     tasks, serve/<engine>), that model's figure, which pipeline/plan.py names "validate/<model>"; the speculative
     unit holds the verifier and the draft, as the draft unit does: that unit's figure."""
-    from pipeline.results.render import planned
-
     if plan is None:
         return None
     if key in plan.memory:
@@ -196,7 +195,7 @@ def probe_nodes(run_dir: Path, nodes: list[dict], versions: dict, timeout_s: flo
 class Admission:
     """The nodes this run's driver has probed. A node is probed before its first task, whenever it joined: admit_new
     is called at the start, before each submission and while waiting; an attempt on a node not admitted yet refuses
-    to start (pipeline/core/ray_task.py check_node) and the driver admits the node and submits the unit again."""
+    to start (pipeline/app/ray_task.py check_node) and the driver admits the node and submits the unit again."""
 
     def __init__(self, run_dir: Path, versions: dict, list_nodes, probe) -> None:
         self.run_dir, self.versions, self.list_nodes, self.probe = Path(run_dir), versions, list_nodes, probe
@@ -210,7 +209,7 @@ class Admission:
         if not new:
             return []
         self.probe(self.run_dir, new, self.versions)
-        from pipeline.core.fileio import atomic_write_text
+        from pipeline.base.fileio import atomic_write_text
 
         (self.run_dir / PROBE_DIR).mkdir(parents=True, exist_ok=True)
         for n in new:

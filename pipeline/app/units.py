@@ -1,15 +1,14 @@
-"""A recipe's units in run order: what `compress run` executes, locally or as Ray tasks (pipeline/core/ray_executor.py
+"""A recipe's units in run order: what `compress run` executes, locally or as Ray tasks (pipeline/app/ray_executor.py
 rebuilds them from the recipe on each worker)."""
 from __future__ import annotations
 
-from pipeline.core.runner import Unit
+from pipeline.base.unit import Unit
+from pipeline.plan import stage_names
+from pipeline.stages import calibrate, draft, export, load, quantize, validate
 
 
 def build_units(recipe) -> tuple[list[Unit], list[Unit]]:
     """(units up to validate, export units). Gates are applied between the two."""
-    from pipeline.plan import stage_names
-    from pipeline.stages import calibrate, draft, export, load, quantize, validate
-
     units = [load.unit(recipe)]
     if "calibrate" in stage_names(recipe):
         units.append(calibrate.unit(recipe))

@@ -13,64 +13,18 @@ import json
 import logging
 import os
 import shutil
-import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from pipeline.core.codehash import code_hash  # what a unit's code is: the files its entry modules import
-from pipeline.core.fileio import sha256_file
-from pipeline.core.errors import CompressError, LockedError, StageError
-from pipeline.model.memory import PeakMemory
+from pipeline.base.codehash import code_hash  # what a unit's code is: the files its entry modules import
+from pipeline.base.fileio import sha256_file
+from pipeline.base.errors import CompressError, LockedError, StageError
+from pipeline.base.memory import PeakMemory
+from pipeline.base.unit import MANIFEST, METRICS, Unit, UnitContext, fault_point
+from pipeline.results import merge, schema
 
-MANIFEST = "manifest.json"
-METRICS = "metrics.json"  # an output like any other, so downstream hashes see changed figures
-FAULT_ENV = "COMPRESS_FAULT"  # "<unit key>:<point>", e.g. "quantize/w4:mid" — the process SIGKILLs itself there
 log = logging.getLogger("compress")
-
-
-@dataclass
-class Unit:
-    key: str  # "load", "quantize/w4g64", "validate/baseline"
-    config: Any  # JSON-able: everything from the recipe this unit depends on
-    fn: Callable[["UnitContext"], dict]  # writes outputs into ctx.out, returns metrics
-    deps: list[str] = field(default_factory=list)
-    always: bool = False  # never skipped (cheap units whose output is the report itself)
-    # entry modules (and data files) under pipeline/ that compute this unit's outputs; what they import is
-    # found by pipeline.core.codehash, so the list names where the code starts, not every file it uses
-    code: tuple[str, ...] = ()
-
-
-@dataclass
-class UnitContext:
-    key: str
-    out: Path  # temporary output folder, renamed into place on success
-    work: Path  # persistent scratch for this unit (checkpoints that survive a kill)
-    run_dir: Path
-    seed: int
-    device: str
-    manifests: dict[str, dict]  # upstream manifests by key
-
-    def dep(self, key: str) -> Path:
-        return self.run_dir / key
-
-    def fault(self, point: str) -> None:
-        fault_point(self.key, point)
-
-
-def fault_point(key: str, point: str) -> None:
-    """Tests' fault injection: COMPRESS_FAULT="<key>:<point>" SIGKILLs the process there;
-    "<key>:<point>:pause" holds it there (lock held, stage not started) until a signal ends it."""
-    wanted = os.environ.get(FAULT_ENV, "")
-    if wanted == f"{key}:{point}":
-        log.warning("fault injection: killing the process at %s:%s", key, point)
-        logging.shutdown()
-        os.kill(os.getpid(), signal.SIGKILL)
-    if wanted == f"{key}:{point}:pause":
-        log.warning("fault injection: pausing at %s:%s", key, point)
-        while True:
-            time.sleep(0.1)
 
 
 def canonical_hash(obj: Any) -> str:
@@ -136,8 +90,6 @@ class Runner:
 
     def __init__(self, run_dir: Path, seed: int, device: str, versions: dict, report=None,
                  run_id: str | None = None) -> None:
-        from pipeline.results import schema
-
         self.run_dir, self.seed, self.device, self.versions = run_dir, seed, device, versions
         self.run_id = run_id or schema.new_run_id()
         self.report = report or schema.new_report(run_id=self.run_id, name=Path(run_dir).name, recipe="",
@@ -206,8 +158,6 @@ class Runner:
         return manifest
 
     def _record(self, unit: Unit, manifest: dict, skipped: bool) -> None:
-        from pipeline.results import merge, schema
-
         self.manifests[unit.key] = manifest
         merge.record(self.report, unit.key, manifest, skipped)
         schema.save(self.report, self.run_dir)

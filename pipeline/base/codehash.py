@@ -9,7 +9,7 @@ A unit names its entry modules and any data files it reads, as paths under pipel
   - `import pipeline.x`, `from pipeline.x import y` (y itself when it is a module), `from . import y`,
     at module level and inside functions alike (a lazy import is still an import);
   - string constants naming a pipeline module: "pipeline.quant.gptqmodel_driver" that a method imports by name,
-    "-m", "pipeline.core.worker" in a subprocess command, "pipeline.x:function";
+    "-m", "pipeline.base.worker" in a subprocess command, "pipeline.x:function";
   - the package __init__.py files Python runs on the way to a module;
   - data files a module declares it reads, as a module-level `CODE_DATA = ("model_configs/*.json",)`.
 `code_hash` is the sha256 of those files' paths and bytes: editing a file a unit imports reruns it, editing
@@ -20,9 +20,10 @@ Plug-ins are never followed from an import: the registry imports every method fi
 as an entry (pipeline.quant.registry.method_code), so editing one method reruns that method's units and no other's.
 A method file imports no other method file (tests/unit/test_method_identity.py).
 
-The harness is never followed: pipeline.core.runner records outputs, it does not compute them (nor does pipeline.cli), so its report and
-manifest code (which imports the report renderers) is in no unit's identity; this module and
-pipeline.core.identity compute cache keys (a change to them changes the keys anyway).
+The harness is never followed: pipeline.app.runner records outputs, it does not compute them (nor does pipeline.app.cli,
+nor pipeline.base.unit, the Unit types every stage imports), so its report and manifest code (which imports the report
+renderers) is in no unit's identity; this module and pipeline.base.identity compute cache keys (a change to them changes
+the keys anyway).
 """
 from __future__ import annotations
 
@@ -33,10 +34,11 @@ from functools import lru_cache
 from pathlib import Path
 
 PACKAGE = "pipeline"
-PACKAGE_DIR = Path(__file__).resolve().parents[1]  # pipeline/ (this file is pipeline/core/codehash.py)
-# pipeline.cli parses arguments and dispatches (a subprocess that runs `-m pipeline.cli serve` names the module that
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # pipeline/ (this file is pipeline/base/codehash.py)
+# pipeline.app.cli parses arguments and dispatches (a subprocess that runs `-m pipeline.app.cli serve` names the module that
 # does the work beside it); followed, it would put every stage's code in any unit that spawns a CLI command
-HARNESS = frozenset({"pipeline.core.runner", "pipeline.core.codehash", "pipeline.core.identity", "pipeline.cli"})
+HARNESS = frozenset({"pipeline.app.runner", "pipeline.base.unit", "pipeline.base.codehash", "pipeline.base.identity",
+                     "pipeline.app.cli"})
 # reached only as a unit's entry, never through an import (see above)
 PLUGINS = ("pipeline.quant.methods.",)
 DATA_DECLARATION = "CODE_DATA"

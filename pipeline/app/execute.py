@@ -13,12 +13,20 @@ import signal
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.core.errors import CompressError, GateFailure, Interrupted, StageError
-from pipeline.core.fileio import atomic_write_text
+from pipeline.base.errors import CompressError, GateFailure, Interrupted, StageError
+from pipeline.base.fileio import atomic_write_text
 from pipeline.plan import Plan, versions
 from pipeline.results import schema
-from pipeline.core.runner import Runner, RunLock, Unit
-from pipeline.core.units import build_units  # noqa: F401  (re-exported: the stages of a recipe)
+from pipeline.app.runner import Runner, RunLock
+from pipeline.base.unit import Unit
+from pipeline.app.units import build_units  # noqa: F401  (re-exported: the stages of a recipe)
+from pipeline import data
+from pipeline.eval.tasks_config import data_lock
+from pipeline.model.sources import parse
+from pipeline.results.gates import evaluate_gates, failed_gates, gates_table
+from pipeline.publish.hub import publish_run
+from pipeline.results.publishing import PublishRefused
+from pipeline.results.render import render_report
 
 log = logging.getLogger("compress")
 
@@ -26,11 +34,8 @@ log = logging.getLogger("compress")
 def lock_text(recipe, vers: dict, device: str, run_id: str) -> str:
     import tomli_w
 
-    from pipeline import data
-    from pipeline.eval.tasks_config import data_lock
-    from pipeline.core.fileio import sha256_file
-    from pipeline.model.sources import parse
-    from pipeline.core.fileio import drop_none
+    from pipeline.base.fileio import sha256_file
+    from pipeline.base.fileio import drop_none
 
     src = parse(recipe.model.source, recipe.model.gguf_file)
     files = {}
@@ -73,7 +78,7 @@ def stop_signals():
 
 
 def _execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None = None) -> int:
-    from pipeline.core.env import tame
+    from pipeline.base.env import tame
 
     tame()
     import torch
@@ -103,7 +108,6 @@ def _execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None 
                 run_units(head, 1, total)
                 apply_gates(report, recipe, run_dir)
                 run_units(exports, len(head) + 1, total)
-            from pipeline.results.gates import failed_gates
 
             code = GateFailure.exit_code if failed_gates(report) else 0
             finish(run_dir, report, "gates_failed" if code else "complete", code)
@@ -126,7 +130,7 @@ def _execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None 
 def run_device(recipe) -> str:
     """[run] device resolved where the units run: this machine, or the Ray cluster's nodes."""
     if recipe.run.executor == "ray":
-        from pipeline.core.ray_executor import alive_nodes, cluster_device, connect
+        from pipeline.app.ray_executor import alive_nodes, cluster_device, connect
 
         connect(recipe.run.ray_address)  # unreachable: exit 2 naming the address, before any work
         return cluster_device(recipe.run.device, alive_nodes(), recipe.run.ray_address)
@@ -139,7 +143,7 @@ def run_device(recipe) -> str:
 def unit_executor(recipe, runner: Runner, run_dir: Path, plan: Plan | None, units: list[Unit]):
     """run_units(units, first_index, total): one after another here ("local"), or as Ray tasks ("ray")."""
     if recipe.run.executor == "ray":
-        from pipeline.core.ray_executor import RayExecutor
+        from pipeline.app.ray_executor import RayExecutor
 
         ex = RayExecutor(recipe, runner, run_dir, plan)
         try:
@@ -168,8 +172,6 @@ def remove_stale_exports(run_dir: Path, export_keys: list[str]) -> None:
 
 
 def apply_gates(report: schema.Report, recipe, run_dir: Path) -> None:
-    from pipeline.results.gates import evaluate_gates, gates_table
-
     report.gates = evaluate_gates(report, recipe.validate_.gates)
     report.run.gates_evaluated = True
     schema.save(report, run_dir)
@@ -181,9 +183,7 @@ def publish_in_run(run_dir: Path, recipe, report: schema.Report, code: int) -> i
     """The run's [publish] step, after the final report is on disk: the same rule as `compress push`. A
     refusal because gates failed keeps the gates' exit code (5); any other publish problem is exit 6. The
     run's own status stays what the stages and gates made it, so `compress push` can retry."""
-    from pipeline.core.errors import PublishError
-    from pipeline.publish.hub import publish_run
-    from pipeline.results.publishing import PublishRefused
+    from pipeline.base.errors import PublishError
 
     try:
         section = publish_run(run_dir, recipe.publish, log)
@@ -224,8 +224,6 @@ def _stopped(run_dir: Path, report: schema.Report, status: str, code: int, error
 
 def _render(run_dir: Path) -> None:
     try:
-        from pipeline.results.render import render_report
-
         render_report(run_dir)
     except Exception as e:  # the report must never hide the run's own outcome
         log.warning("could not render report.md: %s: %s", type(e).__name__, e)

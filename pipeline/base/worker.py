@@ -2,7 +2,7 @@
 and it is loaded from disk exactly as a user would load it.
 
     result = run_task("quality", {...}, out_dir, threads)   # in the stage (tasks: TASKS below)
-    python -m pipeline.core.worker JOB.json RESULT.json          # what that spawns
+    python -m pipeline.base.worker JOB.json RESULT.json          # what that spawns
 
 Its stdout (library banners, library warnings) goes to out_dir/<task>.log; its stderr (our log lines,
 progress bars) to the console and that log, less the known-harmless library lines (HARMLESS_STDERR).
@@ -20,7 +20,7 @@ import sys
 import threading
 from pathlib import Path
 
-from pipeline.core.errors import StageError
+from pipeline.base.errors import StageError
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
@@ -151,7 +151,7 @@ def run_task(task: str, args: dict, out_dir: Path, threads: int | None = None, t
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     try:
         try:
-            code, tail = run_child([sys.executable, "-m", "pipeline.core.worker", str(job), str(result)],
+            code, tail = run_child([sys.executable, "-m", "pipeline.base.worker", str(job), str(result)],
                                    out_dir / f"{task}.log", timeout_s, env)
         except ChildTimeout as e:
             raise StageError(f"{task} worker {e}" + (f" ({limit_setting})" if limit_setting else "")) from None
@@ -166,7 +166,7 @@ def run_task(task: str, args: dict, out_dir: Path, threads: int | None = None, t
 
 # task name -> "module:function" (a function of the args dict returning a JSON-able dict). Named, not imported:
 # the worker imports only the task it runs, and the measuring modules can call run_task without an import cycle
-# (pipeline/core/codehash.py follows these strings, so a unit's identity still covers the task's code).
+# (pipeline/base/codehash.py follows these strings, so a unit's identity still covers the task's code).
 TASKS = {
     "quality": "pipeline.eval.quality:worker_task",
     "speculative": "pipeline.speculative.evaluate:worker_task",
@@ -186,9 +186,9 @@ def task_function(task: str):
 def main(argv: list[str]) -> int:
     job_path, result_path = Path(argv[0]), Path(argv[1])
     job = json.loads(job_path.read_text())
-    from pipeline.core.cli_logging import setup_logging
-    from pipeline.core.env import tame
-    from pipeline.model.memory import peak_rss_bytes
+    from pipeline.base.cli_logging import setup_logging
+    from pipeline.base.env import tame
+    from pipeline.base.memory import peak_rss_bytes
 
     tame()
     import torch  # before setup_logging: torch installs its own log handlers on import

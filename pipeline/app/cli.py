@@ -1,4 +1,4 @@
-"""`compress`: run, check, report, eval, bench, push. Exit codes: pipeline/core/errors.py (EXIT_CODES).
+"""`compress`: run, check, report, eval, bench, push. Exit codes: pipeline/base/errors.py (EXIT_CODES).
 
 The CLI repeats no recipe default. `check` imports neither torch nor transformers.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from pipeline.core.errors import EXIT_CODES, CompressError, RecipeError
+from pipeline.base.errors import EXIT_CODES, CompressError, RecipeError
 from pipeline.serve.engines import NAMES as ENGINE_NAMES
 
 EPILOG = "Exit codes: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
@@ -24,7 +24,7 @@ SET_HELP = "Override a recipe field, e.g. --set quantize.0.bits=3 (repeatable; t
 @click.pass_context
 def cli(ctx: click.Context, verbose: bool) -> None:
     """Calibrate, quantize, distil a draft, validate, export and publish an LLM from one TOML recipe."""
-    from pipeline.core.cli_logging import setup_logging
+    from pipeline.base.cli_logging import setup_logging
 
     setup_logging(verbose)
     ctx.obj = {"verbose": verbose}
@@ -108,7 +108,7 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 def run(recipe: str, overrides: tuple[str, ...]) -> None:
     """Run every stage of RECIPE; completed stages whose inputs did not change are skipped."""
-    from pipeline.core.execute import execute
+    from pipeline.app.execute import execute
     from pipeline.plan import check as check_plan
 
     r = _load(recipe, overrides)
@@ -175,7 +175,7 @@ def eval(checkpoint: str, dataset: str, seq_len: int, stride: int | None, max_wi
     import time
 
     from pipeline.recipe import PerplexityConfig, SmokeConfig
-    from pipeline.core.worker import run_task
+    from pipeline.base.worker import run_task
 
     cfg = PerplexityConfig(dataset=dataset, seq_len=seq_len, stride=stride, max_windows=max_windows)
     with tempfile.TemporaryDirectory() as tmp:
@@ -242,7 +242,7 @@ def push(run_dir: str, recipe_path: str | None, dry_run: bool | None, partial: b
     import logging
 
     from pipeline.publish.hub import publish_run
-    from pipeline.core.runner import RunLock
+    from pipeline.app.runner import RunLock
 
     path = Path(run_dir)
     cfg = _publish_config(path, recipe_path)
@@ -298,7 +298,7 @@ def _record_publish(run_dir: Path, section) -> None:
 def sweep(spec: str, overrides: tuple[str, ...]) -> None:
     """Run every recipe (or recipe x --set matrix) of the sweep SPEC, each in its own run folder; exits with the
     worst run's code. Every run is checked before the first starts."""
-    from pipeline.core.sweep import run_sweep, summary_table
+    from pipeline.app.sweep import run_sweep, summary_table
 
     t0 = time.perf_counter()
     rows, code = run_sweep(Path(spec), list(overrides))

@@ -23,7 +23,11 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.core.errors import CompressError, Interrupted, RecipeError
+from pipeline.base.errors import CompressError, Interrupted, RecipeError
+from pipeline.plan import check
+from pipeline.recipe import load_recipe
+from pipeline.results import schema
+from pipeline.results.gates import gates_summary
 
 log = logging.getLogger("compress")
 KEYS = {"recipes", "recipe", "set", "matrix"}
@@ -81,9 +85,6 @@ def parse_spec(spec: Path, extra_sets: list[str] = ()) -> list[SweepRun]:
 
 def load_all(runs: list[SweepRun]):
     """[(run, recipe, plan)], every recipe loaded and checked, or RecipeError naming the first that fails."""
-    from pipeline.plan import check
-    from pipeline.recipe import load_recipe
-
     out, folders = [], {}
     for run in runs:
         try:
@@ -110,7 +111,7 @@ def run_folder(recipe) -> Path:
 
 def run_sweep(spec: Path, extra_sets: list[str] = ()) -> tuple[list[dict], int]:
     """Run every run of SPEC one after another; ([summary row per run], the worst exit code)."""
-    from pipeline.core.execute import execute
+    from pipeline.app.execute import execute
 
     checked = load_all(parse_spec(spec, extra_sets))
     rows = []
@@ -129,9 +130,6 @@ def run_sweep(spec: Path, extra_sets: list[str] = ()) -> tuple[list[dict], int]:
 
 
 def summary_row(label: str, folder: Path, code: int) -> dict:
-    from pipeline.results import schema
-    from pipeline.results.gates import gates_summary
-
     row = {"run": folder.name, "recipe": label, "folder": str(folder), "exit_code": code, "status": "-",
            "best": "-", "gates": "-"}
     try:

@@ -19,8 +19,8 @@ import time
 from hashlib import sha256
 from pathlib import Path
 
-from pipeline.core.env import cache_root
-from pipeline.core.fileio import atomic_write_json, sha256_file
+from pipeline.base.env import cache_root
+from pipeline.base.fileio import atomic_write_json, sha256_file
 
 CACHE_FILE = "content-ids.json"
 RACY_S = 2.0

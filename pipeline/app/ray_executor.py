@@ -6,9 +6,9 @@ report.json; a task rebuilds its unit from the recipe (build_units: unit functio
 so the recipe's dict and the unit key travel, never a closure), runs it into its attempt's own folder with the
 runner's tmp+rename, commits it onto the unit's folder with one rename (exactly one attempt commits) and returns the
 manifest now there; the driver merges it into the report exactly as the local executor does. Resume and the publish
-rule are therefore unchanged. What runs on a node: pipeline/core/ray_task.py.
+rule are therefore unchanged. What runs on a node: pipeline/app/ray_task.py.
 
-Resources per task, and which units get a node to themselves: pipeline/core/ray_nodes.py (options_for).
+Resources per task, and which units get a node to themselves: pipeline/app/ray_nodes.py (options_for).
 
 Before a node's first task, at the start or whenever it joined, the driver probes it: it reads a probe file the
 driver wrote in the run folder and writes one back, and reports its own library versions, which must be the
@@ -28,10 +28,11 @@ import time
 import uuid
 from pathlib import Path
 
-from pipeline.core.errors import CompressError, StageError
-from pipeline.core.ray_nodes import (NODE_RESOURCE, Admission, alive_nodes, cluster_device,  # noqa: F401 (API)
+from pipeline.base.errors import CompressError, StageError
+from pipeline.app.ray_nodes import (NODE_RESOURCE, Admission, alive_nodes, cluster_device,  # noqa: F401 (API)
                                      connect, exclusive, node_name, options_for, probe_nodes, refuse_unfit)
-from pipeline.core.ray_task import NodeNotAdmitted, attempts_of
+from pipeline.app.ray_task import NodeNotAdmitted, attempts_of
+from pipeline.results import schema
 
 log = logging.getLogger("compress")
 
@@ -44,7 +45,7 @@ PROGRESS_S = 2  # how often the driver looks at queued tasks and new nodes (a li
 
 def clear_unit_folder(final: Path) -> None:
     """A unit's outdated folder is removed before the unit is submitted: from then on, a folder there carrying the
-    unit's inputs hash was committed by one of its attempts (pipeline/core/ray_task.py commit_attempt)."""
+    unit's inputs hash was committed by one of its attempts (pipeline/app/ray_task.py commit_attempt)."""
     if final.exists():
         aside = final.with_name(f"{final.name}.stale-{uuid.uuid4().hex[:8]}")
         os.rename(final, aside)
@@ -85,7 +86,7 @@ class RayExecutor:
     def _submit(self, unit, h: str):
         import ray
 
-        from pipeline.core.ray_task import unit_task
+        from pipeline.app.ray_task import unit_task
 
         r = self.recipe.run
         opts = {**options_for(unit.key, self.plan, self.runner.device, r.threads), "max_retries": MAX_RETRIES}
@@ -134,10 +135,9 @@ class RayExecutor:
                      ", ".join(a.get("node", "?") for a in out["attempts"]))
         self.runner._record(unit, out["manifest"], skipped=False)
         self.runner.report.stages[unit.key].node = out["node"]
-        from pipeline.results import schema
 
         schema.save(self.runner.report, self.run_dir)
-        from pipeline.core.runner import fault_point
+        from pipeline.base.unit import fault_point
 
         fault_point(unit.key, "recorded")  # tests: the driver killed right after recording a unit
         return True
@@ -169,7 +169,7 @@ class RayExecutor:
         self._finish(units)
 
     def _submit_ready(self, pending: list, running: dict) -> None:
-        from pipeline.core.runner import read_manifest, verify_outputs
+        from pipeline.app.runner import read_manifest, verify_outputs
 
         for unit in self._ready(pending):
             h = self.runner.inputs_hash(unit)
@@ -184,7 +184,7 @@ class RayExecutor:
 
     def _finish(self, units: list) -> None:
         """The report's stages and variants in recipe order (tasks finish in any order); ray_tasks.json."""
-        from pipeline.core.fileio import atomic_write_text
+        from pipeline.base.fileio import atomic_write_text
 
         order = [u.key for u in units]
         stages = self.runner.report.stages

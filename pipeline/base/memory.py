@@ -147,7 +147,7 @@ class PeakMemory:
         self.stop()
 
 
-# The CPU meter's former name; pipeline/core/runner.py still imports it.
+# The CPU meter's former name; pipeline/app/runner.py still imports it.
 
 
 # ---------------------------------------------------------------- checkpoint pages mapped by a loader

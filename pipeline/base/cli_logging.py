@@ -3,9 +3,9 @@
 The console speaks for compress: our logger ("compress") and anything without a library's name go to
 stderr. Libraries' loggers and Python warnings (routed to logging, logger "py.warnings") stay off the
 console unless --verbose: in the CLI process they are dropped below ERROR; in a worker they are written to
-`library_log`, the worker's stdout, which pipeline.core.worker.run_child sends to the task's log file. Lines that
+`library_log`, the worker's stdout, which pipeline.base.worker.run_child sends to the task's log file. Lines that
 libraries print before any of this is set up are filtered where a worker's stderr is relayed
-(pipeline.core.worker.HARMLESS_STDERR).
+(pipeline.base.worker.HARMLESS_STDERR).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""What runs on a Ray node for pipeline/core/ray_executor.py: the node probe, and one attempt of one unit.
+"""What runs on a Ray node for pipeline/app/ray_executor.py: the node probe, and one attempt of one unit.
 
-Admission. Before a node's first task the driver probes it (pipeline/core/ray_nodes.py: the run folder seen both
+Admission. Before a node's first task the driver probes it (pipeline/app/ray_nodes.py: the run folder seen both
 ways, the node's own library versions against the driver's) and writes <run>/.ray-probe/admitted-<node id> holding
 the driver's session token. An attempt first compares its node's versions with the driver's (they are part of every
 unit's identity, but the inputs hash is computed from the driver's: a node with another transformers would pass it),
@@ -29,7 +29,7 @@ import time
 import uuid
 from pathlib import Path
 
-from pipeline.core.errors import StageError
+from pipeline.base.errors import StageError
 
 log = logging.getLogger("compress")
 
@@ -149,7 +149,7 @@ def commit_attempt(private: Path, final: Path, h: str) -> tuple[dict, bool]:
     """Make one attempt's complete folder the unit's folder; (the manifest now there, whether it is this attempt's).
     Exactly one attempt commits: the rename fails once `final` holds a unit. A committed unit with this inputs hash
     wins over this attempt's folder, which is discarded; a folder with another hash is stale and moved away."""
-    from pipeline.core.runner import read_manifest
+    from pipeline.app.runner import read_manifest
 
     final.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(3):
@@ -211,12 +211,12 @@ def _task_logging() -> None:
 
 def _rebuild(recipe_data: dict, key: str, h: str, run: dict, manifests: dict, node: str):
     """(a TaskRunner, the unit) rebuilt from the recipe; refused when this node computes another inputs hash."""
-    from pipeline.core.env import tame
+    from pipeline.base.env import tame
 
     tame()
     import torch
 
-    from pipeline.core.units import build_units
+    from pipeline.app.units import build_units
     from pipeline.recipe import Recipe
 
     if run["threads"]:
@@ -233,7 +233,7 @@ def _rebuild(recipe_data: dict, key: str, h: str, run: dict, manifests: dict, no
 
 
 def task_runner_cls():
-    from pipeline.core.runner import Runner
+    from pipeline.app.runner import Runner
 
     class TaskRunner(Runner):
         def _record(self, unit, manifest, skipped):  # the driver records; a task never writes report.json

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 from typing import Callable, Generic, Iterator, TypeVar
 
-from pipeline.core.errors import RecipeError
+from pipeline.base.errors import RecipeError
 
 T = TypeVar("T")
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from pipeline.budget.formulas import GiB, RUNTIME_OVERHEAD, WORKER_OVERHEAD, quantize_bytes, speed_bytes, window_bytes
 from pipeline.model.dtypes import dtype_bytes
 from pipeline.model.sources import link_problem
+from pipeline.quant.registry import method_of
 
 
 def machine_memory() -> int:
@@ -54,8 +55,6 @@ def estimate_memory(recipe, info, plan, source) -> None:
         plan.memory["load"] = WORKER_OVERHEAD + 2 * dtype_bytes(plan.dtype) * largest
     else:
         plan.memory["load"] = RUNTIME_OVERHEAD + w + 4 * largest
-    from pipeline.quant.registry import method_of
-
     cal_tokens = cal.num_samples * cal.seq_len
     embed = vocab * h * dtype_bytes(plan.dtype)
     for v in recipe.quantize:
@@ -110,8 +109,6 @@ def estimate_memory(recipe, info, plan, source) -> None:
 def variant_bits(variant) -> float:
     """Bits per quantized weight on disk, scales and zero points included (an estimate for the disk plan): the
     method's own figure (QuantMethod.bits_per_weight)."""
-    from pipeline.quant.registry import method_of
-
     return method_of(variant).bits_per_weight(variant)
 
 

@@ -1,1 +1,0 @@
-"""The machinery every stage runs on: the run lock, stage order, content-hash manifests and atomic commits (runner, execute), worker processes, code identity (codehash, identity), executors (local, Ray), sweeps, errors, file helpers, registries."""
