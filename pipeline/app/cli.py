@@ -129,10 +129,11 @@ def _print_summary(run_dir: Path, wall: float) -> None:
     except CompressError as e:
         click.echo(f"no summary: {e}", err=True)
         return
-    click.echo(f"\n{'stage':<34}{'status':<10}{'time s':>9}{'peak MiB':>10}{'predicted':>11}", err=True)
+    width = max([34, *(len(k) + 2 for k in report.stages)])  # a long unit key never runs into its status
+    click.echo(f"\n{'stage':<{width}}{'status':<10}{'time s':>9}{'peak MiB':>10}{'predicted':>11}", err=True)
     for key, s in report.stages.items():
         guess = planned(report.run.predicted_peak_bytes, key)
-        click.echo(f"{key:<34}{s.status:<10}{s.time_s:>9.1f}{s.peak_rss_bytes / 2**20:>10.0f}"
+        click.echo(f"{key:<{width}}{s.status:<10}{s.time_s:>9.1f}{s.peak_rss_bytes / 2**20:>10.0f}"
                    f"{(f'{guess / 2**20:.0f}' if guess else '-'):>11}", err=True)
     rows = ([("baseline", report.baseline)] if report.baseline else []) + list(report.variants.items())
     click.echo(f"\n{'model':<20}{'ppl':>10}{'ratio':>8}{'KL':>9}{'top1':>7}{'disk MiB':>10}", err=True)
