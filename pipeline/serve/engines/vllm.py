@@ -10,7 +10,7 @@ vLLM's CUDA build on a GPU machine). What `compress serve --engine vllm` does ar
 - vLLM checks its API key on the /v1 routes only (/invocations, /tokenize, /pause, /abort_requests stay open), so
   it binds loopback only: any other --host is refused. The key goes in VLLM_API_KEY, never on the command line;
 - `--slots` is vLLM's --max-num-seqs, `--max-model-len` its own (capped at the model's context), `--threads` the
-  cores its CPU worker binds (VLLM_CPU_OMP_THREADS_BIND), and the KV cache (--kv-cache-memory-bytes) is sized from
+  cores its CPU worker binds (VLLM_CPU_OMP_THREADS_BIND; unset: all of them, not vLLM's one-core default), and the KV cache (--kv-cache-memory-bytes) is sized from
   the model's shapes for `--slots` sequences of `--max-model-len` tokens, not vLLM's CPU default of a fixed share;
   `--enforce-eager` skips its torch.compile step (on 2 cores: ready in ~45 s instead of ~100-130 s, at 0.7-0.85x the
   compiled throughput; measured on SmolLM2-135M GPTQ w4g64);
@@ -123,8 +123,12 @@ def command(exp, opts: ServeOptions, missing: str | None) -> tuple[list[str], di
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "PYTHONPATH")}
     if opts.key:
         env["VLLM_API_KEY"] = opts.key
-    if opts.threads and not opts.device.startswith("cuda"):
-        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{opts.threads - 1}" if opts.threads > 1 else "0"
+    if not opts.device.startswith("cuda"):
+        # unset --threads: every core, as transformers uses. vLLM's own default on 2 cores computes on core 0 and
+        # keeps core 1 for its busy-polling scheduler: 0.94x transformers at concurrency 16 in the default run of
+        # 4 Dec; bound to both, 1.73x (benchmarks/results/serve_engines_cpu, benchmarks/serve_engines.py)
+        n = opts.threads or len(os.sched_getaffinity(0))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{n - 1}" if n > 1 else "0"
     if opts.device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = opts.device.split(":", 1)[1]
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
