@@ -88,3 +88,33 @@ def _log():
     import logging
 
     return logging.getLogger("test.gpu")
+
+
+def test_draft_is_built_fitted_and_distilled_beside_a_cuda_verifier(tmp_path):
+    """The H200 check of 4 Dec 2026 found the draft built on the CPU while its verifier ran on CUDA (the tuned-lens
+    fit failed: `index is on cpu`). The draft now lives, is fitted and trains on the verifier's device."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from pipeline.speculative.config import DraftConfig
+    from pipeline.speculative.stage_api import build_draft
+
+    torch.manual_seed(0)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(61)]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, bos_token_id=1,
+                      eos_token_id=2, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "verifier")
+    tok.save_pretrained(tmp_path / "verifier")
+    g = torch.Generator().manual_seed(0)
+    texts = [" ".join(f"w{i}" for i in row.tolist()) for row in (torch.rand(30, 60, generator=g) ** 3 * 61).long()]
+    draft_cfg = DraftConfig.model_validate({
+        "num_layers": 2, "vocab_size": 32, "init_head": "lens",
+        "distill": {"steps": 4, "time_budget_s": None, "batch_size": 2, "seq_len": 16, "warmup": 1, "top_k": 8,
+                    "on_policy_fraction": 0.5, "prompt_len": 4, "checkpoint_every": 2}})
+    metrics = build_draft(tmp_path / "verifier", draft_cfg, texts, tmp_path / "draft", tmp_path / "work", seed=0,
+                          log=lambda *_: None, progress=False, device="cuda")
+    assert metrics["steps"] == 4 and metrics["lens"] is not None and (tmp_path / "draft" / "config.json").exists()
