@@ -26,10 +26,9 @@ from transformers import AutoTokenizer
 
 from pipeline.speculative.config import DraftConfig
 from pipeline.speculative.decode import SpecStats, speculative_generate
-from pipeline.speculative.draft_model import load_draft_vocab
-from pipeline.speculative.measure import expected_tokens, measure_costs, repetition_rate
-from pipeline.speculative.draft_model import load_causal_lm
+from pipeline.speculative.draft_model import load_causal_lm, load_draft_vocab
 from pipeline.speculative.evaluate import check_no_overlap, encode_prompts, measure_speculative, wikitext_prompts
+from pipeline.speculative.measure import expected_tokens, measure_costs, repetition_rate
 from pipeline.speculative.stage_api import build_draft
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -32,8 +32,7 @@ from transformers import AutoTokenizer
 from benchmarks.draft_exploration import acceptance
 from pipeline.speculative.config import DraftConfig
 from pipeline.speculative.distill import distill
-from pipeline.speculative.draft_model import DraftStudent, load_draft_vocab
-from pipeline.speculative.draft_model import load_causal_lm
+from pipeline.speculative.draft_model import DraftStudent, load_causal_lm, load_draft_vocab
 from pipeline.speculative.evaluate import check_no_overlap, encode_prompts, wikitext_prompts
 from pipeline.speculative.stage_api import choose_vocab, init_draft, training_data, tuned_lens
 from pipeline.speculative.targets import fingerprint, token_windows

@@ -84,9 +84,8 @@ def autoround_gguf(base: Path, calib: Path, out: Path, iters: int) -> Path | Non
         return out
     import torch
     from auto_round import AutoRound
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ids = load_file(calib)["input_ids"]  # the run's calibration rows, as every other method used them
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)

@@ -5,8 +5,10 @@ import torch
 from pathlib import Path
 from pipeline.base.env import tame; tame()
 torch.set_num_threads(1)
-from pipeline.quant.checkpoint import load_checkpoint
 from transformers import AutoTokenizer
+
+from pipeline.quant.checkpoint import load_checkpoint
+
 tok = AutoTokenizer.from_pretrained("artifacts/full/load")
 ids = tok("The history of measurement is the history of agreeing on what to count. Merchants weighed grain against stones, builders paced out foundations", return_tensors="pt").input_ids
 m = load_checkpoint(Path("artifacts/full/quantize/gptq-w4g64"), "cpu")

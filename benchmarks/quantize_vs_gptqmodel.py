@@ -170,8 +170,8 @@ def quality_settings(fields: dict) -> dict:
     """Every quality-relevant GPTQ setting of our variant (recipe defaults filled in), to pass verbatim."""
     from pydantic import TypeAdapter
 
-    from pipeline.quant.registry import QuantVariant
     from pipeline.quant.methods.gptq import act_group_aware
+    from pipeline.quant.registry import QuantVariant
 
     v = TypeAdapter(QuantVariant).validate_python({"name": "x", **fields})
     return {"desc_act": v.desc_act, "act_group_aware": act_group_aware(v), "damp_percent": v.damp_percent,

@@ -5,8 +5,10 @@ import torch
 from pathlib import Path
 from pipeline.base.env import tame; tame()
 torch.set_num_threads(1)
-from pipeline.quant.checkpoint import load_checkpoint
 from transformers import AutoTokenizer
+
+from pipeline.quant.checkpoint import load_checkpoint
+
 tok = AutoTokenizer.from_pretrained("artifacts/full/load")
 msgs=[{"role":"user","content":"What is the capital of France?"}]
 ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt")

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from pipeline.model.models import load_source
-from pipeline.recipe import PerplexityConfig
 from pipeline.model.sources import parse
-from pipeline.speculative.measure import compare_loops, measure_costs
+from pipeline.recipe import PerplexityConfig
 from pipeline.speculative.evaluate import encode_prompts
+from pipeline.speculative.measure import compare_loops, measure_costs
 from pipeline.stages.validate import held_out_prompts
 
 

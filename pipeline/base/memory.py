@@ -23,7 +23,7 @@ from types import TracebackType
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
-_active: list["PeakMemory"] = []  # running CPU meters that rely on VmHWM (see _reset_hwm)
+_active: list[PeakMemory] = []  # running CPU meters that rely on VmHWM (see _reset_hwm)
 _lifetime_hwm = 0  # the process's high-water mark from before the last reset
 
 
@@ -85,7 +85,7 @@ class PeakMemory:
         self._stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "PeakMemory":
+    def start(self) -> PeakMemory:
         if self.cuda:
             import torch
 
@@ -128,7 +128,7 @@ class PeakMemory:
 
     above_start_bytes = property(peak_above_base)
 
-    def stop(self) -> "PeakMemory":
+    def stop(self) -> PeakMemory:
         """Freeze the peak: later reads return what was reached up to now."""
         self._peak = self.peak_bytes
         if self._stop is not None:
@@ -140,7 +140,7 @@ class PeakMemory:
         self._frozen = True
         return self
 
-    def __enter__(self) -> "PeakMemory":
+    def __enter__(self) -> PeakMemory:
         return self.start()
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
@@ -204,7 +204,7 @@ class MappedPagesTrimmed:
         while not self._stop.wait(self.interval_s):
             drop_mapped_pages(self.folder, self.suffix)
 
-    def __enter__(self) -> "MappedPagesTrimmed":
+    def __enter__(self) -> MappedPagesTrimmed:
         self._thread.start()
         return self
 

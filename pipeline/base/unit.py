@@ -8,9 +8,10 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 MANIFEST = "manifest.json"
 METRICS = "metrics.json"  # an output like any other, so downstream hashes see changed figures
@@ -22,7 +23,7 @@ log = logging.getLogger("compress")
 class Unit:
     key: str  # "load", "quantize/w4g64", "validate/baseline"
     config: Any  # JSON-able: everything from the recipe this unit depends on
-    fn: Callable[["UnitContext"], dict]  # writes outputs into ctx.out, returns metrics
+    fn: Callable[[UnitContext], dict]  # writes outputs into ctx.out, returns metrics
     deps: list[str] = field(default_factory=list)
     always: bool = False  # never skipped (cheap units whose output is the report itself)
     # entry modules (and data files) under pipeline/ that compute this unit's outputs; what they import is

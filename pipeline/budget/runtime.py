@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.budget.formulas import GiB, window_bytes
 from pipeline.base.errors import StageError
 from pipeline.base.memory import rss_bytes
+from pipeline.budget.formulas import GiB, window_bytes
 from pipeline.model.models import folder_bytes, single_gguf
-
 
 
 def offload_bytes(model_dir: Path, seq_len: int, limit: int | None, device: str) -> int | None:

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from pipeline.model.models import single_gguf
 from pipeline.quant.shapes import linear_shapes_from_config, module_names

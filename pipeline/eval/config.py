@@ -7,8 +7,9 @@ recipe's defaults (the CLI never repeats them).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field as dc_field
-from typing import Literal, Optional
+from dataclasses import dataclass
+from dataclasses import field as dc_field
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
@@ -26,8 +27,8 @@ class PerplexityConfig(Strict):
     text_field: str = Field("text", description="field/column holding the text in a .jsonl, .parquet or hf: dataset "
                                                 "(shipped corpora name their own)")
     seq_len: int = Field(2048, ge=8, description="tokens per window; each window predicts its last seq_len-1 tokens")
-    stride: Optional[int] = Field(None, ge=1, description="None: non-overlapping windows (GPTQ protocol)")
-    max_windows: Optional[int] = Field(None, ge=1, description="evaluate only the first max_windows windows; unset: "
+    stride: int | None = Field(None, ge=1, description="None: non-overlapping windows (GPTQ protocol)")
+    max_windows: int | None = Field(None, ge=1, description="evaluate only the first max_windows windows; unset: "
                                                                "every window of the corpus")
     kl_top_k: int = Field(256, ge=1, description="baseline log-probs kept per token for KL (tail folded into one bucket)")
 
@@ -94,7 +95,7 @@ class SpeedConfig(BaseModel):
         """Whether `model` ("baseline", a variant or the draft name) is timed at all."""
         return self.enabled and (self.models == "all" or model in self.models)
 
-    def for_model(self, model: str) -> "SpeedConfig":
+    def for_model(self, model: str) -> SpeedConfig:
         """The config to time `model` with: technique rows only for `technique_models`."""
         if self.technique_models == "all" or model in self.technique_models:
             return self
@@ -156,7 +157,7 @@ GATE_METRICS: dict[str, tuple[str, str]] = {g.name: (g.metric, g.applies) for g 
 
 
 def _bound_fields(defaults: bool) -> dict:
-    return {g.name: (Optional[float], Field(g.default if defaults else None, description=g.description, **g.limits))
+    return {g.name: (float | None, Field(g.default if defaults else None, description=g.description, **g.limits))
             for g in GATES}
 
 
@@ -180,7 +181,7 @@ class GatesConfig(create_model("_GlobalBounds", __config__=ConfigDict(extra="for
         "both", description="min_task_recovery applies to each task, to the average over tasks, or both")
 
     @model_validator(mode="after")
-    def _known_warn_only(self) -> "GatesConfig":
+    def _known_warn_only(self) -> GatesConfig:
         unknown = [g for g in self.warn_only if g not in GATE_METRICS]
         if unknown:
             raise ValueError(f"warn_only names unknown gates {unknown}; known: {sorted(GATE_METRICS)}")

@@ -15,15 +15,15 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from pipeline import data
-from pipeline.model.compute import describe as describe_compute
-from pipeline.model.compute import float32_matmuls
-from pipeline.eval.perplexity import kl_top1, make_windows, perplexity, topk_reference, windowed_nll
-from pipeline.eval.bits import linear_bits_per_weight
-from pipeline.eval.config import PerplexityConfig, SmokeConfig
-from pipeline.model.models import folder_bytes
-from pipeline.quant.checkpoint import load_checkpoint
 from pipeline.budget.formulas import GiB
 from pipeline.budget.runtime import offload_bytes
+from pipeline.eval.bits import linear_bits_per_weight
+from pipeline.eval.config import PerplexityConfig, SmokeConfig
+from pipeline.eval.perplexity import kl_top1, make_windows, perplexity, topk_reference, windowed_nll
+from pipeline.model.compute import describe as describe_compute
+from pipeline.model.compute import float32_matmuls
+from pipeline.model.models import folder_bytes
+from pipeline.quant.checkpoint import load_checkpoint
 
 log = logging.getLogger("compress")
 EVAL_IDS = "eval_ids.safetensors"

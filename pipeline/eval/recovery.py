@@ -17,7 +17,7 @@ own paired 95 % interval is EXCLUDED from the recovery figures and the gate (its
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

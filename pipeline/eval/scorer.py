@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
+
 from pipeline.model.forward import cache_kwargs
 
 

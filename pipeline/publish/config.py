@@ -49,7 +49,7 @@ def _check_template(template: str, allowed: frozenset[str], what: str, sample: d
 LOOPBACK_HOSTS = ("localhost", "[::1]")
 
 
-def summary(cfg: "PublishConfig") -> str:
+def summary(cfg: PublishConfig) -> str:
     """One line: where, how visible, and whether anything is sent (`compress check` and the dry run say it)."""
     visibility = "new repos private" if cfg.private else "new repos PUBLIC ([publish] private = false)"
     mode = "dry run: nothing is sent" if cfg.dry_run else "pushes when every gate passes" + (

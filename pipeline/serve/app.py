@@ -20,8 +20,15 @@ from pipeline.serve.admission import Admission, Busy, SlotStream
 from pipeline.serve.completions import GenerationError, Service
 from pipeline.serve.drain import Drain, DrainMiddleware
 from pipeline.serve.metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
-from pipeline.serve.openai_schema import (MAX_BODY_BYTES, BadRequest, ChatRequest, CompletionRequest, parse_json,
-                                          read_body, validate)
+from pipeline.serve.openai_schema import (
+    MAX_BODY_BYTES,
+    BadRequest,
+    ChatRequest,
+    CompletionRequest,
+    parse_json,
+    read_body,
+    validate,
+)
 
 log = logging.getLogger("compress.serve")
 KEYLESS = ("/health",)

@@ -15,8 +15,8 @@ import math
 import signal
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 log = logging.getLogger("compress.serve")
 EXEMPT = ("/health", "/metrics")  # probes and scrapes are answered during the drain, and are not waited for

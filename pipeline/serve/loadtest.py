@@ -19,7 +19,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-
 # Greedy, exactly max_tokens tokens, on every server compress serve runs: ignore_eos (compress serve's transformers
 # app, vLLM) or min_tokens = max_tokens (llama-cpp-python's server, vLLM); temperature 0 and no repetition penalty
 # (llama-cpp-python's server samples at 0.8 with repeat_penalty 1.1 unless told). Fields a server does not know are

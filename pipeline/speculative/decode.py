@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+
 from pipeline.model.forward import cache_kwargs
 
 
@@ -138,7 +139,7 @@ class Timed:
     def __init__(self, device: torch.device):
         self.device, self.seconds, self.calls = device, 0.0, 0
 
-    def __enter__(self) -> "Timed":
+    def __enter__(self) -> Timed:
         _sync(self.device)
         self.t0 = time.perf_counter()
         return self

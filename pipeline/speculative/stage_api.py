@@ -13,9 +13,16 @@ from transformers import AutoTokenizer
 from pipeline.base.public import public_tree
 from pipeline.speculative.config import DraftConfig
 from pipeline.speculative.distill import distill
-from pipeline.speculative.draft_model import (DraftStudent, check_tokenizers_match, evenly_spaced_layers,
-                                              fit_output_map, init_draft_from_layers, load_causal_lm, select_vocab,
-                                              vocab_coverage)
+from pipeline.speculative.draft_model import (
+    DraftStudent,
+    check_tokenizers_match,
+    evenly_spaced_layers,
+    fit_output_map,
+    init_draft_from_layers,
+    load_causal_lm,
+    select_vocab,
+    vocab_coverage,
+)
 from pipeline.speculative.targets import TargetStore, TrainingData, fingerprint, token_windows
 
 MEASURE_ONLY = {"measure", "gamma"}  # read only when the draft is measured: never part of what a draft is

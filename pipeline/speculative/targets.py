@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import DynamicCache
+
 from pipeline.base.fileio import atomic_path
 from pipeline.model.forward import cache_kwargs
-from transformers import DynamicCache
 
 
 @dataclass
