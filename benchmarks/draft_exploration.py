@@ -138,13 +138,15 @@ def explore(args, verifier, texts, prompts) -> None:
         manifest = work / name / "draft" / "draft_manifest.json"
         if args.reuse and manifest.exists():
             saved = json.loads(manifest.read_text())
-            m = {**saved["distill"], "layers": saved["layers"], "undistilled_dir": str(work / name / "work" / "undistilled")}
+            m = {**saved["distill"], "layers": saved["layers"],
+                 "undistilled_dir": str(work / name / "work" / "undistilled")}
         else:
             m = build_draft(Path(args.verifier), cfg, texts, work / name / "draft", work / name / "work", args.seed,
                             targets_root=work / "targets", progress=False, save_initial=True)
         if args.undistilled and name == "base":
             zero = {**m, "steps": 0, "train_time_s": 0, "teacher_time_s": 0, "top1_agreement": float("nan")}
-            for label, folder in (("undistilled", Path(m["undistilled_dir"])), ("tuned lens, no KD", work / name / "work" / "initial")):
+            for label, folder in (("undistilled", Path(m["undistilled_dir"])),
+                                  ("tuned lens, no KD", work / name / "work" / "initial")):
                 if folder.exists():
                     ev = eval_acceptance(verifier, folder, prompts, args.new_tokens, args.gamma, [0.0, 0.7])
                     rows.append(row(f"base ({label})", cfg, zero, ev))

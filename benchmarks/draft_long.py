@@ -46,7 +46,8 @@ def table(curves: list[Path]) -> str:
              "| alpha T=0.7 | per-token T=0.7 |", "|---|---|---|---|---|---|---|---|---|"]
     for path in curves:
         run = json.loads(path.read_text())
-        name = f"layers {run['args']['layers']}" + (f", on-policy {run['args']['on_policy']}" if run["args"]["on_policy"] else "")
+        name = f"layers {run['args']['layers']}" + (
+            f", on-policy {run['args']['on_policy']}" if run["args"]["on_policy"] else "")
         for r in run["rows"]:
             g, s = r["t=0.0"], r["t=0.7"]
             share = f"{r['teacher_s'] / r['train_s']:.2f}" if r["train_s"] else "–"
@@ -131,7 +132,8 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         tmp = results.with_suffix(".tmp")  # a kill mid-write never leaves a truncated curve.json
-        tmp.write_text(json.dumps({"args": vars(args), "layers": layers, "fingerprint": run_fp, "rows": rows}, indent=1))
+        tmp.write_text(json.dumps({"args": vars(args), "layers": layers, "fingerprint": run_fp, "rows": rows},
+                                  indent=1))
         os.replace(tmp, results)
 
 

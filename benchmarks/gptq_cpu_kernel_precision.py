@@ -2,8 +2,9 @@
 
 GPTQModel's CPU int4 kernel (TorchAtenLinear, aten._weight_int4pack_mm_for_cpu) rounds the group scales and the
 activations to bfloat16. This evaluates each checkpoint twice on the same WikiText-2 windows (GPTQ protocol):
-with that kernel, and with the checkpoint's weights dequantized exactly to float32 (GPTQModel's `dequantize_weight`, into plain
-`nn.Linear` modules: `pipeline.quant.gptqmodel_driver.dequantize_to_linear`), which is what the checkpoint itself encodes.
+with that kernel, and with the checkpoint's weights dequantized exactly to float32 (GPTQModel's `dequantize_weight`,
+into plain `nn.Linear` modules: `pipeline.quant.gptqmodel_driver.dequantize_to_linear`), which is what the checkpoint
+itself encodes.
 
 Usage (after `compress run recipes/full.toml`):
     .venv/bin/python -m benchmarks.gptq_cpu_kernel_precision --windows 4 \

@@ -71,7 +71,7 @@ def main() -> int:
     completions, protocol = he.generate(model, tok, problems, progress=True)  # the pipeline's protocol too
     t_gen = time.monotonic() - t1
     t2 = time.monotonic()
-    results = he.run_programs([he.Program(p, c) for p, c in zip(problems, completions)], args.timeout,
+    results = he.run_programs([he.Program(p, c) for p, c in zip(problems, completions, strict=True)], args.timeout,
                               args.workers, execute_code=True)
     t_exec = time.monotonic() - t2
     summary = he.pass_at_1(results)

@@ -266,7 +266,8 @@ def compare(a) -> dict:
            "seconds": t, "ppl": {k: v["ppl"] for k, v in ppl.items()},
            "identical_weights_ours_direct": len({r["weights_sha256"] for r in runs["ours"] + runs["direct"]}) == 1,
            "time_ratio_ours_direct": t["ours"]["median"] / t["direct"]["median"],
-           "per_rep_time_ratios": [o["seconds"] / d["seconds"] for o, d in zip(runs["ours"], runs["direct"])]}
+           "per_rep_time_ratios": [o["seconds"] / d["seconds"]
+                                   for o, d in zip(runs["ours"], runs["direct"], strict=True)]}
     res["ppl_ratio_ours_direct"] = res["ppl"]["ours"] / res["ppl"]["direct"]
     if "transformers" in t:
         res["time_ratio_ours_transformers"] = t["ours"]["median"] / t["transformers"]["median"]

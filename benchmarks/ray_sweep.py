@@ -45,7 +45,8 @@ def recipe_with_4_variants(folder: Path) -> Path:
 
 
 def run(recipe: Path, out: Path, env: dict, *sets: str) -> float:
-    args = [sys.executable, "-m", "pipeline.app.cli", "run", str(recipe), "--set", f"run.output_dir={json.dumps(str(out))}"]
+    args = [sys.executable, "-m", "pipeline.app.cli", "run", str(recipe),
+            "--set", f"run.output_dir={json.dumps(str(out))}"]
     for s in sets:
         args += ["--set", s]
     t0 = time.perf_counter()

@@ -61,7 +61,8 @@ def main() -> int:
         if name not in results and (args.out / f"{name}.json").is_file():
             results[name] = json.loads((args.out / f"{name}.json").read_text())  # rows run earlier with --only
     base = {lv["concurrency"]: lv["output_tok_s"] for lv in results.get("transformers", {}).get("levels", [])}
-    lines = ["| engine | model file | concurrency | output tok/s | × transformers | TTFT p50 ms | ITL p50 ms | errors |",
+    lines = ["| engine | model file | concurrency | output tok/s | × transformers | TTFT p50 ms | ITL p50 ms "
+             "| errors |",
              "|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         if "error" in r:

@@ -117,7 +117,8 @@ def main() -> None:
         proc.terminate()
         rc = proc.wait(60)
     result = {"source": a.source, "folder": str(folder), "threads": a.threads, "max_tokens": a.max_tokens,
-              "prompt_words": a.prompt_words, "levels": levels_out, "server_exit": rc, "engine": health.get("engine", a.engine),
+              "prompt_words": a.prompt_words, "levels": levels_out, "server_exit": rc,
+              "engine": health.get("engine", a.engine),
               "versions": health.get("versions") or engine.version(), "command": " ".join(sys.argv)}
     if len(levels_out) > 1 and levels_out[0]["output_tok_s"]:
         result["gain_last_vs_first"] = round(levels_out[-1]["output_tok_s"] / levels_out[0]["output_tok_s"], 2)

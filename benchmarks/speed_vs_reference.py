@@ -64,8 +64,8 @@ def paired_runs(model, cfg: SpeedConfig, device: str, pairs: int) -> list[dict]:
     bench = Bench(model, None, cfg, device)
     cells = {"prefill_tokens_per_s": (lambda: cfg.prompt_len / time_prefill(model, *bench.batches[1], device),
                                       lambda: cfg.prompt_len / reference_prefill(model, *bench.batches[1], device))}
+    n = cfg.new_tokens
     for b in cfg.batch_sizes:
-        n = cfg.new_tokens
         cells[f"decode_tokens_per_s_b{b}"] = (
             lambda b=b: b * (n - 1) / time_generate(model, *bench.batches[b], n, device, bench.pad_id)["decode_s"],
             lambda b=b: b * (n - 1) / reference_decode(model, *bench.batches[b], n, device)["decode_s"])
@@ -80,7 +80,7 @@ def paired_runs(model, cfg: SpeedConfig, device: str, pairs: int) -> list[dict]:
             refs.append(b_ if first is ours_fn else a)
         o, r = statistics.median(ours), statistics.median(refs)
         rows.append({"metric": metric, "ours": o, "reference": r, "ratio": o / r,
-                     "pair_ratio_median": statistics.median(x / y for x, y in zip(ours, refs)),
+                     "pair_ratio_median": statistics.median(x / y for x, y in zip(ours, refs, strict=True)),
                      "ours_spread": [min(ours), max(ours)], "reference_spread": [min(refs), max(refs)],
                      "agree_10pct": 0.9 <= o / r <= 1.1})
         print(f"{metric}: ours {o:.4g} ({min(ours):.4g}-{max(ours):.4g}), reference {r:.4g} "
@@ -125,7 +125,8 @@ def main() -> int:
     print(f"  KV-cache speed-up {speed['kv_cache_speedup']:.2f}x; copy bandwidth "
           f"{speed['copy_bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; roofline fraction at batch 1 "
           f"{speed['roofline_fraction']:.3f}; weights {speed['weight_bytes_per_token'] / 2**20:.0f} MiB/token; "
-          f"peak memory above entry {speed['peak_memory_bytes'] / 2**20:.0f} MiB; wall {time.perf_counter() - t0:.0f} s")
+          f"peak memory above entry {speed['peak_memory_bytes'] / 2**20:.0f} MiB; "
+          f"wall {time.perf_counter() - t0:.0f} s")
     if args.out:
         Path(args.out).write_text(json.dumps({"rows": rows, "speed": speed}, indent=2))
     return 0

@@ -66,12 +66,15 @@ def main() -> None:
         row = {scorer: score_task(model, tok, name, a, scorer) for scorer in ("lm-eval", "shared-context")}
         ref, new = row["lm-eval"], row["shared-context"]
         metrics = [m for m in ("acc", "acc_norm") if m in ref["items"]]
-        diff = max(abs(x - y) for r, s in zip(ref["items"]["loglik"], new["items"]["loglik"]) for x, y in zip(r, s))
+        diff = max(abs(x - y) for r, s in zip(ref["items"]["loglik"], new["items"]["loglik"], strict=False)
+                   for x, y in zip(r, s, strict=False))
         out["tasks"][name] = {
             "items": len(ref["items"]["doc_ids"]),
             "same_items": ref["items"]["doc_ids"] == new["items"]["doc_ids"],
-            "lm_eval": {m: ref["metrics"][m] for m in metrics}, "shared_context": {m: new["metrics"][m] for m in metrics},
-            "items_differing": {m: sum(x != y for x, y in zip(ref["items"][m], new["items"][m])) for m in metrics},
+            "lm_eval": {m: ref["metrics"][m] for m in metrics},
+            "shared_context": {m: new["metrics"][m] for m in metrics},
+            "items_differing": {m: sum(x != y for x, y in zip(ref["items"][m], new["items"][m], strict=False))
+                                for m in metrics},
             "max_abs_loglik_diff": diff,
             "time_s": {"lm_eval": round(ref["time_s"], 1), "shared_context": round(new["time_s"], 1)},
             "speedup": round(ref["time_s"] / new["time_s"], 2)}

@@ -19,7 +19,8 @@ def main() -> None:
     import torch
 
     runs = {"float32 lm-eval b16": ("float32", "lm-eval", 16), "bf16 lm-eval b16": ("bfloat16", "lm-eval", 16),
-            "bf16 lm-eval b4": ("bfloat16", "lm-eval", 4), "bf16 shared-context b16": ("bfloat16", "shared-context", 16)}
+            "bf16 lm-eval b4": ("bfloat16", "lm-eval", 4),
+            "bf16 shared-context b16": ("bfloat16", "shared-context", 16)}
     items: dict[str, dict] = {}
     models = {}
     for label, (dtype, scorer, bs) in runs.items():
@@ -37,10 +38,10 @@ def main() -> None:
             x = items[label][name]
             metrics = [m for m in ("acc", "acc_norm") if m in r]
             row[name] = {"items": len(r["doc_ids"]),
-                         "items_differing": {m: sum(p != q for p, q in zip(r[m], x[m])) for m in metrics},
+                         "items_differing": {m: sum(p != q for p, q in zip(r[m], x[m], strict=False)) for m in metrics},
                          "score": {m: sum(x[m]) / len(x[m]) for m in metrics},
-                         "max_abs_loglik_diff": max(abs(p - q) for u, v in zip(r["loglik"], x["loglik"])
-                                                    for p, q in zip(u, v))}
+                         "max_abs_loglik_diff": max(abs(p - q) for u, v in zip(r["loglik"], x["loglik"], strict=False)
+                                                    for p, q in zip(u, v, strict=False))}
         out["against float32 lm-eval"][label] = row
         print(label, json.dumps(row), flush=True)
     if a.out:

@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def serve(folder: Path, engine: str, port: int, log: Path, eager: bool) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "pipeline.app.cli", "serve", str(folder), "--engine", engine, "--port", str(port),
            "--slots", "8", "--max-model-len", "2048"] + (["--enforce-eager"] if eager and engine == "vllm" else [])
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=ROOT)
+    with open(log, "wb") as log_file:  # the child writes to its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT)
     end = time.monotonic() + 900
     while time.monotonic() < end:
         if proc.poll() is not None:
@@ -84,8 +85,8 @@ def main(argv: list[str] | None = None) -> None:
             t1 = time.perf_counter()
             res = run_lm_eval(lm, work / "yamls", {name: idx}, cfg.num_fewshot, cfg.seed or 0)[name]
             metric = job["metric"]
-            mine = dict(zip(res["items"]["doc_ids"], res["items"][metric]))
-            theirs = dict(zip(ref[name]["doc_ids"], ref[name][metric]))
+            mine = dict(zip(res["items"]["doc_ids"], res["items"][metric], strict=True))  # one list per item each
+            theirs = dict(zip(ref[name]["doc_ids"], ref[name][metric], strict=True))
             common = sorted(set(mine) & set(theirs))
             diff = sum(mine[d] != theirs[d] for d in common)
             total, flipped = total + len(common), flipped + diff

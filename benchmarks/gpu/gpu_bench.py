@@ -90,7 +90,8 @@ def time_model(name: str, model, cfg: SpeedConfig, device: str, static_b16: bool
     if static_b16:
         bench = Bench(model, None, cfg, device)
         cells["b1 static"] = speed["techniques"]["static_cache"]["decode_tokens_per_s"]["median"]
-        cells["b16 static"] = bench.decode(16, cache_implementation="static", disable_compile=True)["tokens_per_s"]["median"]
+        cells["b16 static"] = bench.decode(16, cache_implementation="static",
+                                           disable_compile=True)["tokens_per_s"]["median"]
     ref = reference(model, cfg, device)
     ours = {"prefill_tokens_per_s": speed["prefill_tokens_per_s"]["median"], "ttft_s": speed["ttft_s"]["median"],
             **{f"decode_b{b}": cells[f"b{b}"] for b in cfg.batch_sizes}}
@@ -105,9 +106,11 @@ def markdown(result: dict) -> str:
     env = result["env"]
     lines = [f"# GPU speed benchmark ({'tiny rehearsal' if result['tiny'] else 'SmolLM2-1.7B shape, random init'})",
              "", f"{env['device_name']}; torch {env['torch']}, transformers {env['transformers']}, "
-             f"bitsandbytes {env['bitsandbytes']}; copy bandwidth {result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s",
+             f"bitsandbytes {env['bitsandbytes']}; copy bandwidth "
+             f"{result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s",
              "", "## Cells: decode tokens/s (all sequences), our speed stage", "",
-             "| model | cell | tokens/s | roofline (b1) | peak memory MiB | footprint MiB |", "|---|---|---|---|---|---|"]
+             "| model | cell | tokens/s | roofline (b1) | peak memory MiB | footprint MiB |",
+             "|---|---|---|---|---|---|"]
     for name, m in result["models"].items():
         if "error" in m or "skipped" in m:
             lines.append(f"| {name} | – | {m.get('error') or m.get('skipped')} | | | |")

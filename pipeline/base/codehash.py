@@ -35,8 +35,8 @@ from pathlib import Path
 
 PACKAGE = "pipeline"
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # pipeline/ (this file is pipeline/base/codehash.py)
-# pipeline.app.cli parses arguments and dispatches (a subprocess that runs `-m pipeline.app.cli serve` names the module that
-# does the work beside it); followed, it would put every stage's code in any unit that spawns a CLI command
+# pipeline.app.cli parses arguments and dispatches (a subprocess that runs `-m pipeline.app.cli serve` names the module
+# that does the work beside it); followed, it would put every stage's code in any unit that spawns a CLI command
 HARNESS = frozenset({"pipeline.app.runner", "pipeline.base.unit", "pipeline.base.codehash", "pipeline.base.identity",
                      "pipeline.app.cli"})
 # reached only as a unit's entry, never through an import (see above)

@@ -172,13 +172,13 @@ def _mapped_ranges(folder: Path, suffix: str = ".safetensors") -> list[tuple[int
 
 
 def drop_mapped_pages(folder: Path, suffix: str = ".safetensors") -> int:
-    """Take the clean pages of every memory-mapped *.safetensors file (or *<suffix>: a GGUF) under `folder` out of this process's resident
-    set (madvise MADV_PAGEOUT: a reclaim request; a page the loader modified in place — torch maps checkpoints
-    private and writable, and GPTQModel rewrites zero points in place — is dirty and stays, and a clean one is read
-    again from the file if touched). Returns the number of ranges. A loader that maps a whole checkpoint and reads it
-    tensor by tensor (transformers, for bitsandbytes) otherwise keeps every page it read resident until the map
-    closes. (MADV_DONTNEED would also drop the modified pages of a private map, silently reverting them to the
-    file: a GPTQ checkpoint then measured perplexity 3e9.)"""
+    """Take the clean pages of every memory-mapped *.safetensors file (or *<suffix>: a GGUF) under `folder` out of
+    this process's resident set (madvise MADV_PAGEOUT: a reclaim request; a page the loader modified in place —
+    torch maps checkpoints private and writable, and GPTQModel rewrites zero points in place — is dirty and stays,
+    and a clean one is read again from the file if touched). Returns the number of ranges. A loader that maps a whole
+    checkpoint and reads it tensor by tensor (transformers, for bitsandbytes) otherwise keeps every page it read
+    resident until the map closes. (MADV_DONTNEED would also drop the modified pages of a private map, silently
+    reverting them to the file: a GPTQ checkpoint then measured perplexity 3e9.)"""
     import ctypes
 
     try:

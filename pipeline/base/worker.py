@@ -101,7 +101,8 @@ class _StderrRelay:
             self.tail = (self.tail + text)[-16384:]
 
 
-def run_child(cmd: list[str], log_path: Path, timeout_s: float | None = None, env: dict | None = None) -> tuple[int, str]:
+def run_child(cmd: list[str], log_path: Path, timeout_s: float | None = None,
+              env: dict | None = None) -> tuple[int, str]:
     """Run `cmd` in a child that dies with this process. Libraries print banners and INFO lines on stdout
     (GPTQModel): they go to `log_path`. Our logging and progress bars use stderr: passed through to the console
     as they come (all but the known-harmless library lines, HARMLESS_STDERR) and written to `log_path` too;

@@ -19,8 +19,8 @@ WORKER_OVERHEAD = int(0.4 * GiB)
 def window_bytes(config: dict, seq_len: int) -> int:
     """Memory one perplexity window needs beside the weights: its logits (in the model's dtype, then float32, then
     their log-softmax: 2.5 float32 copies), the widest activations of a layer in float32, and a float32 copy of
-    the largest weight, at most 64 MiB at a time (pipeline/model/compute.py upcasts 16-bit matmuls on CPUs without 16-bit
-    units)."""
+    the largest weight, at most 64 MiB at a time (pipeline/model/compute.py upcasts 16-bit matmuls on CPUs without
+    16-bit units)."""
     h, vocab = config.get("hidden_size") or 0, config.get("vocab_size") or 0
     inter = config.get("intermediate_size") or 4 * h
     return seq_len * vocab * 10 + seq_len * max(inter, h) * 4 * 4 + min(4 * max(vocab * h, h * inter), 64 << 20)
@@ -28,9 +28,9 @@ def window_bytes(config: dict, seq_len: int) -> int:
 
 def quantize_bytes(config: dict, weights: int, cal_tokens: int, offload: bool, param_bytes: int = 4) -> int:
     """Predicted peak RSS of a GPTQModel quantization (GPTQ, RTN), runtime included. weights: the checkpoint's
-    bytes as loaded; cal_tokens: calibration tokens; param_bytes: bytes per weight as loaded. In memory: the model plus GPTQModel's working copies. Offloaded
-    (GPTQModel's layer-by-layer path): the embeddings and head, a few layers in flight, one layer's Hessians in
-    float32 (the widest input's, twice) and the calibration activations."""
+    bytes as loaded; cal_tokens: calibration tokens; param_bytes: bytes per weight as loaded. In memory: the model
+    plus GPTQModel's working copies. Offloaded (GPTQModel's layer-by-layer path): the embeddings and head, a few
+    layers in flight, one layer's Hessians in float32 (the widest input's, twice) and the calibration activations."""
     h = config.get("hidden_size") or 0
     inter = config.get("intermediate_size") or 4 * h
     acts = cal_tokens * h * 4 * 4

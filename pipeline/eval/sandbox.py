@@ -42,6 +42,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,7 +84,8 @@ _SETUP = r"""set -euf
 owner=$1 size=$2; shift 2
 for m in $(cut -d' ' -f5 /proc/self/mountinfo); do
   m=$(printf '%b' "$m")
-  mount -n -o remount,bind,ro "$m" 2>/dev/null || ! mountpoint -q "$m" || { echo "sandbox: $m stays writable" >&2; exit 97; }
+  mount -n -o remount,bind,ro "$m" 2>/dev/null || ! mountpoint -q "$m" ||
+    { echo "sandbox: $m stays writable" >&2; exit 97; }
 done
 mount -n -t tmpfs -o "mode=755,size=$size,nosuid,nodev" tmpfs /tmp
 mkdir /tmp/dev
@@ -231,28 +233,20 @@ class Sandbox:
                 time.sleep(0.01)
         if init is not None:
             _signal(init)
-        try:
+        with suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        try:
+        with suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            pass
         while init is not None and _alive(init) and time.monotonic() < deadline:
             time.sleep(0.01)
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            try:
+            with suppress(OSError):
                 f.close()
-            except OSError:
-                pass
 
 
 def _signal(pid: int) -> None:
-    try:
+    with suppress(ProcessLookupError, PermissionError):
         os.kill(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _stat(pid: int) -> list[str] | None:

@@ -47,8 +47,9 @@ class SharedContextLM(HFLM):
         res: list = [None] * len(requests)
         if alone:
             alone.sort()
+            # lm-eval answers each request it is given, in order
             for i, answer in zip(alone, super()._loglikelihood_tokens([requests[i] for i in alone], disable_tqdm,
-                                                                      override_bs)):
+                                                                      override_bs), strict=True):
                 res[i] = answer
         pbar = tqdm(total=sum(map(len, groups.values())), disable=disable_tqdm or self.rank != 0,
                     desc="Scoring choices (shared context)")
@@ -59,7 +60,7 @@ class SharedContextLM(HFLM):
             todo = [(list(ctx), idx) for ctx, idx in order if (len(ctx) > 1) == cached]
             for batch in self._batches(todo):
                 scores = self._score_groups([(ctx, [requests[i][2] for i in idx]) for ctx, idx in batch])
-                for i, answer in zip([i for _, idx in batch for i in idx], scores):
+                for i, answer in zip([i for _, idx in batch for i in idx], scores, strict=True):
                     res[i] = answer
                     if requests[i][0] is not None:
                         self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
@@ -92,7 +93,7 @@ class SharedContextLM(HFLM):
         conts = [c for _, cs in groups for c in cs]
         width, pmax = max(map(len, conts)), max(prefix_len)
         rows = torch.zeros((len(conts), width), dtype=torch.long)
-        for r, (g, cont) in enumerate(zip(owner, conts)):
+        for r, (g, cont) in enumerate(zip(owner, conts, strict=True)):
             rows[r, :len(cont)] = torch.tensor([groups[g][0][-1], *cont[:-1]])
         kwargs = {}
         if pmax > 0:

@@ -291,7 +291,8 @@ def _header(model, cfg: SpeedConfig, device: str, load_s: float | None) -> dict:
     return {
         "schema": SPEED_SCHEMA, "device": device, "device_name": name, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "dtype": dtype_name(next(model.parameters()).dtype),
-        "quantization": (quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)),
+        "quantization": (quant.get("quant_method") if isinstance(quant, dict)
+                         else getattr(quant, "quant_method", None)),
         "prompt_len": cfg.prompt_len, "new_tokens": cfg.new_tokens, "repeats": cfg.repeats, "warmup": cfg.warmup,
         "attn_implementation": model.config._attn_implementation, "load_s": load_s,
         "footprint_bytes": int(model.get_memory_footprint()),

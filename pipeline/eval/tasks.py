@@ -162,7 +162,7 @@ def humaneval_job(model, tokenizer, job: dict, limit: int | None = None) -> tupl
     log.info("task humaneval: generating %d completions (%s)", len(problems),
              humaneval.protocol_for(tokenizer).describe())
     completions, protocol = humaneval.generate(model, tokenizer, problems, progress=True)
-    rows = humaneval.run_programs([humaneval.Program(p, c) for p, c in zip(problems, completions)],
+    rows = humaneval.run_programs([humaneval.Program(p, c) for p, c in zip(problems, completions, strict=True)],
                                   job["timeout_s"], execute_code=True, progress=True)
     score = humaneval.pass_at_1(rows)
     passed = [1.0 if r["passed"] else 0.0 for r in rows]
@@ -190,7 +190,8 @@ def evaluate_tasks(model_dir: Path, out: Path, jobs: list[dict], cfg: dict, devi
         result = score_model(model, tokenizer, jobs, cfg, out, "cpu" if device == "cpu" else "cuda")
     if reference is not None:
         result["recovery"] = recovery_from_files(Path(reference) / ITEMS, out / ITEMS,
-                                                 {j["task"]: j["metric"] for j in jobs}, bootstrap, cfg.get("seed") or 0)
+                                                 {j["task"]: j["metric"] for j in jobs}, bootstrap,
+                                                 cfg.get("seed") or 0)
     return result
 
 

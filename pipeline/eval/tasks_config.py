@@ -20,7 +20,7 @@ class TasksConfig(BaseModel):
     num_fewshot: int = Field(0, ge=0, description="few-shot examples (drawn from the evaluated split: the "
                                                   "packaged data has no train split)")
     seed: int | None = Field(0, description="seed of the item sample under `limit`; null: the first `limit` "
-                                               "items (lm-eval's own --limit)")
+                                            "items (lm-eval's own --limit)")
     batch_size: int = Field(16, ge=1, description="rows a forward: lm-eval's HF backend batch, and the shared-context "
                                                   "scorer's choice rows")
     scorer: Literal["shared-context", "lm-eval"] = Field(

@@ -140,7 +140,8 @@ class Service:
         if n == 0:
             return Result([], "", "length")
         parts, tokens, reason = [], [], "length"
-        async for delta, _, tokens, fin in self.text_steps(seq.ids, n, req, TokenClock(self.m, t0), live=False):
+        async for delta, _, so_far, fin in self.text_steps(seq.ids, n, req, TokenClock(self.m, t0), live=False):
+            tokens = so_far  # the last step's: every token generated
             parts.append(delta)
             reason = fin or reason
         return Result(list(tokens), "".join(parts), reason)
@@ -229,7 +230,8 @@ class Service:
             if chat:
                 yield event([{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}])
             try:
-                async for delta, new, tokens, fin in self.text_steps(seq.ids, n, req, TokenClock(self.m, t0)):
+                async for delta, new, so_far, fin in self.text_steps(seq.ids, n, req, TokenClock(self.m, t0)):
+                    tokens = so_far  # for the usage line
                     yield chunk(delta, fin, new)
             except GenerationError as e:
                 yield "data: " + json.dumps({"error": {"message": f"generation failed: {e}"}}) + "\n\n"

@@ -127,8 +127,8 @@ class TransformersEngine:
                 lp = logits[s:s + 256].float().log_softmax(-1)
                 chosen = lp.gather(-1, target[s:s + 256, None])[:, 0].tolist()
                 top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-                for c, vs, is_ in zip(chosen, top_v.tolist(), top_i.tolist()):
-                    out.append((c, list(zip(is_, vs))))
+                for c, vs, is_ in zip(chosen, top_v.tolist(), top_i.tolist(), strict=True):
+                    out.append((c, list(zip(is_, vs, strict=True))))
         return out
 
     def _forget(self, rid: str) -> None:

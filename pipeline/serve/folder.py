@@ -1,4 +1,5 @@
-"""What an export folder holds (torch-free: `compress serve` starts here; which engine serves it: pipeline/serve/engines)."""
+"""What an export folder holds (torch-free: `compress serve` starts here; which engine serves it:
+pipeline/serve/engines)."""
 from __future__ import annotations
 
 import json

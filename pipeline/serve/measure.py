@@ -57,30 +57,29 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
     for k, v in opts.items():
         if v is not None and k in eng.honours:
             cmd += ["--" + k.replace("_", "-"), str(v)]
-    log = open(out / "server.log", "wb")
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    try:
-        health = _wait(url, proc, cfg.timeout_s + 30, out)
-        ready_s = time.monotonic() - t0
-        served = []
-        for p in prompts[:cfg.equality_prompts]:
-            body = {"model": folder.name, "prompt": p, "max_tokens": cfg.equality_tokens, "return_token_ids": True,
-                    "temperature": 0.0, **({"repeat_penalty": FIXED_LENGTH_GREEDY["repeat_penalty"]}
-                                           if engine == "llama.cpp" else {}),
-                    **({"add_special_tokens": False} if engine == "vllm" else {})}  # as generate's reference
-            choice = _post(url + "/v1/completions", body, cfg.timeout_s)["choices"][0]
-            served.append(choice.get("token_ids") if choice.get("token_ids") is not None else choice["text"])
-        levels = run(url, folder.name, cfg.concurrency, cfg.requests_per_level, cfg.max_tokens, cfg.prompt_words,
-                     pid=proc.pid, timeout_s=cfg.timeout_s, prompts=prompts)
-    finally:
-        proc.terminate()
+    with open(out / "server.log", "wb") as log:
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
         try:
-            rc = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-        log.close()
+            health = _wait(url, proc, cfg.timeout_s + 30, out)
+            ready_s = time.monotonic() - t0
+            served = []
+            for p in prompts[:cfg.equality_prompts]:
+                body = {"model": folder.name, "prompt": p, "max_tokens": cfg.equality_tokens, "return_token_ids": True,
+                        "temperature": 0.0, **({"repeat_penalty": FIXED_LENGTH_GREEDY["repeat_penalty"]}
+                                               if engine == "llama.cpp" else {}),
+                        **({"add_special_tokens": False} if engine == "vllm" else {})}  # as generate's reference
+                choice = _post(url + "/v1/completions", body, cfg.timeout_s)["choices"][0]
+                served.append(choice.get("token_ids") if choice.get("token_ids") is not None else choice["text"])
+            levels = run(url, folder.name, cfg.concurrency, cfg.requests_per_level, cfg.max_tokens, cfg.prompt_words,
+                         pid=proc.pid, timeout_s=cfg.timeout_s, prompts=prompts)
+        finally:
+            proc.terminate()
+            try:
+                rc = proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
     if rc != 0:
         raise StageError(f"compress serve --engine {engine} exited {rc} during the load test: {_error_line(out)}")
     ids = all(isinstance(x, list) for x in served)
@@ -172,14 +171,15 @@ def text_equality(folder: Path, prompts: list[str], served: list[str], n: int, d
         return {"prompts": 0, "identical": 0, "exact": False}
     refs, tok, dtype = _generate(folder, prompts, n, device)
     same, agreed, first_diff = 0, [], None
-    for p, ref, got in zip(prompts, refs, served):
+    for p, ref, got in zip(prompts, refs, served, strict=False):
         want = tok.decode(ref, skip_special_tokens=True)
-        k = next((i for i in range(len(ref), -1, -1) if got.startswith(tok.decode(ref[:i], skip_special_tokens=True))), 0)
+        k = next((i for i in range(len(ref), -1, -1)
+                  if got.startswith(tok.decode(ref[:i], skip_special_tokens=True))), 0)
         agreed.append(k)
         if want == got:
             same += 1
         elif first_diff is None:
-            c = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+            c = next((i for i, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), min(len(want), len(got)))
             first_diff = {"prompt": p[:80], "token": k, "char": c, "generate": want[c:c + 40], "served": got[c:c + 40]}
     return {"prompts": len(prompts), "identical": same, "exact": False, "compared": "text",
             "reference": f"transformers generate ({dtype})", "tokens_agreed": agreed, "tokens": n,
@@ -192,10 +192,10 @@ def equality(folder: Path, prompts: list[str], served: list[list[int]], n: int, 
         return {"prompts": 0, "identical": 0}
     refs, _, dtype = _generate(folder, prompts, n, device)
     same, first_diff = 0, None
-    for p, ref, got in zip(prompts, refs, served):
+    for p, ref, got in zip(prompts, refs, served, strict=False):
         if ref == got:
             same += 1
         elif first_diff is None:
-            k = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+            k = next((i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b), min(len(ref), len(got)))
             first_diff = {"prompt": p[:80], "position": k}
     return {"prompts": len(prompts), "identical": same, "dtype": dtype, "first_difference": first_diff}

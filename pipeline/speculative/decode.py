@@ -79,7 +79,7 @@ class SpecStats:
         pad = len(other.drafted_by_position) - len(self.drafted_by_position)
         self.drafted_by_position += [0] * max(pad, 0)
         self.accepted_by_position += [0] * max(pad, 0)
-        for i, (d, a) in enumerate(zip(other.drafted_by_position, other.accepted_by_position)):
+        for i, (d, a) in enumerate(zip(other.drafted_by_position, other.accepted_by_position, strict=True)):
             self.drafted_by_position[i] += d
             self.accepted_by_position[i] += a
         for name in ("drafted", "accepted", "rejections", "target_forwards", "draft_forwards", "new_tokens",
@@ -87,7 +87,7 @@ class SpecStats:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def as_dict(self) -> dict:
-        acc = [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+        acc = [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position, strict=True)]
         return {**asdict(self), "alpha": self.alpha, "alpha_per_token": self.alpha_per_token,
                 "acceptance_by_position": acc,
                 "tokens_per_target_forward": self.tokens_per_target_forward}
@@ -254,7 +254,8 @@ def _widen(q: torch.Tensor | None, vocab: torch.Tensor | None, p: torch.Tensor) 
 
 def _check_args(draft, input_ids, max_new_tokens, gamma, temperature) -> None:
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"speculative decoding takes one sequence, input_ids of shape [1, T]; got {tuple(input_ids.shape)}")
+        raise ValueError(f"speculative decoding takes one sequence, input_ids of shape [1, T]; got "
+                         f"{tuple(input_ids.shape)}")
     if gamma < 0 or (gamma > 0 and draft is None):
         raise ValueError(f"gamma must be >= 0 and a draft model is needed when gamma > 0 (gamma={gamma})")
     if max_new_tokens < 1 or temperature < 0:

@@ -28,7 +28,8 @@ from pipeline.speculative.targets import TargetStore, TrainingData, fingerprint,
 MEASURE_ONLY = {"measure", "gamma"}  # read only when the draft is measured: never part of what a draft is
 
 
-def init_draft(verifier, cfg: DraftConfig, base_dir: Path | None, verifier_tok) -> tuple[torch.nn.Module, list[int] | None]:
+def init_draft(verifier, cfg: DraftConfig, base_dir: Path | None,
+               verifier_tok) -> tuple[torch.nn.Module, list[int] | None]:
     """The undistilled draft: verifier layers (copied from `base_dir`, the unquantized model, if
     the verifier is quantized) or another model with the same tokenizer ([draft] source: any model
     source, loaded in float32 like [model])."""
@@ -78,8 +79,8 @@ def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], ou
     if save_initial and lens is not None and not (work_dir / "initial" / "config.json").exists():
         student.export(work_dir / "initial", tok, {"verifier": cfg.verifier, "distilled": False, "lens": lens},
                        dtype=cfg.dtype)
-    log(f"draft: layers {layers}, head {'full' if vocab is None else f'{vocab.numel()} tokens (coverage {coverage:.3f})'}, "
-        f"{len(windows)} training windows of {d.seq_len} tokens")
+    head = "full" if vocab is None else f"{vocab.numel()} tokens (coverage {coverage:.3f})"
+    log(f"draft: layers {layers}, head {head}, {len(windows)} training windows of {d.seq_len} tokens")
     if d.steps == 0:
         log("draft: [draft.distill] steps = 0: no distillation, the draft is used as initialised")
         metrics = {"steps": 0, "resumed_from_step": 0, "train_time_s": 0.0, "teacher_time_s": 0.0,
@@ -91,7 +92,8 @@ def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], ou
     # published with the draft: the verifier checkpoint's folder name and file names, never a path of this machine
     manifest = {"verifier": cfg.verifier, "verifier_dir": verifier_dir.name, "layers": layers,
                 "draft_vocab_size": None if vocab is None else int(vocab.numel()), "vocab_coverage": coverage,
-                "seed": seed, "distill": metrics, "config": public_tree(cfg.model_dump(mode="json", exclude=MEASURE_ONLY))}
+                "seed": seed, "distill": metrics,
+                "config": public_tree(cfg.model_dump(mode="json", exclude=MEASURE_ONLY))}
     student.export(out_dir, tok, manifest, dtype=cfg.dtype)
     metrics.update(layers=layers, draft_vocab_size=manifest["draft_vocab_size"], vocab_coverage=coverage, lens=lens,
                    undistilled_dir=str(undistilled_dir), total_time_s=time.perf_counter() - t_start)

@@ -71,7 +71,8 @@ def teacher_targets(teacher, ids: torch.Tensor, k: int, temperature: float, prec
 
 @torch.no_grad()
 def generate_with_targets(teacher, prompts: torch.Tensor, new_tokens: int, k: int, temperature: float,
-                          gen_temperature: float, generators: list[torch.Generator], precision: str = "fp32") -> Targets:
+                          gen_temperature: float, generators: list[torch.Generator],
+                          precision: str = "fp32") -> Targets:
     """On-policy targets: the verifier continues each prompt by `new_tokens` (KV cache, batched)
     and its top-k at every position is kept on the way, so the data costs one pass."""
     cache, seq = DynamicCache(), prompts.to(teacher.device)
@@ -184,7 +185,7 @@ class TrainingData:
         if n_off:
             idx = self._indices(step, n_off, self.pool_off, tag=0)
             keys = [f"c4:{i}" for i in idx]
-            missing = [(k, i) for k, i in zip(keys, idx) if k not in self.store]
+            missing = [(k, i) for k, i in zip(keys, idx, strict=True) if k not in self.store]
             if missing:
                 self.store.put([k for k, _ in missing], teacher_targets(
                     self.teacher, self.windows[[i for _, i in missing]], self.top_k, self.temperature, self.precision))
@@ -202,7 +203,7 @@ class TrainingData:
         the same chunk is always generated together: batched decoding amortises the verifier's
         weight reads, and the result does not depend on which step first asked for it)."""
         keys = [self._gen_key(j) for j in idx]
-        for chunk in sorted({j // self.gen_batch for j, k in zip(idx, keys) if k not in self.store}):
+        for chunk in sorted({j // self.gen_batch for j, k in zip(idx, keys, strict=True) if k not in self.store}):
             js = list(range(chunk * self.gen_batch, min((chunk + 1) * self.gen_batch, self.pool_on)))
             prompts = self.windows[[self.windows.shape[0] - 1 - j for j in js], : self.prompt_len]
             gens = [torch.Generator().manual_seed(self.seed * 7919 + j) for j in js]

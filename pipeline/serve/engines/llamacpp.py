@@ -1,6 +1,7 @@
-"""The llama.cpp engine: `compress serve` on a .gguf file through llama-cpp-python's own OpenAI-compatible server (llama_cpp.server, the
-`gguf-serve` extra), run in this process on the socket `compress serve` already bound, so the checks before it
-(folder, engine, port in use, loopback without a key) and the exit on SIGTERM are the same as for transformers.
+"""The llama.cpp engine: `compress serve` on a .gguf file through llama-cpp-python's own OpenAI-compatible server
+(llama_cpp.server, the `gguf-serve` extra), run in this process on the socket `compress serve` already bound, so the
+checks before it (folder, engine, port in use, loopback without a key) and the exit on SIGTERM are the same as for
+transformers.
 
 What llama-cpp-python 0.3.36's server does, read from its source (llama_cpp/server/app.py, settings.py):
 - one request at a time: every route takes `llama_inner_lock` for the whole generation, so concurrent clients

@@ -10,10 +10,10 @@ vLLM's CUDA build on a GPU machine). What `compress serve --engine vllm` does ar
 - vLLM checks its API key on the /v1 routes only (/invocations, /tokenize, /pause, /abort_requests stay open), so
   it binds loopback only: any other --host is refused. The key goes in VLLM_API_KEY, never on the command line;
 - `--slots` is vLLM's --max-num-seqs, `--max-model-len` its own (capped at the model's context), `--threads` the
-  cores its CPU worker binds (VLLM_CPU_OMP_THREADS_BIND; unset: all of them, not vLLM's one-core default), and the KV cache (--kv-cache-memory-bytes) is sized from
-  the model's shapes for `--slots` sequences of `--max-model-len` tokens, not vLLM's CPU default of a fixed share;
-  `--enforce-eager` skips its torch.compile step (on 2 cores: ready in ~45 s instead of ~100-130 s, at 0.7-0.85x the
-  compiled throughput; measured on SmolLM2-135M GPTQ w4g64);
+  cores its CPU worker binds (VLLM_CPU_OMP_THREADS_BIND; unset: all of them, not vLLM's one-core default), and the
+  KV cache (--kv-cache-memory-bytes) is sized from the model's shapes for `--slots` sequences of `--max-model-len`
+  tokens, not vLLM's CPU default of a fixed share; `--enforce-eager` skips its torch.compile step (on 2 cores: ready
+  in ~45 s instead of ~100-130 s, at 0.7-0.85x the compiled throughput; measured on SmolLM2-135M GPTQ w4g64);
 - start-up is bounded (`--start-timeout-s`): past it, or when vLLM exits first, exit 4 with the last lines of its
   log; SIGTERM/SIGINT is passed on to vLLM's API server, which gets `--drain-s` (+10 s) to stop its engine, then
   its whole process group is killed: no orphan is left, exit 0. vLLM dying while serving is exit 4 with its last line.
@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import urllib.request
+from contextlib import suppress
 from pathlib import Path
 
 from pipeline.base.errors import RecipeError, StageError
@@ -220,10 +221,8 @@ class Supervisor:
         SIGKILL to whatever is left of its process group."""
         if self.proc.poll() is None:
             self.proc.terminate()
-            try:
+            with suppress(subprocess.TimeoutExpired):
                 self.proc.wait(self.opts.drain_s + 10)
-            except subprocess.TimeoutExpired:
-                pass
         _signal_group(self.proc.pid, signal.SIGKILL)  # workers outliving the server, if any
         if self.proc.poll() is None:
             self.proc.wait()
