@@ -34,7 +34,7 @@ class Admission:
         self.waiting += 1
         try:
             await asyncio.wait_for(self._sem.acquire(), self.timeout_s)
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11; not a TimeoutError in 3.10
             self.rejected += 1
             raise Busy(f"no slot within {self.timeout_s:g} s ({self.slots} slots busy)", "queue_timeout") from None
         finally:
@@ -42,6 +42,7 @@ class Admission:
         self.active += 1
 
     def release(self) -> None:
+        assert self._sem is not None  # made by the acquire() this release pairs with
         self.active -= 1
         self._sem.release()
 

@@ -271,3 +271,60 @@ def test_engine_stream_ends_when_the_generation_thread_has_stopped():
     steps = asyncio.run(asyncio.wait_for(collect(), 5))
     assert len(steps) == 1 and steps[0].finished and steps[0].error == "the generation thread stopped"
     assert eng._cb.output_router.result_handlers == {}
+
+
+class _AsyncioTimeout310(Exception):
+    """asyncio.TimeoutError as Python 3.10 defines it: not the builtin TimeoutError (the same class from 3.11)."""
+
+
+@pytest.fixture
+def asyncio_timeout_of_python_310(monkeypatch):
+    """asyncio.wait_for raising Python 3.10's asyncio.TimeoutError (requires-python is >= 3.10; this venv is 3.11)."""
+    wait_for = asyncio.wait_for
+
+    async def wait_for_310(aw, timeout):
+        try:
+            return await wait_for(aw, timeout)
+        except TimeoutError:
+            raise _AsyncioTimeout310 from None
+
+    monkeypatch.setattr(asyncio, "TimeoutError", _AsyncioTimeout310)
+    monkeypatch.setattr(asyncio, "wait_for", wait_for_310)
+
+
+def test_a_wait_past_queue_timeout_is_busy_on_python_310_too(asyncio_timeout_of_python_310):
+    """`except TimeoutError` alone let Python 3.10's asyncio.TimeoutError through: a 500, not a 503 queue_timeout."""
+    from pipeline.serve.admission import Admission, Busy
+
+    adm = Admission(slots=1, max_queue=1, timeout_s=0.05)
+
+    async def second_waits_too_long() -> str:
+        await adm.acquire()
+        with pytest.raises(Busy) as refused:
+            await adm.acquire()
+        return refused.value.reason
+
+    assert asyncio.run(second_waits_too_long()) == "queue_timeout"
+    assert (adm.active, adm.waiting, adm.rejected) == (1, 0, 1)
+
+
+def test_engine_stream_outlives_poll_timeouts_on_python_310_too(asyncio_timeout_of_python_310):
+    """A request whose first output comes after several POLL_S waits (a long prefill) still gets it: on Python 3.10
+    each wait's asyncio.TimeoutError must be caught as a poll timeout, not end the stream."""
+    class Slow(EagerManager):
+        def add_request(self, ids, request_id, max_new_tokens, streaming, eos_token_id):
+            threading.Timer(0.2, self._deliver, (_Out(request_id, [100], True),)).start()
+            return request_id
+
+        def is_running(self) -> bool:
+            return True
+
+    eng = TransformersEngine.__new__(TransformersEngine)
+    eng._cb, eng._ids, eng.eos, eng.POLL_S = Slow(), itertools.count(), [2], 0.02
+    eng._cb.background_thread_status = type("Status", (), {"fatal_error": None})()
+
+    async def collect() -> list[Step]:
+        return [s async for s in eng.generate([1, 5], 1, ignore_eos=False)]
+
+    steps = asyncio.run(asyncio.wait_for(collect(), 5))
+    assert [s.tokens for s in steps] == [[100]] and steps[0].finished and steps[0].error is None
