@@ -68,7 +68,7 @@ def _is_module(name: str, root: Path) -> bool:
     return module_file(name, root) is not None or (name != PACKAGE and root.joinpath(*name.split(".")[1:]).is_dir())
 
 
-def _scan(path: Path, root: Path) -> tuple[set[str], tuple[str, ...]]:
+def _scan(path: Path, root: Path) -> tuple[frozenset[str], tuple[str, ...]]:
     """(pipeline module names `path` imports or names, data globs it declares)."""
     return _scan_source(path.read_bytes(), module_name(path, root), path.name == "__init__.py")
 

@@ -158,7 +158,7 @@ _MADV_PAGEOUT = 21  # Linux 5.4+: reclaim; clean file pages go, dirty private (c
 def _mapped_ranges(folder: Path, suffix: str = ".safetensors") -> list[tuple[int, int]]:
     """Address ranges of this process's memory maps of *<suffix> files under `folder`."""
     root = str(Path(folder).resolve())
-    out = []
+    out: list[tuple[int, int]] = []
     try:
         lines = Path("/proc/self/maps").read_text().splitlines()
     except OSError:  # pragma: no cover - non-Linux

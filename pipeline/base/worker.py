@@ -101,6 +101,11 @@ class _StderrRelay:
             self.tail = (self.tail + text)[-16384:]
 
 
+def _expire(expired: threading.Event, proc: subprocess.Popen) -> None:
+    expired.set()
+    proc.kill()
+
+
 def run_child(cmd: list[str], log_path: Path, timeout_s: float | None = None,
               env: dict | None = None) -> tuple[int, str]:
     """Run `cmd` in a child that dies with this process. Libraries print banners and INFO lines on stdout
@@ -112,9 +117,10 @@ def run_child(cmd: list[str], log_path: Path, timeout_s: float | None = None,
     with open(log_path, "wb", buffering=0) as log:  # the child's stdout and our copy of its stderr share it
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
         expired = threading.Event()
-        timer = threading.Timer(timeout_s, lambda: (expired.set(), proc.kill())) if timeout_s else None
+        timer = threading.Timer(timeout_s, _expire, (expired, proc)) if timeout_s else None
         if timer:
             timer.start()
+        assert proc.stderr is not None  # stderr=PIPE
         relay, fd = _StderrRelay(log, sys.stderr), proc.stderr.fileno()
         try:
             while True:

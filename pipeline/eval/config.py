@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from dataclasses import field as dc_field
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
@@ -18,7 +18,8 @@ from pipeline.base.strict import Strict
 Technique = Literal[
     "kv_cache", "no_kv_cache", "static_cache", "compile", "sdpa", "eager", "flash_attention_2"
 ]
-TECHNIQUES: tuple[str, ...] = Technique.__args__  # type: ignore[attr-defined]
+TECHNIQUES: tuple[str, ...] = get_args(Technique)
+_DEFAULT_TECHNIQUES: tuple[Technique, ...] = ("kv_cache", "no_kv_cache")
 
 
 class PerplexityConfig(Strict):
@@ -60,7 +61,7 @@ class SpeedConfig(BaseModel):
     repeats: int = Field(3, ge=1, description="timed runs per cell; the median is reported")
     warmup: int = Field(1, ge=0, description="untimed runs before each cell")
     techniques: list[Technique] = Field(
-        default_factory=lambda: ["kv_cache", "no_kv_cache"],
+        default_factory=lambda: list(_DEFAULT_TECHNIQUES),
         description="named technique rows, timed at batch 1",
     )
     technique_models: Literal["all"] | list[str] = Field(
@@ -167,12 +168,14 @@ def _bound_fields(defaults: bool) -> dict:
 GateBounds = create_model("GateBounds", __config__=ConfigDict(extra="forbid"), **_bound_fields(defaults=False))
 
 
-class GatesConfig(create_model("_GlobalBounds", __config__=ConfigDict(extra="forbid"), **_bound_fields(defaults=True))):
+# a base built at run time from GATES: mypy cannot see its fields (misc: "Unsupported dynamic base class")
+class GatesConfig(create_model("_GlobalBounds",  # type: ignore[misc]
+                               __config__=ConfigDict(extra="forbid"), **_bound_fields(defaults=True))):
     """`[validate.gates]`: global bounds, per-model overrides, and gates that only warn."""
 
     warn_only: list[str] = Field(default_factory=list, description="gate names that warn instead of failing")
     speculative_mode: str = Field("greedy", description="which speculative measurement the draft gates read")
-    models: dict[str, GateBounds] = Field(  # type: ignore[valid-type]
+    models: dict[str, GateBounds] = Field(
         default_factory=dict, description="per-model overrides (a set field replaces the global bound)"
     )
     task_recovery_bound: Literal["point", "lower"] = Field(

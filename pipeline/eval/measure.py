@@ -45,8 +45,9 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
     embedding table, of which a step reads one row."""
     seen: set[tuple[int, int]] = set()
     total = 0
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    hf: Any = model  # a transformers model (get_*_embeddings), or any module without them
+    emb = hf.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    out = hf.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     skip = None
     if emb is not None and (out is None or out.weight.data_ptr() != emb.weight.data_ptr()):
         skip = emb.weight.data_ptr()
@@ -55,8 +56,10 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
         extras = (getattr(state, "absmax", None), getattr(getattr(state, "state2", None), "absmax", None),
                   getattr(t, "SCB", None))  # bitsandbytes Int8Params: per-row scales
         for x in (t, *extras):
-            key = (x.data_ptr(), x.nbytes) if isinstance(x, torch.Tensor) else None
-            if key is None or key in seen or x.data_ptr() == skip:
+            if not isinstance(x, torch.Tensor):
+                continue
+            key = (x.data_ptr(), x.nbytes)
+            if key in seen or x.data_ptr() == skip:
                 continue
             seen.add(key)
             total += x.nbytes

@@ -9,6 +9,7 @@ import math
 import shutil
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -53,10 +54,12 @@ def measure_perplexity(model, ids: torch.Tensor, cfg, out: Path, reference: Path
         n = targets.numel()
         if ref is None:
             v, ix = topk_reference(logp, cfg.kl_top_k)
-            kept_logp.append(v), kept_idx.append(ix)
+            kept_logp.append(v)
+            kept_idx.append(ix)
         else:
             kl, agree = kl_top1(ref["logp"][offset: offset + n], ref["idx"][offset: offset + n], logp)
-            kls.append(kl), agrees.append(agree)
+            kls.append(kl)
+            agrees.append(agree)
         offset += n
 
     bar = tqdm(total=len(windows), desc=f"perplexity {label}", unit="win", leave=False)
@@ -124,6 +127,7 @@ def evaluate(model_dir: Path, out: Path, ppl_cfg, smoke_cfg, device: str, refere
     in_memory = offload_bytes(model_dir, ppl_cfg.seq_len, memory_limit, device)
     offload = None
     if in_memory is not None:
+        assert memory_limit is not None  # offload_bytes offloads only under a limit
         scratch = out / "offload"
         scratch.mkdir(exist_ok=True)
         offload = (in_memory, scratch)
@@ -133,6 +137,7 @@ def evaluate(model_dir: Path, out: Path, ppl_cfg, smoke_cfg, device: str, refere
     model = load_checkpoint(model_dir, device, offload=offload)
     dtype = model.dtype
     ids = eval_ids(tokenizer, ppl_cfg, out, reference)
+    result: dict[str, Any]
     with float32_matmuls(dtype, device):  # a 16-bit model on a CPU without 16-bit units (pipeline/model/compute.py)
         result = {"perplexity": measure_perplexity(model, ids, ppl_cfg, out, reference, label),
                   "footprint_bytes": int(model.get_memory_footprint()), "compute": describe_compute(dtype, device),

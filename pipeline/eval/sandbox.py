@@ -45,6 +45,7 @@ import time
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 
 @dataclass(frozen=True)
@@ -156,10 +157,13 @@ class Sandbox:
         self.proc = subprocess.Popen(argv(code, limits, sandbox_kind or kind()), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                                      cwd="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+        assert self.proc.stdin is not None and self.proc.stdout is not None and self.proc.stderr is not None  # PIPE
+        self.stdin: IO[bytes] = self.proc.stdin
+        self._pipes = (self.proc.stdin, self.proc.stdout, self.proc.stderr)
         self._out, self._err = self.proc.stdout.fileno(), self.proc.stderr.fileno()
         self._bufs = {self._out: bytearray(), self._err: bytearray()}
         self._open = set(self._bufs)
-        for fd in (*self._open, self.proc.stdin.fileno()):
+        for fd in (*self._open, self.stdin.fileno()):
             os.set_blocking(fd, False)
         self.read_bytes = 0
 
@@ -174,7 +178,7 @@ class Sandbox:
         return bytes(self._bufs[self._err][-4096:])
 
     def send(self, data: bytes, deadline: float) -> None:
-        fd, view = self.proc.stdin.fileno(), memoryview(data)
+        fd, view = self.stdin.fileno(), memoryview(data)
         while view:
             if not select.select([], [fd], [], max(0.0, deadline - time.monotonic()))[1]:
                 raise TimedOut("timed out")
@@ -239,7 +243,7 @@ class Sandbox:
             self.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
         while init is not None and _alive(init) and time.monotonic() < deadline:
             time.sleep(0.01)
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+        for f in self._pipes:
             with suppress(OSError):
                 f.close()
 
@@ -279,7 +283,7 @@ def run_script(code: str, stdin: bytes = b"", limits: Limits = Limits(), sandbox
     with Sandbox(code, limits, sandbox_kind) as box:
         try:
             box.send(stdin, deadline)
-            box.proc.stdin.close()
+            box.stdin.close()
             out = box.read_all(deadline)
             code_ = box.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except (TimedOut, subprocess.TimeoutExpired):

@@ -71,7 +71,9 @@ class SharedContextLM(HFLM):
     def _batches(self, groups: list) -> list[list]:
         """Consecutive groups, as many as fill `batch_size` choice rows (at least one group a batch)."""
         size = self.batch_size if isinstance(self.batch_size, int) and self.batch_size > 0 else 16
-        out, cur, rows = [], [], 0
+        out: list[list] = []
+        cur: list = []
+        rows = 0
         for g in groups:
             if cur and rows + len(g[1]) > size:
                 out.append(cur)

@@ -47,7 +47,8 @@ _PROMPT_TEXT = (
 
 
 # ---------------------------------------------------------------- prompts and clocks
-def make_batch(tokenizer: Any, vocab_size: int, prompt_len: int, batch: int, device: str):
+def make_batch(tokenizer: Any, vocab_size: int, prompt_len: int, batch: int, device: str
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """`batch` prompts of lengths prompt_len, prompt_len - step, ... left-padded into one batch.
 
     Text from the tokenizer when there is one, else fixed pseudo-random ids (seeded)."""

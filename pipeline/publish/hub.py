@@ -58,9 +58,10 @@ def scrub(text: str, token: str | None) -> str:
     return _TOKEN_LIKE.sub("hf_<redacted>", text)
 
 
-def _explain(err: BaseException) -> str:
+def _explain(err: BaseException | None) -> str:
     """'Type: message' for err and the exceptions it was raised from (huggingface_hub wraps)."""
-    parts, seen = [], set()
+    parts: list[str] = []
+    seen: set[int] = set()
     while err is not None and id(err) not in seen and len(parts) < 4:
         seen.add(id(err))
         text = " ".join(str(err).split())

@@ -92,6 +92,13 @@ class Export:
     folder: Path
     files: dict[str, str]  # relpath -> sha256 from the manifest
 
+    @property
+    def draft_verifier(self) -> str:
+        """A draft's verifier (load_export refuses a draft that names none)."""
+        if not self.verifier:
+            raise PublishError(f"{self.name}: a draft must name its verifier")
+        return self.verifier
+
 
 # ---------------------------------------------------------------- reading the run
 
@@ -170,7 +177,7 @@ def select(exports: dict[str, Export], skipped: dict[str, str], cfg: PublishConf
         raise PublishError(f"[publish].include names {unknown}, not exports of this run; "
                            f"available: {sorted(listed)}")
     skipped.update({n: "not in [publish].include" for n in exports if n not in wanted})
-    chosen = []
+    chosen: list[str] = []
     for name in sorted((n for n in wanted if n in exports), key=lambda n: (exports[n].kind == "draft", n)):
         if exports[name].kind != "draft" or _verifier_ok(exports[name], exports, chosen, cfg, skipped):
             chosen.append(name)
@@ -208,7 +215,7 @@ def _message(cfg: PublishConfig, report: Report, export: Export, run: str) -> st
     values: dict[str, Any] = {"variant": export.name, "run": run}
     if used & {"perplexity", "ppl_ratio"}:
         # a draft has no perplexity of its own: its commit carries its verifier's figures
-        name = export.verifier if export.kind == "draft" else export.name
+        name = export.draft_verifier if export.kind == "draft" else export.name
         entry = report.baseline if name == "baseline" else report.variants.get(name)
         ppl = ((entry.perplexity if entry else None) or {}).get("value")
         base = ((report.baseline.perplexity if report.baseline else None) or {}).get("value")
@@ -217,6 +224,7 @@ def _message(cfg: PublishConfig, report: Report, export: Export, run: str) -> st
                                "{perplexity}/{ppl_ratio} placeholders of [publish].commit_message")
         values["perplexity"] = float(ppl)
         if "ppl_ratio" in used:
+            assert base  # checked above
             values["ppl_ratio"] = float(ppl) / float(base)
     return cfg.commit_message.format(**values)
 
@@ -254,12 +262,15 @@ def plan(run_dir: Path, cfg: PublishConfig) -> Plan:
         raise PublishError(f"[publish].main_variant {cfg.main_variant!r} is not an export "
                            f"of this run; available: {sorted(report.exports)}")
     chosen = select(exports, skipped, cfg)
-    items, targets, seen = [], {}, set()
+    items: list[PushItem] = []
+    targets: dict[str, tuple[str, str]] = {}
+    seen: set[tuple[str, str, str]] = set()
+    keep: tuple[str, ...]
     for name in chosen:
         export = exports[name]
         files = verify_files(export)
         if export.kind == "draft" and cfg.draft == "folder":
-            repo_id, revision = targets[export.verifier]
+            repo_id, revision = targets[export.draft_verifier]
             path_in_repo, keep = DRAFT_FOLDER, ()
         else:
             repo_id, revision = _target(cfg, model, export)

@@ -116,7 +116,8 @@ class Service:
         """(text delta, new token ids, all tokens, finish reason or None) as the output grows; the last one has the
         finish reason. A stop string ends it (its text cut before the stop string) and cancels the generation.
         Not `live` and no stop string: the text is decoded once, at the end."""
-        view, sent, tokens = StopText(req.stops), "", []
+        view, sent = StopText(req.stops), ""
+        tokens: list[int] = []
         decode, context = functools.partial(self.tok.decode, skip_special_tokens=True), ids[-CONTEXT_TOKENS:]
         async with aclosing(self.engine.generate(ids, n, req.ignore_eos)) as steps:
             async for step in steps:

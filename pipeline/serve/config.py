@@ -8,6 +8,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeline.quant.registry import METHODS
 
+EngineChoice = Literal["auto", "transformers", "llama.cpp", "vllm"]
+_DEFAULT_ENGINES: tuple[EngineChoice, ...] = ("auto",)
+
 
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -15,8 +18,8 @@ class ServeConfig(BaseModel):
     enabled: bool = Field(False, description="serve the selected models in each engine and load-test them "
                                              "(validate/<model>/serve/<engine>)")
     models: Literal["all"] | list[str] = Field("all", description="which models are served ('all' or names)")
-    engines: Literal["all"] | list[Literal["auto", "transformers", "llama.cpp", "vllm"]] = Field(
-        default_factory=lambda: ["auto"],
+    engines: Literal["all"] | list[EngineChoice] = Field(
+        default_factory=lambda: list(_DEFAULT_ENGINES),
         description="engines each model is served and load-tested in, one unit each. auto: transformers for Hugging "
                     "Face checkpoints, llama.cpp for a GGUF variant (skipped with a recorded reason when "
                     "llama-cpp-python is not installed); all: every engine that declares the model's format on this "
@@ -75,7 +78,7 @@ def model_format(method: str | None) -> str:
 
 
 def engine_plan(cfg: ServeConfig, fmt: str, device: str, model: str
-                ) -> tuple[dict[str, str | None], list[tuple[str, str]]]:
+                ) -> tuple[dict[str, str | None], list[tuple[str, str | None]]]:
     """({engine: None to serve it, or why it is skipped}, [(engine, why it cannot)]) for one model of format `fmt`.
     "all": every engine declaring the format here, one not installed skipped with its reason. A list: "auto" is the
     format's default engine (skipped with its reason when that is an extra not installed); a named engine serves the
@@ -123,8 +126,8 @@ def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None]], device: s
         fmt = model_format(method)
         plan, refused = engine_plan(cfg, fmt, device, name)
         what = describe(fmt) if fmt == "gguf" else f"a Hugging Face checkpoint ({method or 'unquantized'})"
-        for engine, why in refused:
-            problems.append(f"[validate.serve] engines = {cfg.engines!r}: {engine} cannot serve {name!r} ({what}) "
+        for other, why in refused:
+            problems.append(f"[validate.serve] engines = {cfg.engines!r}: {other} cannot serve {name!r} ({what}) "
                             f"here: {why}; {engines.able(engines.engines_for(fmt, device))} (set engines = ['auto'] "
                             f"or leave {name!r} out of [validate.serve] models)")
         if not plan and not refused:

@@ -89,8 +89,10 @@ def run(asgi_app, drain: Drain, sock: socket.socket, drain_s: float) -> None:
                 self.should_exit = True
             return await super().on_tick(counter)
 
-    config = uvicorn.Config(asgi_app, log_level="warning", timeout_graceful_shutdown=CLOSE_S, access_log=False,
-                            timeout_keep_alive=5)
+    # uvicorn annotates timeout_graceful_shutdown as int but passes it to asyncio.wait_for, which takes seconds as float
+    config = uvicorn.Config(asgi_app, log_level="warning",
+                            timeout_graceful_shutdown=CLOSE_S,  # type: ignore[arg-type]
+                            access_log=False, timeout_keep_alive=5)
     for sig in (signal.SIGTERM, signal.SIGINT):
         # uvicorn restores the handlers it found and re-raises the signal it drained on: a no-op here makes the
         # drained exit 0 (not -15)

@@ -12,14 +12,14 @@ Every field of a request is one of three kinds (vLLM's and llama.cpp's OpenAI se
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 MAX_BODY_BYTES = 4 * 1024 * 1024  # 4 MiB: a batch of 80 prompts of 2048 token ids is about 1.3 MB of JSON
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
-_NOTHING = (None, [], {}, "")
+_NOTHING: tuple[object, ...] = (None, [], {}, "")
 _NO_TOOLS = "tools are not served (no tool calling here)"
 # field: (values that ask for nothing, why any other value is refused); both routes unless listed per route below
 UNSERVED: dict[str, tuple[tuple, str]] = {
@@ -105,7 +105,7 @@ class CompletionRequest(RequestBase):
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
             return [p]
-        return list(p)
+        return list(cast("list[str] | list[list[int]]", p))  # a list of ids (not empty) was returned above
 
 
 class TextPart(BaseModel):

@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, Field, model_validator
 
 ParamGroup = Literal["layers", "norm", "head", "embed"]
+_DEFAULT_TRAIN: tuple[ParamGroup, ...] = ("layers", "norm", "head")
 
 
 class DistillConfig(BaseModel, extra="forbid"):
@@ -32,7 +33,7 @@ class DistillConfig(BaseModel, extra="forbid"):
                            "acceptance)")
     temperature: float = Field(1.0, gt=0, description="softens both the teacher's and the draft's distributions in "
                                                       "the loss (no T^2 rescaling)")
-    train: list[ParamGroup] = Field(default_factory=lambda: ["layers", "norm", "head"],
+    train: list[ParamGroup] = Field(default_factory=lambda: list(_DEFAULT_TRAIN),
                                     description="parameter groups that are trained (distinct, at least one); the "
                                                 "others stay frozen")
     top_k: int = Field(64, ge=1, description="teacher top-k log-probs kept per position")

@@ -23,6 +23,7 @@ import math
 import pickle
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -125,7 +126,7 @@ def distill(student, data, cfg, work_dir: Path | None, seed: int, log=print, fau
     torch.manual_seed(seed)
     params = student.set_trainable(cfg.train)
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    state = {"step": 0, "elapsed": 0.0, "teacher_s": 0.0, "history": []}
+    state: dict[str, Any] = {"step": 0, "elapsed": 0.0, "teacher_s": 0.0, "history": []}
     ckpt = Path(work_dir) / "checkpoint.pt" if work_dir else None
     if ckpt and ckpt.exists():
         state = _load_checkpoint(ckpt, student, opt, run_fingerprint, log) or state

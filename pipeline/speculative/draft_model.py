@@ -15,7 +15,9 @@ import copy
 import json
 import re
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,9 @@ from torch import nn
 
 from pipeline.model.dtypes import torch_dtype
 from pipeline.speculative.targets import autocast
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 DRAFT_VOCAB_FILE = "draft_vocab.json"
 PARAM_GROUPS = ("layers", "norm", "head", "embed")
@@ -37,7 +42,7 @@ def evenly_spaced_layers(total: int, keep: int) -> list[int]:
     return sorted({round(i * (total - 1) / (keep - 1)) for i in range(keep)})
 
 
-def init_draft_from_layers(verifier: nn.Module, layers: list[int], untie_head: bool = False) -> nn.Module:
+def init_draft_from_layers(verifier: PreTrainedModel, layers: list[int], untie_head: bool = False) -> PreTrainedModel:
     """A copy of `verifier` keeping only decoder `layers` (embeddings, final norm, head copied).
     The result is the same HF class with `num_hidden_layers = len(layers)`."""
     total = verifier.config.num_hidden_layers
@@ -68,7 +73,7 @@ def init_draft_from_layers(verifier: nn.Module, layers: list[int], untie_head: b
 
 
 @torch.no_grad()
-def fit_output_map(draft: nn.Module, verifier: nn.Module, windows: torch.Tensor, ridge: float = 1e-3,
+def fit_output_map(draft: PreTrainedModel, verifier: PreTrainedModel, windows: torch.Tensor, ridge: float = 1e-3,
                    batch_size: int = 8, precision: str = "bf16") -> float:
     """Tuned-lens initialisation of the draft's head, in closed form (cf. Belrose et al. 2023).
 
@@ -97,12 +102,12 @@ def fit_output_map(draft: nn.Module, verifier: nn.Module, windows: torch.Tensor,
     return float((v - u @ m_t).pow(2).sum() / v.pow(2).sum())
 
 
-def select_vocab(token_streams, size: int, vocab_size: int, always: list[int] = ()) -> torch.Tensor:
+def select_vocab(token_streams, size: int, vocab_size: int, always: Iterable[int] = ()) -> torch.Tensor:
     """The `size` most frequent token ids of a corpus (plus `always`, e.g. EOS), sorted by id.
     Ties are broken by the smaller id, so the choice is deterministic."""
     if not 1 <= size <= vocab_size:
         raise ValueError(f"draft vocab_size must be in [1, {vocab_size}]; got {size}")
-    counts = Counter()
+    counts: Counter[int] = Counter()
     for ids in token_streams:
         counts.update(ids)
     forced = sorted({int(i) for i in always})
@@ -132,11 +137,13 @@ class DraftStudent(nn.Module):
     """A HF causal LM plus an optional reduced head: logits over `vocab` (None = full vocabulary).
     The reduced head is its own parameter, initialised from the model's head rows."""
 
-    def __init__(self, model: nn.Module, vocab: torch.Tensor | None = None):
+    vocab: torch.Tensor | None  # a buffer (follows .to()), not saved in state_dict
+
+    def __init__(self, model: PreTrainedModel, vocab: torch.Tensor | None = None):
         super().__init__()
         self.model = model
         self.register_buffer("vocab", vocab, persistent=False)
-        self.head = None
+        self.head: nn.Parameter | None = None
         if vocab is not None and model.config.tie_word_embeddings:
             raise ValueError("a reduced head needs an untied draft (init_draft_from_layers(..., untie_head=True))")
         if vocab is not None:
@@ -186,6 +193,7 @@ class DraftStudent(nn.Module):
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         if self.head is not None:
+            assert self.vocab is not None  # a reduced head exists only with its vocab
             with torch.no_grad():
                 weight = self.model.get_output_embeddings().weight
                 weight[self.vocab.to(weight.device)] = self.head.detach()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
@@ -24,7 +25,8 @@ def measure_speculative(verifier_dir: Path, draft_dir: Path, prompts: list[str],
     tok = AutoTokenizer.from_pretrained(str(verifier_dir))
     verifier = load_causal_lm(verifier_dir, device)
     ids = encode_prompts(tok, prompts[: m.num_prompts], m.prompt_len)
-    result = {"gamma": cfg.gamma, "prompts": len(ids), "prompt_len": m.prompt_len, "new_tokens": m.new_tokens}
+    result: dict[str, Any] = {"gamma": cfg.gamma, "prompts": len(ids), "prompt_len": m.prompt_len,
+                              "new_tokens": m.new_tokens}
     drafts = {"distilled": Path(draft_dir)}
     if m.compare_undistilled and undistilled_dir is not None:
         drafts["undistilled"] = Path(undistilled_dir)
@@ -33,7 +35,7 @@ def measure_speculative(verifier_dir: Path, draft_dir: Path, prompts: list[str],
     for name, path in drafts.items():
         draft, vocab = load_causal_lm(path, device), load_draft_vocab(path)
         costs = measure_costs(verifier, draft, ids[0], cfg.gamma, vocab)
-        entry = {"costs": costs, "draft_vocab_size": None if vocab is None else int(vocab.numel())}
+        entry: dict[str, Any] = {"costs": costs, "draft_vocab_size": None if vocab is None else int(vocab.numel())}
         subset = ids if name != "undistilled" else ids[: max(1, len(ids) // 4)]
         for t in m.temperatures:
             run = compare_loops(verifier, draft, subset, m.new_tokens, cfg.gamma, t, seed, vocab, m.warmup, m.repeats,

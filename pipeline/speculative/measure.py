@@ -56,7 +56,7 @@ def measure_costs(target, draft, ids: torch.Tensor, gamma: int, vocab=None, reps
     t_fn(ids, t_cache, 1)
     d_fn(ids, d_cache, 1)
     base = ids.shape[1]
-    times = {k: [] for k in range(1, gamma + 2)}
+    times: dict[int, list[float]] = {k: [] for k in range(1, gamma + 2)}
     draft_times = []
     extra = ids[:, : gamma + 1]
     for _ in range(reps):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
@@ -39,6 +40,7 @@ def init_draft(verifier, cfg: DraftConfig, base_dir: Path | None,
         from pipeline.model.models import load_source
         from pipeline.model.sources import parse
 
+        assert cfg.source is not None  # DraftConfig: init = 'model' needs source
         draft, draft_tok = load_source(parse(cfg.source), "float32", 0, None)
         check_tokenizers_match(verifier_tok, draft_tok)
         if untie and draft.config.tie_word_embeddings:
@@ -46,7 +48,11 @@ def init_draft(verifier, cfg: DraftConfig, base_dir: Path | None,
         return draft, None
     base = load_causal_lm(base_dir, str(verifier.device)) if base_dir else verifier
     total = base.config.num_hidden_layers
-    layers = cfg.layers if cfg.layers is not None else evenly_spaced_layers(total, cfg.num_layers)
+    if cfg.layers is not None:
+        layers = cfg.layers
+    else:
+        assert cfg.num_layers is not None  # DraftConfig sets it to 1 when neither is given
+        layers = evenly_spaced_layers(total, cfg.num_layers)
     return init_draft_from_layers(base, layers, untie_head=untie), layers
 
 
@@ -81,6 +87,7 @@ def build_draft(verifier_dir: Path, cfg: DraftConfig, train_texts: list[str], ou
                        dtype=cfg.dtype)
     head = "full" if vocab is None else f"{vocab.numel()} tokens (coverage {coverage:.3f})"
     log(f"draft: layers {layers}, head {head}, {len(windows)} training windows of {d.seq_len} tokens")
+    metrics: dict[str, Any]
     if d.steps == 0:
         log("draft: [draft.distill] steps = 0: no distillation, the draft is used as initialised")
         metrics = {"steps": 0, "resumed_from_step": 0, "train_time_s": 0.0, "teacher_time_s": 0.0,

@@ -192,6 +192,7 @@ class Supervisor:
         self.stop_signal = signum
 
     def _copy(self) -> None:
+        assert self.proc.stdout is not None  # stdout=PIPE
         for raw in self.proc.stdout:
             line = raw.decode(errors="replace")
             self.tail.append(line.rstrip("\n"))
