@@ -9,7 +9,7 @@ from pathlib import Path
 from pipeline.budget.formulas import GiB, RUNTIME_OVERHEAD, WORKER_OVERHEAD, quantize_bytes, speed_bytes, window_bytes
 from pipeline.model.dtypes import dtype_bytes
 from pipeline.model.sources import link_problem
-from pipeline.quant.registry import method_of
+from pipeline.quant.registry import method_of, reload_of
 
 
 def machine_memory() -> int:
@@ -83,7 +83,10 @@ def estimate_memory(recipe, info, plan, source) -> None:
         # GPTQModel repacks GPTQ-format weights for its CPU kernel at the first forward, while the pages it read
         # from the mapped checkpoint are still resident (measured on the 1.7B: 2.68 GiB against 1.74 predicted
         # without this copy)
-        repacked = linears if plan.device == "cpu" and method_of(v).repacked_on_cpu else 0
+        load = reload_of(v)
+        repacked = linears if plan.device == "cpu" and load.repacked_on_cpu else 0
+        if getattr(load, "decompressed_on_load", False):  # compressed-tensors: decompressed to dense weights at the
+            linears += dtype_bytes(plan.dtype) * (p - vocab * h)  # first forward, module by module (peak: both)
         resident[v.name] = linears + repacked + embed
         plan.memory[f"validate/{v.name}"] = WORKER_OVERHEAD + resident[v.name] + win
     speed = recipe.validate_.speed

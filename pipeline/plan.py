@@ -14,7 +14,7 @@ from pipeline.estimate import estimate_disk, estimate_memory
 from pipeline.budget.formulas import GiB
 from pipeline.quant.shapes import linear_shapes_from_config
 from pipeline.eval.config import GATE_SPECS, gate_problems, speed_problems
-from pipeline.quant.registry import check_variant, method_of, needs_calibration, runtimes
+from pipeline.quant.registry import check_variant, method_of, needs_calibration, runtimes, variant_format
 from pipeline.model.families import unknown_family
 from pipeline.eval.tasks_config import task_problems
 from pipeline.serve.config import serve_plan
@@ -265,7 +265,7 @@ def _check_serve(recipe, plan: Plan) -> list[str]:
     cfg = recipe.validate_.serve
     if not cfg.enabled:
         return []
-    models = [("baseline", None)] + [(q.name, q.method) for q in recipe.quantize]
+    models = [("baseline", None)] + [(q.name, q.method, variant_format(q)) for q in recipe.quantize]
     problems, plan.serve_engines = serve_plan(cfg, models, plan.device)
     plan.warnings += [f"validate/{n}/serve/{e}: skipped: {why}" for n, by in plan.serve_engines.items()
                       for e, why in by.items() if why is not None]

@@ -1,10 +1,12 @@
 """What the methods that write GPTQModel-loaded checkpoints share (GPTQ, RTN and AutoRound write the GPTQ format;
 AWQ its GEMM layout, loaded by the same library): the runtime table of the GPTQ format, the card's usage text, and
-the reload hook. Torch-free."""
+the reload hook. GPTQ, RTN and AutoRound also write the same integers as a compressed-tensors checkpoint when the
+variant says `format = "compressed-tensors"` (pipeline/quant/ct_format.py). Torch-free."""
 from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.quant.ct_format import CT, LOAD, ct_bits_per_weight, ct_problems, ct_runtimes, ct_usage
 from pipeline.quant.method import LLAMA_CPP_ROW, bits_tags, grouped_bits
 from pipeline.quant.shapes import quantized_linears
 
@@ -27,25 +29,37 @@ class GPTQModelKernels:
 
 class GPTQFormatMethod(GPTQModelKernels):
     """Mixin of the methods that write the GPTQ checkpoint format (GPTQ, RTN, AutoRound): its bits, group sizes,
-    runtimes, bits on disk, Hub tags and card usage."""
+    runtimes, bits on disk, Hub tags and card usage; each of them answers for the variant's `format` (the GPTQ
+    format, or the same integers as compressed-tensors)."""
 
     checkpoint_format = "gptq"
     bits = (2, 3, 4, 8)
     group_sizes = GPTQ_GROUP_SIZES
     hub_tag_names: tuple[str, ...] = ()  # the Hub tags before "<bits>-bit"
     made = ""  # how the card says the checkpoint was made, after "The checkpoint"
+    made_by = ""  # the same, for a compressed-tensors checkpoint (no format named)
+
+    def format_of(self, variant) -> str:
+        return variant.format
+
+    def reload_of(self, variant):
+        return LOAD if variant.format == CT else self
+
+    def check(self, variant, arch: dict, device: str) -> list[str]:
+        return ct_problems(variant, arch) if variant.format == CT else []
 
     def runtimes(self, variant, arch: dict) -> list[dict]:
-        return gptq_runtimes(variant, arch)
+        return ct_runtimes(variant, arch) if variant.format == CT else gptq_runtimes(variant, arch)
 
     def bits_per_weight(self, variant) -> float:
-        return grouped_bits(variant)
+        return ct_bits_per_weight(variant) if variant.format == CT else grouped_bits(variant)
 
     def hub_tags(self, params: dict) -> list[str]:
-        return bits_tags(params, *self.hub_tag_names)
+        tags = bits_tags(params, *self.hub_tag_names)
+        return [*tags, CT] if params.get("format") == CT else tags
 
     def card_usage(self, repo: str, params: dict, quantize: dict) -> list[str]:
-        return gptq_usage(repo, self.made)
+        return ct_usage(repo, self.made_by) if params.get("format") == CT else gptq_usage(repo, self.made)
 
 
 class GPTQModelDriven:

@@ -101,11 +101,16 @@ def save(model, base_dir: Path, out_dir: Path, variant) -> dict:
     # per-module loss table with wall times: into the log, so the checkpoint itself is reproducible
     append_file(out_dir / "quant_log.csv", out_dir / f"{ENGINE}.log")
     qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
-    if any(e != "lm_head" for e in variant.modules_to_skip):
+    extra = {}
+    if getattr(variant, "format", "gptq") == "compressed-tensors":  # the same integers, rewritten (ct_export.py)
+        from pipeline.quant.ct_export import rewrite_in_place
+
+        extra["gptq_config"], qc = qc, rewrite_in_place(out_dir)
+    elif any(e != "lm_head" for e in variant.modules_to_skip):
         qc["modules_in_block_to_quantize"] = quantized_in_blocks(out_dir)
     dtype = variant.dtype or base_dtype(base_dir)
     finish_checkpoint(base_dir, out_dir, qc, dtype)
-    return {"engine": ENGINE, "engine_version": engine_version(), "engine_config": qc, "dtype": dtype}
+    return {"engine": ENGINE, "engine_version": engine_version(), "engine_config": qc, "dtype": dtype, **extra}
 
 
 def scrub_offload(out_dir: Path) -> None:

@@ -4,7 +4,8 @@
 A method declares, as class attributes, what it accepts (bits, group sizes, dtypes, devices, calibration) and how
 it holds the model while quantizing (the memory plan), and implements: `check` (its own rules beyond those
 declarations), `runtimes` (the kernel table the cards print), `bits_per_weight` (on disk), `hub_tags` and
-`card_usage` (the Hub card), `before_load`/`after_load` (the reload hook: how its checkpoint is loaded back),
+`card_usage` (the Hub card), `before_load`/`after_load` (the reload hook: how its checkpoint is loaded back;
+`format_of`/`reload_of` when a variant may ask for another export format, e.g. compressed-tensors),
 and `session`/`quantize`/`save` (the work). Everything but the work is torch-free, and a method file imports its
 engine inside those three, so `compress check` imports every method without torch.
 
@@ -52,6 +53,15 @@ class QuantMethod:
         return "quant/methods/" + type(self).__module__.rpartition(".")[2] + ".py"
 
     # ------------------------------------------------------------ declarations (torch-free)
+
+    def format_of(self, variant) -> str:
+        """The checkpoint format this variant's checkpoint will have (methods that write one format: theirs)."""
+        return self.checkpoint_format
+
+    def reload_of(self, variant):
+        """What holds the reload facts (before_load/after_load, load_module, repacked_on_cpu) of this variant's
+        checkpoint: the method itself, or its export format's (pipeline/quant/ct_format.py)."""
+        return self
 
     def check(self, variant, arch: dict, device: str) -> list[str]:
         """This method's own rules beyond the declared bits/group sizes/dtypes/devices ([] = fine)."""

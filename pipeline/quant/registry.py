@@ -15,6 +15,7 @@ from typing import Annotated, Union
 
 from pydantic import BeforeValidator, Field
 
+from pipeline.quant.ct_format import LOAD as CT_LOAD
 from pipeline.quant.method import QuantMethod
 from pipeline.quant.shapes import module_names, quantized_linears, skip_pattern
 from pipeline.base.registry import Registry
@@ -23,6 +24,9 @@ from pipeline.base.registry import Registry
 # identity names only the method file of the variant it concerns (pipeline/base/codehash.py PLUGINS)
 METHOD_MODULES = ("gptq", "rtn", "awq", "autoround", "bnb", "torchao", "gguf")
 PACKAGE = "pipeline.quant.methods"
+
+# export formats no method writes by default (a variant's `format` field asks for them): their reload facts
+EXPORT_FORMATS = (CT_LOAD,)
 
 METHODS: Registry[QuantMethod] = Registry("quantization method")
 _VARIANTS: list[type] = []
@@ -36,13 +40,24 @@ def method_of(variant) -> QuantMethod:
     return METHODS.get(variant.method)
 
 
-def by_format(checkpoint_format: str | None) -> QuantMethod | None:
+def by_format(checkpoint_format: str | None):
     """A method that writes checkpoints of this format (config.json's quant_method), for its reload hook and load
-    facts (the methods of one format share them); None for an unquantized or unknown checkpoint."""
+    facts (the methods of one format share them), or the export format's own (compressed-tensors); None for an
+    unquantized or unknown checkpoint."""
     for name in METHODS:
         if METHODS.get(name).checkpoint_format == checkpoint_format:
             return METHODS.get(name)
-    return None
+    return next((f for f in EXPORT_FORMATS if f.checkpoint_format == checkpoint_format), None)
+
+
+def variant_format(variant) -> str:
+    """The checkpoint format a variant's folder will have ("gptq", "compressed-tensors", "gguf", ...)."""
+    return method_of(variant).format_of(variant)
+
+
+def reload_of(variant):
+    """The reload facts of a variant's checkpoint (repacked_on_cpu, load_module, ...): its method's or its format's."""
+    return method_of(variant).reload_of(variant)
 
 
 def checkpoint_method(config: dict) -> QuantMethod | None:

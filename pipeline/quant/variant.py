@@ -43,3 +43,8 @@ class GPTQFormat(VariantBase):
     sym: bool = Field(True, description="symmetric (zero point fixed at the middle of the grid)")
     dtype: Optional[Dtype] = Field(None, description="dtype the model runs in while quantizing; "
                                                      "None = the loaded checkpoint's dtype")
+    format: Literal["gptq", "compressed-tensors"] = Field(
+        "gptq", description="checkpoint format written: 'gptq' (qweight/qzeros/scales/g_idx, loaded through "
+                            "GPTQModel) or 'compressed-tensors' (pack-quantized W4A16/W8A16 with the same integers, "
+                            "scales and group size, loaded by transformers' and vLLM's own compressed-tensors code; "
+                            "4 or 8 bits, desc_act off, lm_head skipped)")

@@ -68,11 +68,14 @@ class ServeConfig(BaseModel):
         return engine not in self.engine_models or name in self.engine_models[engine]
 
 
-def model_format(method: str | None) -> str:
+def model_format(method: str | None, fmt: str | None = None) -> str:
     """The checkpoint format validate serves for a model, as engines declare formats: the baseline (method None) is
-    "unquantized", a variant its method's checkpoint format ("gptq", "awq", "bitsandbytes", "torchao", "gguf")."""
+    "unquantized", a variant the format its recipe entry asks for (`fmt`, pipeline.quant.registry.variant_format),
+    else its method's checkpoint format ("gptq", "awq", "bitsandbytes", "torchao", "gguf")."""
     if method is None:
         return "unquantized"
+    if fmt is not None:
+        return fmt
 
     return METHODS.get(method).checkpoint_format
 
@@ -109,21 +112,22 @@ def engine_plan(cfg: ServeConfig, fmt: str, device: str, model: str
 def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None]], device: str
                ) -> tuple[list[str], dict[str, dict[str, str | None]]]:
     """`compress check` for [validate.serve]: (problems, {model: {engine: None (served) or why it is skipped}}).
-    `models` are (name, method) pairs, the baseline's method None. A model no engine can serve here is refused,
-    naming the engines that can."""
+    `models` are (name, method) pairs, the baseline's method None, or (name, method, format) when a variant asks
+    for another format than its method's default. A model no engine can serve here is refused, naming the engines
+    that can."""
     from pipeline.serve import engines
     from pipeline.serve.engines.base import describe
 
     problems, out = [], {}
-    served = [n for n, _ in models if cfg.serves(n)]
+    served = [n for n, *_ in models if cfg.serves(n)]
     for engine, names in cfg.engine_models.items():
         if unknown := [n for n in names if n not in served]:
             problems.append(f"[validate.serve] engine_models.{engine}: {', '.join(map(repr, unknown))} not among the "
                             f"served models ({', '.join(served) or 'none'})")
-    for name, method in models:
+    for name, method, *asked in models:
         if not cfg.serves(name):
             continue
-        fmt = model_format(method)
+        fmt = model_format(method, *asked)
         plan, refused = engine_plan(cfg, fmt, device, name)
         what = describe(fmt) if fmt == "gguf" else f"a Hugging Face checkpoint ({method or 'unquantized'})"
         for other, why in refused:

@@ -19,9 +19,9 @@ def units(recipe) -> list[Unit]:
     models = [("baseline", "load")] + [(q.name, f"quantize/{q.name}") for q in recipe.quantize]
     ppl = v.perplexity
     eval_data = data.identity(data.resolve(ppl.dataset, ppl.text_field))  # the evaluation text, by content
-    from pipeline.quant.registry import method_of, model_code
+    from pipeline.quant.registry import model_code, variant_format
 
-    formats = {q.name: method_of(q).checkpoint_format for q in recipe.quantize}
+    formats = {q.name: variant_format(q) for q in recipe.quantize}
     out = []
     for name, src in models:
         code = CODE + model_code(recipe, name)  # a variant's checkpoint is loaded by its method's reload hook

@@ -51,6 +51,7 @@ class AutoRoundMethod(GPTQFormatMethod, QuantMethod):
     engine = ENGINE
     hub_tag_names = ("autoround", "gptq")  # a GPTQ-format checkpoint: found under both tags
     made = " (tuned by auto-round, exported in the GPTQ format)"
+    made_by = " (tuned by auto-round)"
     dtypes = ("float32", "bfloat16", "float16")
     needs_calibration = True
     note = ("AutoRound (Cheng et al. 2023): rounding and min/max tuned by signed gradient descent per block, "
@@ -58,6 +59,7 @@ class AutoRoundMethod(GPTQFormatMethod, QuantMethod):
 
     def check(self, variant, arch: dict, device: str) -> list[str]:
         problems = missing_package(AUTOROUND_PIN, "auto_round", "autoround") + lm_head_rule(variant, "AutoRound")
+        problems += super().check(variant, arch, device)  # the checkpoint format's rules (gptq_format.py)
         if variant.bits == 8 and not variant.sym:
             problems.append("bits = 8 with sym = false: auto-round refuses to export asymmetric 8-bit in the GPTQ "
                             "format; set sym = true")
@@ -175,12 +177,18 @@ def finish(tuned: Tuned, base_dir: Path, out_dir: Path, variant) -> dict:
     for f in tuned.folder.glob("*.safetensors*"):
         shutil.move(str(f), out_dir / f.name)
     qc = json.loads((tuned.folder / "config.json").read_text())["quantization_config"]
-    if any(e != "lm_head" for e in variant.modules_to_skip):  # as for GPTQ: the names transformers must quantize
+    extra = {}
+    if variant.format == "compressed-tensors":  # the same integers, rewritten (pipeline/quant/ct_export.py)
+        from pipeline.quant.ct_export import rewrite_in_place
+
+        shutil.copyfile(tuned.folder / "config.json", out_dir / "config.json")
+        extra["gptq_config"], qc = qc, rewrite_in_place(out_dir)
+    elif any(e != "lm_head" for e in variant.modules_to_skip):  # as for GPTQ: the names transformers must quantize
         qc["modules_in_block_to_quantize"] = quantized_in_blocks(out_dir)
     dtype = variant.dtype or base_dtype(base_dir)
     finish_checkpoint(base_dir, out_dir, qc, dtype)
     return {"engine": ENGINE, "engine_version": _engine_version(), "engine_config": qc, "dtype": dtype,
-            "torch_compile": tuned.torch_compile}
+            "torch_compile": tuned.torch_compile, **extra}
 
 
 METHODS = (AutoRoundMethod(),)

@@ -41,7 +41,7 @@ class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
     memory = "layerwise"
 
     def check(self, variant, arch: dict, device: str) -> list[str]:
-        problems = []
+        problems = super().check(variant, arch, device)  # the checkpoint format's rules (gptq_format.py)
         if variant.act_group_aware:
             if variant.desc_act:
                 problems.append("desc_act = true and act_group_aware = true exclude each other: drop act_group_aware")

@@ -1,0 +1,206 @@
+"""A GPTQ-format checkpoint rewritten as a compressed-tensors `pack-quantized` checkpoint (W4A16 / W8A16): the same
+integers, scales and group size, not a re-quantization.
+
+The GPTQ folder's qweight/qzeros/scales/g_idx are unpacked here (`gptq_integers`); the compressed-tensors side is
+written by compressed-tensors itself: a `QuantizationConfig` of one `QuantizationScheme` (int weights, group or
+channel strategy, symmetric when the GPTQ zero points all sit at the middle of the grid) is applied to the model,
+each quantized linear gets the GPTQ scales as its `weight_scale` (their dtype kept: float16 from GPTQModel) and the
+exactly dequantized weight (q - z) * s in float32, and `ModelCompressor.compress_model` quantizes and packs it. In
+float32 that product and the quotient compressed-tensors takes are exact (an 11-bit scale times an 8-bit integer),
+so its rounding returns the GPTQ integers; `convert` unpacks what it wrote and refuses to finish if any integer,
+scale or zero point differs.
+
+compressed-tensors' signed grid is the GPTQ grid shifted by 2**(bits-1): q_ct = q - 2**(bits-1), and for an
+asymmetric grid zp_ct = z - 2**(bits-1); (q_ct - zp_ct) * s = (q - z) * s. pack-quantized stores no g_idx, so an
+act-order checkpoint (g_idx not column // group_size) is refused.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+CT_FORMAT = "pack-quantized"
+GPTQ_FILES = ("quantize_config.json",)  # the GPTQ folder's own metadata, not carried over
+
+
+def unpack_rows(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """GPTQ's int32 words -> one int64 per value, low bits first, along `dim` (0: qweight's rows, 1: qzeros' columns)."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    if dim == 0:
+        vals = (words.unsqueeze(1) >> shifts.view(1, -1, 1)) & ((1 << bits) - 1)
+        return vals.reshape(-1, packed.shape[1])
+    vals = (words.unsqueeze(2) >> shifts.view(1, 1, -1)) & ((1 << bits) - 1)
+    return vals.reshape(packed.shape[0], -1)
+
+
+def gptq_integers(t: dict[str, torch.Tensor], bits: int, group_size: int, v1: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One GPTQ linear's (q [out, in], z [out, groups], scales [out, groups]) in GPTQ's unsigned grid.
+    v1: the classic GPTQ checkpoint stores each zero point minus one (GPTQModel's checkpoint_format "gptq")."""
+    if 32 % bits:
+        raise ValueError(f"{bits}-bit GPTQ packing straddles int32 words: only 2, 4 and 8 bits convert")
+    q = unpack_rows(t["qweight"], bits, 0).t().contiguous()  # [out, in]
+    out_f, in_f = q.shape
+    z = unpack_rows(t["qzeros"], bits, 1)[:, :out_f].t().contiguous() + (1 if v1 else 0)  # [out, groups]
+    groups = t["scales"].shape[0]
+    g = in_f if group_size == -1 else group_size
+    expect = torch.arange(in_f, dtype=torch.int64) // g
+    if "g_idx" in t and not torch.equal(t["g_idx"].to(torch.int64), expect):
+        raise ValueError("g_idx is not column // group_size (an act-order checkpoint): compressed-tensors' "
+                         "pack-quantized format stores no g_idx")
+    if groups != in_f // g:
+        raise ValueError(f"{groups} scale groups for {in_f} in-features and group_size {group_size}")
+    if int(z.min()) < 0 or int(z.max()) >= 1 << bits:
+        raise ValueError(f"zero points outside the {bits}-bit grid ({int(z.min())}..{int(z.max())})")
+    return q, z, t["scales"].t().contiguous()
+
+
+def dequantized(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(q - z) * s per group, computed in `dtype` (compressed-tensors' decompressor computes in the scale's dtype)."""
+    g = q.shape[1] // scales.shape[1]
+    zz, ss = z.repeat_interleave(g, 1), scales.to(dtype).repeat_interleave(g, 1)
+    return (q - zz).to(dtype) * ss
+
+
+def scheme(bits: int, group_size: int, sym: bool, ignore: list[str]):
+    """compressed-tensors' own config: int weights only (A16), group or channel strategy, static."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, dynamic=False,
+                            strategy="channel" if group_size == -1 else "group",
+                            group_size=None if group_size == -1 else group_size)
+    return QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+                              ignore=ignore, format=CT_FORMAT, quantization_status="initialized")
+
+
+def _gptq_linears(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in state.items():
+        mod, _, leaf = k.rpartition(".")
+        if leaf in ("qweight", "qzeros", "scales", "g_idx"):
+            out.setdefault(mod, {})[leaf] = v
+    return out
+
+
+def _read_state(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(f))
+    return state
+
+
+def convert(gptq_dir: Path, out_dir: Path) -> dict:
+    """Write the compressed-tensors checkpoint of the GPTQ folder gptq_dir into out_dir (weights and config.json;
+    the caller copies the tokenizer and finishes the config). Returns config.json's quantization_config."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import apply_quantization_config
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = json.loads((gptq_dir / "config.json").read_text())
+    qc = config["quantization_config"]
+    if qc.get("quant_method") != "gptq":
+        raise ValueError(f"{gptq_dir} is not a GPTQ checkpoint (quant_method {qc.get('quant_method')!r})")
+    if qc.get("desc_act"):
+        raise ValueError("desc_act = true: compressed-tensors' pack-quantized format stores no g_idx (act-order)")
+    bits, group_size = int(qc["bits"]), int(qc["group_size"])
+    v1 = qc.get("checkpoint_format", "gptq") == "gptq"
+    state = _read_state(gptq_dir)
+    linears = _gptq_linears(state)
+    ints = {name: gptq_integers(t, bits, group_size, v1) for name, t in linears.items()}
+    mid = 1 << (bits - 1)
+    sym = all(bool((z == mid).all()) for _, z, _ in ints.values())
+    if qc.get("sym", True) and not sym:
+        raise ValueError("sym = true but some zero points are not the grid's middle")
+
+    plain = {k: v for k, v in state.items() if k.rpartition(".")[0] not in linears}
+    cfg = AutoConfig.from_pretrained(gptq_dir)
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    dtype = cfg.dtype if isinstance(cfg.dtype, torch.dtype) else torch.bfloat16
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.to_empty(device="cpu")
+    for name in linears:  # float32 while compressed-tensors derives the integers (exact, see above)
+        lin = model.get_submodule(name)
+        lin.weight = torch.nn.Parameter(torch.empty(lin.weight.shape, dtype=torch.float32), requires_grad=False)
+    quantized = set(linears)
+    ignore = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in quantized)
+    qcfg = scheme(bits, group_size, sym, ignore)
+    apply_quantization_config(model, qcfg)
+    missing, unexpected = model.load_state_dict(plain, strict=False)
+    if unexpected:
+        raise ValueError(f"tensors of {gptq_dir} the model has no place for: {unexpected[:5]}")
+    with torch.no_grad():
+        for name, (q, z, s) in ints.items():
+            lin = model.get_submodule(name)
+            lin.weight.copy_(dequantized(q, z, s, torch.float32))
+            lin.weight_scale = torch.nn.Parameter(s.clone(), requires_grad=False)
+            if not sym:
+                lin.weight_zero_point = torch.nn.Parameter((z - mid).to(torch.int8), requires_grad=False)
+    model.tie_weights()
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=CT_FORMAT)
+    compressor.compress_model(model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    compressor.update_config(str(out_dir))
+    _verify(out_dir, ints, bits, sym)
+    return json.loads((out_dir / "config.json").read_text())["quantization_config"]
+
+
+def _verify(out_dir: Path, ints: dict, bits: int, sym: bool) -> None:
+    """Unpack what compressed-tensors wrote (its own unpacker) and compare with the GPTQ integers, scales and zeros."""
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+    state = _read_state(out_dir)
+    mid = 1 << (bits - 1)
+    for name, (q, z, s) in ints.items():
+        got = unpack_from_int32(state[f"{name}.weight_packed"], bits, tuple(q.shape)).to(torch.int64)
+        ok = torch.equal(got, q - mid) and torch.equal(state[f"{name}.weight_scale"], s)
+        if ok and not sym:
+            zp = unpack_from_int32(state[f"{name}.weight_zero_point"], bits, tuple(z.shape), packed_dim=0)
+            ok = torch.equal(zp.to(torch.int64), z - mid)
+        if not ok:
+            raise RuntimeError(f"{name}: the compressed-tensors checkpoint does not hold the GPTQ integers/scales")
+
+
+def convert_folder(gptq_dir: Path, out_dir: Path) -> dict:
+    """A complete compressed-tensors folder beside a GPTQ one (tokenizer and generation config copied; the GPTQ
+    folder's config.json with quantization_config replaced). For converting an existing export."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    qc = convert(gptq_dir, out_dir)
+    cfg = json.loads((gptq_dir / "config.json").read_text())
+    cfg["quantization_config"] = qc
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    for f in gptq_dir.iterdir():
+        if f.is_file() and not f.name.endswith(".safetensors") and f.name not in ("config.json", *GPTQ_FILES) \
+                and (f.name.startswith(("tokenizer", "special_tokens", "generation_config", "chat_template",
+                                        "vocab", "merges", "added_tokens"))):
+            shutil.copyfile(f, out_dir / f.name)
+    return qc
+
+
+def rewrite_in_place(folder: Path) -> dict:
+    """The GPTQ checkpoint a method just saved in `folder`, rewritten there as compressed-tensors (its GPTQ
+    safetensors and quantize_config.json removed; config.json left for the caller's finish_checkpoint). Returns the
+    new quantization_config."""
+    import tempfile
+
+    scratch = Path(tempfile.mkdtemp(prefix=".ct-", dir=folder))
+    try:
+        qc = convert(folder, scratch)
+        for f in [*folder.glob("*.safetensors"), *folder.glob("*.safetensors.index.json"),
+                  *(folder / n for n in GPTQ_FILES)]:
+            if f.is_file():
+                f.unlink()
+        for f in scratch.iterdir():
+            if f.name.endswith((".safetensors", ".safetensors.index.json")):
+                shutil.move(str(f), folder / f.name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return qc

@@ -1,0 +1,104 @@
+"""The compressed-tensors export format of the GPTQ-family variants (`format = "compressed-tensors"` on gptq, rtn and
+autoround): what `compress check` asks of it, its runtime rows, its card text, and how its checkpoints load back.
+Torch-free; the work is pipeline/quant/ct_export.py.
+
+A pack-quantized checkpoint holds, per linear, the int4/int8 values packed in int32 (`weight_packed`), one scale
+per group (`weight_scale`) and, for an asymmetric grid, packed zero points: GPTQ's representation without g_idx.
+It is written from the variant's GPTQ checkpoint (same integers, scales and group size), so what it can hold is
+what both formats can: 4 or 8 bits (vLLM's WNA16 schemes), columns in order (desc_act off), and lm_head and the
+embeddings left in 16 bits.
+"""
+from __future__ import annotations
+
+from pipeline.quant.method import LLAMA_CPP_ROW
+from pipeline.quant.shapes import quantized_linears
+
+CT = "compressed-tensors"
+CT_BITS = (4, 8)  # vLLM's compressed-tensors WNA16 schemes; compressed-tensors 0.20 packs 3-bit values across words
+MARLIN = {"group_sizes": (-1, 32, 64, 128), "min_k": 128, "min_n": 64}
+
+
+class CompressedTensorsLoad:
+    """How a compressed-tensors checkpoint loads back (the reload facts pipeline/quant/registry.py `by_format`
+    returns): transformers' own compressed-tensors quantizer applies the config, keeps the packed tensors, and
+    decompresses the whole model to dense weights in its dtype at the first forward (no int4 kernel on CPU)."""
+
+    name = CT
+    checkpoint_format = CT
+    load_module = "compressed_tensors"
+    repacked_on_cpu = False
+    decompressed_on_load = True  # in memory it is the dense model once it has run
+
+    def before_load(self) -> None:
+        pass
+
+    def after_load(self, model) -> None:
+        pass
+
+
+LOAD = CompressedTensorsLoad()
+
+
+def ct_problems(variant, arch: dict) -> list[str]:
+    """What a `format = "compressed-tensors"` variant cannot be (group size vs in-features is the registry's rule)."""
+    where = "format = 'compressed-tensors'"
+    problems = []
+    if variant.bits not in CT_BITS:
+        problems.append(f"bits = {variant.bits} with {where}: its pack-quantized W{{4,8}}A16 checkpoints take "
+                        f"{' or '.join(map(str, CT_BITS))} bits (the engines' WNA16 kernels); use format = 'gptq' "
+                        "for other widths")
+    if getattr(variant, "desc_act", False):
+        problems.append(f"desc_act = true with {where}: pack-quantized stores no g_idx, so act-order columns cannot "
+                        "be written; set desc_act = false (act_group_aware keeps columns in order) or format = 'gptq'")
+    if "lm_head" not in variant.modules_to_skip:
+        problems.append(f"{where} keeps lm_head and the embeddings in 16 bits: add 'lm_head' to modules_to_skip "
+                        f"(it is {variant.modules_to_skip})")
+    return problems
+
+
+def ct_bits_per_weight(variant) -> float:
+    """Packed values, a 16-bit scale per group, and a packed zero point per group when asymmetric."""
+    g = variant.group_size
+    if not g or g <= 0:
+        return float(variant.bits)
+    return variant.bits + (16 + (0 if variant.sym else variant.bits)) / g
+
+
+def ct_runtimes(variant, arch: dict) -> list[dict]:
+    b, g, sym = variant.bits, variant.group_size, variant.sym
+    w = f"W{b}A16"
+    linears = quantized_linears(arch, variant.modules_to_skip) if arch.get("shapes_known") else {}
+    m = MARLIN
+    bad = [f"{k.split('.')[-1]} ({i}x{o})" for k, (i, o) in linears.items() if i % m["min_k"] or o % m["min_n"]]
+    if g not in m["group_sizes"]:
+        cuda = {"runtime": "vLLM (CUDA)", "kernel": f"compressed-tensors {w}: no Marlin kernel",
+                "note": f"Marlin does not take group_size {g}; vLLM picks another WNA16 kernel or refuses it"}
+    elif bad:
+        cuda = {"runtime": "vLLM (CUDA)", "kernel": f"compressed-tensors {w} (Marlin/Machete for some layers)",
+                "note": f"Marlin needs in-features divisible by {m['min_k']} and out-features by {m['min_n']}; not "
+                        f"{', '.join(bad)}: vLLM chooses another WNA16 kernel per layer or refuses the model"}
+    else:
+        cuda = {"runtime": "vLLM (CUDA)", "kernel": f"compressed-tensors {w} (Marlin; Machete on Hopper)",
+                "note": "" if sym else "asymmetric: Marlin with zero points"}
+    return [
+        {"runtime": "transformers (CPU)", "kernel": "compressed-tensors decompressor (dense matmul)",
+         "note": "the whole model is decompressed to dense 16-bit weights at its first forward: a dense model's "
+                 "memory and speed; measured here"},
+        {"runtime": "transformers (CUDA)", "kernel": "compressed-tensors decompressor (dense matmul)",
+         "note": "as on CPU (transformers keeps only FP8 schemes compressed)"},
+        {"runtime": "vLLM (CPU)", "kernel": f"compressed-tensors {w} (vLLM's CPU WNA16 kernel)",
+         "note": "x86 CPU build; see benchmarks/README_quant.md for what was measured"},
+        cuda,
+        {"runtime": "GPTQModel.load", "kernel": "none", "note": "reads the GPTQ format: set format = 'gptq'"},
+        dict(LLAMA_CPP_ROW),
+    ]
+
+
+def ct_usage(repo: str, made: str = "") -> list[str]:
+    return [f"The checkpoint{made} is in the compressed-tensors format (`pack-quantized`, "
+            "`quantization_config.quant_method = \"compressed-tensors\"` in config.json): transformers loads it with "
+            "`pip install compressed-tensors` and decompresses it to dense weights at the first forward.", "",
+            f"vLLM (CUDA, or its x86 CPU build): `vllm serve {repo}` (its compressed-tensors WNA16 kernels).", "",
+            "**Kernel compatibility:** vLLM's fast WNA16 kernels (Marlin, Machete) take 4/8 bits with group size "
+            "-1/32/64/128 and need in-features divisible by 128; other layers get a slower kernel. What this run "
+            "recorded:", ""]
