@@ -44,14 +44,14 @@ def estimate_memory(recipe, info, plan, source) -> None:
     # and converted; MoE GGUFs whose tensors transformers merges are loaded whole instead, not estimated here); a
     # folder converted to another dtype is loaded (one copy) and saved from memory
     largest = max(vocab * h, h * inter, 1)
-    if source.kind in ("dir", "hf") and link_problem(source, plan.dtype) is None:
+    if source.checkpoint_folder and link_problem(source, plan.dtype) is None:
         plan.memory["load"] = WORKER_OVERHEAD
-    elif source.kind in ("gguf", "pkg"):
+    elif source.is_gguf:
         # transformers parses the GGUF's metadata (the tokenizer's tokens and merges: about 7 KB per vocabulary
         # entry, measured on SmolLM2 and Qwen2.5-1.5B), then the tensors are dequantized a block of rows at a time
         # (pipeline/model/materialize.py: a 4096-row block in float32 with gguf's intermediates, or a whole smaller one)
         plan.memory["load"] = WORKER_OVERHEAD + max(7 * 1024 * vocab, 16 * h * max(inter, h))
-    elif source.kind == "config":  # initialised in its module, then copied out
+    elif source.random_init:  # initialised in its module, then copied out
         plan.memory["load"] = WORKER_OVERHEAD + 2 * dtype_bytes(plan.dtype) * largest
     else:
         plan.memory["load"] = RUNTIME_OVERHEAD + w + 4 * largest
@@ -122,7 +122,7 @@ def estimate_disk(recipe, info, plan, source) -> list[str]:
     h, vocab = info.config.get("hidden_size") or 0, info.config.get("vocab_size") or 0
     wbytes = dtype_bytes(plan.dtype)
     embed = min(vocab * h, p)  # kept in the checkpoint's dtype by every method here
-    linked = source.kind in ("dir", "hf") and link_problem(source, plan.dtype) is None
+    linked = source.checkpoint_folder and link_problem(source, plan.dtype) is None
     plan.disk["load"] = 0 if linked else wbytes * p
     variants = sum(int((p - embed) * variant_bits(v) / 8 + embed * wbytes) for v in recipe.quantize)
     if variants:

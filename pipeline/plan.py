@@ -75,7 +75,7 @@ def check(recipe) -> Plan:
         raise RecipeError(f"[model].source {recipe.model.source!r} cannot be read: {e}") from None
     plan = Plan(info, stage_names(recipe))
     problems += _check_device(recipe, plan)
-    plan.dtype = resolve_dtype(recipe.model.dtype, source.kind, info.dtype, plan.device)
+    plan.dtype = resolve_dtype(recipe.model.dtype, source.source_kind, info.dtype, plan.device)
     problems += _check_data(recipe)
     problems += _check_variants(recipe, info, plan)
     problems += _check_draft(recipe, info, plan)

@@ -38,8 +38,12 @@ class Registry(Generic[T]):
         except KeyError:
             raise RecipeError(self.unknown_message(name)) from None
 
+    def close_matches(self, name: str) -> list[str]:
+        """Up to three registered names close to `name` (the "Did you mean" of an unknown one)."""
+        return difflib.get_close_matches(name, list(self._items), n=3, cutoff=0.5)
+
     def unknown_message(self, name: str) -> str:
-        close = difflib.get_close_matches(name, list(self._items), n=3, cutoff=0.5)
+        close = self.close_matches(name)
         hint = f" Did you mean: {', '.join(close)}?" if close else f" Known: {', '.join(sorted(self._items))}."
         return f"Unknown {self.kind} {name!r}.{hint}"
 

@@ -3,6 +3,8 @@
     resolve("c4")            -> DatasetRef for a shipped corpus (sha256 verified on read)
     resolve("my.jsonl")      -> a local .txt / .jsonl / .parquet file
     resolve("hf:org/name")   -> a dataset in the local HF datasets cache
+    FORMATS                  -> the row readers by format name (wikitext-raw, text, jsonl, parquet, hf): what a
+                                local file's suffix or a name's prefix selects, and how its rows are read
     identity(ref)            -> what a stage that reads it depends on (a local file's sha256, not its path)
     documents(ref)           -> list[str]
     eval_text(ref)           -> the GPTQ-protocol evaluation text ("\\n\\n".join(rows))
@@ -14,13 +16,13 @@ import tomllib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 from pipeline.base.errors import RecipeError, StageError
 from pipeline.base.fileio import sha256_file
 from pipeline.base.registry import Registry
 
 CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "calibration"
-LOCAL_FORMATS = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
 
 
 @dataclass(frozen=True)
@@ -49,8 +51,9 @@ def shipped() -> Registry[DatasetRef]:
 
 
 def resolve(name: str, text_field: str = "text") -> DatasetRef:
-    if name.startswith("hf:"):
-        return DatasetRef(name, None, "hf", text_field)
+    for fmt in PREFIXED_FORMATS:
+        if name.startswith(fmt.prefix):
+            return DatasetRef(name, None, fmt.name, text_field)
     p = Path(name).expanduser()
     if p.suffix in LOCAL_FORMATS:
         if not p.is_file():
@@ -58,7 +61,8 @@ def resolve(name: str, text_field: str = "text") -> DatasetRef:
         return DatasetRef(str(p), p, LOCAL_FORMATS[p.suffix], text_field)
     reg = shipped()
     if name not in reg:
-        raise RecipeError(reg.unknown_message(name) + " (or give a .txt/.jsonl/.parquet path, or hf:<id>)")
+        raise RecipeError(reg.unknown_message(name) + f" (or give a {'/'.join(LOCAL_FORMATS)} path, "
+                          + ", ".join(f"or {f.prefix}<id>" for f in PREFIXED_FORMATS) + ")")
     return reg.get(name)
 
 
@@ -71,36 +75,76 @@ def _verified(ref: DatasetRef) -> Path:
 
 
 def rows(ref: DatasetRef) -> list[str]:
-    """The dataset as rows, as its canonical loader gives them."""
-    if ref.format == "hf":
-        return _hf_rows(ref)
+    """The dataset as rows, as its canonical loader gives them (its format's reader, FORMATS)."""
+    fmt = FORMATS.get(ref.format) if ref.format in FORMATS else None
+    if fmt is not None and fmt.prefix:  # not a file: read by name
+        return fmt.read(ref, None)
     path = _verified(ref)
-    if ref.format == "wikitext-raw":
-        # rows as the HF wikitext-2-raw-v1 split gives them: blank lines are empty rows
-        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-        return [line if line.strip() else "" for line in lines]
-    if ref.format == "text":
-        return path.read_text(encoding="utf-8").split("\n\n")
-    if ref.format == "jsonl":
-        out = []
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-            if line.strip():
-                rec = json.loads(line)
-                if ref.text_field not in rec:
-                    raise StageError(f"{path}:{i}: no field {ref.text_field!r} (fields: {sorted(rec)})")
-                out.append(str(rec[ref.text_field]))
-        return out
-    if ref.format == "parquet":
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path)
-        if ref.text_field not in table.column_names:
-            raise StageError(f"{path}: no column {ref.text_field!r} (columns: {table.column_names})")
-        return [str(x) for x in table.column(ref.text_field).to_pylist()]
-    raise StageError(f"dataset {ref.name!r}: unknown format {ref.format!r}")
+    if fmt is None:
+        close = FORMATS.close_matches(ref.format)
+        raise StageError(f"dataset {ref.name!r}: unknown format {ref.format!r}"
+                         + (f". Did you mean: {', '.join(close)}?" if close else ""))
+    return fmt.read(ref, path)
 
 
-def _hf_rows(ref: DatasetRef) -> list[str]:
+@dataclass(frozen=True)
+class Format:
+    """How one dataset format is selected and read: a local file's `suffix` or a name's `prefix` (None: only
+    named in calibration/datasets.toml) and `read(ref, path)` -> rows (path: the verified file; None for a prefix)."""
+    name: str
+    read: Callable[[DatasetRef, Path | None], list[str]]
+    suffix: str | None = None
+    prefix: str | None = None
+
+
+FORMATS: Registry[Format] = Registry("dataset format")
+_ORDER: list[Format] = []  # registration order: the order messages list suffixes in
+
+
+def _format(name: str, suffix: str | None = None, prefix: str | None = None):
+    def add(read: Callable[[DatasetRef, Path | None], list[str]]) -> Callable:
+        _ORDER.append(FORMATS.register(name)(Format(name, read, suffix, prefix)))
+        return read
+
+    return add
+
+
+@_format("wikitext-raw")
+def _wikitext_raw(ref: DatasetRef, path: Path) -> list[str]:
+    # rows as the HF wikitext-2-raw-v1 split gives them: blank lines are empty rows
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    return [line if line.strip() else "" for line in lines]
+
+
+@_format("text", suffix=".txt")
+def _text(ref: DatasetRef, path: Path) -> list[str]:
+    return path.read_text(encoding="utf-8").split("\n\n")
+
+
+@_format("jsonl", suffix=".jsonl")
+def _jsonl(ref: DatasetRef, path: Path) -> list[str]:
+    out = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            rec = json.loads(line)
+            if ref.text_field not in rec:
+                raise StageError(f"{path}:{i}: no field {ref.text_field!r} (fields: {sorted(rec)})")
+            out.append(str(rec[ref.text_field]))
+    return out
+
+
+@_format("parquet", suffix=".parquet")
+def _parquet(ref: DatasetRef, path: Path) -> list[str]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    if ref.text_field not in table.column_names:
+        raise StageError(f"{path}: no column {ref.text_field!r} (columns: {table.column_names})")
+    return [str(x) for x in table.column(ref.text_field).to_pylist()]
+
+
+@_format("hf", prefix="hf:")
+def _hf_rows(ref: DatasetRef, path: None = None) -> list[str]:
     import datasets
 
     repo, _, split = ref.name[3:].partition("@")
@@ -112,6 +156,10 @@ def _hf_rows(ref: DatasetRef) -> list[str]:
     if ref.text_field not in ds.column_names:
         raise StageError(f"dataset {ref.name!r}: no column {ref.text_field!r} (columns: {ds.column_names})")
     return [str(x) for x in ds[ref.text_field]]
+
+
+LOCAL_FORMATS = {f.suffix: f.name for f in _ORDER if f.suffix}  # {".txt": "text", ".jsonl": "jsonl", ...}
+PREFIXED_FORMATS = [f for f in _ORDER if f.prefix]  # hf:
 
 
 def documents(ref: DatasetRef) -> list[str]:

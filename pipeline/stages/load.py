@@ -15,11 +15,9 @@ log = logging.getLogger("compress")
 
 
 def unit(recipe) -> Unit:
-    from pipeline.model.models import DEFAULT_TOKENIZER
-
     cfg = recipe.model
     src = parse(cfg.source, cfg.gguf_file)
-    tokenizer = cfg.tokenizer or (DEFAULT_TOKENIZER if src.kind == "config" else None)
+    tokenizer = cfg.tokenizer or src.default_tokenizer
     # what the outputs depend on is the content of the source (file or folder) and of the tokenizer's, not paths
     # "auto" on a GGUF depends on the device (in every unit's identity) and on this CPU's half-precision units
     config = {"model": cfg.model_dump(), "cpu_half_units": sorted(cpu_flags() & {f for v in HALF_UNITS.values()
@@ -36,7 +34,7 @@ def run(ctx: UnitContext, recipe) -> dict:
     cfg = recipe.model
     src = parse(cfg.source, cfg.gguf_file)
     info = describe(src)
-    dtype = resolve_dtype(cfg.dtype, src.kind, info.dtype, ctx.device)
+    dtype = resolve_dtype(cfg.dtype, src.source_kind, info.dtype, ctx.device)
     log.info("load: %s in %s%s", cfg.source, dtype, " ([model] dtype = auto)" if cfg.dtype == "auto" else "")
     tokenizer = source_tokenizer(src, cfg.tokenizer, cfg.trust_remote_code)
     weights = write_weights(ctx, src, dtype, cfg.trust_remote_code)
@@ -69,12 +67,12 @@ def write_weights(ctx: UnitContext, src, dtype: str, trust_remote_code: bool) ->
         how = materialize.link_checkpoint(src.path, ctx.out, trust_remote_code)
         materialize.write_config(config, ctx.out, dtype, arch, folder=src.path)
         return "hardlinked" if set(how.values()) == {"hardlink"} else "copied"
-    if src.kind in ("gguf", "pkg"):
+    if src.is_gguf:
         why = materialize.gguf_to_safetensors(src.path, ctx.out, dtype)
         if why is None:
             log.info("load: %s dequantized tensor by tensor into safetensors (%s)", src.path.name, dtype)
             return "dequantized tensor by tensor"
-    if src.kind == "config":
+    if src.random_init:
         from transformers import AutoConfig
 
         config = AutoConfig.for_model(**json.loads(src.path.read_text()))
@@ -85,7 +83,7 @@ def write_weights(ctx: UnitContext, src, dtype: str, trust_remote_code: bool) ->
         log.info("load: building %s with random weights in %s (one copy) and saving it", src.spec, dtype)
     else:
         log.info("load: loading %s once in %s and saving it (not %s: %s)", src.spec, dtype,
-                 "streamed" if src.kind in ("gguf", "pkg") else "linked", why)
+                 "streamed" if src.is_gguf else "linked", why)
     model = load_model(src, dtype, ctx.seed, trust_remote_code)
     model.save_pretrained(ctx.out, safe_serialization=True)  # written from the tensors' memory: no second copy
     return "built in memory and saved" if src.random_init else "loaded in memory and saved"

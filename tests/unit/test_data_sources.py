@@ -160,3 +160,24 @@ def test_gguf_parts_missing_or_truncated_are_named(tmp_path, monkeypatch):
     with pytest.raises(RecipeError, match="do not join into a complete GGUF.*last part missing"):
         parse("pkg:mp-model-part*")
     assert not list((tmp_path / "cache").rglob("*.gguf")) and not list((tmp_path / "cache").rglob(".*.tmp"))
+
+
+def test_dataset_formats_are_a_registry(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    assert data.FORMATS.names() == ["hf", "jsonl", "parquet", "text", "wikitext-raw"]
+    assert data.LOCAL_FORMATS == {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet"}
+    assert data.resolve("hf:org/name@test", "body") == data.DatasetRef("hf:org/name@test", None, "hf", "body")
+    pq.write_table(pa.table({"body": ["one", " ", "two"]}), tmp_path / "d.parquet")
+    ref = data.resolve(str(tmp_path / "d.parquet"), "body")
+    assert ref.format == "parquet" and data.documents(ref) == ["one", "two"]
+    with pytest.raises(StageError, match="no column 'text'"):
+        data.rows(data.resolve(str(tmp_path / "d.parquet")))
+    with pytest.raises(RecipeError, match=r"\(or give a \.txt/\.jsonl/\.parquet path, or hf:<id>\)$"):
+        data.resolve("nope")
+    (tmp_path / "e.txt").write_text("x")
+    with pytest.raises(StageError, match=r"dataset 'e': unknown format 'jsnl'\. Did you mean: jsonl\?"):
+        data.rows(data.DatasetRef("e", tmp_path / "e.txt", "jsnl"))
+    with pytest.raises(StageError, match="file missing"):  # the file is checked first, as before
+        data.rows(data.DatasetRef("e", tmp_path / "missing.txt", "jsnl"))

@@ -15,7 +15,7 @@ from pipeline.model.models import load_model
 from pipeline.quant.checkpoint import load_checkpoint
 from pipeline.recipe import validate
 from pipeline.app.runner import Runner
-from pipeline.model.sources import link_problem, parse, safetensors_header, stored_dtype
+from pipeline.model.sources import SOURCE_KINDS, link_problem, parse, safetensors_header, stored_dtype
 from pipeline.stages import load as load_stage
 
 
@@ -82,23 +82,25 @@ def same_tensors(a: Path, b: Path) -> bool:
     ("bfloat16", "dir", "float32", "bfloat16"),
 ])
 def test_resolve_dtype(requested, kind, stored, expected):
-    assert resolve_dtype(requested, kind, stored, "cuda") == expected
+    assert resolve_dtype(requested, SOURCE_KINDS.get(kind), stored, "cuda") == expected
 
 
 def test_auto_on_a_cpu_follows_its_half_precision_units(monkeypatch):
     import pipeline.model.dtypes
 
     monkeypatch.setattr(pipeline.model.dtypes, "cpu_flags", lambda: {"avx2", "fma"})
-    assert resolve_dtype("auto", "pkg", None, "cpu") == "float32"  # bfloat16 would be emulated
-    assert resolve_dtype("auto", "dir", "bfloat16", "cpu") == "bfloat16"  # a stored dtype is kept (memory)
-    assert resolve_dtype("bfloat16", "pkg", None, "cpu") == "bfloat16"  # asked for
+    assert resolve_dtype("auto", SOURCE_KINDS.get("pkg"), None, "cpu") == "float32"  # bfloat16 would be emulated
+    assert resolve_dtype("auto", SOURCE_KINDS.get("dir"), "bfloat16", "cpu") == "bfloat16"  # a stored dtype is kept
+    assert resolve_dtype("bfloat16", SOURCE_KINDS.get("pkg"), None, "cpu") == "bfloat16"  # asked for
     monkeypatch.setattr(pipeline.model.dtypes, "cpu_flags", lambda: {"avx2", "amx_bf16"})
-    assert resolve_dtype("auto", "gguf", None, "cpu") == "bfloat16"
+    assert resolve_dtype("auto", SOURCE_KINDS.get("gguf"), None, "cpu") == "bfloat16"
 
 
 def test_resolve_dtype_refuses_unknown_names():
     with pytest.raises(ValueError, match="unknown dtype 'float64'"):
-        resolve_dtype("float64", "dir", None)
+        resolve_dtype("float64", SOURCE_KINDS.get("dir"), None)
+    with pytest.raises(TypeError, match="not its name 'dir'"):  # a kind name is refused: ask the kind
+        resolve_dtype("auto", "dir", None)
 
 
 def test_stored_dtype_from_the_config_or_the_safetensors_header(tmp_path, tokenizer_dir):
