@@ -109,7 +109,8 @@ def engine_plan(cfg: ServeConfig, fmt: str, device: str, model: str
     return plan, problems
 
 
-def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None]], device: str
+def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None] | tuple[str, str | None, str | None]],
+               device: str
                ) -> tuple[list[str], dict[str, dict[str, str | None]]]:
     """`compress check` for [validate.serve]: (problems, {model: {engine: None (served) or why it is skipped}}).
     `models` are (name, method) pairs, the baseline's method None, or (name, method, format) when a variant asks
@@ -124,6 +125,7 @@ def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None]], device: s
         if unknown := [n for n in names if n not in served]:
             problems.append(f"[validate.serve] engine_models.{engine}: {', '.join(map(repr, unknown))} not among the "
                             f"served models ({', '.join(served) or 'none'})")
+    asked: list[str | None]
     for name, method, *asked in models:
         if not cfg.serves(name):
             continue
