@@ -10,6 +10,7 @@ from pipeline.budget.formulas import GiB, RUNTIME_OVERHEAD, WORKER_OVERHEAD, qua
 from pipeline.model.dtypes import dtype_bytes
 from pipeline.model.sources import link_problem
 from pipeline.quant.registry import method_of, reload_of
+from pipeline.stages.kinds import Draft, Export, Load, Quality, Quantize, Speed
 
 
 def machine_memory() -> int:
@@ -25,8 +26,9 @@ def machine_memory() -> int:
 
 
 def estimate_memory(recipe, info, plan, source) -> None:
-    """Predicted peak RSS per stage (bytes, runtime included), keyed like the run's stages ("load",
-    "quantize/<name>", "validate/<model>", "draft"), and which of them stream weights from disk (plan.offload).
+    """Predicted peak RSS per stage (bytes, runtime included), keyed by the stage classes (pipeline/stages/kinds.py:
+    "load", "quantize/<name>", "validate/<model>" for a model's measurements, "validate/<model>/speed", "draft"; each
+    unit's class says which of these figures it asks Ray for), and which of them stream weights from disk (plan.offload).
     A stage that can offload (GPTQ and RTN through GPTQModel, the plain baseline's perplexity through accelerate)
     does so when [run] max_memory_gb is set and the in-memory way would exceed it; the others must fit."""
     p = max(info.n_params, 1)
@@ -45,20 +47,20 @@ def estimate_memory(recipe, info, plan, source) -> None:
     # folder converted to another dtype is loaded (one copy) and saved from memory
     largest = max(vocab * h, h * inter, 1)
     if source.checkpoint_folder and link_problem(source, plan.dtype) is None:
-        plan.memory["load"] = WORKER_OVERHEAD
+        plan.memory[Load.key()] = WORKER_OVERHEAD
     elif source.is_gguf:
         # transformers parses the GGUF's metadata (the tokenizer's tokens and merges: about 7 KB per vocabulary
         # entry, measured on SmolLM2 and Qwen2.5-1.5B), then the tensors are dequantized a block of rows at a time
         # (pipeline/model/materialize.py: a 4096-row block in float32 with gguf's intermediates, or a whole smaller one)
-        plan.memory["load"] = WORKER_OVERHEAD + max(7 * 1024 * vocab, 16 * h * max(inter, h))
+        plan.memory[Load.key()] = WORKER_OVERHEAD + max(7 * 1024 * vocab, 16 * h * max(inter, h))
     elif source.random_init:  # initialised in its module, then copied out
-        plan.memory["load"] = WORKER_OVERHEAD + 2 * dtype_bytes(plan.dtype) * largest
+        plan.memory[Load.key()] = WORKER_OVERHEAD + 2 * dtype_bytes(plan.dtype) * largest
     else:
-        plan.memory["load"] = RUNTIME_OVERHEAD + w + 4 * largest
+        plan.memory[Load.key()] = RUNTIME_OVERHEAD + w + 4 * largest
     cal_tokens = cal.num_samples * cal.seq_len
     embed = vocab * h * dtype_bytes(plan.dtype)
     for v in recipe.quantize:
-        key = f"quantize/{v.name}"
+        key = Quantize.key(v.name)
         c = method_of(v)
         if c.memory == "layerwise":
             tokens = cal_tokens if c.needs_calibration else 0
@@ -74,9 +76,9 @@ def estimate_memory(recipe, info, plan, source) -> None:
     win = window_bytes(cfg, ppl.seq_len)
     need = WORKER_OVERHEAD + w + win
     if capped and need > plan.memory_limit:  # accelerate keeps what fits and reads the rest at each forward
-        plan.offload["validate/baseline"] = True
+        plan.offload[Quality.plan_key("baseline")] = True
         need = max(plan.memory_limit, WORKER_OVERHEAD + win + w // max(cfg.get("num_hidden_layers") or 1, 1))
-    plan.memory["validate/baseline"] = need
+    plan.memory[Quality.plan_key("baseline")] = need
     resident = {"baseline": w}  # each model's weights in memory when it is measured
     for v in recipe.quantize:  # a quantized checkpoint is never offloaded (transformers refuses most of them)
         linears = int((p - vocab * h) * variant_bits(v) / 8)
@@ -88,7 +90,7 @@ def estimate_memory(recipe, info, plan, source) -> None:
         if getattr(load, "decompressed_on_load", False):  # compressed-tensors: decompressed to dense weights at the
             linears += dtype_bytes(plan.dtype) * (p - vocab * h)  # first forward, module by module (peak: both)
         resident[v.name] = linears + repacked + embed
-        plan.memory[f"validate/{v.name}"] = WORKER_OVERHEAD + resident[v.name] + win
+        plan.memory[Quality.plan_key(v.name)] = WORKER_OVERHEAD + resident[v.name] + win
     speed = recipe.validate_.speed
     for name, weights in resident.items() if speed.enabled else ():
         if speed.models != "all" and name not in speed.models:
@@ -98,15 +100,15 @@ def estimate_memory(recipe, info, plan, source) -> None:
             plan.speed_skipped[name] = (f"needs about {need / GiB:.2f} GiB in memory, over [run] max_memory_gb; "
                                         "a decode rate read from disk offload is not a speed figure")
         else:
-            plan.memory[f"validate/{name}/speed"] = need
+            plan.memory[Speed.key(name)] = need
     if recipe.draft is not None:
         dd = recipe.draft.distill
         if dd.steps == 0:  # verifier + the draft, and a copy of it when saved in another dtype
             draft_w = 4 * plan.draft_model.n_params if plan.draft_model else w  # layer drafts: at most the verifier
-            plan.memory["draft"] = RUNTIME_OVERHEAD + w + 2 * draft_w
+            plan.memory[Draft.key()] = RUNTIME_OVERHEAD + w + 2 * draft_w
         else:
             # the verifier in its dtype; the draft (at most the verifier) and its gradients train in float32
-            plan.memory["draft"] = RUNTIME_OVERHEAD + w + 2 * 4 * p + dd.batch_size * dd.seq_len * vocab * 4 * 6
+            plan.memory[Draft.key()] = RUNTIME_OVERHEAD + w + 2 * 4 * p + dd.batch_size * dd.seq_len * vocab * 4 * 6
 
 
 def variant_bits(variant) -> float:
@@ -123,14 +125,14 @@ def estimate_disk(recipe, info, plan, source) -> list[str]:
     wbytes = dtype_bytes(plan.dtype)
     embed = min(vocab * h, p)  # kept in the checkpoint's dtype by every method here
     linked = source.checkpoint_folder and link_problem(source, plan.dtype) is None
-    plan.disk["load"] = 0 if linked else wbytes * p
+    plan.disk[Load.stage] = 0 if linked else wbytes * p
     variants = sum(int((p - embed) * variant_bits(v) / 8 + embed * wbytes) for v in recipe.quantize)
     if variants:
-        plan.disk["quantize"] = variants
+        plan.disk[Quantize.stage] = variants
     if recipe.draft is not None:
         draft_p = plan.draft_model.n_params if plan.draft_model else p  # layer drafts: at most the verifier
-        plan.disk["draft"] = 4 * draft_p * (1 if recipe.draft.distill.steps == 0 else 4)  # + optimizer checkpoint
-    plan.disk["export"] = 0 if recipe.export.link == "hardlink" else variants + plan.disk.get("draft", 0)
+        plan.disk[Draft.stage] = 4 * draft_p * (1 if recipe.draft.distill.steps == 0 else 4)  # + optimizer checkpoint
+    plan.disk[Export.stage] = 0 if recipe.export.link == "hardlink" else variants + plan.disk.get(Draft.stage, 0)
     run_dir = Path(recipe.run.output_dir) / recipe.run.name
     plan.disk_reused = folder_size(run_dir)
     existing = next((d for d in [run_dir, *run_dir.absolute().parents] if d.exists()), Path("/"))

@@ -18,6 +18,7 @@ from pipeline.quant.registry import check_variant, method_of, needs_calibration,
 from pipeline.model.families import unknown_family
 from pipeline.eval.tasks_config import task_problems
 from pipeline.serve.config import serve_plan
+from pipeline.stages.kinds import Calibrate, Draft, Export, Load, Quality, Quantize, Serve
 
 TRACKED_PACKAGES = ("torch", "transformers", "gptqmodel", "bitsandbytes", "optimum", "accelerate", "datasets",
                     "huggingface-hub", "safetensors", "gguf", "torchao", "pydantic", "numpy", "compress")
@@ -125,13 +126,15 @@ def _untimed_gates(recipe, plan: Plan) -> list[str]:
 
 
 def stage_names(recipe) -> list[str]:
-    names = ["load"]
+    """The run's stages in order, as `compress check` lists them: the keys of load, calibrate, each quantize
+    variant and the draft, then the validate and export stages (many units each) and publish."""
+    names = [Load.key()]
     if any(_needs_calibration(q) for q in recipe.quantize) or recipe.draft is not None:
-        names.append("calibrate")
-    names += [f"quantize/{q.name}" for q in recipe.quantize]
+        names.append(Calibrate.key())
+    names += [Quantize.key(q.name) for q in recipe.quantize]
     if recipe.draft is not None:
-        names.append("draft")
-    names += ["validate", "export"] + (["publish"] if recipe.publish is not None else [])
+        names.append(Draft.key())
+    names += [Quality.stage, Export.stage] + (["publish"] if recipe.publish is not None else [])
     return names
 
 
@@ -267,7 +270,7 @@ def _check_serve(recipe, plan: Plan) -> list[str]:
         return []
     models = [("baseline", None)] + [(q.name, q.method, variant_format(q)) for q in recipe.quantize]
     problems, plan.serve_engines = serve_plan(cfg, models, plan.device)
-    plan.warnings += [f"validate/{n}/serve/{e}: skipped: {why}" for n, by in plan.serve_engines.items()
+    plan.warnings += [f"{Serve.key(n, e)}: skipped: {why}" for n, by in plan.serve_engines.items()
                       for e, why in by.items() if why is not None]
     plan.serve_skipped = {n: "; ".join(f"{e}: {w}" for e, w in by.items()) for n, by in plan.serve_engines.items()
                           if by and all(w is not None for w in by.values())}

@@ -42,6 +42,7 @@ def _load(recipe: str, overrides: tuple[str, ...]):
 def check(recipe: str, overrides: tuple[str, ...]) -> None:
     """Validate RECIPE and print the resolved plan; loads no weights."""
     from pipeline.plan import GiB, check as check_plan
+    from pipeline.stages.kinds import Speed
 
     t0 = time.perf_counter()
     r = _load(recipe, overrides)
@@ -68,7 +69,7 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
         how = "offloaded to disk (streams weights)" if plan.offload.get(k) else "in memory"
         click.echo(f"            {k:<32}{b / GiB:>7.2f} GiB  {how}")
     for name, why in plan.speed_skipped.items():
-        click.echo(f"            {'validate/' + name + '/speed':<32}{'':>11}  not timed: {why}")
+        click.echo(f"            {Speed.key(name):<32}{'':>11}  not timed: {why}")
     disk = ", ".join(f"{k} {b / GiB:.2f} GiB" for k, b in plan.disk.items() if b) or "no large files"
     reused = f", {plan.disk_reused / GiB:.2f} GiB already there" if plan.disk_reused else ""
     click.echo(f"disk      about {sum(plan.disk.values()) / GiB:.2f} GiB in the run folder ({disk}{reused}); "
@@ -175,8 +176,8 @@ def eval(checkpoint: str, dataset: str, seq_len: int, stride: int | None, max_wi
     import tempfile
     import time
 
+    from pipeline.eval.jobs import run_quality
     from pipeline.recipe import PerplexityConfig, SmokeConfig
-    from pipeline.base.worker import run_task
 
     cfg = PerplexityConfig(dataset=dataset, seq_len=seq_len, stride=stride, max_windows=max_windows)
     with tempfile.TemporaryDirectory() as tmp:
@@ -185,11 +186,8 @@ def eval(checkpoint: str, dataset: str, seq_len: int, stride: int | None, max_wi
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise RecipeError(f"--out {out_dir}: cannot create it ({e.strerror})") from None
-        args = {"model_dir": checkpoint, "out": str(out), "perplexity": cfg.model_dump(),
-                "smoke": SmokeConfig(enabled=False).model_dump(), "device": device, "reference": None,
-                "label": Path(checkpoint).name}
         t0 = time.perf_counter()
-        result = run_task("quality", args, out, threads)
+        result = run_quality(checkpoint, out, cfg, SmokeConfig(enabled=False), device, threads)
         result["wall_time_s"] = round(time.perf_counter() - t0, 1)
         if out_dir:
             (out / "quality.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -164,7 +164,9 @@ def unit_executor(recipe, runner: Runner, run_dir: Path, plan: Plan | None, unit
 def remove_stale_exports(run_dir: Path, export_keys: list[str]) -> None:
     """Export folders of models no longer in the recipe are removed: no report of this run lists them, and
     nothing may ever push them."""
-    root, keep = run_dir / "export", {k.removeprefix("export/") for k in export_keys}
+    from pipeline.stages.kinds import Export
+
+    root, keep = run_dir / Export.stage, {Export.name_of(k) for k in export_keys}
     for folder in sorted(root.iterdir()) if root.is_dir() else []:
         if folder.name not in keep:
             log.info("removing %s: not an export of this recipe", folder)

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from pipeline.base.errors import RecipeError, StageError
 from pipeline.app.ray_task import PROBE_DIR, admitted_file, probe_task, version_mismatch
-from pipeline.results.render import planned
+from pipeline.base.stage_keys import UnitKey
+from pipeline.stages.kinds import kind_of
 
 log = logging.getLogger("compress")
 
@@ -32,25 +33,18 @@ CONNECT_TIMEOUT_S = 12  # a throwaway ray.init in a child process; with the 10 s
 
 
 def exclusive(key: str) -> bool:
-    """A unit that measures time for the gates (speed, served throughput, speculative speed-up): a node of its own."""
-    return key.startswith("validate/") and (key.endswith("/speed") or "/serve/" in key
-                                            or key == "validate/draft/speculative")
+    """A unit that measures time for the gates (speed, served throughput, speculative speed-up): a node of its own.
+    Its class says so (pipeline/stages/kinds.py Stage.exclusive); a key outside the grammar is refused."""
+    return kind_of(key).exclusive
 
 
 def unit_memory(plan, key: str) -> int | None:
-    """The plan's predicted peak for a unit: its own figure; else, for a unit measuring one model (quality, speed,
-    tasks, serve/<engine>), that model's figure, which pipeline/plan.py names "validate/<model>"; the speculative
-    unit holds the verifier and the draft, as the draft unit does: that unit's figure."""
-    if plan is None:
-        return None
-    if key in plan.memory:
-        return plan.memory[key]
-    if key == "validate/draft/speculative":
-        return plan.memory.get("draft")
-    parts = key.split("/")
-    if parts[0] == "validate" and len(parts) >= 3:
-        return planned(plan.memory, f"validate/{parts[1]}/quality")
-    return planned(plan.memory, key)
+    """The plan's predicted peak for a unit, as its class finds it (pipeline/stages/kinds.py memory_keys): its own
+    figure; else, for a unit measuring one model (quality, speed, tasks, serve/<engine>), that model's figure
+    ("validate/<model>"); the speculative unit holds the verifier and the draft, as the draft unit does: that unit's
+    figure."""
+    k = UnitKey.parse(key)  # a key outside the grammar is refused, with or without a plan
+    return None if plan is None else kind_of(k).planned_memory(plan.memory, k)
 
 
 def options_for(key: str, plan, device: str, threads: int | None) -> dict:

@@ -222,8 +222,14 @@ def _rebuild(recipe_data: dict, key: str, h: str, run: dict, manifests: dict, no
     if run["threads"]:
         torch.set_num_threads(run["threads"])
     torch.manual_seed(run["seed"])
+    from pipeline.base.stage_keys import UnitKey
+
+    UnitKey.parse(key)  # a key outside the grammar: UnitKeyError naming what is wrong
     head, exports = build_units(Recipe.model_validate(recipe_data))
-    unit = {u.key: u for u in head + exports}[key]
+    units = {u.key: u for u in head + exports}
+    if key not in units:
+        raise StageError(f"{key}: node {node} builds no such unit from the recipe (its units: {sorted(units)})")
+    unit = units[key]
     runner = task_runner_cls()(Path(run["run_dir"]), run["seed"], run["device"], run["versions"], None, run["run_id"])
     runner.manifests = dict(manifests)
     if runner.inputs_hash(unit) != h:

@@ -5,12 +5,13 @@ from __future__ import annotations
 from pipeline.base.unit import Unit
 from pipeline.plan import stage_names
 from pipeline.stages import calibrate, draft, export, load, quantize, validate
+from pipeline.stages.kinds import Calibrate
 
 
 def build_units(recipe) -> tuple[list[Unit], list[Unit]]:
     """(units up to validate, export units). Gates are applied between the two."""
     units = [load.unit(recipe)]
-    if "calibrate" in stage_names(recipe):
+    if Calibrate.key() in stage_names(recipe):
         units.append(calibrate.unit(recipe))
     units += quantize.units(recipe)
     if recipe.draft is not None:

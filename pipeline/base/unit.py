@@ -21,7 +21,7 @@ log = logging.getLogger("compress")
 
 @dataclass
 class Unit:
-    key: str  # "load", "quantize/w4g64", "validate/baseline"
+    key: str  # "load", "quantize/w4g64", "validate/baseline/quality": pipeline/base/stage_keys.py is the grammar
     config: Any  # JSON-able: everything from the recipe this unit depends on
     fn: Callable[[UnitContext], dict]  # writes outputs into ctx.out, returns metrics
     deps: list[str] = field(default_factory=list)

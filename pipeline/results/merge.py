@@ -1,10 +1,12 @@
 """Every stage's contribution to the report, in one place: `record(report, key, manifest, skipped)` is
-what the runner calls after a unit ran or was found up to date. The unit's key says which section its
-metrics fill; nothing else writes report sections."""
+what the runner calls after a unit ran or was found up to date. The unit's key (parsed by
+pipeline/base/stage_keys.py: a key outside its grammar is refused) says which section its metrics fill; nothing else
+writes report sections."""
 from __future__ import annotations
 
 from typing import Any
 
+from pipeline.base.stage_keys import UnitKey
 from pipeline.results.schema import (Calibration, DraftEntry, ExportEntry, ModelEntry, ModelInfo, Report,
                                      StageEntry)
 
@@ -13,35 +15,32 @@ CALIBRATION_KEYS = tuple(Calibration.model_fields)
 
 
 def record(report: Report, key: str, manifest: dict, skipped: bool) -> None:
+    uk = UnitKey.parse(key)  # UnitKeyError before anything is written for a key outside the grammar
     report.stages[key] = StageEntry(status="skipped" if skipped else "done", time_s=manifest["time_s"],
                                     peak_rss_bytes=manifest["peak_rss_bytes"], dir=key)
-    metrics = manifest.get("metrics") or {}
-    kind, _, rest = key.partition("/")
-    if kind == "load":
+    metrics, name = manifest.get("metrics") or {}, uk.name
+    if uk.stage == "load":
         report.model = ModelInfo(**{k: metrics.get(k) for k in MODEL_KEYS if metrics.get(k) is not None})
-    elif kind == "calibrate":
+    elif uk.stage == "calibrate":
         report.calibration = Calibration(**{k: metrics.get(k) for k in CALIBRATION_KEYS})
-    elif kind == "quantize":
-        _quantized(report, rest, metrics, (manifest.get("config") or {}).get("variant") or {})
-    elif kind == "draft":
+    elif uk.stage == "quantize":
+        _quantized(report, name, metrics, (manifest.get("config") or {}).get("variant") or {})
+    elif uk.stage == "draft":
         _draft(report, metrics)
-    elif kind == "validate":
-        name, _, what = rest.partition("/")
-        what, _, engine = what.partition("/")  # validate/<model>/serve/<engine>
-        if what == "quality":
-            _quality(report, name, metrics)
-        elif what == "speed":
-            entry(report, name).speed = metrics
-        elif what == "serve":
-            e = entry(report, name)
-            e.served = {**(e.served or {}), engine: metrics}
-        elif what == "speculative":
-            _speculative(report, metrics)
-        elif what == "tasks":
-            e = entry(report, name)
-            e.tasks, e.task_recovery = metrics.get("tasks"), metrics.get("recovery")
-    elif kind == "export":
-        report.exports[rest] = ExportEntry(**{k: metrics.get(k) for k in ("kind", "name", "verifier", "folder", "files")},
+    elif uk.measure == "quality":
+        _quality(report, name, metrics)
+    elif uk.measure == "speed":
+        entry(report, name).speed = metrics
+    elif uk.measure == "serve":
+        e = entry(report, name)
+        e.served = {**(e.served or {}), uk.engine: metrics}
+    elif uk.measure == "speculative":
+        _speculative(report, metrics)
+    elif uk.measure == "tasks":
+        e = entry(report, name)
+        e.tasks, e.task_recovery = metrics.get("tasks"), metrics.get("recovery")
+    elif uk.stage == "export":
+        report.exports[name] = ExportEntry(**{k: metrics.get(k) for k in ("kind", "name", "verifier", "folder", "files")},
                                            outputs_hash=manifest.get("outputs_hash"), run_id=manifest.get("run_id"))
 
 
@@ -56,7 +55,7 @@ def entry(report: Report, name: str) -> ModelEntry:
 
 def _quantized(report: Report, name: str, m: dict, params: dict) -> None:
     e = entry(report, name)
-    e.method, e.params, e.checkpoint = params.get("method"), params, f"quantize/{name}"
+    e.method, e.params, e.checkpoint = params.get("method"), params, str(UnitKey("quantize", name))
     e.quantize_time_s, e.runtimes = m.get("time_s"), m.get("runtimes", [])
     e.quantize = {k: v for k, v in m.items() if k not in ("files", "runtimes")}
 

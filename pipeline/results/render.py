@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pipeline.base.stage_keys import UnitKey
 from pipeline.results.format import FP_DISTILLED, num, size, speculative_label, spread, table
 from pipeline.results.gates import fmt_value, gate_status
 from pipeline.results.query import dig, is_distilled, models, shown_params
@@ -244,10 +245,11 @@ def _stages(report: Report) -> list[str]:
 
 
 def planned(by_stage: dict, key: str):
-    """The plan's value for a run stage: plan keys name a model's quality unit "validate/<model>" (pipeline/plan.py)."""
+    """The plan's value for a run stage: its own figure (UnitKey.plan_key: the plan names a model's quality unit
+    "validate/<model>", pipeline/estimate.py)."""
     if key in by_stage:
         return by_stage[key]
-    return by_stage.get(key.removesuffix("/quality")) if key.startswith("validate/") else None
+    return by_stage.get(UnitKey.parse(key).plan_key)
 
 
 def _exports(report: Report) -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 
 from pipeline import data
+from pipeline.stages.kinds import Calibrate, Load
 from pipeline.base.unit import Unit, UnitContext
 
 CODE = ("stages/calibrate.py",)  # the entry module: what it imports is found by pipeline/base/codehash.py
@@ -14,7 +15,7 @@ def unit(recipe) -> Unit:
     # allow_overlap is a check (compress check), not an input; the corpus counts by content (a local file's sha256)
     config = {"calibration": cfg.model_dump(exclude={"allow_overlap"}),
               "data": data.identity(data.resolve(cfg.dataset, cfg.text_field))}
-    return Unit("calibrate", config, lambda ctx: run(ctx, recipe), deps=["load"], code=CODE)
+    return Unit(Calibrate.key(), config, lambda ctx: run(ctx, recipe), deps=[Load.key()], code=CODE)
 
 
 def run(ctx: UnitContext, recipe) -> dict:
@@ -24,7 +25,7 @@ def run(ctx: UnitContext, recipe) -> dict:
     from pipeline.data.calib import sample_token_windows, training_documents
 
     cfg = recipe.calibration
-    tokenizer = AutoTokenizer.from_pretrained(ctx.dep("load"))
+    tokenizer = AutoTokenizer.from_pretrained(ctx.dep(Load.key()))
     docs = training_documents(cfg)
     ids = sample_token_windows(tokenizer, docs, cfg.num_samples, cfg.seq_len, cfg.sampling, ctx.seed, cfg.chat_template)
     save_file({"input_ids": ids.contiguous()}, ctx.out / "calibration.safetensors")

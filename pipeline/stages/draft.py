@@ -5,6 +5,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from pipeline.stages.kinds import Draft, Load, Quantize
 from pipeline.base.unit import Unit, UnitContext
 
 CODE = ("stages/draft.py",)  # the entry module: what it imports is found by pipeline/base/codehash.py
@@ -20,7 +21,7 @@ log = logging.getLogger("compress")
 
 def verifier_key(recipe) -> str:
     v = recipe.draft.verifier
-    return "load" if v == "baseline" else f"quantize/{v}"
+    return Load.key() if v == "baseline" else Quantize.key(v)
 
 
 def verifier_code(recipe) -> tuple[str, ...]:
@@ -31,7 +32,8 @@ def verifier_code(recipe) -> tuple[str, ...]:
 
 
 def unit(recipe) -> Unit:
-    return Unit("draft", unit_config(recipe), lambda ctx: run(ctx, recipe), deps=sorted({"load", verifier_key(recipe)}),
+    return Unit(Draft.key(), unit_config(recipe), lambda ctx: run(ctx, recipe),
+                deps=sorted({Load.key(), verifier_key(recipe)}),
                 code=CODE + verifier_code(recipe))
 
 
@@ -56,7 +58,7 @@ def run(ctx: UnitContext, recipe) -> dict:
     # layers are copied from the unquantized model (a GPTQ verifier's packed weights cannot be sliced);
     # distillation targets come from the verifier itself. ctx.work survives a kill: checkpoints live there.
     metrics = build_draft(ctx.dep(verifier_key(recipe)), recipe.draft, texts, ctx.out, ctx.work, ctx.seed,
-                          log=log.info, base_dir=ctx.dep("load"), device=ctx.device)
+                          log=log.info, base_dir=ctx.dep(Load.key()), device=ctx.device)
     undistilled = Path(metrics.pop("undistilled_dir"))
     if undistilled.is_dir():  # kept beside the draft so validate can measure what distillation bought
         shutil.move(str(undistilled), ctx.out / "undistilled")
@@ -76,8 +78,8 @@ def fp_distilled(ctx: UnitContext, recipe, texts: list[str]) -> dict:
 
     cfg = recipe.draft.model_copy(update={"verifier": "baseline"})
     log.info("draft: also distilling against the full-precision baseline (draft.measure.compare_fp_distilled)")
-    metrics = build_draft(ctx.dep("load"), cfg, texts, ctx.out / "fp-distilled", ctx.work / "fp", ctx.seed,
-                          log=log.info, base_dir=ctx.dep("load"), device=ctx.device)
+    metrics = build_draft(ctx.dep(Load.key()), cfg, texts, ctx.out / "fp-distilled", ctx.work / "fp", ctx.seed,
+                          log=log.info, base_dir=ctx.dep(Load.key()), device=ctx.device)
     metrics.pop("undistilled_dir")  # the same layers as draft/undistilled: not kept twice
     return metrics
 

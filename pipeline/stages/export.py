@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 from pipeline.base.fileio import drop_none
+from pipeline.stages.kinds import Draft, Export, Load, Quantize
 from pipeline.base.unit import METRICS, MANIFEST, Unit, UnitContext
 
 SKIP_SUFFIXES = (".log", ".jsonl")
@@ -19,18 +20,18 @@ def units(recipe, validate_keys: list[str]) -> list[Unit]:
     card_hash = hashlib.sha256(json.dumps(card_recipe(drop_none(recipe.dump())), sort_keys=True).encode()).hexdigest()
     from pipeline.quant.registry import model_code
 
-    entries = [(q.name, "variant", f"quantize/{q.name}", None) for q in recipe.quantize]
+    entries = [(q.name, "variant", Quantize.key(q.name), None) for q in recipe.quantize]
     if recipe.export.include_baseline:
-        entries.insert(0, ("baseline", "baseline", "load", None))
+        entries.insert(0, ("baseline", "baseline", Load.key(), None))
     if recipe.draft is not None:
-        entries.append(("draft", "draft", "draft", recipe.draft.verifier))
+        entries.append(("draft", "draft", Draft.key(), recipe.draft.verifier))
     out = []
     for name, kind, src, verifier in entries:
         entry = {"kind": kind, "name": name, "verifier": verifier}
         # the model card shows the recipe (gates included): a change to it re-exports here, before publish,
         # instead of the end-of-run card refresh rewriting README.md behind the export manifest
         cfg = {"export": recipe.export.model_dump(), "entry": entry, "card_recipe": card_hash}
-        out.append(Unit(f"export/{name}", cfg, lambda ctx, e=entry, s=src: run(ctx, recipe, e, s),
+        out.append(Unit(Export.key(name), cfg, lambda ctx, e=entry, s=src: run(ctx, recipe, e, s),
                         deps=[src] + validate_keys,
                         # its imports (the card renderer, the report schema) and a variant's method (its card text)
                         code=("stages/export.py",) + model_code(recipe, name)))
@@ -67,7 +68,7 @@ def run(ctx: UnitContext, recipe, entry: dict, src_key: str) -> dict:
 
         measured.write(ctx.out, entry_data(report, entry).served)
     files = {p.name: p.stat().st_size for p in ctx.out.iterdir() if p.is_file()}
-    return {**entry, "folder": f"export/{entry['name']}", "files": files}
+    return {**entry, "folder": Export.key(entry["name"]), "files": files}
 
 
 def recipe_excerpt(recipe, entry: dict) -> str:

@@ -7,6 +7,7 @@ import logging
 
 from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
 from pipeline.base.fileio import sha256_file
+from pipeline.stages.kinds import Load
 from pipeline.base.unit import Unit, UnitContext
 from pipeline.model.sources import content_identity, describe, link_problem, parse
 
@@ -24,7 +25,7 @@ def unit(recipe) -> Unit:
                                                                                 for f in v}),
               "source_sha256": content_identity(src),
               "tokenizer_sha256": content_identity(parse(tokenizer)) if tokenizer else None}
-    return Unit("load", config, lambda ctx: run(ctx, recipe), code=CODE)
+    return Unit(Load.key(), config, lambda ctx: run(ctx, recipe), code=CODE)
 
 
 def run(ctx: UnitContext, recipe) -> dict:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 
+from pipeline.stages.kinds import Calibrate, Load, Quantize
 from pipeline.base.unit import Unit, UnitContext
 
 # the entry module; what it imports is found by pipeline/base/codehash.py. Each unit adds its own method's file
@@ -19,8 +20,8 @@ def units(recipe) -> list[Unit]:
     limit = recipe.run.memory_limit_bytes
     out = []
     for v in recipe.quantize:
-        deps = ["load"] + (["calibrate"] if needs_calibration(v) else [])
-        out.append(Unit(f"quantize/{v.name}", {"variant": v.model_dump(mode="json")},
+        deps = [Load.key()] + ([Calibrate.key()] if needs_calibration(v) else [])
+        out.append(Unit(Quantize.key(v.name), {"variant": v.model_dump(mode="json")},
                         lambda ctx, v=v: run(ctx, v, limit), deps=deps, code=CODE + method_code(v)))
     return out
 
@@ -31,11 +32,11 @@ def run(ctx: UnitContext, variant, memory_limit: int | None = None) -> dict:
     from pipeline.quant.api import quantize_variant
 
     calib = None
-    if "calibrate" in ctx.manifests:
-        calib = load_file(ctx.dep("calibrate") / "calibration.safetensors")["input_ids"]
-    metrics = quantize_variant(ctx.dep("load"), variant, calib, ctx.out, log, ctx.seed, device=ctx.device,
+    if Calibrate.key() in ctx.manifests:
+        calib = load_file(ctx.dep(Calibrate.key()) / "calibration.safetensors")["input_ids"]
+    metrics = quantize_variant(ctx.dep(Load.key()), variant, calib, ctx.out, log, ctx.seed, device=ctx.device,
                                memory_limit=memory_limit)
-    metrics["runtimes"] = serving_runtimes(ctx.dep("load"), variant)
+    metrics["runtimes"] = serving_runtimes(ctx.dep(Load.key()), variant)
     return metrics
 
 

@@ -6,6 +6,7 @@ import logging
 
 from pipeline.base.unit import Unit, UnitContext
 from pipeline.base.worker import run_task
+from pipeline.stages.kinds import Draft, Load, Quality, Quantize, Serve, Speculative, Speed, Tasks
 
 # the entry module; what it imports (the worker, the eval and speculative code it runs) is found by pipeline/base/codehash.py
 CODE = ("stages/validate.py",)
@@ -16,7 +17,7 @@ def units(recipe) -> list[Unit]:
     from pipeline import data
 
     v = recipe.validate_
-    models = [("baseline", "load")] + [(q.name, f"quantize/{q.name}") for q in recipe.quantize]
+    models = [("baseline", Load.key())] + [(q.name, Quantize.key(q.name)) for q in recipe.quantize]
     ppl = v.perplexity
     eval_data = data.identity(data.resolve(ppl.dataset, ppl.text_field))  # the evaluation text, by content
     from pipeline.quant.registry import model_code, variant_format
@@ -25,15 +26,15 @@ def units(recipe) -> list[Unit]:
     out = []
     for name, src in models:
         code = CODE + model_code(recipe, name)  # a variant's checkpoint is loaded by its method's reload hook
-        deps = [src] if name == "baseline" else [src, "validate/baseline/quality"]
+        deps = [src] if name == "baseline" else [src, Quality.key("baseline")]
         cfg = {"perplexity": ppl.model_dump(), "smoke": v.smoke.model_dump(), "device": recipe.run.device,
                "data": eval_data}
-        out.append(Unit(f"validate/{name}/quality", cfg, lambda ctx, n=name, s=src: quality(ctx, recipe, n, s),
+        out.append(Unit(Quality.key(name), cfg, lambda ctx, n=name, s=src: quality(ctx, recipe, n, s),
                         deps=deps, code=code))
         if v.speed.enabled and (v.speed.models == "all" or name in v.speed.models):
             speed_cfg = {"speed": v.speed.model_dump(), "device": recipe.run.device,
                          "max_memory_gb": recipe.run.max_memory_gb}  # over it, the model is not timed
-            out.append(Unit(f"validate/{name}/speed", speed_cfg,
+            out.append(Unit(Speed.key(name), speed_cfg,
                             lambda ctx, n=name, s=src: speed(ctx, recipe, n, s), deps=[src], code=code))
         out += serve_units(recipe, name, src, formats.get(name), eval_data, code)
     out += task_units(recipe, models)
@@ -59,9 +60,9 @@ def serve_units(recipe, name: str, src: str, fmt: str | None, eval_data, code: t
     for engine, skipped in plan.items():
         config = {"serve": cfg.model_dump(exclude={"engines", "engine_models"}), "engine": engine,
                   "engine_version": engines.get(engine).version(), "device": recipe.run.device, "data": eval_data}
-        out.append(Unit(f"validate/{name}/serve/{engine}", config,
+        out.append(Unit(Serve.key(name, engine), config,
                         lambda ctx, n=name, s=src, e=engine, w=skipped: serve(ctx, recipe, n, s, e, w),
-                        deps=[src, f"validate/{name}/quality"], code=code))
+                        deps=[src, Quality.key(name)], code=code))
     return out
 
 
@@ -81,15 +82,15 @@ def task_units(recipe, models: list[tuple[str, str]]) -> list[Unit]:
     for name, src in models:
         if not cfg.scores(name):
             continue
-        deps = [src] if name == "baseline" else [src, "validate/baseline/tasks"]
-        out.append(Unit(f"validate/{name}/tasks", config, lambda ctx, n=name, s=src: tasks(ctx, recipe, n, s, jobs),
+        deps = [src] if name == "baseline" else [src, Tasks.key("baseline")]
+        out.append(Unit(Tasks.key(name), config, lambda ctx, n=name, s=src: tasks(ctx, recipe, n, s, jobs),
                         deps=deps, code=CODE + model_code(recipe, name)))
     return out
 
 
 def tasks(ctx: UnitContext, recipe, name: str, src: str, jobs: list[dict]) -> dict:
     cfg = recipe.validate_.tasks
-    ref = None if name == "baseline" else str(ctx.dep("validate/baseline/tasks"))
+    ref = None if name == "baseline" else str(ctx.dep(Tasks.key("baseline")))
     args = {"model_dir": str(ctx.dep(src)), "out": str(ctx.out), "jobs": jobs, "device": ctx.device,
             "cfg": {"limit": cfg.limit, "seed": cfg.seed, "num_fewshot": cfg.num_fewshot, "batch_size": cfg.batch_size,
                     "scorer": cfg.scorer},
@@ -103,7 +104,6 @@ def speculative_unit(recipe) -> Unit:
     only here) and the held-out prompts by content."""
     from pipeline import data
     from pipeline.stages.draft import verifier_code, verifier_key
-
     cfg, ppl = recipe.draft, recipe.validate_.perplexity
     if cfg.measure.prompts is not None:
         prompts = {"dataset": cfg.measure.prompts, "data": data.identity(data.resolve(cfg.measure.prompts))}
@@ -111,17 +111,17 @@ def speculative_unit(recipe) -> Unit:
         prompts = {"dataset": ppl.dataset, "text_field": ppl.text_field,
                    "data": data.identity(data.resolve(ppl.dataset, ppl.text_field))}
     config = {"draft": cfg.model_dump(mode="json"), "prompts": prompts, "device": recipe.run.device}
-    return Unit("validate/draft/speculative", config, lambda ctx: speculative(ctx, recipe),
-                deps=["draft", verifier_key(recipe)], code=CODE + verifier_code(recipe))
+    return Unit(Speculative.key(), config, lambda ctx: speculative(ctx, recipe),
+                deps=[Draft.key(), verifier_key(recipe)], code=CODE + verifier_code(recipe))
 
 
 def quality(ctx: UnitContext, recipe, name: str, src: str) -> dict:
+    from pipeline.eval.jobs import run_quality
+
     v = recipe.validate_
-    ref = None if name == "baseline" else str(ctx.dep("validate/baseline/quality"))
-    args = {"model_dir": str(ctx.dep(src)), "out": str(ctx.out), "perplexity": v.perplexity.model_dump(),
-            "smoke": v.smoke.model_dump(), "device": ctx.device, "reference": ref, "label": name,
-            "memory_limit": recipe.run.memory_limit_bytes}
-    return run_task("quality", args, ctx.out, recipe.run.threads)
+    ref = None if name == "baseline" else ctx.dep(Quality.key("baseline"))
+    return run_quality(ctx.dep(src), ctx.out, v.perplexity, v.smoke, ctx.device, recipe.run.threads, reference=ref,
+                       label=name, memory_limit=recipe.run.memory_limit_bytes)
 
 
 def speed(ctx: UnitContext, recipe, name: str, src: str) -> dict:
@@ -143,7 +143,7 @@ def speed(ctx: UnitContext, recipe, name: str, src: str) -> dict:
 def speculative(ctx: UnitContext, recipe) -> dict:
     from pipeline.stages.draft import verifier_key
 
-    cfg, draft = recipe.draft, ctx.dep("draft")
+    cfg, draft = recipe.draft, ctx.dep(Draft.key())
     args = {"verifier": str(ctx.dep(verifier_key(recipe))), "draft": str(draft),
             "prompts": held_out_prompts(cfg.measure.num_prompts, recipe.validate_.perplexity, cfg.measure.prompts),
             "draft_cfg": cfg.model_dump(mode="json"), "seed": ctx.seed, "device": ctx.device,
