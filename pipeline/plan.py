@@ -12,7 +12,7 @@ from pipeline.model.sources import ModelInfo, describe, parse
 
 from pipeline.estimate import estimate_disk, estimate_memory
 from pipeline.budget.formulas import GiB
-from pipeline.quant.shapes import linear_shapes_from_config
+from pipeline.quant.shapes import Arch, linear_shapes_from_config
 from pipeline.eval.config import GATE_SPECS, gate_problems, speed_problems
 from pipeline.quant.registry import check_variant, method_of, needs_calibration, runtimes, variant_format
 from pipeline.model.families import unknown_family
@@ -60,7 +60,7 @@ def versions() -> dict[str, str]:
     return out
 
 
-def arch_dict(info: ModelInfo) -> dict:
+def arch_of(info: ModelInfo) -> Arch:
     return linear_shapes_from_config(info.config)
 
 
@@ -184,11 +184,11 @@ def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[str]:
     if not recipe.quantize:
         return []
 
-    arch = arch_dict(info)
+    arch = arch_of(info)
     device = plan.device
     problems = []
-    if not arch.get("shapes_known") and arch.get("model_type"):
-        plan.warnings.append(unknown_family(arch["model_type"]))
+    if not arch.shapes_known and arch.model_type:
+        plan.warnings.append(unknown_family(arch.model_type))
     for i, v in enumerate(recipe.quantize):
         problems += [f"quantize.{i} ({v.name}): {p}" for p in check_variant(v, arch, device)]
         rows = getattr(v, "calibration_rows", None)

@@ -139,7 +139,7 @@ def _print_summary(run_dir: Path, wall: float) -> None:
     rows = ([("baseline", report.baseline)] if report.baseline else []) + list(report.variants.items())
     click.echo(f"\n{'model':<20}{'ppl':>10}{'ratio':>8}{'KL':>9}{'top1':>7}{'disk MiB':>10}", err=True)
     for name, e in rows:
-        ppl = (e.perplexity or {}).get("value")
+        ppl = e.perplexity.value if e.perplexity else None
         ratio = f"{e.ppl_ratio:.4f}" if e.ppl_ratio is not None else ("1.0000" if name == "baseline" and ppl else "-")
         kl = f"{e.kl:.4f}" if e.kl is not None else "-"
         top1 = f"{e.top1:.3f}" if e.top1 is not None else "-"

@@ -24,11 +24,11 @@ def linear_bits_per_weight(folder: Path) -> float | None:
         return 8 * sum(int(t.n_bytes) for t in blk) / weights if weights else None
 
     arch = linear_shapes_from_config(json.loads((folder / "config.json").read_text()))
-    if not arch.get("shapes_known"):
+    if not arch.shapes_known:
         return None
-    prefix = arch["layers"] + "."
+    prefix = arch.layers + "."
     inner = {n: n[len(prefix):].split(".", 1)[1] for n in module_names(arch) if n.startswith(prefix)}
-    shapes = {n: (arch["linear_in_features"][k], arch["linear_out_features"][k]) for n, k in inner.items()}
+    shapes = {n: (arch.linear_in_features[k], arch.linear_out_features[k]) for n, k in inner.items()}
     stored = {n: 0 for n in shapes}
     for name, nbytes in _safetensors_sizes(folder):
         module = name.rsplit(".", 1)[0]

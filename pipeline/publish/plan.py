@@ -217,8 +217,8 @@ def _message(cfg: PublishConfig, report: Report, export: Export, run: str) -> st
         # a draft has no perplexity of its own: its commit carries its verifier's figures
         name = export.draft_verifier if export.kind == "draft" else export.name
         entry = report.baseline if name == "baseline" else report.variants.get(name)
-        ppl = ((entry.perplexity if entry else None) or {}).get("value")
-        base = ((report.baseline.perplexity if report.baseline else None) or {}).get("value")
+        ppl = entry.perplexity.value if entry and entry.perplexity else None
+        base = report.baseline.perplexity.value if report.baseline and report.baseline.perplexity else None
         if ppl is None or ("ppl_ratio" in used and not base):
             raise PublishError(f"report.json has no perplexity for {name!r} (or for the baseline), needed by the "
                                "{perplexity}/{ppl_ratio} placeholders of [publish].commit_message")

@@ -11,7 +11,7 @@ embeddings left in 16 bits.
 from __future__ import annotations
 
 from pipeline.quant.method import LLAMA_CPP_ROW
-from pipeline.quant.shapes import quantized_linears
+from pipeline.quant.shapes import Arch, quantized_linears
 
 CT = "compressed-tensors"
 CT_BITS = (4, 8)  # vLLM's compressed-tensors WNA16 schemes; compressed-tensors 0.20 packs 3-bit values across words
@@ -39,7 +39,7 @@ class CompressedTensorsLoad:
 LOAD = CompressedTensorsLoad()
 
 
-def ct_problems(variant, arch: dict) -> list[str]:
+def ct_problems(variant, arch: Arch) -> list[str]:
     """What a `format = "compressed-tensors"` variant cannot be (group size vs in-features is the registry's rule)."""
     where = "format = 'compressed-tensors'"
     problems = []
@@ -64,10 +64,10 @@ def ct_bits_per_weight(variant) -> float:
     return variant.bits + (16 + (0 if variant.sym else variant.bits)) / g
 
 
-def ct_runtimes(variant, arch: dict) -> list[dict]:
+def ct_runtimes(variant, arch: Arch) -> list[dict]:
     b, g, sym = variant.bits, variant.group_size, variant.sym
     w = f"W{b}A16"
-    linears = quantized_linears(arch, variant.modules_to_skip) if arch.get("shapes_known") else {}
+    linears = quantized_linears(arch, variant.modules_to_skip) if arch.shapes_known else {}
     m = MARLIN
     bad = [f"{k.split('.')[-1]} ({i}x{o})" for k, (i, o) in linears.items() if i % m["min_k"] or o % m["min_n"]]
     if g not in m["group_sizes"]:

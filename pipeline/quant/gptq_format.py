@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.quant.ct_format import CT, LOAD, ct_bits_per_weight, ct_problems, ct_runtimes, ct_usage
 from pipeline.quant.method import LLAMA_CPP_ROW, bits_tags, grouped_bits
-from pipeline.quant.shapes import quantized_linears
+from pipeline.quant.shapes import Arch, quantized_linears
 
 # GPTQModel 7.6 QuantizeConfig accepts these group sizes; its CPU/torch kernel (TorchLinear) takes them all.
 GPTQ_GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)
@@ -45,10 +45,10 @@ class GPTQFormatMethod(GPTQModelKernels):
     def reload_of(self, variant):
         return LOAD if variant.format == CT else self
 
-    def check(self, variant, arch: dict, device: str) -> list[str]:
+    def check(self, variant, arch: Arch, device: str) -> list[str]:
         return ct_problems(variant, arch) if variant.format == CT else []
 
-    def runtimes(self, variant, arch: dict) -> list[dict]:
+    def runtimes(self, variant, arch: Arch) -> list[dict]:
         return ct_runtimes(variant, arch) if variant.format == CT else gptq_runtimes(variant, arch)
 
     def bits_per_weight(self, variant) -> float:
@@ -79,7 +79,7 @@ class GPTQModelDriven:
         return save(model, base_dir, out_dir, variant)
 
 
-def gptq_runtimes(variant, arch: dict) -> list[dict]:
+def gptq_runtimes(variant, arch: Arch) -> list[dict]:
     b, g, sym = variant.bits, variant.group_size, variant.sym
     aten = b == 4 and g in (16, 32, 64, 128)
     cpu_kernel = ("GPTQModel TorchAtenLinear (aten int4 matmul)" if aten
@@ -96,7 +96,7 @@ def gptq_runtimes(variant, arch: dict) -> list[dict]:
     return out
 
 
-def _vllm(variant, arch: dict) -> dict:
+def _vllm(variant, arch: Arch) -> dict:
     b, g, sym = variant.bits, variant.group_size, variant.sym
     if b not in (2, 3, 4, 8):
         return {"runtime": "vLLM (CUDA)", "kernel": "none", "note": f"vLLM's GPTQ kernels take 2/3/4/8 bits, not {b}"}
@@ -105,7 +105,7 @@ def _vllm(variant, arch: dict) -> dict:
         why = f"{b}-bit" if b not in m["bits"] else ("asymmetric" if not sym else f"group_size {g}")
         return {"runtime": "vLLM (CUDA)", "kernel": "gptq (ExLlama)",
                 "note": f"Marlin does not take {why}; the slower gptq kernel serves it"}
-    linears = quantized_linears(arch, variant.modules_to_skip) if arch.get("shapes_known") else {}
+    linears = quantized_linears(arch, variant.modules_to_skip) if arch.shapes_known else {}
     bad = [f"{k.split('.')[-1]} ({i}x{o})" for k, (i, o) in linears.items() if i % m["min_k"] or o % m["min_n"]]
     if bad:
         return {"runtime": "vLLM (CUDA)", "kernel": "gptq_marlin for some layers, slower fallback for others",

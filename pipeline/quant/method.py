@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO, Any, ClassVar
 
 from pipeline.model.dtypes import DTYPE_NAMES
+from pipeline.quant.shapes import Arch
 
 LLAMA_CPP_ROW = {"runtime": "llama.cpp", "kernel": "none", "note": "reads GGUF only: add a method = \"gguf\" variant"}
 
@@ -63,11 +64,11 @@ class QuantMethod:
         checkpoint: the method itself, or its export format's (pipeline/quant/ct_format.py)."""
         return self
 
-    def check(self, variant, arch: dict, device: str) -> list[str]:
+    def check(self, variant, arch: Arch, device: str) -> list[str]:
         """This method's own rules beyond the declared bits/group sizes/dtypes/devices ([] = fine)."""
         return []
 
-    def runtimes(self, variant, arch: dict) -> list[dict]:
+    def runtimes(self, variant, arch: Arch) -> list[dict]:
         """Which runtimes can serve the checkpoint, with which kernel: [{"runtime", "kernel", "note"}]."""
         raise NotImplementedError
 

@@ -17,7 +17,7 @@ from pydantic import BeforeValidator, Field
 
 from pipeline.quant.ct_format import LOAD as CT_LOAD
 from pipeline.quant.method import QuantMethod
-from pipeline.quant.shapes import module_names, quantized_linears, skip_pattern
+from pipeline.quant.shapes import Arch, module_names, quantized_linears, skip_pattern
 from pipeline.base.registry import Registry
 
 # the method files, in the order their variants appear in the recipe's union. Imported by name: a unit's code
@@ -96,7 +96,7 @@ def needs_calibration(variant) -> bool:
 # ---------------------------------------------------------------- checks
 
 
-def check_variant(variant, arch: dict, device: str) -> list[str]:
+def check_variant(variant, arch: Arch, device: str) -> list[str]:
     """Problems that make this variant impossible on this model and device ([] = fine)."""
     c = method_of(variant)
     problems = []
@@ -110,7 +110,7 @@ def check_variant(variant, arch: dict, device: str) -> list[str]:
     if bits is not None and bits not in c.bits:
         problems.append(f"bits = {bits} is not supported by {c.name} (supported: {', '.join(map(str, c.bits))})")
     problems += c.check(variant, arch, device)
-    if arch.get("shapes_known"):
+    if arch.shapes_known:
         problems += _check_skips(variant, arch)
         problems += _check_group_size(variant, arch, c)
     elif getattr(variant, "group_size", None) is not None and variant.group_size not in c.group_sizes:
@@ -119,17 +119,17 @@ def check_variant(variant, arch: dict, device: str) -> list[str]:
     return problems
 
 
-def _check_skips(variant, arch: dict) -> list[str]:
+def _check_skips(variant, arch: Arch) -> list[str]:
     names = module_names(arch)
     bad = [e for e in variant.modules_to_skip if not any(re.match(skip_pattern(e), n) for n in names)]
     if not bad:
         return []
-    kinds = ", ".join(arch["linear_in_features"])
-    return [f"modules_to_skip entries {bad} match no linear layer of this {arch['model_type']} model "
+    kinds = ", ".join(arch.linear_in_features)
+    return [f"modules_to_skip entries {bad} match no linear layer of this {arch.model_type} model "
             f"(linear names end in: {kinds})"]
 
 
-def _check_group_size(variant, arch: dict, c: QuantMethod) -> list[str]:
+def _check_group_size(variant, arch: Arch, c: QuantMethod) -> list[str]:
     g = getattr(variant, "group_size", None)
     if g is None:
         return []
@@ -147,13 +147,13 @@ def _check_group_size(variant, arch: dict, c: QuantMethod) -> list[str]:
         return []
     sizes = sorted(set(bad.values()))
     what = "; ".join(f"{i} ({', '.join(k for k, v in bad.items() if v == i)})" for i in sizes)
-    hidden = arch.get("hidden_size")
+    hidden = arch.hidden_size
     first = f"hidden size {hidden}" if hidden in sizes else f"in-features {sizes[0]}"
     why = f"{first} is not a multiple of {g}"
     return [f"group_size = {g} does not divide the in-features of every quantized linear: {what}; the {why}. "
             f"Use group_size = {suggest} (or -1 for per-channel)"]
 
 
-def runtimes(variant, arch: dict) -> list[dict]:
+def runtimes(variant, arch: Arch) -> list[dict]:
     """Which runtimes can serve this checkpoint, with which kernel: [{"runtime", "kernel", "note"}]."""
     return method_of(variant).runtimes(variant, arch)

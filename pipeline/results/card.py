@@ -21,7 +21,8 @@ from huggingface_hub import EvalResult, ModelCard, ModelCardData
 from pipeline.base.public import local_name, public, public_text, public_tree
 from pipeline.results.format import num, size, speculative_label
 from pipeline.results.gates import blocks, gate_status
-from pipeline.results.query import dig, is_distilled, shown_params
+from pipeline.results.metrics import Perplexity, Served
+from pipeline.results.query import is_distilled, shown_params
 from pipeline.results.schema import DraftEntry, ModelEntry, ModelInfo, Report
 from pipeline.base.fileio import atomic_write_text
 from pipeline.quant.registry import METHODS
@@ -56,9 +57,15 @@ def _variant_tags(entry: ModelEntry) -> list[str]:
     return c.hub_tags(entry.params or {})
 
 
+def _baseline_ppl(report: Report) -> Perplexity:
+    """The baseline's perplexity record (empty when not measured): its protocol and dataset describe every row."""
+    return (report.baseline.perplexity if report.baseline else None) or Perplexity()
+
+
 def _datasets(report: Report, entry: ModelEntry | DraftEntry) -> list[str]:
-    names = [dig(report, "baseline", "perplexity", "dataset"), dig(report, "calibration", "dataset"),
-             dig(entry, "params", "dataset"), dig(entry, "distill", "dataset")]
+    params, distill = getattr(entry, "params", None), getattr(entry, "distill", None)
+    names = [_baseline_ppl(report).dataset, report.calibration.dataset if report.calibration else None,
+             params.get("dataset") if isinstance(params, dict) else None, distill.dataset if distill else None]
     ids = {HUB_DATASETS.get(str(n).lower()) for n in names if n}
     return sorted(i for i in ids if i)
 
@@ -81,13 +88,14 @@ def card_data(report: Report, entry: dict) -> ModelCardData:
             tags.append("distillation")
     if model.random_init:
         tags.append("random-weights")
-    ppl = dig(data, "perplexity", "value")
+    measured = getattr(data, "perplexity", None) or Perplexity()
+    ppl = measured.value
     results = None
     if isinstance(ppl, (int, float)):
-        ds = public(dig(report, "baseline", "perplexity", "dataset") or "unknown")
+        ds = public(_baseline_ppl(report).dataset or "unknown")
         results = [EvalResult(task_type="text-generation", dataset_type=HUB_DATASETS.get(str(ds).lower(), str(ds)),
                               dataset_name=str(ds), metric_type="perplexity", metric_value=round(float(ppl), 4),
-                              metric_name=f"perplexity ({dig(data, 'perplexity', 'protocol') or 'unknown protocol'})")]
+                              metric_name=f"perplexity ({measured.protocol or 'unknown protocol'})")]
     from pipeline.results.tasks_render import task_eval_results
 
     results = ((results or []) + task_eval_results(data)) or None  # [validate.tasks], one per task
@@ -156,21 +164,21 @@ def _intro(report: Report, entry: dict, base: str | None) -> list[str]:
 
 
 def _provenance(report: Report) -> list[str]:
-    model, base = report.model or ModelInfo(), report.baseline or ModelEntry()
+    model = report.model or ModelInfo()
     provenance = public_text(model.provenance or "", model.source) or "as published"
     return ["## Provenance of the baseline", "",
             f"{_source_line(model)} ({model.architecture or '?'}, "
             f"{num(model.parameters)} parameters, {model.dtype or '?'})",
             f"- provenance: {provenance}",
             f"- license: {model.license or 'unknown (check the source)'}",
-            f"- baseline perplexity in this run: {num(dig(base, 'perplexity', 'value'))}", ""]
+            f"- baseline perplexity in this run: {num(_baseline_ppl(report).value)}", ""]
 
 
 def _results(report: Report, entry: dict) -> list[str]:
-    ppl = dig(report, "baseline", "perplexity") or {}
+    ppl = _baseline_ppl(report)
     lines = ["## Results from this run", "",
-             f"Perplexity: {ppl.get('protocol', '?')} protocol on {public(ppl.get('dataset', '?'))} "
-             f"({num(ppl.get('tokens'))} tokens); KL and top-1 agreement against the baseline on the same tokens. "
+             f"Perplexity: {ppl.given('protocol', '?')} protocol on {public(ppl.given('dataset', '?'))} "
+             f"({num(ppl.tokens)} tokens); KL and top-1 agreement against the baseline on the same tokens. "
              f"Speed on {report.run.device} (batch-1 decode).", "",
              "| model | perplexity | ppl ratio | KL | top-1 | on disk | bits/weight | in memory | decode tok/s |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -178,16 +186,15 @@ def _results(report: Report, entry: dict) -> list[str]:
     if entry["kind"] == "variant":
         rows.append((entry["name"], entry_data(report, entry)))
     for name, m in rows:
-        lines.append(f"| {name} | {num(dig(m, 'perplexity', 'value'))} | {num(1.0 if name == 'baseline' else m.ppl_ratio)} "
+        lines.append(f"| {name} | {num(m.perplexity.value if m.perplexity else None)} | {num(1.0 if name == 'baseline' else m.ppl_ratio)} "
                      f"| {num(m.kl)} | {num(m.top1)} | {size(m.size_on_disk_bytes)} | {num(m.bits_per_weight, 3)} "
-                     f"| {size(m.footprint_bytes)} | {num(dig(m, 'speed', 'decode_tokens_per_s_b1'), 3)} |")
+                     f"| {size(m.footprint_bytes)} | {num(m.speed.decode_tokens_per_s_b1 if m.speed else None, 3)} |")
     if entry["kind"] == "draft":
         lines += ["", "| sampling | acceptance α | tokens per verifier forward | speed-up |", "|---|---|---|---|"]
-        verifier = dig(report, "draft", "verifier")
-        for mode, s in (dig(report, "draft", "speculative") or {}).items():
-            if isinstance(s, dict):
-                lines.append(f"| {speculative_label(mode, verifier)} | {num(s.get('alpha'), 3)} "
-                             f"| {num(s.get('tokens_per_target_forward'), 3)} | {num(s.get('speedup'), 3)} |")
+        draft = report.draft or DraftEntry()
+        for mode, s in (draft.speculative or {}).items():
+            lines.append(f"| {speculative_label(mode, draft.verifier)} | {num(s.alpha, 3)} "
+                         f"| {num(s.tokens_per_target_forward, 3)} | {num(s.speedup, 3)} |")
     return lines + _gate_line(report, entry["name"]) + [""]
 
 
@@ -241,17 +248,17 @@ def _runtime_table(data) -> list[str]:
 ENGINE_LABELS = {"vllm": "vLLM", "transformers": "transformers", "llama.cpp": "llama.cpp"}
 
 
-def _device(s: dict) -> str:
-    return "CUDA" if "cuda" in str(s.get("device", "cpu")) else "CPU"
+def _device(s: Served) -> str:
+    return "CUDA" if "cuda" in str(s.given("device", "cpu")) else "CPU"
 
 
 def _engine_rows(data: ModelEntry) -> list[dict]:
     """A runtime row for each engine this run served (or tried) the model in on its device."""
     rows = []
     for engine, s in (data.served or {}).items():
-        if not isinstance(s, dict) or s.get("skipped"):
+        if s.skipped:
             continue
-        kernel = ", ".join(s.get("kernels") or []) or "—"
+        kernel = ", ".join(s.kernels or []) or "—"
         rows.append({"runtime": f"{ENGINE_LABELS.get(engine, engine)} ({_device(s)})", "kernel": kernel,
                      "note": "its own server, this export folder as it is"})
     return rows
@@ -272,7 +279,9 @@ _VOLATILE_LOCK = (("lock", "created"), ("lock", "run_id"), ("lock", "model_file"
 
 def _drop(data: dict, paths) -> dict:
     for path in paths:
-        parent = dig(data, *path[:-1])
+        parent: Any = data
+        for k in path[:-1]:
+            parent = parent.get(k) if isinstance(parent, dict) else None
         if isinstance(parent, dict):
             parent.pop(path[-1], None)
     return data
@@ -310,7 +319,7 @@ def card_text(report: Report, entry: dict, recipe_excerpt: str, lock_text: str) 
             + _usage(report, entry, repo) + _reproduce(report, recipe_excerpt, lock_text))
     text = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)
     # the sections above name a local source by its file name; this also catches the path in a caller's text
-    return public_text(text, dig(report, "model", "source"))
+    return public_text(text, report.model.source if report.model else None)
 
 
 def write_model_card(export_dir: Path, report: Report, entry: dict, recipe_excerpt: str, lock_text: str) -> None:
@@ -358,19 +367,19 @@ def served_note(data: ModelEntry, runtime: dict) -> str:
     runtime row matches an engine whose name it starts with, on the run's device (CPU or CUDA)."""
     rt = str(runtime.get("runtime", ""))
     for engine, s in (data.served or {}).items():
-        if not isinstance(s, dict) or not rt.lower().startswith(engine.lower()):
+        if not rt.lower().startswith(engine.lower()):
             continue
         if _device(s) not in rt and "(" in rt:
             continue
-        versions = ", ".join(f"{k} {v}" for k, v in (s.get("versions") or {}).items())
-        if s.get("refused"):
-            return f"refused here ({versions}, {_device(s)}): {s['refused']}"
-        if s.get("levels"):
-            top = max(s["levels"], key=lambda lv: lv["concurrency"])
-            eq = s.get("equality") or {}
-            greedy = (f", greedy = generate {eq['identical']}/{eq['prompts']}" if eq.get("prompts") else "")
-            return (f"served here ({versions}, {_device(s)}): {top['output_tok_s']:.1f} output tok/s at concurrency "
-                    f"{top['concurrency']}, {top['errors']} errors of {top['requests']}{greedy}")
+        versions = ", ".join(f"{k} {v}" for k, v in (s.versions or {}).items())
+        if s.refused:
+            return f"refused here ({versions}, {_device(s)}): {s.refused}"
+        if s.levels:
+            top = max(s.levels, key=lambda lv: lv.concurrency)
+            eq = s.equality
+            greedy = f", greedy = generate {eq.identical}/{eq.prompts}" if eq and eq.prompts else ""
+            return (f"served here ({versions}, {_device(s)}): {top.output_tok_s:.1f} output tok/s at concurrency "
+                    f"{top.concurrency}, {top.errors} errors of {top.requests}{greedy}")
     if "measured here" in str(runtime.get("note", "")):
         return "loaded and measured here (quality, speed), not served"
     return "expected from the library's documented support, not tried"

@@ -43,11 +43,10 @@ def size(v: Any) -> str:
 
 
 def spread(stats: Any, digits: int = 3) -> str:
-    """median (min–max) of a summarize() dict."""
-    if not isinstance(stats, dict) or stats.get("median") is None:
+    """median (min–max) of a timing summary (pipeline/results/metrics.py Stat)."""
+    if getattr(stats, "median", None) is None:
         return num(stats, digits) if isinstance(stats, (int, float)) else "–"
-    return (f"{sig(stats['median'], digits)} ({sig(stats.get('min', 0), digits)}–"
-            f"{sig(stats.get('max', 0), digits)})")
+    return f"{sig(stats.median, digits)} ({sig(stats.given('min', 0), digits)}–{sig(stats.given('max', 0), digits)})"
 
 
 def table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -13,6 +13,7 @@ import math
 from typing import Callable
 
 from pipeline.eval.config import GATE_SPECS, GatesConfig
+from pipeline.results.metrics import Served
 from pipeline.results.schema import DraftEntry, Gate, ModelEntry, Report
 
 Getter = Callable[[Report, ModelEntry, str], tuple[float | None, str]]
@@ -63,7 +64,7 @@ def _ppl_ratio(report: Report, e: ModelEntry, name: str) -> tuple[float | None, 
     if e.ppl_ratio is not None:
         return e.ppl_ratio, ""
     base = report.baseline.perplexity if report.baseline else None
-    return _ratio((e.perplexity or {}).get("value"), (base or {}).get("value"),
+    return _ratio(e.perplexity.value if e.perplexity else None, base.value if base else None,
                   f"variants.{name}.perplexity.value / baseline.perplexity.value")
 
 
@@ -82,33 +83,34 @@ def _footprint_ratio(report: Report, e: ModelEntry, name: str) -> tuple[float | 
 def _decode_ratio(report: Report, e: ModelEntry, name: str) -> tuple[float | None, str]:
     base = report.baseline.speed if report.baseline else None
     for who, speed in ((name, e.speed), ("baseline", base)):
-        if isinstance(speed, dict) and speed.get("skipped"):
-            return None, f"{who} was not timed: {speed['skipped']}"
-    return _ratio((e.speed or {}).get("decode_tokens_per_s_b1"), (base or {}).get("decode_tokens_per_s_b1"),
+        if speed is not None and speed.skipped:
+            return None, f"{who} was not timed: {speed.skipped}"
+    return _ratio(e.speed.decode_tokens_per_s_b1 if e.speed else None, base.decode_tokens_per_s_b1 if base else None,
                   f"variants.{name}.speed.decode_tokens_per_s_b1 / baseline's (is speed timed for both?)")
 
 
 def _smoke_ok(report: Report, e: ModelEntry, name: str) -> tuple[float | None, str]:
     """Share of the prompts the baseline answered well that this variant answers well too: a prompt the
     baseline itself fails (a base model looping on a chat prompt) is not held against the variant."""
-    outputs = (e.smoke or {}).get("outputs")
+    outputs = e.smoke.outputs if e.smoke else None
     if not outputs:
         return None, f"variants.{name}.smoke is not in the report (did the smoke test run?)"
-    base_ok = {o.get("prompt"): o.get("ok") for o in ((report.baseline and report.baseline.smoke) or {}).get("outputs") or []}
-    judged = [o for o in outputs if base_ok.get(o.get("prompt"), True)]
+    base_smoke = report.baseline.smoke if report.baseline else None
+    base_ok = {o.prompt: o.ok for o in (base_smoke.outputs if base_smoke else None) or []}
+    judged = [o for o in outputs if base_ok.get(o.prompt, True)]
     excused = len(outputs) - len(judged)
     note = f"{excused} prompt(s) the baseline also failed not counted" if excused else ""
     if not judged:
         return 1.0, "not judged: the baseline itself failed every smoke prompt"
-    bad = [o for o in judged if not o.get("ok")]
-    reason = "; ".join(r for r in (f"{len(bad)} of {len(judged)} smoke prompts failed: {bad[0].get('problem')}"
+    bad = [o for o in judged if not o.ok]
+    reason = "; ".join(r for r in (f"{len(bad)} of {len(judged)} smoke prompts failed: {bad[0].problem}"
                                    if bad else "", note) if r)
     return (len(judged) - len(bad)) / len(judged), reason
 
 
-def _served(e: ModelEntry | None) -> dict[str, dict]:
+def _served(e: ModelEntry | None) -> dict[str, Served]:
     """The engines a model was load-tested in: {engine: its serve record with levels}."""
-    return {k: v for k, v in ((e.served if e else None) or {}).items() if isinstance(v, dict) and v.get("levels")}
+    return {k: v for k, v in ((e.served if e else None) or {}).items() if v.levels}
 
 
 def _serve_tok_s_ratio(report: Report, e: ModelEntry, name: str) -> tuple[float | None, str]:
@@ -121,9 +123,9 @@ def _serve_tok_s_ratio(report: Report, e: ModelEntry, name: str) -> tuple[float 
         return None, "baseline.served is not in the report (is [validate.serve] enabled for the baseline?)"
     ratios = []
     for engine, s in mine.items():
-        b = {lv["concurrency"]: lv["output_tok_s"] for lv in (base.get(engine) or {}).get("levels", [])}
-        ratios += [(lv["output_tok_s"] / b[lv["concurrency"]], lv["concurrency"], engine) for lv in s["levels"]
-                   if b.get(lv["concurrency"])]
+        b = {lv.concurrency: lv.output_tok_s for lv in base[engine].levels} if engine in base else {}
+        ratios += [(lv.output_tok_s / b[lv.concurrency], lv.concurrency, engine) for lv in s.levels
+                   if b.get(lv.concurrency)]
     if not ratios:
         return None, "no engine and concurrency level load-tested for both the variant and the baseline"
     low, c, engine = min(ratios)
@@ -137,15 +139,16 @@ def _serve_error_rate(report: Report, e: ModelEntry, name: str) -> tuple[float |
         return None, f"variants.{name}.served is not in the report (is [validate.serve] enabled for it?)"
     rates = []
     for engine, s in mine.items():
-        total = sum(lv["requests"] for lv in s["levels"])
-        rates.append(((sum(lv["errors"] for lv in s["levels"]) / total if total else 0.0), engine))
+        total = sum(lv.requests for lv in s.levels)
+        rates.append(((sum(lv.errors for lv in s.levels) / total if total else 0.0), engine))
     rate, engine = max(rates)
     return rate, f"highest in {engine}" if len(rates) > 1 else ""
 
 
 def _draft_metric(key: str, label: str) -> Getter:
     def get(report: Report, draft: DraftEntry, mode: str) -> tuple[float | None, str]:
-        value = ((draft.speculative or {}).get(mode) or {}).get(key)
+        row = (draft.speculative or {}).get(mode)
+        value = row.given(key) if row is not None else None
         if value is None:
             return None, f"draft.speculative.{mode}.{key} ({label}) is not in the report"
         return float(value), ""

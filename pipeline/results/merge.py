@@ -67,7 +67,7 @@ def _quality(report: Report, name: str, m: dict) -> None:
             setattr(e, k, m[k])
     ppl = m.get("perplexity") or {}
     e.kl, e.top1 = ppl.get("kl", e.kl), ppl.get("top1", e.top1)
-    base = ((report.baseline.perplexity if report.baseline else None) or {}).get("value")
+    base = report.baseline.perplexity.value if report.baseline and report.baseline.perplexity else None
     if name != "baseline" and base and ppl.get("value"):
         e.ppl_ratio = ppl["value"] / base
 

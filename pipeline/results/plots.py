@@ -5,10 +5,10 @@ Each plot is drawn only when the report holds its data; `write_plots` returns th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from pipeline.results.format import PLOTS
-from pipeline.results.query import dig, models
+from pipeline.results.metrics import Speed, Stat
+from pipeline.results.query import models
 from pipeline.results.schema import Report
 from pipeline.results.serve_table import CB, KV, PLAIN, SPEC, STATIC, TECHNIQUES_PLOT, technique_rows
 from pipeline.base.fileio import atomic_path
@@ -65,7 +65,7 @@ def frontier_plot(report: Report):
     """Perplexity vs size on disk for the baseline and every variant, with the Pareto front."""
     pts = []
     for name, m in models(report):
-        ppl, disk = dig(m, "perplexity", "value"), m.size_on_disk_bytes
+        ppl, disk = m.perplexity.value if m.perplexity else None, m.size_on_disk_bytes
         if isinstance(ppl, (int, float)) and isinstance(disk, (int, float)) and disk > 0:
             pts.append((name, disk / _MIB, float(ppl), m.method or "baseline"))
     if not pts:
@@ -86,7 +86,7 @@ def frontier_plot(report: Report):
     if max(xs) / max(min(xs), 1e-9) > 4:
         ax.set_xscale("log")
     ax.set_xlabel("size on disk (MiB)")
-    protocol = dig(report, "baseline", "perplexity", "protocol") or ""
+    protocol = (report.baseline.perplexity.protocol if report.baseline and report.baseline.perplexity else None) or ""
     ax.set_ylabel(f"perplexity ({protocol})" if protocol else "perplexity")
     ax.set_title("Quality / size frontier (lower left is better)\n" + _subtitle(report), fontsize=10)
     ax.grid(alpha=0.3)
@@ -94,11 +94,11 @@ def frontier_plot(report: Report):
     return fig
 
 
-def _decode_rows(report: Report) -> list[tuple[str, Any]]:
-    rows: list[tuple[str, Any]] = [(n, m.speed) for n, m in models(report)]
+def _decode_rows(report: Report) -> list[tuple[str, Speed]]:
+    rows: list[tuple[str, Speed | None]] = [(n, m.speed) for n, m in models(report)]
     if report.draft is not None:
         rows.append((report.draft.name or "draft", report.draft.speed))
-    return [(n, s) for n, s in rows if isinstance(s, dict) and isinstance(s.get("decode"), dict)]
+    return [(n, s) for n, s in rows if s is not None and s.decode is not None]
 
 
 def decode_plot(report: Report):
@@ -106,7 +106,7 @@ def decode_plot(report: Report):
     rows = _decode_rows(report)
     if not rows:
         return None
-    batches = sorted({int(b) for _, s in rows for b in s["decode"]})
+    batches = sorted({int(b) for _, s in rows for b in s.decode or {}})
     shown = [b for b in (1, batches[-1]) if b in batches][: 2 if batches[-1] != 1 else 1]
     fig = _figure(3.2 + 1.1 * len(rows) * len(shown), 4.5)
     axes = fig.subplots(1, len(shown), squeeze=False)[0]
@@ -114,11 +114,11 @@ def decode_plot(report: Report):
     for ax, batch in zip(axes, shown):
         med, lo, hi = [], [], []
         for _, s in rows:
-            st = dig(s, "decode", str(batch), "tokens_per_s") or {}
-            m = st.get("median", 0.0) or 0.0
+            st = s.decode_at(batch) or Stat()
+            m = st.given("median", 0.0) or 0.0
             med.append(m)
-            lo.append(m - st.get("min", m))
-            hi.append(st.get("max", m) - m)
+            lo.append(m - st.given("min", m))
+            hi.append(st.given("max", m) - m)
         bars = ax.bar(range(len(names)), med, yerr=[lo, hi], capsize=4,
                       color=["C7" if n == "baseline" else "C0" for n in names])
         ax.bar_label(bars, fmt="%.3g", fontsize=8, padding=2)
@@ -127,22 +127,22 @@ def decode_plot(report: Report):
         ax.set_title(f"batch {batch}", fontsize=10)
         ax.grid(axis="y", alpha=0.3)
         ax.margins(y=0.15)
-    device = rows[0][1].get("device_name") or rows[0][1].get("device") or ""
+    device = rows[0][1].device_name or rows[0][1].device or ""
     fig.suptitle(f"Decode speed, median of runs (whiskers: min–max) — {device}\n{_subtitle(report)}", fontsize=10)
     return fig
 
 
 def acceptance_plot(report: Report):
     """Acceptance rate at each draft position (accepted / drafted), one line per sampling mode."""
-    spec = dig(report, "draft", "speculative")
-    if not isinstance(spec, dict):
+    spec = report.draft.speculative if report.draft else None
+    if spec is None:
         return None
     series = []
     for mode, s in spec.items():
-        acc, drafted = dig(s, "accepted_by_position"), dig(s, "drafted_by_position")
-        if isinstance(acc, list) and isinstance(drafted, list) and acc and len(acc) == len(drafted):
+        acc, drafted = s.accepted_by_position, s.drafted_by_position
+        if acc and drafted is not None and len(acc) == len(drafted):
             rates = [a / d if d else float("nan") for a, d in zip(acc, drafted)]
-            series.append((mode, rates, s.get("alpha")))
+            series.append((mode, rates, s.alpha))
     if not series:
         return None
     fig = _figure()

@@ -1,26 +1,10 @@
-"""Questions every reader of a report asks, answered once: one `dig`, the model rows, a variant's shown
+"""Questions every reader of a report asks, answered once: the model rows, a variant's shown
 settings, whether a draft was distilled."""
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
-
-from pipeline.results.schema import ModelEntry, Report
-
-
-def dig(d: Any, *keys: Any) -> Any:
-    """d[k1][k2]... (or attribute k of a typed section), None when any level is missing."""
-    for k in keys:
-        if isinstance(d, BaseModel):
-            d = getattr(d, k, None)
-        elif isinstance(d, dict):
-            d = d.get(k)
-        else:
-            return None
-        if d is None:
-            return None
-    return d
+from pipeline.results.schema import DraftEntry, ModelEntry, Report
 
 
 def models(report: Report) -> list[tuple[str, ModelEntry]]:
@@ -39,6 +23,7 @@ def shown_params(p: Any, hide: tuple[str, ...] = ("name", "method")) -> dict:
     return {k: v for k, v in p.items() if k not in hide and v is not None and not (k in OFF_VALUES and v == OFF_VALUES[k])}
 
 
-def is_distilled(draft: Any) -> bool:
+def is_distilled(draft: DraftEntry | ModelEntry | None) -> bool:
     """Whether a draft's report entry says it was distilled ([draft.distill] steps = 0 uses it as initialised)."""
-    return dig(draft, "distill", "steps") != 0
+    distill = getattr(draft, "distill", None)
+    return distill is None or distill.steps != 0

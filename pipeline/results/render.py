@@ -11,7 +11,8 @@ from typing import Any
 from pipeline.base.stage_keys import UnitKey
 from pipeline.results.format import FP_DISTILLED, num, size, speculative_label, spread, table
 from pipeline.results.gates import fmt_value, gate_status
-from pipeline.results.query import dig, is_distilled, models, shown_params
+from pipeline.results.metrics import Smoke, SmokeOutput, Speed
+from pipeline.results.query import is_distilled, models, shown_params
 from pipeline.results.schema import ModelEntry, ModelInfo, Report
 from pipeline.results.serve_table import serving, techniques_section
 
@@ -51,21 +52,21 @@ def _quality(report: Report) -> list[str]:
     rows = models(report)
     if not rows:
         return lines + ["Not measured yet.", ""]
-    protocol = (report.baseline.perplexity if report.baseline else None) or {}
+    protocol = report.baseline.perplexity if report.baseline else None
     if protocol:
-        lines += [f"Perplexity protocol: {protocol.get('protocol', '?')} on {protocol.get('dataset', '?')}, "
-                  f"{num(protocol.get('tokens'))} tokens, {num(protocol.get('windows'))} windows of "
-                  f"{num(protocol.get('window'))} (stride {num(protocol.get('stride'))}). "
+        lines += [f"Perplexity protocol: {protocol.given('protocol', '?')} on {protocol.given('dataset', '?')}, "
+                  f"{num(protocol.tokens)} tokens, {num(protocol.windows)} windows of "
+                  f"{num(protocol.window)} (stride {num(protocol.stride)}). "
                   "KL and top-1 agreement are against the baseline on the same tokens.", ""]
     base_failed = _failed_prompts(report.baseline)
     body = []
     for name, m in rows:
         base = name == "baseline"
         body.append([baseline_label(report) if base else name, "–" if base else m.method or "–", _params(m.params),
-                     num(dig(m, "perplexity", "value")), num(1.0 if base else m.ppl_ratio),
+                     num(m.perplexity.value if m.perplexity else None), num(1.0 if base else m.ppl_ratio),
                      num(m.kl), num(m.top1), _smoke(m.smoke, set() if base else base_failed)])
     lines += table(["model", "method", "params", "perplexity", "ppl ratio", "KL", "top-1", "smoke"], body) + [""]
-    how = [f"{name}: {m.compute}" + (f", {size(m.offload.get('in_memory_bytes'))} of its weights in memory, the rest "
+    how = [f"{name}: {m.compute}" + (f", {size(m.offload.in_memory_bytes)} of its weights in memory, the rest "
                                      "read from disk at each forward (the memory limit)" if m.offload else "")
            for name, m in rows if m.compute or m.offload]
     if how:
@@ -77,37 +78,39 @@ def _params(p: Any) -> str:
     return ", ".join(f"{k}={v}" for k, v in shown_params(p, ("name", "method", "modules_to_skip")).items()) or "–"
 
 
-def _outputs(s: Any) -> list[dict]:
+def _outputs(s: Smoke | None) -> list[SmokeOutput]:
     """A smoke result's per-prompt outputs (an old single-output result is its own one output)."""
-    if not isinstance(s, dict):
-        return []
-    return [o for o in (s.get("outputs") or [s]) if isinstance(o, dict)]
+    return s.all_outputs() if s is not None else []
+
+
+def _bad(o: SmokeOutput) -> bool:
+    return not o.given("ok", True)
 
 
 def _failed_prompts(entry: ModelEntry | None) -> set:
-    return {o.get("prompt") for o in _outputs(entry.smoke if entry else None) if not o.get("ok", True)}
+    return {o.prompt for o in _outputs(entry.smoke if entry else None) if _bad(o)}
 
 
-def _smoke(s: Any, base_failed: set) -> str:
+def _smoke(s: Smoke | None, base_failed: set) -> str:
     """ok, or FAILED with how many prompts failed and how many of those the baseline failed as well (the smoke
     gate does not count those against a variant), then the first failure's problem and text."""
     outputs = _outputs(s)
     if not outputs:
         return "–"
-    bad = [o for o in outputs if not o.get("ok", True)]
+    bad = [o for o in outputs if _bad(o)]
     first = bad[0] if bad else outputs[0]
-    text = (first.get("text") or "").replace("\n", " ").replace("|", "\\|")[:60]
-    problem = f" ({first['problem']})" if first.get("problem") else ""
-    if s.get("ok") and not bad:
+    text = (first.text or "").replace("\n", " ").replace("|", "\\|")[:60]
+    problem = f" ({first.problem})" if first.problem else ""
+    if s.ok and not bad:
         return f"ok{problem}: “{text}”"
     count = f" {len(bad)} of {len(outputs)}" if len(outputs) > 1 and bad else ""
-    shared = sum(1 for o in bad if o.get("prompt") in base_failed)
+    shared = sum(1 for o in bad if o.prompt in base_failed)
     excused = f", {shared} also failed by the baseline" if shared else ""
     return f"FAILED{count}{excused}{problem}: “{text}”"
 
 
 def _smoke_notes(rows: list[tuple[str, ModelEntry]], base_failed: set) -> list[str]:
-    raw = [name for name, m in rows if isinstance(m.smoke, dict) and m.smoke.get("chat_template") is False]
+    raw = [name for name, m in rows if m.smoke is not None and m.smoke.chat_template is False]
     lines = []
     if raw:
         lines.append(f"Smoke test: {', '.join(f'`{n}`' for n in raw)} had no chat template: the smoke prompts were "
@@ -135,9 +138,9 @@ def _size(report: Report) -> list[str]:
                                   "scales, zero points, skipped layers at their float size).", ""]
 
 
-def _timed(report: Report) -> list[tuple[str, dict]]:
-    timed = [(n, m.speed) for n, m in models(report) if isinstance(m.speed, dict) and "skipped" not in m.speed]
-    if report.draft is not None and isinstance(report.draft.speed, dict):
+def _timed(report: Report) -> list[tuple[str, Speed]]:
+    timed = [(n, m.speed) for n, m in models(report) if m.speed is not None and "skipped" not in m.speed.model_fields_set]
+    if report.draft is not None and report.draft.speed is not None:
         timed.append((report.draft.name, report.draft.speed))
     return timed
 
@@ -145,41 +148,35 @@ def _timed(report: Report) -> list[tuple[str, dict]]:
 def _speed(report: Report) -> list[str]:
     lines = ["## Speed", ""]
     timed = _timed(report)
-    untimed = [f"- {n}: {m.speed['skipped']}" for n, m in models(report) if isinstance(m.speed, dict)
-               and "skipped" in m.speed]
+    untimed = [f"- {n}: {m.speed.skipped}" for n, m in models(report) if m.speed is not None
+               and "skipped" in m.speed.model_fields_set]
     if untimed:
         lines += ["Not timed:", ""] + untimed + [""]
     if not timed:
         return lines + ([] if untimed else ["Not measured (speed disabled, or not run yet).", ""])
     first = timed[0][1]
-    lines += [f"{first.get('device_name', first.get('device', '?'))}, prompt {num(first.get('prompt_len'))} tokens, "
-              f"{num(first.get('new_tokens'))} new tokens, median of {num(first.get('repeats'))} runs after "
-              f"{num(first.get('warmup'))} warm-up (min–max in brackets). Peak memory is above the "
+    lines += [f"{first.given('device_name', first.given('device', '?'))}, prompt {num(first.prompt_len)} tokens, "
+              f"{num(first.new_tokens)} new tokens, median of {num(first.repeats)} runs after "
+              f"{num(first.warmup)} warm-up (min–max in brackets). Peak memory is above the "
               "post-import baseline of a fresh process.", ""]
     body = []
     for name, s in timed:
-        mb = s.get("max_batch")
-        body.append([name, spread(s.get("prefill_tokens_per_s")), num(_ms(dig(s, "ttft_s", "median")), 3),
-                     spread(_decode(s, 1)), f"{spread(_decode(s, mb))} @{mb}" if mb and mb != 1 else "–",
-                     size(s.get("peak_memory_bytes")), num(s.get("roofline_fraction"), 3),
-                     num(s.get("kv_cache_speedup"), 3)])
+        mb = s.max_batch
+        body.append([name, spread(s.prefill_tokens_per_s), num(_ms(s.ttft_s.median if s.ttft_s else None), 3),
+                     spread(s.decode_at(1)), f"{spread(s.decode_at(mb))} @{mb}" if mb and mb != 1 else "–",
+                     size(s.peak_memory_bytes), num(s.roofline_fraction, 3), num(s.kv_cache_speedup, 3)])
     lines += table(["model", "prefill tok/s", "TTFT ms", "decode tok/s b1", "decode tok/s batch",
                     "peak memory", "roofline", "KV speed-up"], body) + [""]
-    bw = [s["copy_bandwidth_bytes_per_s"] for _, s in timed if s.get("copy_bandwidth_bytes_per_s")]
+    bw = [s.copy_bandwidth_bytes_per_s for _, s in timed if s.copy_bandwidth_bytes_per_s]
     if bw:
         lines += [f"Roofline = weight bytes read per token / time per token, over the copy bandwidth measured in "
                   f"each model's process ({min(bw) / 1e9:.3g}–{max(bw) / 1e9:.3g} GB/s, read + write bytes).", ""]
-    prefill = [[name, t, spread(r.get("prefill_tokens_per_s"))] for name, s in timed
-               for t, r in (s.get("techniques") or {}).items() if isinstance(r, dict) and r.get("prefill_tokens_per_s")]
+    prefill = [[name, t, spread(r.prefill_tokens_per_s)] for name, s in timed
+               for t, r in (s.techniques or {}).items() if r.prefill_tokens_per_s]
     if prefill:  # attention kernels also time prefill; their decode rows are in the techniques table
         lines += ["Prefill tok/s by attention kernel (batch 1):", ""]
         lines += table(["model", "technique", "prefill tok/s"], prefill) + [""]
     return lines
-
-
-def _decode(speed: dict, batch: Any) -> Any:
-    """The decode tokens/s summary of one batch size in a speed payload, or None."""
-    return dig(speed, "decode", str(batch), "tokens_per_s")
 
 
 def _ms(v: Any) -> float | None:
@@ -199,10 +196,10 @@ def _speculative(report: Report) -> list[str]:
     lines += [f"Draft `{draft.name}` ({what}{head}{dtype}{trained}) for verifier "
               f"`{verifier}`. Speed-up is over plain decoding with the verifier in the same run.", ""]
     modes = draft.speculative or {}
-    body = [[speculative_label(mode, verifier), num(s.get("alpha"), 3), num(s.get("tokens_per_target_forward"), 3),
-             num(s.get("speedup"), 3), num(s.get("tokens_per_s"), 3), num(s.get("c_d"), 3), num(s.get("c_v"), 3),
-             num(s.get("break_even_alpha"), 3), num(s.get("repetition_rate"), 3)]
-            for mode, s in modes.items() if isinstance(s, dict)]
+    body = [[speculative_label(mode, verifier), num(s.alpha, 3), num(s.tokens_per_target_forward, 3),
+             num(s.speedup, 3), num(s.tokens_per_s, 3), num(s.c_d, 3), num(s.c_v, 3),
+             num(s.break_even_alpha, 3), num(s.repetition_rate, 3)]
+            for mode, s in modes.items()]
     if not body:
         return lines + ["Not measured yet.", ""]
     lines += table(["mode", "acceptance α", "tokens / target fwd", "speed-up", "tok/s", "c_d", "c_v",

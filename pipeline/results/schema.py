@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipeline.base.errors import CompressError
 from pipeline.base.fileio import atomic_write_text
+from pipeline.results.metrics import (Distill, Offload, Perplexity, Served, Smoke, SpeculativeRow, Speed,
+                                      TaskScore)
 
 SCHEMA_VERSION = 2  # 2: a model's `serve` (one engine) became `served` ({engine: ...})
 REPORT = "report.json"
@@ -79,36 +81,36 @@ class ModelEntry(_Section):
     quantize_time_s: float | None = None
     quantize: dict[str, Any] | None = None
     runtimes: list[dict[str, Any]] = []
-    perplexity: dict[str, Any] | None = None
+    perplexity: Perplexity | None = None
     ppl_ratio: float | None = None
     kl: float | None = None
     top1: float | None = None
-    smoke: dict[str, Any] | None = None
+    smoke: Smoke | None = None
     footprint_bytes: int | None = None
     size_on_disk_bytes: int | None = None
     bits_per_weight: float | None = None  # decoder-block linears as stored (scales, zeros; skipped ones at float size)
     compute: str | None = None  # the precision its quality was computed in (pipeline/model/compute.py describe)
-    offload: dict[str, Any] | None = None  # set when its perplexity read weights from disk (the memory limit)
-    speed: dict[str, Any] | None = None
-    tasks: dict[str, dict[str, Any]] | None = None  # [validate.tasks]: {task: {metric, score, stderr, n, split, ...}}
+    offload: Offload | None = None  # set when its perplexity read weights from disk (the memory limit)
+    speed: Speed | None = None
+    tasks: dict[str, TaskScore] | None = None  # [validate.tasks]: {task: {metric, score, stderr, n, split, ...}}
     task_recovery: dict[str, Any] | None = None  # variants: pipeline/eval/recovery.py recoveries() ({tasks, average})
     # validate/<model>/serve/<engine>: {engine: greedy equality and load-test levels, or why it was skipped}
-    served: dict[str, dict[str, Any]] | None = None
+    served: dict[str, Served] | None = None
 
 
 class DraftEntry(_Section):
     name: str = "draft"
     verifier: str | None = None
     checkpoint: str | None = None
-    distill: dict[str, Any] | None = None
+    distill: Distill | None = None
     layers: list[int] | None = None
     num_layers: int | None = None
     vocab_size: int | None = None
     source: str | None = None
     dtype: str | None = None
-    speculative: dict[str, dict[str, Any]] | None = None  # one flat row per (draft, temperature)
+    speculative: dict[str, SpeculativeRow] | None = None  # one flat row per (draft, temperature)
     speculative_detail: dict[str, Any] | None = None
-    speed: dict[str, Any] | None = None
+    speed: Speed | None = None
 
 
 class Gate(_Section):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.results.format import FP_DISTILLED, num, size, table
+from pipeline.results.metrics import Equality, Served, Speed, Stat
 from pipeline.results.query import models
 from pipeline.results.schema import Report
 
@@ -20,33 +21,33 @@ def _ms(v) -> str:
     return "—" if v is None else f"{v * 1000:.0f}"
 
 
-def _engine(s: dict) -> str:
-    return str(s.get("engine", "?")).split(" ")[0]  # "transformers (continuous batching)" -> "transformers"
+def _engine(s: Served) -> str:
+    return str(s.given("engine", "?")).split(" ")[0]  # "transformers (continuous batching)" -> "transformers"
 
 
-def _same(eq: dict) -> str:
-    if not eq.get("prompts"):
+def _same(eq: Equality | None) -> str:
+    if not eq or not eq.prompts:
         return "—"
-    cell = f"{eq.get('identical')}/{eq.get('prompts')}"
-    if eq.get("exact", True):
+    cell = f"{eq.identical}/{eq.prompts}"
+    if eq.given("exact", True):
         return cell
-    return cell + (" (text, vs dequantized)" if eq.get("compared") == "text" else " (other kernels)")
+    return cell + (" (text, vs dequantized)" if eq.compared == "text" else " (other kernels)")
 
 
-def served(report: Report) -> list[tuple[str, dict]]:
+def served(report: Report) -> list[tuple[str, Served]]:
     """(model, serve record) for every model and engine, each model's engines together."""
-    return [(n, s) for n, m in models(report) for s in (m.served or {}).values() if isinstance(s, dict)]
+    return [(n, s) for n, m in models(report) for s in (m.served or {}).values()]
 
 
 def serving(report: Report) -> list[str]:
     entries = served(report)
-    served_ = [(n, s) for n, s in entries if s.get("levels")]
-    skipped = [(n, s) for n, s in entries if s.get("skipped")]
+    served_ = [(n, s) for n, s in entries if s.levels]
+    skipped = [(n, s) for n, s in entries if s.skipped]
     if not served_ and not skipped:
         return []
     engines = {}
     for _, s in served_:
-        engines.setdefault(str(s.get("engine", "?")), s.get("versions") or {})
+        engines.setdefault(str(s.given("engine", "?")), s.versions or {})
     lines = ["## Serving", "", "`compress serve` (" + "; ".join(
         f"{e}: " + ", ".join(f"{k} {v}" for k, v in vs.items()) for e, vs in engines.items())
         + "), streaming /v1/completions, fixed output length (ignore_eos / min_tokens), closed loop: each client "
@@ -61,22 +62,22 @@ def serving(report: Report) -> list[str]:
                   "level above 1 measures queueing, not continuous batching. Its greedy output is compared with "
                   "transformers generate on the dequantized file by text (different kernels: not expected to be "
                   "identical on every prompt); transformers rows are compared token for token.", ""]
-    hf = {(name, lv["concurrency"]): lv["output_tok_s"] for name, s in served_ if _engine(s) == "transformers"
-          for lv in s["levels"]}
+    hf = {(name, lv.concurrency): lv.output_tok_s for name, s in served_ if _engine(s) == "transformers"
+          for lv in s.levels}
     body = []
     for name, s in served_:
-        same = _same(s.get("equality") or {})
-        for lv in s["levels"]:
-            ref = hf.get((name, lv["concurrency"]))
-            ratio = f"{lv['output_tok_s'] / ref:.2f}" if ref and _engine(s) != "transformers" else "—"
-            body.append([name, _engine(s), num(lv["concurrency"]), f"{lv['output_tok_s']:.1f}", ratio,
-                         f"{lv['requests_s']:.2f}", _ms(lv.get("ttft_p50_s")), _ms(lv.get("ttft_p99_s")),
-                         _ms(lv.get("itl_p50_s")), _ms(lv.get("itl_p99_s")), f"{lv['errors']}/{lv['requests']}",
-                         size(lv.get("server_peak_rss_bytes")) if lv.get("server_peak_rss_bytes") else "—", same])
+        same = _same(s.equality)
+        for lv in s.levels:
+            ref = hf.get((name, lv.concurrency))
+            ratio = f"{lv.output_tok_s / ref:.2f}" if ref and _engine(s) != "transformers" else "—"
+            body.append([name, _engine(s), num(lv.concurrency), f"{lv.output_tok_s:.1f}", ratio,
+                         f"{lv.requests_s:.2f}", _ms(lv.ttft_p50_s), _ms(lv.ttft_p99_s),
+                         _ms(lv.itl_p50_s), _ms(lv.itl_p99_s), f"{lv.errors}/{lv.requests}",
+                         size(lv.server_peak_rss_bytes) if lv.server_peak_rss_bytes else "—", same])
     header = ["model", "engine", "concurrency", "output tok/s", "× transformers", "req/s", "TTFT p50", "TTFT p99",
               "ITL p50", "ITL p99", "errors", "peak memory", "greedy = generate"]
     out = lines + (table(header, body) + [""] if body else [])
-    out += [f"- {name} ({s.get('engine', '?')}): skipped: {s['skipped']}" for name, s in skipped]
+    out += [f"- {name} ({s.given('engine', '?')}): skipped: {s.skipped}" for name, s in skipped]
     return out + ([""] if skipped else [])
 
 
@@ -109,62 +110,62 @@ KIND_NOTES = {
 }
 
 
-def _median(stats) -> float | None:
-    return stats.get("median") if isinstance(stats, dict) else None
+def _median(stats: Stat | None) -> float | None:
+    return stats.median if stats is not None else None
 
 
-def _slowest_ms(stats, n: int) -> float | None:
+def _slowest_ms(stats: Stat | None, n: int) -> float | None:
     """ms per output token of one sequence in the slowest timed run (n sequences decoded together)."""
-    low = stats.get("min") if isinstance(stats, dict) else None
+    low = stats.min if stats is not None else None
     return 1000.0 * n / low if low else None
 
 
-def _generate_rows(name: str, speed: dict) -> list[TechRow]:
+def _generate_rows(name: str, speed: Speed) -> list[TechRow]:
     """Plain decoding, KV cache, the other batch-1 technique rows and static batching, from a speed payload."""
-    rows, tech = [], speed.get("techniques") or {}
-    note = lambda r: r.get("skipped") or r.get("error") or ""  # noqa: E731
+    rows, tech = [], speed.techniques or {}
+    note = lambda r: r.skipped or r.error or ""  # noqa: E731
     plain = tech.get("no_kv_cache")
-    if isinstance(plain, dict):
-        tps = plain.get("decode_tokens_per_s")
+    if plain is not None:
+        tps = plain.decode_tokens_per_s
         rows.append(TechRow(name, PLAIN, 1, _median(tps), _slowest_ms(tps, 1), None, "generate",
                             note(plain) or "no KV cache: every step re-runs the whole sequence"))
-    for key, dec in sorted((speed.get("decode") or {}).items(), key=lambda kv: int(kv[0])):
-        n, tps = int(key), (dec or {}).get("tokens_per_s")
-        ttft = ((dec or {}).get("ttft_s") or {}).get("max")
+    for key, dec in sorted((speed.decode or {}).items(), key=lambda kv: int(kv[0])):
+        n, tps = int(key), dec.tokens_per_s
+        ttft = dec.ttft_s.max if dec.ttft_s else None
         rows.append(TechRow(name, KV if n == 1 else STATIC, n, _median(tps), _slowest_ms(tps, n),
                             ttft * 1000 if ttft is not None else None, "generate",
                             "dynamic KV cache, batch 1" if n == 1 else
                             f"padded `generate`: {n} prompts of different lengths left-padded into one batch"))
         if n == 1:  # the other batch-1 rows follow the one they are compared with
             for t, r in tech.items():
-                if t not in ("kv_cache", "no_kv_cache") and isinstance(r, dict):
-                    tps = r.get("decode_tokens_per_s")
+                if t not in ("kv_cache", "no_kv_cache"):
+                    tps = r.decode_tokens_per_s
                     rows.append(TechRow(name, f"KV cache + {t}", 1, _median(tps), _slowest_ms(tps, 1), None,
-                                        "generate", note(r) or r.get("note", "")))
+                                        "generate", note(r) or r.given("note", "")))
     return rows
 
 
-def _served_rows(name: str, serve: dict) -> list[TechRow]:
+def _served_rows(name: str, serve: Served) -> list[TechRow]:
     engine = _engine(serve)
     label = {"transformers": CB, "vllm": f"{CB} (vLLM)"}.get(engine, f"served ({engine}, one request at a time)")
-    return [TechRow(name, label, lv["concurrency"], lv.get("output_tok_s"),
-                    lv["itl_p99_s"] * 1000 if lv.get("itl_p99_s") is not None else None,
-                    lv["ttft_p99_s"] * 1000 if lv.get("ttft_p99_s") is not None else None, "server",
-                    f"{lv.get('errors', 0)}/{lv.get('requests', '?')} errors")
-            for lv in serve["levels"]]
+    return [TechRow(name, label, lv.concurrency, lv.output_tok_s,
+                    lv.itl_p99_s * 1000 if lv.itl_p99_s is not None else None,
+                    lv.ttft_p99_s * 1000 if lv.ttft_p99_s is not None else None, "server",
+                    f"{lv.given('errors', 0)}/{lv.given('requests', '?')} errors")
+            for lv in serve.levels or []]
 
 
 def _speculative_rows(report: Report) -> list[TechRow]:
     """The distilled draft's rows (greedy, each temperature) under its verifier's name."""
     d = report.draft
-    if d is None or not d.verifier or not isinstance(d.speculative, dict):
+    if d is None or not d.verifier or d.speculative is None:
         return []
     rows = []
     for mode, s in d.speculative.items():
-        if mode.split(" ")[0] in ("undistilled", FP_DISTILLED) or not isinstance(s, dict):  # comparisons only
+        if mode.split(" ")[0] in ("undistilled", FP_DISTILLED):  # comparisons only
             continue
-        speedup, gamma = s.get("speedup"), s.get("gamma")
-        rows.append(TechRow(d.verifier, SPEC, 1, s.get("tokens_per_s"), None, None, "speculative",
+        speedup, gamma = s.speedup, s.gamma
+        rows.append(TechRow(d.verifier, SPEC, 1, s.tokens_per_s, None, None, "speculative",
                             f"draft `{d.name}`, {mode}" + (f", gamma {gamma}" if gamma else "")
                             + (f", {speedup:.2f}× plain decoding in the same loop" if speedup else "")))
     return rows
@@ -179,10 +180,10 @@ def technique_rows(report: Report) -> list[TechRow]:
     spec = _speculative_rows(report)
     rows = []
     for name, speed, serve in timed:
-        if isinstance(speed, dict) and "skipped" not in speed:
+        if speed is not None and "skipped" not in speed.model_fields_set:
             rows += _generate_rows(name, speed)
         for one in serve:
-            if isinstance(one, dict) and one.get("levels"):
+            if one.levels:
                 rows += _served_rows(name, one)
         rows += [r for r in spec if r.model == name]
     return rows

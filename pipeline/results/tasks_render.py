@@ -26,11 +26,11 @@ def tasks_section(report: Report) -> list[str]:
     for name, e in models(report):
         for task, t in sorted((e.tasks or {}).items()):
             rec = ((e.task_recovery or {}).get("tasks") or {}).get(task)
-            err = f" ± {t['stderr']:.3f}" if t.get("stderr") is not None else ""
-            rows.append([name, task, t.get("metric", "?"), f"{t['score']:.4f}{err}", num(t.get("n")),
-                         t.get("split", "?"), _interval(rec),
+            err = f" ± {t.stderr:.3f}" if t.stderr is not None else ""
+            rows.append([name, task, t.given("metric", "?"), f"{t.score:.4f}{err}", num(t.n),
+                         t.given("split", "?"), _interval(rec),
                          f"{rec['resolvable']:.3f}" if rec and rec.get("resolvable") is not None else "-",
-                         num(t.get("time_s"), 3)])
+                         num(t.time_s, 3)])
         avg = (e.task_recovery or {}).get("average")
         if avg:
             rows.append([name, "**average**", "", f"{avg['variant']:.4f}", num(avg.get("n")), "",
@@ -77,10 +77,10 @@ def task_eval_results(e) -> list:
 
     out = []
     for task, t in sorted((getattr(e, "tasks", None) or {}).items()):
-        ds = {**_dataset(task), "dataset_split": t.get("split")}
-        out.append(EvalResult(task_type="text-generation", metric_type=t.get("metric"),
-                              metric_value=round(float(t["score"]), 4),
-                              metric_name=f"{t.get('metric')} ({t.get('n')} items, lm-eval)", **ds))
+        ds = {**_dataset(task), "dataset_split": t.split}
+        out.append(EvalResult(task_type="text-generation", metric_type=t.metric,
+                              metric_value=round(float(t.score), 4),
+                              metric_name=f"{t.metric} ({t.n} items, lm-eval)", **ds))
         rec = ((getattr(e, "task_recovery", None) or {}).get("tasks") or {}).get(task)
         if rec and rec.get("recovery") is not None and rec.get("low") is not None:
             out.append(EvalResult(task_type="text-generation", metric_type="recovery",

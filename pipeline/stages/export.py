@@ -66,7 +66,8 @@ def run(ctx: UnitContext, recipe, entry: dict, src_key: str) -> dict:
         from pipeline.results.card import entry_data
         from pipeline.serve import measured
 
-        measured.write(ctx.out, entry_data(report, entry).served)
+        served = entry_data(report, entry).served
+        measured.write(ctx.out, None if served is None else {k: s.model_dump() for k, s in served.items()})
     files = {p.name: p.stat().st_size for p in ctx.out.iterdir() if p.is_file()}
     return {**entry, "folder": Export.key(entry["name"]), "files": files}
 

@@ -29,11 +29,11 @@ def smol():
 
 
 def test_linear_shapes_of_a_llama_config(smol):
-    assert smol["shapes_known"]
-    assert smol["linear_in_features"]["self_attn.q_proj"] == 576
-    assert smol["linear_in_features"]["mlp.down_proj"] == 1536
-    assert smol["linear_out_features"]["self_attn.k_proj"] == 3 * 64  # kv heads x head_dim
-    assert linear_shapes_from_config({"model_type": "gpt2", "hidden_size": 8})["shapes_known"] is False
+    assert smol.shapes_known
+    assert smol.linear_in_features["self_attn.q_proj"] == 576
+    assert smol.linear_in_features["mlp.down_proj"] == 1536
+    assert smol.linear_out_features["self_attn.k_proj"] == 3 * 64  # kv heads x head_dim
+    assert linear_shapes_from_config({"model_type": "gpt2", "hidden_size": 8}).shapes_known is False
 
 
 def test_group_size_that_does_not_divide_hidden_size_is_rejected_with_a_suggestion(smol):
@@ -138,12 +138,12 @@ def test_families_are_data_and_an_unknown_one_is_named():
     cfg = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
            "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 100}
     arch = linear_shapes_from_config(cfg)
-    assert arch["shapes_known"] and arch["layers"] == "model.layers"
-    assert arch["linear_in_features"]["self_attn.k_proj"] == 64 and arch["linear_out_features"]["self_attn.k_proj"] == 32
+    assert arch.shapes_known and arch.layers == "model.layers"
+    assert arch.linear_in_features["self_attn.k_proj"] == 64 and arch.linear_out_features["self_attn.k_proj"] == 32
     assert module_names(arch)[0] == "model.layers.0.self_attn.q_proj" and module_names(arch)[-1] == "lm_head"
     assert "qwen2" in BY_MODEL_TYPE
     unknown = linear_shapes_from_config({**cfg, "model_type": "phi3"})
-    assert not unknown["shapes_known"]
+    assert not unknown.shapes_known
     assert "'phi3' is not in pipeline/model/families.py" in unknown_family("phi3")
 
 

@@ -50,8 +50,8 @@ def test_serve_unit_recorded_in_the_report():
     for engine, tok_s in (("transformers", 5.0), ("vllm", 9.0)):
         record(rep, f"validate/baseline/serve/{engine}", {"time_s": 1.0, "peak_rss_bytes": 1,
                                                           "metrics": {"levels": _levels((1, tok_s))}}, skipped=False)
-    assert rep.baseline.served["transformers"]["levels"][0]["output_tok_s"] == 5.0
-    assert rep.baseline.served["vllm"]["levels"][0]["output_tok_s"] == 9.0
+    assert rep.baseline.served["transformers"].levels[0].output_tok_s == 5.0
+    assert rep.baseline.served["vllm"].levels[0].output_tok_s == 9.0
 
 
 def test_recipe_adds_a_serve_unit_after_quality():

@@ -21,6 +21,7 @@ from pydantic import Field
 
 from pipeline.quant.gptq_format import GPTQFormatMethod, lm_head_rule
 from pipeline.quant.method import QuantMethod, missing_package
+from pipeline.quant.shapes import Arch
 from pipeline.quant.variant import Calibrated, GPTQFormat
 
 ENGINE = "auto_round"
@@ -57,7 +58,7 @@ class AutoRoundMethod(GPTQFormatMethod, QuantMethod):
     note = ("AutoRound (Cheng et al. 2023): rounding and min/max tuned by signed gradient descent per block, "
             "through auto-round; GPTQ checkpoint format")
 
-    def check(self, variant, arch: dict, device: str) -> list[str]:
+    def check(self, variant, arch: Arch, device: str) -> list[str]:
         problems = missing_package(AUTOROUND_PIN, "auto_round", "autoround") + lm_head_rule(variant, "AutoRound")
         problems += super().check(variant, arch, device)  # the checkpoint format's rules (gptq_format.py)
         if variant.bits == 8 and not variant.sym:

@@ -18,7 +18,7 @@ from pydantic import Field
 
 from pipeline.quant.gptq_format import GPTQModelKernels, lm_head_rule
 from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod, bits_tags, grouped_bits, missing_package
-from pipeline.quant.shapes import quantized_linears
+from pipeline.quant.shapes import Arch, quantized_linears
 from pipeline.quant.variant import Calibrated, VariantBase
 
 AWQ_GROUP_SIZES = (-1, 16, 32, 64, 128)  # GPTQModel 7.6 AwqTorchLinear (its CPU kernel) takes these
@@ -54,15 +54,15 @@ class AWQMethod(GPTQModelKernels, QuantMethod):
     memory = "layerwise"
     half_only = True
 
-    def check(self, variant, arch: dict, device: str) -> list[str]:
+    def check(self, variant, arch: Arch, device: str) -> list[str]:
         # (dtype: the generic check refuses float32 with AWQ_DTYPES)
         # (GPTQModel's own clipping search asserts out-features in multiples of 64; ours, pipeline/quant/awq_clip.py,
         # takes any)
         return missing_package("gptqmodel", "gptqmodel", "awq") + lm_head_rule(variant, "AWQ")
 
-    def runtimes(self, variant, arch: dict) -> list[dict]:
+    def runtimes(self, variant, arch: Arch) -> list[dict]:
         g = variant.group_size
-        linears = quantized_linears(arch, variant.modules_to_skip) if arch.get("shapes_known") else {}
+        linears = quantized_linears(arch, variant.modules_to_skip) if arch.shapes_known else {}
         bad = [f"{k.split('.')[-1]} ({i}x{o})" for k, (i, o) in linears.items() if i % 128 or o % 64]
         if g not in VLLM_AWQ_MARLIN_GROUPS:
             vllm = {"runtime": "vLLM (CUDA)", "kernel": "awq (GEMM)", "note": f"awq_marlin does not take group_size {g}"}

@@ -17,6 +17,7 @@ from typing import IO, Literal
 from pydantic import Field
 
 from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod
+from pipeline.quant.shapes import Arch
 from pipeline.quant.variant import Dtype, VariantBase
 
 ENGINE = "bitsandbytes"
@@ -65,7 +66,7 @@ class BnbMethod(QuantMethod):
         self.variant, bits, self.note, self._disk_bits, self._kernel = KINDS[kind]
         self.bits = (bits,)
 
-    def runtimes(self, variant, arch: dict) -> list[dict]:
+    def runtimes(self, variant, arch: Arch) -> list[dict]:
         k = self._kernel
         return [
             {"runtime": "transformers (CPU)", "kernel": f"bitsandbytes {k}", "note": "measured here"},

@@ -12,7 +12,7 @@ from typing import IO, Literal
 from pydantic import Field
 
 from pipeline.quant.method import QuantMethod
-from pipeline.quant.shapes import is_skipped, linear_shapes_from_config, quantized_linears
+from pipeline.quant.shapes import Arch, is_skipped, linear_shapes_from_config, quantized_linears
 from pipeline.quant.variant import SKIP_HELP, VariantBase
 
 # config.json model_type -> whether llama.cpp permutes the Q/K rows (its LlamaModel does, Qwen2Model does not);
@@ -29,18 +29,18 @@ GGUF_KQUANTS_INSTALL = ("pip install -e '.[gguf-kquants]' (llama-cpp-python 0.3.
 KQUANT_FALLBACK = "Q2_K/Q3_K -> IQ4_NL, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0"
 
 
-def gguf_problems(variant, arch: dict, device: str = "cpu") -> list[str]:
+def gguf_problems(variant, arch: Arch, device: str = "cpu") -> list[str]:
     """What makes a GGUF variant impossible for this model (checked by `compress check` on the recipe's source and
     again by the converter on the baseline checkpoint)."""
-    mt = arch.get("model_type")
+    mt = arch.model_type
     if mt not in GGUF_ARCHS:
         return [f"method 'gguf' converts Llama-family checkpoints only (model_type {' or '.join(GGUF_ARCHS)}: "
                 f"llama.cpp's LlamaModel and Qwen2Model); this model is {mt!r}"]
     problems = []
-    if arch.get("rope_type") not in (None, "default"):
-        problems.append(f"rope_type {arch['rope_type']!r}: RoPE scaling is not converted to GGUF here yet "
+    if arch.rope_type not in (None, "default"):
+        problems.append(f"rope_type {arch.rope_type!r}: RoPE scaling is not converted to GGUF here yet "
                         "(plain RoPE only)")
-    if mt == "llama" and (arch.get("attention_bias") or arch.get("mlp_bias")):
+    if mt == "llama" and (arch.attention_bias or arch.mlp_bias):
         problems.append("attention_bias/mlp_bias = true: transformers' GGUF loader rebuilds a llama model without "
                         "biases, so the file could not be measured")
     kquant = variant.type in GGUF_KQUANT_TYPES
@@ -50,23 +50,23 @@ def gguf_problems(variant, arch: dict, device: str = "cpu") -> list[str]:
     if kquant and variant.modules_to_skip:
         problems.append(f"type = {variant.type!r}: llama.cpp's quantizer takes no per-module skip list here; "
                         f"leave modules_to_skip empty (it is {variant.modules_to_skip})")
-    if arch.get("shapes_known") and not variant.allow_fallback:
+    if arch.shapes_known and not variant.allow_fallback:
         problems += _gguf_block_problems(variant, arch)
     return problems
 
 
-def _gguf_rows(variant, arch: dict) -> dict[str, int]:
+def _gguf_rows(variant, arch: Arch) -> dict[str, int]:
     """Row length (in-features) of every tensor the type quantizes: the quantized linears and the embedding."""
     rows = {k: i for k, (i, _) in quantized_linears(arch, variant.modules_to_skip).items()}
-    tied = arch.get("tie_word_embeddings")
+    tied = arch.tie_word_embeddings
     if tied:  # one tensor, token_embd, serves as both: it is skipped with lm_head
         rows.pop("lm_head", None)
-    if arch.get("hidden_size") and not (tied and is_skipped("lm_head", variant.modules_to_skip)):
-        rows["embed_tokens"] = arch["hidden_size"]
+    if arch.hidden_size and not (tied and is_skipped("lm_head", variant.modules_to_skip)):
+        rows["embed_tokens"] = arch.hidden_size
     return rows
 
 
-def _gguf_block_problems(variant, arch: dict) -> list[str]:
+def _gguf_block_problems(variant, arch: Arch) -> list[str]:
     kquant = variant.type in GGUF_KQUANT_TYPES
     block = QK_K if kquant else GGUF_WRITTEN_TYPES[variant.type]
     bad = {k: n for k, n in _gguf_rows(variant, arch).items() if n % block}
@@ -80,9 +80,9 @@ def _gguf_block_problems(variant, arch: dict) -> list[str]:
             f"{instead}"]
 
 
-def gguf_runtimes(variant, arch: dict) -> list[dict]:
+def gguf_runtimes(variant, arch: Arch) -> list[dict]:
     t = variant.type
-    bad = {} if not arch.get("shapes_known") else {
+    bad = {} if not arch.shapes_known else {
         k: n for k, n in _gguf_rows(variant, arch).items()
         if n % (QK_K if t in GGUF_KQUANT_TYPES else GGUF_WRITTEN_TYPES[t])}
     mixed = f"; rows of {', '.join(bad)} do not fit its blocks: written in a fallback type" if bad else ""
@@ -129,10 +129,10 @@ class GGUFMethod(QuantMethod):
     bits = (2, 3, 4, 5, 6, 8, 16)
     note = "a GGUF file for llama.cpp, Ollama and LM Studio, converted from the baseline"
 
-    def check(self, variant, arch: dict, device: str) -> list[str]:
+    def check(self, variant, arch: Arch, device: str) -> list[str]:
         return gguf_problems(variant, arch, device)
 
-    def runtimes(self, variant, arch: dict) -> list[dict]:
+    def runtimes(self, variant, arch: Arch) -> list[dict]:
         return gguf_runtimes(variant, arch)
 
     def bits_per_weight(self, variant) -> float:

@@ -9,6 +9,7 @@ from pydantic import Field
 
 from pipeline.quant.gptq_format import GPTQFormatMethod, GPTQModelDriven
 from pipeline.quant.method import QuantMethod
+from pipeline.quant.shapes import Arch
 from pipeline.quant.variant import Calibrated, GPTQFormat
 
 
@@ -40,7 +41,7 @@ class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
     offload = True
     memory = "layerwise"
 
-    def check(self, variant, arch: dict, device: str) -> list[str]:
+    def check(self, variant, arch: Arch, device: str) -> list[str]:
         problems = super().check(variant, arch, device)  # the checkpoint format's rules (gptq_format.py)
         if variant.act_group_aware:
             if variant.desc_act:

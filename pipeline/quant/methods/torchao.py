@@ -22,6 +22,7 @@ from pydantic import Field
 
 from pipeline.model.dtypes import DTYPE_NAMES
 from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod
+from pipeline.quant.shapes import Arch
 from pipeline.quant.variant import Dtype, VariantBase
 
 ENGINE = "torchao"
@@ -96,7 +97,7 @@ class TorchAoMethod(QuantMethod):
     group_sizes = (-1, *TORCHAO_GROUP_SIZES)
     note = "PyTorch-native quantization (torchao) through transformers' TorchAoConfig"
 
-    def check(self, variant, arch: dict, device: str) -> list[str]:
+    def check(self, variant, arch: Arch, device: str) -> list[str]:
         problems = []
         if importlib.util.find_spec("torchao") is None:
             problems.append("method 'torchao' needs the torchao package, which is not installed: "
@@ -119,7 +120,7 @@ class TorchAoMethod(QuantMethod):
             problems.append(f"{given}: {label} packs {', '.join(s.dtypes)} weights only; set dtype = {s.dtypes[0]!r}")
         return problems
 
-    def runtimes(self, variant, arch: dict) -> list[dict]:
+    def runtimes(self, variant, arch: Arch) -> list[dict]:
         s = TORCHAO_SCHEMES[variant.scheme]
         rows = []
         for dev, label, note in (("cpu", "CPU", "measured here"), ("cuda", "CUDA", "")):
