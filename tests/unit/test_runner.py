@@ -10,6 +10,8 @@ from pipeline.app.runner import Runner, RunLock, verify_outputs
 from pipeline.base.unit import FAULT_ENV, MANIFEST, Unit
 
 
+# unit keys are the pipeline's (pipeline/base/stage_keys.py: the report refuses others): "load" plays unit a,
+# "calibrate" its downstream b, "draft" an independent c (and the unit s of the kill and code tests)
 def make_runner(tmp_path):
     return Runner(tmp_path, seed=0, device="cpu", versions={"x": "1"})
 
@@ -24,9 +26,9 @@ def writer(name, text, calls):
 
 def test_rerun_skips_and_changed_config_reruns_downstream(tmp_path):
     calls = []
-    units = lambda a: [Unit("a", {"a": a}, writer("a", f"A{a}", calls)),  # noqa: E731
-                       Unit("b", {}, writer("b", "B", calls), deps=["a"]),
-                       Unit("c", {}, writer("c", "C", calls))]
+    units = lambda a: [Unit("load", {"a": a}, writer("a", f"A{a}", calls)),  # noqa: E731
+                       Unit("calibrate", {}, writer("b", "B", calls), deps=["load"]),
+                       Unit("draft", {}, writer("c", "C", calls))]
     r = make_runner(tmp_path)
     for u in units(1):
         r.run_unit(u)
@@ -35,23 +37,23 @@ def test_rerun_skips_and_changed_config_reruns_downstream(tmp_path):
     for u in units(1):
         r.run_unit(u)
     assert calls == ["a", "b", "c"], "second run must skip every unit"
-    assert r.report.stages["a"].status == "skipped"
+    assert r.report.stages["load"].status == "skipped"
     r = make_runner(tmp_path)
     for u in units(2):
         r.run_unit(u)
     assert calls == ["a", "b", "c", "a", "b"], "only a and its downstream b rerun"
-    assert (tmp_path / "a" / "out.txt").read_text() == "A2"
+    assert (tmp_path / "load" / "out.txt").read_text() == "A2"
 
 
 def test_manifest_records_hashes_and_corruption_reruns(tmp_path):
     calls = []
     r = make_runner(tmp_path)
-    m = r.run_unit(Unit("a", {}, writer("a", "hello", calls)))
+    m = r.run_unit(Unit("load", {}, writer("a", "hello", calls)))
     assert m["outputs"]["out.txt"]["bytes"] == 5
-    assert json.loads((tmp_path / "a" / "metrics.json").read_text()) == {"value": 5}
-    (tmp_path / "a" / "out.txt").write_text("HELLO")
-    assert "sha256" in verify_outputs(tmp_path / "a", m)
-    make_runner(tmp_path).run_unit(Unit("a", {}, writer("a", "hello", calls)))
+    assert json.loads((tmp_path / "load" / "metrics.json").read_text()) == {"value": 5}
+    (tmp_path / "load" / "out.txt").write_text("HELLO")
+    assert "sha256" in verify_outputs(tmp_path / "load", m)
+    make_runner(tmp_path).run_unit(Unit("load", {}, writer("a", "hello", calls)))
     assert calls == ["a", "a"]
 
 
@@ -60,14 +62,14 @@ def test_failed_unit_leaves_no_complete_looking_folder(tmp_path):
         (ctx.out / "half.bin").write_bytes(b"x")
         raise RuntimeError("disk on fire")
 
-    with pytest.raises(StageError, match="stage a failed: RuntimeError: disk on fire"):
-        make_runner(tmp_path).run_unit(Unit("a", {}, boom))
-    assert not (tmp_path / "a").exists()
+    with pytest.raises(StageError, match="stage load failed: RuntimeError: disk on fire"):
+        make_runner(tmp_path).run_unit(Unit("load", {}, boom))
+    assert not (tmp_path / "load").exists()
 
 
 def test_missing_upstream_is_an_error(tmp_path):
     with pytest.raises(StageError, match="did not run"):
-        make_runner(tmp_path).run_unit(Unit("b", {}, lambda ctx: {}, deps=["a"]))
+        make_runner(tmp_path).run_unit(Unit("calibrate", {}, lambda ctx: {}, deps=["load"]))
 
 
 KILL_SCRIPT = textwrap.dedent("""
@@ -80,20 +82,20 @@ KILL_SCRIPT = textwrap.dedent("""
         ctx.fault("mid")
         (ctx.out / "part2").write_text("2")
         return {}
-    Runner(Path(sys.argv[1]), 0, "cpu", {}).run_unit(Unit("s", {}, fn))
+    Runner(Path(sys.argv[1]), 0, "cpu", {}).run_unit(Unit("draft", {}, fn))
 """)
 
 
 @pytest.mark.parametrize("point", ["start", "mid", "before_commit"])
 def test_kill_at_fault_point_then_rerun_completes(tmp_path, point):
-    env = {**__import__("os").environ, FAULT_ENV: f"s:{point}"}
+    env = {**__import__("os").environ, FAULT_ENV: f"draft:{point}"}
     p = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(tmp_path)], env=env)
     assert p.returncode == -9
-    assert not (tmp_path / "s" / MANIFEST).exists() and not (tmp_path / "s").exists()
+    assert not (tmp_path / "draft" / MANIFEST).exists() and not (tmp_path / "draft").exists()
     env.pop(FAULT_ENV)
     subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(tmp_path)], env=env, check=True)
-    assert (tmp_path / "s" / "part2").read_text() == "2"
-    assert not (tmp_path / "s.tmp").exists()
+    assert (tmp_path / "draft" / "part2").read_text() == "2"
+    assert not (tmp_path / "draft.tmp").exists()
 
 
 def test_lock_refuses_second_holder_and_is_released(tmp_path):
@@ -128,7 +130,7 @@ def test_editing_a_module_the_unit_imports_reruns_it(tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline.app.runner, "code_hash", functools.partial(code_hash, root=pkg))
     calls = []
     run_dir = tmp_path / "run"
-    rerun = lambda: make_runner(run_dir).run_unit(Unit("s", {}, writer("s", "S", calls), code=("stages/s.py",)))  # noqa: E731
+    rerun = lambda: make_runner(run_dir).run_unit(Unit("draft", {}, writer("s", "S", calls), code=("stages/s.py",)))  # noqa: E731
     rerun()
     (pkg / "other.py").write_text("x = 2\n")
     rerun()
