@@ -393,7 +393,7 @@ def test_draft_stage_compares_a_draft_distilled_against_the_full_precision_model
     assert fp_manifest["verifier"] == "baseline" and fp_manifest["verifier_dir"] == "load"
     assert fp_manifest["layers"] == json.loads((run_dir / "draft" / "draft_manifest.json").read_text())["layers"]
     assert (run_dir / "draft" / "undistilled" / "config.json").is_file()
-    assert runner.report.draft.distill["fp_distilled"]["steps"] == 4
+    assert runner.report.draft.distill.fp_distilled["steps"] == 4
     rerun = Runner(run_dir, seed=0, device="cpu", versions={"x": "1"})
     rerun.manifests = dict(runner.manifests)
     rerun.run_unit(unit)
@@ -408,7 +408,7 @@ def test_draft_stage_compares_a_draft_distilled_against_the_full_precision_model
     assert detail["fp-distilled"]["t=0.0"]["greedy_mismatches"] == []
     modes = runner.report.draft.speculative
     assert {"greedy", "t0.7", "undistilled greedy", "fp-distilled greedy", "fp-distilled t0.7"} <= set(modes)
-    assert 0 <= modes["fp-distilled greedy"]["alpha"] <= 1
+    assert 0 <= modes["fp-distilled greedy"].alpha <= 1
 
     render_report(run_dir)
     md = (run_dir / "report.md").read_text().split("## Speculative decoding")[1].split("## Gates")[0]

@@ -71,12 +71,11 @@ def test_humaneval_job_refuses_without_execute_code():
 
 
 def test_card_model_index_names_humaneval_dataset():
-    from types import SimpleNamespace
-
+    from pipeline.results.schema import ModelEntry
     from pipeline.results.tasks_render import task_eval_results
 
-    e = SimpleNamespace(tasks={"humaneval": {"metric": "pass@1", "score": 0.5, "n": 164, "split": "test"}},
-                        task_recovery={"tasks": {"humaneval": {"recovery": 0.9, "low": 0.8, "high": 1.0}}})
+    e = ModelEntry(tasks={"humaneval": {"metric": "pass@1", "score": 0.5, "n": 164, "split": "test"}},
+                   task_recovery={"tasks": {"humaneval": {"recovery": 0.9, "low": 0.8, "high": 1.0}}})
     rs = task_eval_results(e)
     assert [(r.dataset_type, r.dataset_name, r.dataset_split, r.metric_type) for r in rs] == [
         ("openai/openai_humaneval", "HumanEval", "test", "pass@1"),
