@@ -27,7 +27,7 @@ import re
 import sys
 from pathlib import Path
 
-SKIP_FILES = re.compile(r"(\.log$|^\.lock$|(^|/)manifest\.json$|^report\.(json|md)$|^plots/|\.lock$|/\.tmp)")
+SKIP_FILES = re.compile(r"(\.log$|\.lock$|(^|/)manifest\.json$|^report\.(json|md)$|^plots/|/\.tmp)")
 # durations, throughputs, memory readings, speed-ups and anything derived from a clock, plus run ids/timestamps
 TIMING = re.compile(r"(_s$|_ms$|^ms$|per_s|tok_s|tokens_per_s|requests_s|speedup|seconds|time|wall|rss|peak_memory|"
                     r"roofline|bandwidth|^ready|ttft|itl|latency|^started|^finished|^created|^run_id$|^id$|"
