@@ -180,6 +180,8 @@ def speculative_generate(target, draft, input_ids: torch.Tensor, max_new_tokens:
     """Generate up to `max_new_tokens` after `input_ids` ([1, T]); returns ([1, T + new], stats).
     temperature 0 is greedy. Caches hold a prefix of `seq`; every forward feeds what is missing."""
     _check_args(draft, input_ids, max_new_tokens, gamma, temperature)
+    if draft_vocab is not None:  # drafted ids are looked up in it: a CPU vocab would move them off the GPU
+        draft_vocab = draft_vocab.to(input_ids.device)
     target_fn = make_logits_fn(target)
     draft_fn = make_logits_fn(draft, draft_vocab) if gamma > 0 else None
     t_cache, d_cache = DynamicCache(), DynamicCache()

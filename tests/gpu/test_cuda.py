@@ -30,6 +30,23 @@ def test_greedy_speculative_output_equals_plain_greedy_on_cuda():
     assert torch.equal(plain, spec) and stats.new_tokens == 24
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_sliced_vocab_draft_on_cuda_with_its_vocab_read_on_the_cpu(temperature):
+    """A draft with its own head vocabulary, the vocabulary tensor on the CPU as load_draft_vocab returns it
+    (the validate/draft/speculative unit's case): drafting stays on the GPU and greedy output stays exact."""
+    from pipeline.speculative.decode import autoregressive_generate, speculative_generate
+
+    target, draft = tiny_llama(0, 4).to("cuda"), tiny_llama(1, 1).to("cuda")
+    vocab = torch.arange(0, 256, 2)  # on the CPU
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(3)).to("cuda")
+    gen = lambda: torch.Generator(device="cuda").manual_seed(0)  # noqa: E731
+    plain, _ = autoregressive_generate(target, ids, 24, temperature, gen())
+    spec, stats = speculative_generate(target, draft, ids, 24, 4, temperature, gen(), vocab)
+    assert stats.new_tokens == 24 and stats.draft_forwards > 0
+    if temperature == 0:
+        assert torch.equal(plain, spec)
+
+
 def test_identical_draft_accepts_everything_on_cuda():
     from pipeline.speculative.decode import speculative_generate
 
