@@ -5,6 +5,11 @@ anything else is a bug and exits 1 with a traceback.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.base.problem import Problem
+
 
 class CompressError(Exception):
     """Base of every user-facing error. `exit_code` is what `compress` exits with."""
@@ -13,9 +18,14 @@ class CompressError(Exception):
 
 
 class RecipeError(CompressError):
-    """Malformed recipe, unknown key, impossible setting, bad CLI input."""
+    """Malformed recipe, unknown key, impossible setting, bad CLI input. `problems`: what `compress check` found,
+    one Problem each (pipeline/base/problem.py), when the error lists them."""
 
     exit_code = 2
+
+    def __init__(self, *args: object, problems: list[Problem] | tuple[Problem, ...] = ()) -> None:
+        super().__init__(*args)
+        self.problems = list(problems)
 
 
 class LockedError(CompressError):
