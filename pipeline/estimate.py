@@ -6,6 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
+from pipeline.base.problem import Problem
 from pipeline.budget.formulas import GiB, RUNTIME_OVERHEAD, WORKER_OVERHEAD, quantize_bytes, speed_bytes, window_bytes
 from pipeline.model.dtypes import dtype_bytes
 from pipeline.model.sources import link_problem
@@ -117,7 +118,7 @@ def variant_bits(variant) -> float:
     return method_of(variant).bits_per_weight(variant)
 
 
-def estimate_disk(recipe, info, plan, source) -> list[str]:
+def estimate_disk(recipe, info, plan, source) -> list[Problem]:
     """What the run folder will hold (bytes per stage) against the free space of its filesystem: refused when
     the disk lacks it. A rerun's completed stages are already on disk and count as available."""
     p = max(info.n_params, 1)
@@ -139,9 +140,10 @@ def estimate_disk(recipe, info, plan, source) -> list[str]:
     plan.disk_free = shutil.disk_usage(existing).free
     need = sum(plan.disk.values()) - plan.disk_reused
     if need > plan.disk_free:
-        return [f"the run folder {run_dir} needs about {need / GiB:.1f} GiB more on its disk "
-                f"({', '.join(f'{k} {b / GiB:.1f}' for k, b in plan.disk.items() if b)} GiB), and {existing} has "
-                f"{plan.disk_free / GiB:.1f} GiB free: free space, or set run.output_dir to a larger disk"]
+        return [Problem("run.output_dir", "disk-too-small",
+                        f"the run folder {run_dir} needs about {need / GiB:.1f} GiB more on its disk "
+                        f"({', '.join(f'{k} {b / GiB:.1f}' for k, b in plan.disk.items() if b)} GiB), and {existing} "
+                        f"has {plan.disk_free / GiB:.1f} GiB free: free space, or set run.output_dir to a larger disk")]
     return []
 
 

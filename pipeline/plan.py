@@ -7,13 +7,14 @@ from dataclasses import dataclass, field
 
 from pipeline import data
 from pipeline.base.errors import RecipeError
+from pipeline.base.problem import Problem
 from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
 from pipeline.model.sources import ModelInfo, describe, parse
 
 from pipeline.estimate import estimate_disk, estimate_memory
 from pipeline.budget.formulas import GiB
 from pipeline.quant.shapes import Arch, linear_shapes_from_config
-from pipeline.eval.config import GATE_SPECS, gate_problems, speed_problems
+from pipeline.eval.config import GATE_SPECS, gate_path, gate_problems, speed_problems
 from pipeline.quant.registry import check_variant, method_of, needs_calibration, runtimes, variant_format
 from pipeline.model.families import unknown_family
 from pipeline.eval.tasks_config import task_problems
@@ -65,15 +66,17 @@ def arch_of(info: ModelInfo) -> Arch:
 
 
 def check(recipe) -> Plan:
-    """Every cross-stage rule, before any weight is loaded. Raises RecipeError listing all problems."""
-    problems: list[str] = []
+    """Every cross-stage rule, before any weight is loaded. Raises RecipeError listing all problems (its
+    `.problems`: one Problem each, pipeline/base/problem.py)."""
+    problems: list[Problem] = []
     try:
         source = parse(recipe.model.source, recipe.model.gguf_file)
         info = describe(source)
     except RecipeError as e:
-        raise RecipeError(f"[model].source: {e}") from None
+        raise _source_error(Problem("model.source", "model-source-invalid", f"[model].source: {e}")) from None
     except (OSError, ValueError) as e:
-        raise RecipeError(f"[model].source {recipe.model.source!r} cannot be read: {e}") from None
+        raise _source_error(Problem("model.source", "model-source-unreadable",
+                                    f"[model].source {recipe.model.source!r} cannot be read: {e}")) from None
     plan = Plan(info, stage_names(recipe))
     problems += _check_device(recipe, plan)
     plan.dtype = resolve_dtype(recipe.model.dtype, source.source_kind, info.dtype, plan.device)
@@ -88,30 +91,37 @@ def check(recipe) -> Plan:
     if plan.peak_memory > plan.memory_limit:
         over = ", ".join(f"{k} needs {b / GiB:.2f} GiB" for k, b in plan.memory.items() if b > plan.memory_limit)
         where = "[run].max_memory_gb" if recipe.run.max_memory_gb else "this machine's memory"
-        problems.append(f"estimated peak memory {plan.peak_memory / GiB:.2f} GiB exceeds the "
-                        f"{plan.memory_limit / GiB:.3g} GiB available ({where}): {over}; "
-                        "lower calibration.num_samples/seq_len, validate.perplexity.seq_len or draft.distill.batch_size,"
-                        " or raise the limit (offloaded to disk where a stage can: GPTQ and RTN quantization, the "
-                        "baseline's perplexity; quantized checkpoints, bitsandbytes, torchao, AWQ, AutoRound, GGUF and "
-                        "the draft must fit)")
+        problems.append(Problem("run.max_memory_gb", "memory-over-limit",
+                                f"estimated peak memory {plan.peak_memory / GiB:.2f} GiB exceeds the "
+                                f"{plan.memory_limit / GiB:.3g} GiB available ({where}): {over}; lower "
+                                "calibration.num_samples/seq_len, validate.perplexity.seq_len or "
+                                "draft.distill.batch_size, or raise the limit (offloaded to disk where a stage can: "
+                                "GPTQ and RTN quantization, the baseline's perplexity; quantized checkpoints, "
+                                "bitsandbytes, torchao, AWQ, AutoRound, GGUF and the draft must fit)"))
     problems += estimate_disk(recipe, info, plan, source)
     problems += _check_executor(recipe)
     plan.warnings += _half_precision_on_cpu(recipe, plan)
     if problems:
-        raise RecipeError("the recipe cannot run:\n" + "\n".join(f"  - {p}" for p in problems))
+        raise RecipeError("the recipe cannot run:\n" + "\n".join(f"  - {p}" for p in problems), problems=problems)
     return plan
 
 
-def _check_executor(recipe) -> list[str]:
+def _source_error(problem: Problem) -> RecipeError:
+    """[model].source cannot be described: nothing else can be checked, so the error is that one line."""
+    return RecipeError(problem.message, problems=[problem])
+
+
+def _check_executor(recipe) -> list[Problem]:
     """[run] executor = "ray" needs Ray installed (looked up, not imported: check stays fast)."""
     from importlib.util import find_spec
 
     if recipe.run.executor == "ray" and find_spec("ray") is None:
-        return ["[run] executor = \"ray\" needs Ray, which is not installed: pip install -e '.[ray]'"]
+        return [Problem("run.executor", "ray-not-installed",
+                        "[run] executor = \"ray\" needs Ray, which is not installed: pip install -e '.[ray]'")]
     return []
 
 
-def _untimed_gates(recipe, plan: Plan) -> list[str]:
+def _untimed_gates(recipe, plan: Plan) -> list[Problem]:
     """A speed gate on a model that will not be timed (plan.speed_skipped) could only fail: refused here."""
     gates = recipe.validate_.gates
     problems = []
@@ -119,9 +129,10 @@ def _untimed_gates(recipe, plan: Plan) -> list[str]:
         for gate in (g for g in gates.bounds_for(v.name) if GATE_SPECS[g].needs_speed):
             for name in ("baseline", v.name):
                 if name in plan.speed_skipped:
-                    problems.append(f"[validate.gates].{gate} for {v.name!r} needs {name!r} timed, but "
-                                    f"{name!r} will not be timed: it {plan.speed_skipped[name]}; raise max_memory_gb, "
-                                    "lower [validate.speed] batch_sizes, or drop the gate")
+                    problems.append(Problem(gate_path(gates, v.name, gate), "speed-gate-model-over-memory",
+                                            f"[validate.gates].{gate} for {v.name!r} needs {name!r} timed, but "
+                                            f"{name!r} will not be timed: it {plan.speed_skipped[name]}; raise "
+                                            "max_memory_gb, lower [validate.speed] batch_sizes, or drop the gate"))
     return problems
 
 
@@ -142,32 +153,35 @@ def _needs_calibration(variant) -> bool:
     return needs_calibration(variant)
 
 
-def _check_data(recipe) -> list[str]:
-    problems = []
+def _check_data(recipe) -> list[Problem]:
     cal, ppl = recipe.calibration, recipe.validate_.perplexity
-    for where, name, field_ in (("calibration.dataset", cal.dataset, cal.text_field),
-                                ("validate.perplexity.dataset", ppl.dataset, ppl.text_field)):
-        try:
-            data.resolve(name, field_)
-        except RecipeError as e:
-            problems.append(f"{where}: {e}")
+    problems = _check_dataset("calibration.dataset", cal.dataset, cal.text_field)
+    problems += _check_dataset("validate.perplexity.dataset", ppl.dataset, ppl.text_field)
     prompts = recipe.draft.measure.prompts if recipe.draft is not None else None
     if prompts is not None:
-        try:
-            data.resolve(prompts)
-        except RecipeError as e:
-            problems.append(f"draft.measure.prompts: {e}")
+        problems += _check_dataset("draft.measure.prompts", prompts)
         if prompts == cal.dataset and not cal.allow_overlap:
-            problems.append(f"draft.measure.prompts and calibration.dataset are both {prompts!r}: the draft is "
-                            "distilled on the calibration corpus, so acceptance would be measured on its training text")
+            problems.append(Problem("draft.measure.prompts", "prompts-are-calibration-text",
+                                    f"draft.measure.prompts and calibration.dataset are both {prompts!r}: the draft "
+                                    "is distilled on the calibration corpus, so acceptance would be measured on its "
+                                    "training text"))
     if cal.dataset == ppl.dataset and not cal.allow_overlap:
-        problems.append(f"calibration.dataset and validate.perplexity.dataset are both {cal.dataset!r}: calibrating "
-                        "or distilling on the evaluation text inflates every figure; use another corpus (c4) "
-                        "or set calibration.allow_overlap = true to accept it")
+        problems.append(Problem("calibration.dataset", "calibration-is-evaluation-text",
+                                f"calibration.dataset and validate.perplexity.dataset are both {cal.dataset!r}: "
+                                "calibrating or distilling on the evaluation text inflates every figure; use another "
+                                "corpus (c4) or set calibration.allow_overlap = true to accept it"))
     return problems
 
 
-def _check_device(recipe, plan: Plan) -> list[str]:
+def _check_dataset(where: str, name: str, text_field: str = "text") -> list[Problem]:
+    try:
+        data.resolve(name, text_field)
+    except RecipeError as e:
+        return [Problem(where, "dataset-unresolved", f"{where}: {e}")]
+    return []
+
+
+def _check_device(recipe, plan: Plan) -> list[Problem]:
     """Which device the run will use ("auto": CUDA when this environment's torch can use a GPU)."""
     from pipeline.base.gpu_probe import probe
 
@@ -176,11 +190,11 @@ def _check_device(recipe, plan: Plan) -> list[str]:
     plan.device = "cuda" if recipe.run.device == "cuda" or (recipe.run.device == "auto" and usable) else "cpu"
     if recipe.run.device == "cuda" and not usable:
         why = plan.gpu.note if plan.gpu else "no NVIDIA GPU found (nvidia-smi)"
-        return [f"[run].device = 'cuda': {why}; use device = 'auto' or 'cpu'"]
+        return [Problem("run.device", "cuda-unavailable", f"[run].device = 'cuda': {why}; use device = 'auto' or 'cpu'")]
     return []
 
 
-def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[str]:
+def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[Problem]:
     if not recipe.quantize:
         return []
 
@@ -190,63 +204,78 @@ def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[str]:
     if not arch.shapes_known and arch.model_type:
         plan.warnings.append(unknown_family(arch.model_type))
     for i, v in enumerate(recipe.quantize):
-        problems += [f"quantize.{i} ({v.name}): {p}" for p in check_variant(v, arch, device)]
+        found = check_variant(v, arch, device)
         rows = getattr(v, "calibration_rows", None)
         if rows is not None and rows > recipe.calibration.num_samples:
-            problems.append(f"quantize.{i} ({v.name}): calibration_rows = {rows} exceeds calibration.num_samples = "
-                            f"{recipe.calibration.num_samples}: lower it or raise num_samples")
+            found.append(Problem("calibration_rows", "calibration-rows-over-samples",
+                                 f"calibration_rows = {rows} exceeds calibration.num_samples = "
+                                 f"{recipe.calibration.num_samples}: lower it or raise num_samples"))
+        problems += [p.within(f"quantize[{i}]", f"quantize.{i} ({v.name}): ") for p in found]
         plan.variants.append({"name": v.name, "method": v.method, "runtimes": runtimes(v, arch)})
     return problems
 
 
-def _check_draft(recipe, info: ModelInfo, plan: Plan) -> list[str]:
+def _check_draft(recipe, info: ModelInfo, plan: Plan) -> list[Problem]:
     d = recipe.draft
     if d is None:
         return []
     problems = []
     names = {q.name for q in recipe.quantize}
     if d.verifier != "baseline" and d.verifier not in names:
-        problems.append(f"draft.verifier = {d.verifier!r} is neither 'baseline' nor a [[quantize]] variant "
-                        f"(variants: {sorted(names) or 'none'})")
+        problems.append(Problem("draft.verifier", "draft-verifier-unknown",
+                                f"draft.verifier = {d.verifier!r} is neither 'baseline' nor a [[quantize]] variant "
+                                f"(variants: {sorted(names) or 'none'})"))
 
     gguf = {q.name for q in recipe.quantize if method_of(q).checkpoint_format == "gguf"}
     if d.verifier in gguf:
-        problems.append(f"draft.verifier = {d.verifier!r} is a GGUF file (llama.cpp's format): the draft is distilled "
-                        "and measured in transformers; name the baseline or a transformers variant (gptq, bnb, ...)")
+        problems.append(Problem("draft.verifier", "draft-verifier-gguf",
+                                f"draft.verifier = {d.verifier!r} is a GGUF file (llama.cpp's format): the draft is "
+                                "distilled and measured in transformers; name the baseline or a transformers variant "
+                                "(gptq, bnb, ...)"))
     if d.measure.compare_fp_distilled and d.verifier == "baseline":
-        problems.append("draft.measure.compare_fp_distilled = true needs a quantized draft.verifier: with verifier = "
-                        "'baseline' the draft is already distilled against the full-precision model, so there is "
-                        "nothing to compare; name a [[quantize]] variant as draft.verifier or set it to false")
+        problems.append(Problem("draft.measure.compare_fp_distilled", "fp-distilled-needs-quantized-verifier",
+                                "draft.measure.compare_fp_distilled = true needs a quantized draft.verifier: with "
+                                "verifier = 'baseline' the draft is already distilled against the full-precision "
+                                "model, so there is nothing to compare; name a [[quantize]] variant as "
+                                "draft.verifier or set it to false"))
     n_layers = info.config.get("num_hidden_layers")
     if d.layers and n_layers and any(not 0 <= i < n_layers for i in d.layers):
-        problems.append(f"draft.layers {d.layers} must be indices in 0..{n_layers - 1} (the verifier has {n_layers} layers)")
+        problems.append(Problem("draft.layers", "draft-layers-out-of-range",
+                                f"draft.layers {d.layers} must be indices in 0..{n_layers - 1} (the verifier has "
+                                f"{n_layers} layers)"))
     if d.num_layers and n_layers and d.num_layers >= n_layers:
-        problems.append(f"draft.num_layers = {d.num_layers} must be below the verifier's {n_layers} layers")
+        problems.append(Problem("draft.num_layers", "draft-num-layers-too-many",
+                                f"draft.num_layers = {d.num_layers} must be below the verifier's {n_layers} layers"))
     if d.vocab_size and info.config.get("vocab_size") and d.vocab_size > info.config["vocab_size"]:
-        problems.append(f"draft.vocab_size = {d.vocab_size} exceeds the verifier's vocabulary ({info.config['vocab_size']})")
+        problems.append(Problem("draft.vocab_size", "draft-vocab-too-large",
+                                f"draft.vocab_size = {d.vocab_size} exceeds the verifier's vocabulary "
+                                f"({info.config['vocab_size']})"))
     if d.init == "model":
         problems += _check_draft_tokenizer(recipe, info, plan)
     return problems
 
 
-def _check_draft_tokenizer(recipe, info: ModelInfo, plan: Plan) -> list[str]:
+def _check_draft_tokenizer(recipe, info: ModelInfo, plan: Plan) -> list[Problem]:
     d = recipe.draft
     if not d.source:
-        return ["draft.init = 'model' needs draft.source (a model source with the verifier's tokenizer)"]
+        return [Problem("draft.source", "draft-source-missing",
+                        "draft.init = 'model' needs draft.source (a model source with the verifier's tokenizer)")]
     try:
         dinfo = plan.draft_model = describe(parse(d.source))
     except RecipeError as e:
-        return [f"draft.source: {e}"]
+        return [Problem("draft.source", "draft-source-invalid", f"draft.source: {e}")]
     diffs = [f"{k}: verifier {info.config.get(k)} vs draft {dinfo.config.get(k)}" for k in ("vocab_size",)
              if info.config.get(k) != dinfo.config.get(k)]
     for k in ("bos_token_id", "eos_token_id"):
         a, b = info.config.get(k), dinfo.config.get(k)
         if a is not None and b is not None and a != b:
             diffs.append(f"{k}: verifier {a} vs draft {b}")
-    return [f"draft.source {d.source!r} has a different tokenizer than the verifier ({'; '.join(diffs)})"] if diffs else []
+    return [Problem("draft.source", "draft-tokenizer-differs",
+                    f"draft.source {d.source!r} has a different tokenizer than the verifier ({'; '.join(diffs)})")
+            ] if diffs else []
 
 
-def _check_gates(recipe, random_init: bool) -> list[str]:
+def _check_gates(recipe, random_init: bool) -> list[Problem]:
     """[validate.gates] and [validate.speed]: every model they name exists, every gate can be measured."""
     v = recipe.validate_  # the smoke gate does not apply to random weights
     variants, draft = [q.name for q in recipe.quantize], "draft" if recipe.draft else None
@@ -255,14 +284,14 @@ def _check_gates(recipe, random_init: bool) -> list[str]:
             + speed_problems(v.speed, variants, draft))
 
 
-def _check_tasks(recipe, plan: Plan) -> list[str]:
+def _check_tasks(recipe, plan: Plan) -> list[Problem]:
     """[validate.tasks] (pipeline/eval/tasks_config.py): problems are returned, notes become warnings."""
     found = task_problems(recipe.validate_.tasks, [q.name for q in recipe.quantize])
-    plan.warnings += [p.removeprefix("note: ") for p in found if p.startswith("note: ")]
-    return [p for p in found if not p.startswith("note: ")]
+    plan.warnings += [p.message for p in found if p.note]
+    return [p for p in found if not p.note]
 
 
-def _check_serve(recipe, plan: Plan) -> list[str]:
+def _check_serve(recipe, plan: Plan) -> list[Problem]:
     """[validate.serve]: an engine that can serve every served model here (pipeline/serve/config.py); a serve gate
     on a model that will not be served could only fail."""
     cfg = recipe.validate_.serve
@@ -277,8 +306,10 @@ def _check_serve(recipe, plan: Plan) -> list[str]:
     gates = recipe.validate_.gates
     for v in recipe.quantize:
         for gate in (g for g in gates.bounds_for(v.name) if GATE_SPECS[g].metric.startswith("serve_")):
-            problems += [f"[validate.gates].{gate} for {v.name!r} needs {n!r} served, but its serving is skipped: "
-                         f"{plan.serve_skipped[n]}" for n in ("baseline", v.name) if n in plan.serve_skipped]
+            problems += [Problem(gate_path(gates, v.name, gate), "serve-gate-model-not-served",
+                                 f"[validate.gates].{gate} for {v.name!r} needs {n!r} served, but its serving is "
+                                 f"skipped: {plan.serve_skipped[n]}") for n in ("baseline", v.name)
+                         if n in plan.serve_skipped]
     return problems
 
 

@@ -13,6 +13,7 @@ from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from pipeline.base.problem import Problem
 from pipeline.base.strict import Strict
 
 Technique = Literal[
@@ -200,34 +201,47 @@ class GatesConfig(create_model("_GlobalBounds",  # type: ignore[misc]
         return {g: v for g, v in merged.items() if v is not None}
 
 
+def gate_path(gates: GatesConfig, model: str, gate: str) -> str:
+    """Where a model's gate is set: its [validate.gates.models.<model>] override, else [validate.gates]."""
+    override = gates.models.get(model)
+    if override is not None and getattr(override, gate, None) is not None:
+        return f"validate.gates.models.{model}.{gate}"
+    return f"validate.gates.{gate}"
+
+
 def gate_problems(gates: GatesConfig, speed: SpeedConfig | None, variants: list[str],
-                  draft: str | None, smoke: bool = True, tasks=None) -> list[str]:
-    """Cross-stage checks for `compress check`: each problem is one readable line (empty = fine)."""
+                  draft: str | None, smoke: bool = True, tasks=None) -> list[Problem]:
+    """Cross-stage checks for `compress check` (empty = fine), sorted by message, one per message."""
     problems = []
     if not smoke and variants and any(gates.bounds_for(v).get("min_smoke_ok") for v in variants):
-        problems.append("[validate.gates].min_smoke_ok needs the smoke test, but [validate.smoke] enabled = false; "
-                        "enable it, or set min_smoke_ok = 0 to run without it")
+        problems.append(Problem("validate.gates.min_smoke_ok", "smoke-gate-without-smoke",
+                                "[validate.gates].min_smoke_ok needs the smoke test, but [validate.smoke] enabled = "
+                                "false; enable it, or set min_smoke_ok = 0 to run without it"))
     known = set(variants) | ({draft} if draft else set()) | {"baseline"}
     for name in gates.models:
         if name not in known:
-            problems.append(f"[validate.gates.models.{name}]: no variant or draft named {name!r}; "
-                            f"known: {sorted(known - {'baseline'})}")
+            problems.append(Problem(f"validate.gates.models.{name}", "gate-model-unknown",
+                                    f"[validate.gates.models.{name}]: no variant or draft named {name!r}; "
+                                    f"known: {sorted(known - {'baseline'})}"))
     for model, kind in [(v, "variant") for v in variants] + ([(draft, "draft")] if draft else []):
         for gate in gates.bounds_for(model):
             metric, applies = GATE_METRICS[gate]
             if applies == "draft" and draft is None and kind == "variant":
-                problems.append(f"[validate.gates].{gate} needs a [draft]; the recipe has none")
+                problems.append(Problem(gate_path(gates, model, gate), "draft-gate-without-draft",
+                                        f"[validate.gates].{gate} needs a [draft]; the recipe has none"))
             if GATE_SPECS[gate].needs_speed and applies == kind:
                 timed = _speed_models(speed)
                 for needed in ("baseline", model):
                     if timed is not None and needed not in timed:
-                        problems.append(f"[validate.gates].{gate} for {model!r} needs speed for "
-                                        f"{needed!r}, but [validate.speed] does not time it")
+                        problems.append(Problem(gate_path(gates, model, gate), "speed-gate-model-not-timed",
+                                                f"[validate.gates].{gate} for {model!r} needs speed for "
+                                                f"{needed!r}, but [validate.speed] does not time it"))
     problems += _task_gate_problems(gates, tasks, variants)
-    return sorted(set(problems))
+    by_message = {p.message: p for p in reversed(problems)}  # one per message: the first found
+    return sorted(by_message.values(), key=str)
 
 
-def _task_gate_problems(gates: GatesConfig, tasks, variants: list[str]) -> list[str]:
+def _task_gate_problems(gates: GatesConfig, tasks, variants: list[str]) -> list[Problem]:
     """A task gate (min_task_recovery) needs [validate.tasks] enabled for the baseline and the gated variant."""
     if tasks is None:
         return []
@@ -236,8 +250,9 @@ def _task_gate_problems(gates: GatesConfig, tasks, variants: list[str]) -> list[
         for gate in (g for g in gates.bounds_for(v) if GATE_SPECS[g].needs_tasks):
             for needed in ("baseline", v):
                 if not tasks.scores(needed):
-                    out.append(f"[validate.gates].{gate} for {v!r} needs [validate.tasks] scores for "
-                               f"{needed!r} (enabled = true, tasks, models)")
+                    out.append(Problem(gate_path(gates, v, gate), "task-gate-model-not-scored",
+                                       f"[validate.gates].{gate} for {v!r} needs [validate.tasks] scores for "
+                                       f"{needed!r} (enabled = true, tasks, models)"))
     return out
 
 
@@ -248,7 +263,7 @@ def _speed_models(speed: SpeedConfig | None) -> set[str] | None:
     return None if speed.models == "all" else set(speed.models)
 
 
-def speed_problems(speed: SpeedConfig, variants: list[str], draft: str | None) -> list[str]:
+def speed_problems(speed: SpeedConfig, variants: list[str], draft: str | None) -> list[Problem]:
     """Cross-stage checks for `compress check`: speed model names that do not exist."""
     known = {"baseline", *variants, *([draft] if draft else [])}
     problems = []
@@ -256,5 +271,6 @@ def speed_problems(speed: SpeedConfig, variants: list[str], draft: str | None) -
         names = getattr(speed, field)
         for name in ([] if names == "all" else names):
             if name not in known:
-                problems.append(f"[validate.speed].{field}: no model named {name!r}; known: {sorted(known)}")
+                problems.append(Problem(f"validate.speed.{field}", "speed-model-unknown",
+                                        f"[validate.speed].{field}: no model named {name!r}; known: {sorted(known)}"))
     return problems

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pipeline.base.problem import Problem
+
 Metric = Literal["acc", "acc_norm", "pass@1"]
 
 
@@ -51,11 +53,11 @@ HUMANEVAL = "humaneval"
 PROBLEM_TIMEOUT_S = 10.0  # HumanEval: the hard limit of one generated program (pipeline/eval/humaneval.py)
 
 
-def task_problems(cfg: TasksConfig, variants: list[str]) -> list[str]:
-    """Problems for `compress check` (each one readable line): unknown task (did you mean), the data package
-    missing (its name and the set-up line), humaneval without execute_code, unknown model names, a metric for a
-    task not listed or one the task does not report; and notes (prefixed "note: ") for limits larger than a split
-    and for a recipe that runs generated code."""
+def task_problems(cfg: TasksConfig, variants: list[str]) -> list[Problem]:
+    """Problems for `compress check`: unknown task (did you mean), the data package missing (its name and the
+    set-up line), humaneval without execute_code, unknown model names, a metric for a task not listed or one the
+    task does not report; and notes (Problem.note) for limits larger than a split and for a recipe that runs
+    generated code."""
     from pipeline.base.errors import RecipeError
     from pipeline.eval.taskdata import TASKS, data_file
 
@@ -67,28 +69,33 @@ def task_problems(cfg: TasksConfig, variants: list[str]) -> list[str]:
             problems += _humaneval_problems(cfg)
             continue
         if name not in TASKS:
-            problems.append(f"[validate.tasks].tasks: {_unknown(name)}")
+            problems.append(Problem("validate.tasks.tasks", "task-unknown", f"[validate.tasks].tasks: {_unknown(name)}"))
             continue
         spec = TASKS.get(name)
         try:
             data_file(spec)
         except RecipeError as e:
-            problems.append(f"[validate.tasks]: {e}")
+            problems.append(Problem("validate.tasks.tasks", "task-data-missing", f"[validate.tasks]: {e}"))
         if cfg.limit and cfg.limit > spec.items:
-            problems.append(f"note: [validate.tasks] limit {cfg.limit} > the {spec.items} items of {name}'s "
-                            f"{spec.split} split: all {spec.items} are used")
+            problems.append(Problem("validate.tasks.limit", "task-limit-over-split",
+                                    f"[validate.tasks] limit {cfg.limit} > the {spec.items} items of {name}'s "
+                                    f"{spec.split} split: all {spec.items} are used", note=True))
     for task, metric in cfg.metric.items():
         if task not in cfg.tasks:
-            problems.append(f"[validate.tasks].metric names {task!r}, which is not in tasks")
+            problems.append(Problem(f"validate.tasks.metric.{task}", "task-metric-not-in-tasks",
+                                    f"[validate.tasks].metric names {task!r}, which is not in tasks"))
         elif metric not in _metrics_of(task):
-            problems.append(f"[validate.tasks].metric: {task} reports {' or '.join(_metrics_of(task))}, "
-                            f"not {metric!r}")
+            problems.append(Problem(f"validate.tasks.metric.{task}", "task-metric-unknown",
+                                    f"[validate.tasks].metric: {task} reports {' or '.join(_metrics_of(task))}, "
+                                    f"not {metric!r}"))
     known = {"baseline", *variants}
     for name in ([] if cfg.models == "all" else cfg.models):
         if name not in known:
-            problems.append(f"[validate.tasks].models: no model named {name!r}; known: {sorted(known)}")
+            problems.append(Problem("validate.tasks.models", "task-model-unknown",
+                                    f"[validate.tasks].models: no model named {name!r}; known: {sorted(known)}"))
     if cfg.models != "all" and "baseline" not in cfg.models:
-        problems.append("[validate.tasks].models must include 'baseline' (recovery is against it)")
+        problems.append(Problem("validate.tasks.models", "task-models-without-baseline",
+                                "[validate.tasks].models must include 'baseline' (recovery is against it)"))
     return problems
 
 
@@ -111,23 +118,26 @@ def _metrics_of(task: str) -> tuple[str, ...]:
     return ("pass@1",) if task == HUMANEVAL else TASKS.get(task).metrics if task in TASKS else ()
 
 
-def _humaneval_problems(cfg: TasksConfig) -> list[str]:
+def _humaneval_problems(cfg: TasksConfig) -> list[Problem]:
     """humaneval needs execute_code (else refused), says that the recipe runs generated code, needs its data,
     and notes a limit over its 164 problems (the first `limit` problems are scored, not a seeded sample)."""
     from pipeline.base.errors import RecipeError
 
     if not cfg.execute_code:
-        return ["[validate.tasks] humaneval runs generated code: set execute_code = true to allow it"]
+        return [Problem("validate.tasks.execute_code", "humaneval-needs-execute-code",
+                        "[validate.tasks] humaneval runs generated code: set execute_code = true to allow it")]
     from pipeline.eval import humaneval
 
-    out = ["note: " + humaneval.executes_code_message(PROBLEM_TIMEOUT_S)]  # check says the recipe runs code
+    out = [Problem("validate.tasks.execute_code", "humaneval-runs-code",  # check says the recipe runs code
+                   humaneval.executes_code_message(PROBLEM_TIMEOUT_S), note=True)]
     try:
         humaneval.data_file()
     except RecipeError as e:
-        out.append(f"[validate.tasks]: {e}")
+        out.append(Problem("validate.tasks.tasks", "humaneval-data-missing", f"[validate.tasks]: {e}"))
     if cfg.limit and cfg.limit > humaneval.N_PROBLEMS:
-        out.append(f"note: [validate.tasks] limit {cfg.limit} > the {humaneval.N_PROBLEMS} HumanEval problems: "
-                   f"all {humaneval.N_PROBLEMS} are used")
+        out.append(Problem("validate.tasks.limit", "humaneval-limit-over-problems",
+                           f"[validate.tasks] limit {cfg.limit} > the {humaneval.N_PROBLEMS} HumanEval problems: "
+                           f"all {humaneval.N_PROBLEMS} are used", note=True))
     return out
 
 

@@ -10,6 +10,7 @@ embeddings left in 16 bits.
 """
 from __future__ import annotations
 
+from pipeline.base.problem import Problem
 from pipeline.quant.method import LLAMA_CPP_ROW
 from pipeline.quant.shapes import Arch, quantized_linears
 
@@ -39,20 +40,24 @@ class CompressedTensorsLoad:
 LOAD = CompressedTensorsLoad()
 
 
-def ct_problems(variant, arch: Arch) -> list[str]:
+def ct_problems(variant, arch: Arch) -> list[Problem]:
     """What a `format = "compressed-tensors"` variant cannot be (group size vs in-features is the registry's rule)."""
     where = "format = 'compressed-tensors'"
     problems = []
     if variant.bits not in CT_BITS:
-        problems.append(f"bits = {variant.bits} with {where}: its pack-quantized W{{4,8}}A16 checkpoints take "
-                        f"{' or '.join(map(str, CT_BITS))} bits (the engines' WNA16 kernels); use format = 'gptq' "
-                        "for other widths")
+        problems.append(Problem("bits", "ct-bits-unsupported",
+                                f"bits = {variant.bits} with {where}: its pack-quantized W{{4,8}}A16 checkpoints take "
+                                f"{' or '.join(map(str, CT_BITS))} bits (the engines' WNA16 kernels); use format = "
+                                "'gptq' for other widths"))
     if getattr(variant, "desc_act", False):
-        problems.append(f"desc_act = true with {where}: pack-quantized stores no g_idx, so act-order columns cannot "
-                        "be written; set desc_act = false (act_group_aware keeps columns in order) or format = 'gptq'")
+        problems.append(Problem("desc_act", "ct-desc-act",
+                                f"desc_act = true with {where}: pack-quantized stores no g_idx, so act-order columns "
+                                "cannot be written; set desc_act = false (act_group_aware keeps columns in order) or "
+                                "format = 'gptq'"))
     if "lm_head" not in variant.modules_to_skip:
-        problems.append(f"{where} keeps lm_head and the embeddings in 16 bits: add 'lm_head' to modules_to_skip "
-                        f"(it is {variant.modules_to_skip})")
+        problems.append(Problem("modules_to_skip", "ct-lm-head-not-skipped",
+                                f"{where} keeps lm_head and the embeddings in 16 bits: add 'lm_head' to "
+                                f"modules_to_skip (it is {variant.modules_to_skip})"))
     return problems
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pipeline.base.problem import Problem
 from pipeline.quant.ct_format import CT, LOAD, ct_bits_per_weight, ct_problems, ct_runtimes, ct_usage
 from pipeline.quant.method import LLAMA_CPP_ROW, bits_tags, grouped_bits
 from pipeline.quant.shapes import Arch, quantized_linears
@@ -45,7 +46,7 @@ class GPTQFormatMethod(GPTQModelKernels):
     def reload_of(self, variant):
         return LOAD if variant.format == CT else self
 
-    def check(self, variant, arch: Arch, device: str) -> list[str]:
+    def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         return ct_problems(variant, arch) if variant.format == CT else []
 
     def runtimes(self, variant, arch: Arch) -> list[dict]:
@@ -126,9 +127,10 @@ def gptq_usage(repo: str, made: str = "") -> list[str]:
             "slower kernels or are refused. What this run recorded:", ""]
 
 
-def lm_head_rule(variant, method: str) -> list[str]:
+def lm_head_rule(variant, method: str) -> list[Problem]:
     """AWQ and AutoRound: transformers' loader builds no quantized lm_head for them."""
     if "lm_head" in variant.modules_to_skip:
         return []
-    return [f"{method} leaves lm_head in full precision here (transformers' {method} loader builds no quantized "
-            f"lm_head): keep 'lm_head' in modules_to_skip (it is {variant.modules_to_skip})"]
+    return [Problem("modules_to_skip", "lm-head-not-skipped",
+                    f"{method} leaves lm_head in full precision here (transformers' {method} loader builds no "
+                    f"quantized lm_head): keep 'lm_head' in modules_to_skip (it is {variant.modules_to_skip})")]

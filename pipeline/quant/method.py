@@ -20,6 +20,7 @@ import importlib.util
 from pathlib import Path
 from typing import IO, Any, ClassVar
 
+from pipeline.base.problem import Problem
 from pipeline.model.dtypes import DTYPE_NAMES
 from pipeline.quant.shapes import Arch
 
@@ -64,8 +65,9 @@ class QuantMethod:
         checkpoint: the method itself, or its export format's (pipeline/quant/ct_format.py)."""
         return self
 
-    def check(self, variant, arch: Arch, device: str) -> list[str]:
-        """This method's own rules beyond the declared bits/group sizes/dtypes/devices ([] = fine)."""
+    def check(self, variant, arch: Arch, device: str) -> list[Problem]:
+        """This method's own rules beyond the declared bits/group sizes/dtypes/devices ([] = fine), each a Problem
+        whose path names a field of the variant ("group_size"; "" = the variant as a whole)."""
         return []
 
     def runtimes(self, variant, arch: Arch) -> list[dict]:
@@ -115,12 +117,12 @@ class QuantMethod:
         raise NotImplementedError
 
 
-def missing_package(package: str, module: str, method: str) -> list[str]:
-    """One line naming the package a method needs when its module cannot be found ([] when it can)."""
+def missing_package(package: str, module: str, method: str) -> list[Problem]:
+    """One problem naming the package a method needs when its module cannot be found ([] when it can)."""
     if importlib.util.find_spec(module) is not None:
         return []
-    return [f"method {method!r} needs the {package} package, which is not installed: pip install {package} "
-            f"(a dependency of compress: pip install -e .)"]
+    return [Problem("method", "method-package-missing", f"method {method!r} needs the {package} package, which is not installed: pip install {package} "
+            f"(a dependency of compress: pip install -e .)")]
 
 
 def grouped_bits(variant) -> float:

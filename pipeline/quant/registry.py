@@ -15,6 +15,7 @@ from typing import Annotated, Union
 
 from pydantic import BeforeValidator, Field
 
+from pipeline.base.problem import Problem
 from pipeline.quant.ct_format import LOAD as CT_LOAD
 from pipeline.quant.method import QuantMethod
 from pipeline.quant.shapes import Arch, module_names, quantized_linears, skip_pattern
@@ -96,40 +97,51 @@ def needs_calibration(variant) -> bool:
 # ---------------------------------------------------------------- checks
 
 
-def check_variant(variant, arch: Arch, device: str) -> list[str]:
-    """Problems that make this variant impossible on this model and device ([] = fine)."""
+def check_variant(variant, arch: Arch, device: str) -> list[Problem]:
+    """Problems that make this variant impossible on this model and device ([] = fine); paths are the variant's
+    fields (the plan puts them under quantize[i])."""
     c = method_of(variant)
     problems = []
     if device not in c.devices:
-        problems.append(f"{c.name} cannot run on device {device!r} (it runs on: {', '.join(c.devices)})")
+        problems.append(Problem("method", "method-device-unsupported",
+                                f"{c.name} cannot run on device {device!r} (it runs on: {', '.join(c.devices)})"))
     for field in ("dtype", "compute_dtype"):
         value = getattr(variant, field, None)
         if value is not None and value not in c.dtypes:
-            problems.append(f"{field} = {value!r} is not supported by {c.name} (supported: {', '.join(c.dtypes)})")
+            problems.append(Problem(field, "dtype-unsupported", f"{field} = {value!r} is not supported by {c.name} "
+                                                                f"(supported: {', '.join(c.dtypes)})"))
     bits = getattr(variant, "bits", None)
     if bits is not None and bits not in c.bits:
-        problems.append(f"bits = {bits} is not supported by {c.name} (supported: {', '.join(map(str, c.bits))})")
+        problems.append(Problem("bits", "bits-unsupported", f"bits = {bits} is not supported by {c.name} "
+                                                            f"(supported: {', '.join(map(str, c.bits))})"))
     problems += c.check(variant, arch, device)
     if arch.shapes_known:
         problems += _check_skips(variant, arch)
         problems += _check_group_size(variant, arch, c)
     elif getattr(variant, "group_size", None) is not None and variant.group_size not in c.group_sizes:
-        problems.append(f"group_size = {variant.group_size} is not supported by {c.name} "
-                        f"(supported: {', '.join(map(str, c.group_sizes))})")
+        problems.append(_unsupported_group_size(variant.group_size, c))
     return problems
 
 
-def _check_skips(variant, arch: Arch) -> list[str]:
+def _unsupported_group_size(g: int, c: QuantMethod, suggest: str | None = None) -> Problem:
+    """A group size the method does not take (with the sizes that fit this model, when its shapes are known)."""
+    return Problem("group_size", "group-size-unsupported",
+                   f"group_size = {g} is not supported by {c.name} (supported: {', '.join(map(str, c.group_sizes))})"
+                   + (f"; for this model use {suggest}" if suggest is not None else ""))
+
+
+def _check_skips(variant, arch: Arch) -> list[Problem]:
     names = module_names(arch)
     bad = [e for e in variant.modules_to_skip if not any(re.match(skip_pattern(e), n) for n in names)]
     if not bad:
         return []
     kinds = ", ".join(arch.linear_in_features)
-    return [f"modules_to_skip entries {bad} match no linear layer of this {arch.model_type} model "
-            f"(linear names end in: {kinds})"]
+    return [Problem("modules_to_skip", "modules-to-skip-match-nothing",
+                    f"modules_to_skip entries {bad} match no linear layer of this {arch.model_type} model "
+                    f"(linear names end in: {kinds})")]
 
 
-def _check_group_size(variant, arch: Arch, c: QuantMethod) -> list[str]:
+def _check_group_size(variant, arch: Arch, c: QuantMethod) -> list[Problem]:
     g = getattr(variant, "group_size", None)
     if g is None:
         return []
@@ -138,8 +150,7 @@ def _check_group_size(variant, arch: Arch, c: QuantMethod) -> list[str]:
     ok = [s for s in c.group_sizes if s != -1 and all(i % s == 0 for i in ins)]
     suggest = " or ".join(map(str, sorted(ok, reverse=True)[:2])) or "-1"
     if g not in c.group_sizes:
-        return [f"group_size = {g} is not supported by {c.name} (supported: {', '.join(map(str, c.group_sizes))}); "
-                f"for this model use {suggest}"]
+        return [_unsupported_group_size(g, c, suggest)]
     if g == -1:
         return []
     bad = {k: i for k, (i, _) in linears.items() if i % g}
@@ -150,8 +161,9 @@ def _check_group_size(variant, arch: Arch, c: QuantMethod) -> list[str]:
     hidden = arch.hidden_size
     first = f"hidden size {hidden}" if hidden in sizes else f"in-features {sizes[0]}"
     why = f"{first} is not a multiple of {g}"
-    return [f"group_size = {g} does not divide the in-features of every quantized linear: {what}; the {why}. "
-            f"Use group_size = {suggest} (or -1 for per-channel)"]
+    return [Problem("group_size", "group-size-does-not-tile",
+                    f"group_size = {g} does not divide the in-features of every quantized linear: {what}; the {why}. "
+                    f"Use group_size = {suggest} (or -1 for per-channel)")]
 
 
 def runtimes(variant, arch: Arch) -> list[dict]:

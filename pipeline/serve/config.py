@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pipeline.base.problem import Problem
 from pipeline.quant.registry import METHODS
 
 EngineChoice = Literal["auto", "transformers", "llama.cpp", "vllm"]
@@ -111,7 +112,7 @@ def engine_plan(cfg: ServeConfig, fmt: str, device: str, model: str
 
 def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None] | tuple[str, str | None, str | None]],
                device: str
-               ) -> tuple[list[str], dict[str, dict[str, str | None]]]:
+               ) -> tuple[list[Problem], dict[str, dict[str, str | None]]]:
     """`compress check` for [validate.serve]: (problems, {model: {engine: None (served) or why it is skipped}}).
     `models` are (name, method) pairs, the baseline's method None, or (name, method, format) when a variant asks
     for another format than its method's default. A model no engine can serve here is refused, naming the engines
@@ -119,12 +120,14 @@ def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None] | tuple[str
     from pipeline.serve import engines
     from pipeline.serve.engines.base import describe
 
-    problems, out = [], {}
+    problems: list[Problem] = []
+    out: dict[str, dict[str, str | None]] = {}
     served = [n for n, *_ in models if cfg.serves(n)]
     for engine, names in cfg.engine_models.items():
         if unknown := [n for n in names if n not in served]:
-            problems.append(f"[validate.serve] engine_models.{engine}: {', '.join(map(repr, unknown))} not among the "
-                            f"served models ({', '.join(served) or 'none'})")
+            problems.append(Problem(f"validate.serve.engine_models.{engine}", "serve-engine-models-unknown",
+                                    f"[validate.serve] engine_models.{engine}: {', '.join(map(repr, unknown))} not "
+                                    f"among the served models ({', '.join(served) or 'none'})"))
     asked: list[str | None]
     for name, method, *asked in models:
         if not cfg.serves(name):
@@ -133,11 +136,13 @@ def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None] | tuple[str
         plan, refused = engine_plan(cfg, fmt, device, name)
         what = describe(fmt) if fmt == "gguf" else f"a Hugging Face checkpoint ({method or 'unquantized'})"
         for other, why in refused:
-            problems.append(f"[validate.serve] engines = {cfg.engines!r}: {other} cannot serve {name!r} ({what}) "
-                            f"here: {why}; {engines.able(engines.engines_for(fmt, device))} (set engines = ['auto'] "
-                            f"or leave {name!r} out of [validate.serve] models)")
+            problems.append(Problem("validate.serve.engines", "serve-engine-cannot-serve",
+                                    f"[validate.serve] engines = {cfg.engines!r}: {other} cannot serve {name!r} "
+                                    f"({what}) here: {why}; {engines.able(engines.engines_for(fmt, device))} (set "
+                                    f"engines = ['auto'] or leave {name!r} out of [validate.serve] models)"))
         if not plan and not refused:
-            problems.append(f"[validate.serve] engines = {cfg.engines!r}: no engine serves {name!r} ({what}) here"
-                            + (f" (engine_models: {cfg.engine_models})" if cfg.engine_models else ""))
+            problems.append(Problem("validate.serve.engines", "serve-no-engine",
+                                    f"[validate.serve] engines = {cfg.engines!r}: no engine serves {name!r} ({what}) "
+                                    "here" + (f" (engine_models: {cfg.engine_models})" if cfg.engine_models else "")))
         out[name] = plan
     return problems, out

@@ -19,6 +19,7 @@ from typing import IO, Iterator, Literal, NamedTuple, Optional
 
 from pydantic import Field
 
+from pipeline.base.problem import Problem
 from pipeline.quant.gptq_format import GPTQFormatMethod, lm_head_rule
 from pipeline.quant.method import QuantMethod, missing_package
 from pipeline.quant.shapes import Arch
@@ -58,16 +59,18 @@ class AutoRoundMethod(GPTQFormatMethod, QuantMethod):
     note = ("AutoRound (Cheng et al. 2023): rounding and min/max tuned by signed gradient descent per block, "
             "through auto-round; GPTQ checkpoint format")
 
-    def check(self, variant, arch: Arch, device: str) -> list[str]:
+    def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         problems = missing_package(AUTOROUND_PIN, "auto_round", "autoround") + lm_head_rule(variant, "AutoRound")
         problems += super().check(variant, arch, device)  # the checkpoint format's rules (gptq_format.py)
         if variant.bits == 8 and not variant.sym:
-            problems.append("bits = 8 with sym = false: auto-round refuses to export asymmetric 8-bit in the GPTQ "
-                            "format; set sym = true")
+            problems.append(Problem("sym", "autoround-asymmetric-8-bit",
+                                    "bits = 8 with sym = false: auto-round refuses to export asymmetric 8-bit in the "
+                                    "GPTQ format; set sym = true"))
         if variant.torch_compile and device == "cpu" and cpp_compiler() is None:
-            problems.append("torch_compile = true: torch.compile on a CPU builds C++ kernels, and no C++ compiler was "
-                            f"found ({os.environ.get('CXX') or 'g++'} not on PATH): install one (apt install g++) or "
-                            "set torch_compile = false (about 2.8x slower on a CPU)")
+            problems.append(Problem("torch_compile", "autoround-no-cpp-compiler",
+                                    "torch_compile = true: torch.compile on a CPU builds C++ kernels, and no C++ "
+                                    f"compiler was found ({os.environ.get('CXX') or 'g++'} not on PATH): install one "
+                                    "(apt install g++) or set torch_compile = false (about 2.8x slower on a CPU)"))
         return problems
 
     def session(self, out_dir: Path):

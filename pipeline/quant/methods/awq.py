@@ -16,6 +16,7 @@ from typing import IO, Literal, Optional
 
 from pydantic import Field
 
+from pipeline.base.problem import Problem
 from pipeline.quant.gptq_format import GPTQModelKernels, lm_head_rule
 from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod, bits_tags, grouped_bits, missing_package
 from pipeline.quant.shapes import Arch, quantized_linears
@@ -54,7 +55,7 @@ class AWQMethod(GPTQModelKernels, QuantMethod):
     memory = "layerwise"
     half_only = True
 
-    def check(self, variant, arch: Arch, device: str) -> list[str]:
+    def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         # (dtype: the generic check refuses float32 with AWQ_DTYPES)
         # (GPTQModel's own clipping search asserts out-features in multiples of 64; ours, pipeline/quant/awq_clip.py,
         # takes any)

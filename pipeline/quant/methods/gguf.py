@@ -11,6 +11,7 @@ from typing import IO, Literal
 
 from pydantic import Field
 
+from pipeline.base.problem import Problem
 from pipeline.quant.method import QuantMethod
 from pipeline.quant.shapes import Arch, is_skipped, linear_shapes_from_config, quantized_linears
 from pipeline.quant.variant import SKIP_HELP, VariantBase
@@ -29,27 +30,32 @@ GGUF_KQUANTS_INSTALL = ("pip install -e '.[gguf-kquants]' (llama-cpp-python 0.3.
 KQUANT_FALLBACK = "Q2_K/Q3_K -> IQ4_NL, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0"
 
 
-def gguf_problems(variant, arch: Arch, device: str = "cpu") -> list[str]:
+def gguf_problems(variant, arch: Arch, device: str = "cpu") -> list[Problem]:
     """What makes a GGUF variant impossible for this model (checked by `compress check` on the recipe's source and
     again by the converter on the baseline checkpoint)."""
     mt = arch.model_type
     if mt not in GGUF_ARCHS:
-        return [f"method 'gguf' converts Llama-family checkpoints only (model_type {' or '.join(GGUF_ARCHS)}: "
-                f"llama.cpp's LlamaModel and Qwen2Model); this model is {mt!r}"]
+        return [Problem("method", "gguf-architecture-unsupported",
+                        f"method 'gguf' converts Llama-family checkpoints only (model_type {' or '.join(GGUF_ARCHS)}: "
+                        f"llama.cpp's LlamaModel and Qwen2Model); this model is {mt!r}")]
     problems = []
     if arch.rope_type not in (None, "default"):
-        problems.append(f"rope_type {arch.rope_type!r}: RoPE scaling is not converted to GGUF here yet "
-                        "(plain RoPE only)")
+        problems.append(Problem("method", "gguf-rope-scaling",
+                                f"rope_type {arch.rope_type!r}: RoPE scaling is not converted to GGUF here yet "
+                                "(plain RoPE only)"))
     if mt == "llama" and (arch.attention_bias or arch.mlp_bias):
-        problems.append("attention_bias/mlp_bias = true: transformers' GGUF loader rebuilds a llama model without "
-                        "biases, so the file could not be measured")
+        problems.append(Problem("method", "gguf-llama-biases",
+                                "attention_bias/mlp_bias = true: transformers' GGUF loader rebuilds a llama model "
+                                "without biases, so the file could not be measured"))
     kquant = variant.type in GGUF_KQUANT_TYPES
     if kquant and importlib.util.find_spec("llama_cpp") is None:
-        problems.append(f"type = {variant.type!r} is made by llama.cpp's quantizer (llama-cpp-python), which is not "
-                        f"installed: {GGUF_KQUANTS_INSTALL}; or use type = 'Q8_0' (written without it)")
+        problems.append(Problem("type", "gguf-kquants-not-installed",
+                                f"type = {variant.type!r} is made by llama.cpp's quantizer (llama-cpp-python), which "
+                                f"is not installed: {GGUF_KQUANTS_INSTALL}; or use type = 'Q8_0' (written without it)"))
     if kquant and variant.modules_to_skip:
-        problems.append(f"type = {variant.type!r}: llama.cpp's quantizer takes no per-module skip list here; "
-                        f"leave modules_to_skip empty (it is {variant.modules_to_skip})")
+        problems.append(Problem("modules_to_skip", "gguf-kquant-skip-list",
+                                f"type = {variant.type!r}: llama.cpp's quantizer takes no per-module skip list here; "
+                                f"leave modules_to_skip empty (it is {variant.modules_to_skip})"))
     if arch.shapes_known and not variant.allow_fallback:
         problems += _gguf_block_problems(variant, arch)
     return problems
@@ -66,7 +72,7 @@ def _gguf_rows(variant, arch: Arch) -> dict[str, int]:
     return rows
 
 
-def _gguf_block_problems(variant, arch: Arch) -> list[str]:
+def _gguf_block_problems(variant, arch: Arch) -> list[Problem]:
     kquant = variant.type in GGUF_KQUANT_TYPES
     block = QK_K if kquant else GGUF_WRITTEN_TYPES[variant.type]
     bad = {k: n for k, n in _gguf_rows(variant, arch).items() if n % block}
@@ -75,9 +81,10 @@ def _gguf_block_problems(variant, arch: Arch) -> list[str]:
     what = ", ".join(f"{k} ({n})" for k, n in bad.items())
     instead = (f"llama.cpp writes those tensors in a fallback type ({KQUANT_FALLBACK})" if kquant
                else "the converter writes those tensors in F16")
-    return [f"type = {variant.type!r} quantizes rows in blocks of {block} values, and these rows are not a multiple "
-            f"of {block}: {what}. Use type = 'Q8_0' (blocks of 32), or set allow_fallback = true to accept that "
-            f"{instead}"]
+    return [Problem("type", "gguf-rows-do-not-tile",
+                    f"type = {variant.type!r} quantizes rows in blocks of {block} values, and these rows are not a "
+                    f"multiple of {block}: {what}. Use type = 'Q8_0' (blocks of 32), or set allow_fallback = true to "
+                    f"accept that {instead}")]
 
 
 def gguf_runtimes(variant, arch: Arch) -> list[dict]:
@@ -129,7 +136,7 @@ class GGUFMethod(QuantMethod):
     bits = (2, 3, 4, 5, 6, 8, 16)
     note = "a GGUF file for llama.cpp, Ollama and LM Studio, converted from the baseline"
 
-    def check(self, variant, arch: Arch, device: str) -> list[str]:
+    def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         return gguf_problems(variant, arch, device)
 
     def runtimes(self, variant, arch: Arch) -> list[dict]:
@@ -171,7 +178,7 @@ class GGUFMethod(QuantMethod):
         config = json.loads((base_dir / "config.json").read_text())
         problems = gguf_problems(variant, linear_shapes_from_config(config))
         if problems:  # the rules `compress check` applied to the recipe's source, now on the checkpoint itself
-            raise ValueError("; ".join(problems))
+            raise ValueError("; ".join(map(str, problems)))
         return convert(base_dir, variant, config, variant.type in GGUF_KQUANT_TYPES, GGUF_ARCHS[config["model_type"]],
                        console)
 

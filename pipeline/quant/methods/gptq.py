@@ -7,6 +7,7 @@ from typing import IO, Literal, Optional
 
 from pydantic import Field
 
+from pipeline.base.problem import Problem
 from pipeline.quant.gptq_format import GPTQFormatMethod, GPTQModelDriven
 from pipeline.quant.method import QuantMethod
 from pipeline.quant.shapes import Arch
@@ -41,14 +42,17 @@ class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
     offload = True
     memory = "layerwise"
 
-    def check(self, variant, arch: Arch, device: str) -> list[str]:
+    def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         problems = super().check(variant, arch, device)  # the checkpoint format's rules (gptq_format.py)
         if variant.act_group_aware:
             if variant.desc_act:
-                problems.append("desc_act = true and act_group_aware = true exclude each other: drop act_group_aware")
+                problems.append(Problem("act_group_aware", "act-group-aware-with-desc-act",
+                                        "desc_act = true and act_group_aware = true exclude each other: drop "
+                                        "act_group_aware"))
             if variant.group_size <= 0:
-                problems.append(f"act_group_aware reorders columns inside groups: it needs group_size > 0, "
-                                f"not {variant.group_size}; drop act_group_aware")
+                problems.append(Problem("act_group_aware", "act-group-aware-needs-groups",
+                                        f"act_group_aware reorders columns inside groups: it needs group_size > 0, "
+                                        f"not {variant.group_size}; drop act_group_aware"))
         return problems
 
     def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):

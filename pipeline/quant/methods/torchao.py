@@ -20,6 +20,7 @@ from typing import IO, Literal, Optional
 
 from pydantic import Field
 
+from pipeline.base.problem import Problem
 from pipeline.model.dtypes import DTYPE_NAMES
 from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod
 from pipeline.quant.shapes import Arch
@@ -97,27 +98,33 @@ class TorchAoMethod(QuantMethod):
     group_sizes = (-1, *TORCHAO_GROUP_SIZES)
     note = "PyTorch-native quantization (torchao) through transformers' TorchAoConfig"
 
-    def check(self, variant, arch: Arch, device: str) -> list[str]:
+    def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         problems = []
         if importlib.util.find_spec("torchao") is None:
-            problems.append("method 'torchao' needs the torchao package, which is not installed: "
-                            "pip install torchao==0.18.0 (a dependency of compress: pip install -e .)")
+            problems.append(Problem("method", "torchao-not-installed",
+                                    "method 'torchao' needs the torchao package, which is not installed: "
+                                    "pip install torchao==0.18.0 (a dependency of compress: pip install -e .)"))
         s = TORCHAO_SCHEMES[variant.scheme]
         label = f"torchao {variant.scheme}"
         if device not in s.kernels:
             why = s.refused.get(device) or f"it runs on: {', '.join(s.kernels)}"
-            problems.append(f"scheme = {variant.scheme!r} cannot run on device {device!r}: {why}"
-                            + (f". {s.detail}" if s.detail else ""))
+            problems.append(Problem("scheme", "torchao-scheme-device",
+                                    f"scheme = {variant.scheme!r} cannot run on device {device!r}: {why}"
+                                    + (f". {s.detail}" if s.detail else "")))
         if variant.group_size not in s.group_sizes:
             what = "-1 (one scale per output channel)" if s.group_sizes == (-1,) else ", ".join(map(str, s.group_sizes))
-            problems.append(f"group_size = {variant.group_size} is not supported by {label} (supported: {what})")
+            problems.append(Problem("group_size", "torchao-group-size-unsupported",
+                                    f"group_size = {variant.group_size} is not supported by {label} (supported: {what})"))
         default_act = type(variant).model_fields["act_mapping"].default
         if variant.act_mapping != default_act and not s.activations:
-            problems.append(f"act_mapping = {variant.act_mapping!r} sets the int8-dynamic scheme's activation grid; "
-                            f"{label} quantizes no activations: drop act_mapping")
+            problems.append(Problem("act_mapping", "torchao-act-mapping-unused",
+                                    f"act_mapping = {variant.act_mapping!r} sets the int8-dynamic scheme's activation "
+                                    f"grid; {label} quantizes no activations: drop act_mapping"))
         if s.dtypes != DTYPE_NAMES and variant.dtype not in s.dtypes:
             given = f"dtype = {variant.dtype!r}" if variant.dtype else "dtype unset (the checkpoint's)"
-            problems.append(f"{given}: {label} packs {', '.join(s.dtypes)} weights only; set dtype = {s.dtypes[0]!r}")
+            problems.append(Problem("dtype", "torchao-dtype-unsupported",
+                                    f"{given}: {label} packs {', '.join(s.dtypes)} weights only; "
+                                    f"set dtype = {s.dtypes[0]!r}"))
         return problems
 
     def runtimes(self, variant, arch: Arch) -> list[dict]:
