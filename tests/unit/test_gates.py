@@ -5,6 +5,7 @@ import pytest
 from pydantic import ValidationError
 
 from pipeline.eval.config import GatesConfig, SpeedConfig, gate_problems
+from tests.problems import keys
 from pipeline.results.gates import blocks, evaluate_gates, failed_gates, gates_table
 from pipeline.results.schema import Report
 
@@ -142,10 +143,10 @@ def test_config_validation():
 def test_gate_problems_for_compress_check():
     cfg = gates_cfg(min_acceptance=0.5, min_decode_speed_ratio=0.5, models={"w9": {"max_kl": 0.1}})
     problems = gate_problems(cfg, SpeedConfig(models=["w4"]), ["w4"], None)
-    text = "\n".join(problems)
-    assert "no variant or draft named 'w9'" in text
-    assert "needs a [draft]" in text
-    assert "needs speed for 'baseline'" in text
+    assert keys(problems) == [("validate.gates.models.w9", "gate-model-unknown"),
+                              ("validate.gates.min_acceptance", "draft-gate-without-draft"),
+                              ("validate.gates.min_decode_speed_ratio", "speed-gate-model-not-timed")]
+    assert "'baseline'" in problems[2].message  # the model [validate.speed] does not time
     assert gate_problems(gates_cfg(max_kl=0.1), SpeedConfig(), ["w4"], "draft") == []
 
 
@@ -168,7 +169,7 @@ def test_smoke_gate_is_on_by_default_and_names_the_failed_prompt():
 
 def test_smoke_gate_without_the_smoke_test_is_refused_at_check():
     problems = gate_problems(GatesConfig(), None, ["w4"], None, smoke=False)
-    assert any("min_smoke_ok needs the smoke test" in p and "min_smoke_ok = 0" in p for p in problems)
+    assert keys(problems) == [("validate.gates.min_smoke_ok", "smoke-gate-without-smoke")]
     assert gate_problems(GatesConfig(min_smoke_ok=0), None, ["w4"], None, smoke=False) == []
     assert evaluate_gates(typed(report()), GatesConfig(min_smoke_ok=0)) == []
 

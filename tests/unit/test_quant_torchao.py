@@ -28,6 +28,7 @@ from pipeline.quant.registry import check_variant, runtimes
 from pipeline.quant.shapes import linear_shapes_from_config
 from pipeline.quant.registry import QuantVariant
 from pipeline.recipe import load_recipe
+from tests.problems import keys, only
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 512
@@ -153,28 +154,24 @@ def smol():
 
 
 def test_int4_on_cpu_is_refused_with_the_reason(smol):
-    problems = check_variant(variant(scheme="int4-weight-only", group_size=64, dtype="bfloat16"), smol, "cpu")
-    assert len(problems) == 1
-    assert "cannot run on device 'cpu'" in problems[0] and "no CPU kernel" in problems[0]
-    assert "gptq" in problems[0] and "run.device = 'cuda'" in problems[0]  # what to do instead
+    p = only(check_variant(variant(scheme="int4-weight-only", group_size=64, dtype="bfloat16"), smol, "cpu"))
+    assert (p.path, p.code) == ("scheme", "torchao-scheme-device")
+    assert "no CPU kernel" in p.message  # the reason
+    assert "gptq" in p.message and "run.device = 'cuda'" in p.message  # what to do instead
     assert check_variant(variant(scheme="int4-weight-only", group_size=64, dtype="bfloat16"), smol, "cuda") == []
 
 
 def test_settings_torchao_refuses_name_the_key(smol):
-    def only(problems):
-        assert len(problems) == 1, problems
-        return problems[0]
-
-    assert "group_size = 64 is not supported by torchao int8-weight-only" in only(
-        check_variant(variant(scheme="int8-weight-only", group_size=64), smol, "cpu"))
-    assert "group_size = -1 is not supported by torchao int4-weight-only (supported: 32, 64, 128, 256)" in only(
-        check_variant(variant(scheme="int4-weight-only", dtype="bfloat16"), smol, "cuda"))
-    msg = only(check_variant(variant(scheme="int4-weight-only", group_size=128, dtype="bfloat16"), smol, "cuda"))
-    assert "group_size = 128 does not divide" in msg and "576" in msg  # torchao would silently skip those layers
-    assert "set dtype = 'bfloat16'" in only(check_variant(variant(scheme="int4-weight-only", group_size=64),
-                                                          smol, "cuda"))
-    assert "act_mapping = 'symmetric' sets the int8-dynamic scheme's activation grid" in only(
-        check_variant(variant(scheme="int8-weight-only", act_mapping="symmetric"), smol, "cpu"))
+    assert keys(check_variant(variant(scheme="int8-weight-only", group_size=64), smol, "cpu")) == [
+        ("group_size", "torchao-group-size-unsupported")]
+    p = only(check_variant(variant(scheme="int4-weight-only", dtype="bfloat16"), smol, "cuda"))
+    assert p.code == "torchao-group-size-unsupported" and "(supported: 32, 64, 128, 256)" in p.message
+    p = only(check_variant(variant(scheme="int4-weight-only", group_size=128, dtype="bfloat16"), smol, "cuda"))
+    assert p.code == "group-size-does-not-tile" and "576" in p.message  # torchao would silently skip those layers
+    p = only(check_variant(variant(scheme="int4-weight-only", group_size=64), smol, "cuda"))
+    assert (p.path, p.code) == ("dtype", "torchao-dtype-unsupported") and "set dtype = 'bfloat16'" in p.message
+    assert keys(check_variant(variant(scheme="int8-weight-only", act_mapping="symmetric"), smol, "cpu")) == [
+        ("act_mapping", "torchao-act-mapping-unused")]
     for scheme in CPU_SCHEMES:
         assert check_variant(variant(scheme=scheme), smol, "cpu") == []
         dumped = variant(**variant(scheme=scheme).model_dump(mode="json"))  # as recipe.lock.toml has it
@@ -193,7 +190,8 @@ def test_check_exits_2_naming_the_variant(tmp_path):
     int4 = 'quantize.1={name="ao4", method="torchao", scheme="int4-weight-only", group_size=64, dtype="bfloat16"}'
     with pytest.raises(RecipeError) as e:
         check(load_recipe(recipe, [int4, "validate.gates.models={}"]))
-    assert "quantize.1 (ao4): scheme = 'int4-weight-only' cannot run on device 'cpu'" in str(e.value)
+    assert keys(e.value.problems) == [("quantize[1].scheme", "torchao-scheme-device")]
+    assert str(e.value).startswith("the recipe cannot run:\n  - quantize.1 (ao4): scheme = 'int4-weight-only' ")
     r = subprocess.run([str(Path(sys.executable).parent / "compress"), "check", str(recipe), "--set", int4,
                         "--set", "validate.gates.models={}"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2, r.stdout + r.stderr
@@ -206,9 +204,10 @@ def test_a_missing_torchao_is_one_line_naming_the_package(smol, monkeypatch):
 
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else find_spec(name, *a))
-    problems = check_variant(variant(scheme="int8-dynamic"), smol, "cpu")
-    assert problems == ["method 'torchao' needs the torchao package, which is not installed: "
-                        "pip install torchao==0.18.0 (a dependency of compress: pip install -e .)"]
+    p = only(check_variant(variant(scheme="int8-dynamic"), smol, "cpu"))
+    assert (p.path, p.code) == ("method", "torchao-not-installed")
+    assert str(p) == ("method 'torchao' needs the torchao package, which is not installed: "
+                      "pip install torchao==0.18.0 (a dependency of compress: pip install -e .)")
     monkeypatch.setitem(sys.modules, "torchao", None)  # `import torchao` raises ImportError
     with pytest.raises(StageError) as e:
         implementation(variant(scheme="int8-dynamic"))

