@@ -60,8 +60,7 @@ def test_skipped_modules_are_left_out_of_the_group_size_check(smol):
 
 def test_unsupported_bits_are_rejected(smol):
     p = only(check_variant(variant(name="w5", method="gptq", bits=5, group_size=64), smol, "cpu"))
-    assert (p.path, p.code) == ("bits", "bits-unsupported")
-    assert str(p) == "bits = 5 is not supported by gptq (supported: 2, 3, 4, 8)"
+    assert (p.path, p.code) == ("bits", "bits-unsupported") and "(supported: 2, 3, 4, 8)" in p.message
 
 
 def test_bnb_on_a_device_it_cannot_run_on(smol):

@@ -9,7 +9,6 @@ import torch
 from pydantic import ValidationError
 
 from pipeline.base.errors import StageError
-from pipeline.base.problem import Problem
 from pipeline.eval.config import SpeedConfig, speed_problems
 from pipeline.eval.speed import (PeakMemory, StepClock, make_batch, measure_speed, roofline_fraction,
                                  run_speed_subprocess, summarize, weight_bytes_per_token)
@@ -175,9 +174,9 @@ def test_config_validation_and_per_model_rows():
     assert cfg.batch_sizes == [1, 8]
     assert cfg.for_model("baseline").techniques == ["no_kv_cache"] and cfg.for_model("w4").techniques == []
     assert cfg.times("w4") and not SpeedConfig(models=["baseline"]).times("w4")
-    assert speed_problems(SpeedConfig(models=["w9"]), ["w4"], None) == [
-        Problem("validate.speed.models", "speed-model-unknown",
-                "[validate.speed].models: no model named 'w9'; known: ['baseline', 'w4']")]
+    (p,) = speed_problems(SpeedConfig(models=["w9"]), ["w4"], None)
+    assert (p.path, p.code) == ("validate.speed.models", "speed-model-unknown")
+    assert "'w9'" in p.message and "['baseline', 'w4']" in p.message  # the unknown name and the known ones
 
 
 def test_subprocess_times_a_checkpoint_folder_in_a_fresh_process(tmp_path):

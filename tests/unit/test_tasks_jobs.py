@@ -38,8 +38,7 @@ def test_check_metric_the_task_does_not_report(tmp_path, monkeypatch):
 
 def test_check_humaneval_did_you_mean_limit_and_data(tmp_path, monkeypatch):
     out = _problems(monkeypatch, tmp_path, tasks=["human_eval"])
-    assert keys(out) == [("validate.tasks.tasks", "task-unknown")]
-    assert str(out[0]) == "[validate.tasks].tasks: Unknown task 'human_eval'. Did you mean: humaneval?"
+    assert keys(out) == [("validate.tasks.tasks", "task-unknown")] and "Did you mean: humaneval?" in out[0].message
     out = _problems(monkeypatch, tmp_path, tasks=["humaneval"], execute_code=True, limit=500)
     assert keys(out) == [("validate.tasks.execute_code", "humaneval-runs-code"),
                          ("validate.tasks.tasks", "humaneval-data-missing"),
