@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import platform
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from pipeline.model.families import unknown_family
 from pipeline.eval.tasks_config import task_problems
 from pipeline.serve.config import serve_plan
 from pipeline.stages.kinds import Calibrate, Draft, Export, Load, Quality, Quantize, Serve
+from pipeline.base.gpu_probe import probe
 
 TRACKED_PACKAGES = ("torch", "transformers", "gptqmodel", "bitsandbytes", "optimum", "accelerate", "datasets",
                     "huggingface-hub", "safetensors", "gguf", "torchao", "pydantic", "numpy", "compress")
@@ -104,9 +106,7 @@ def check(recipe) -> Plan:
 
 def _check_executor(recipe) -> list[str]:
     """[run] executor = "ray" needs Ray installed (looked up, not imported: check stays fast)."""
-    from importlib.util import find_spec
-
-    if recipe.run.executor == "ray" and find_spec("ray") is None:
+    if recipe.run.executor == "ray" and importlib.util.find_spec("ray") is None:
         return ["[run] executor = \"ray\" needs Ray, which is not installed: pip install -e '.[ray]'"]
     return []
 
@@ -169,8 +169,6 @@ def _check_data(recipe) -> list[str]:
 
 def _check_device(recipe, plan: Plan) -> list[str]:
     """Which device the run will use ("auto": CUDA when this environment's torch can use a GPU)."""
-    from pipeline.base.gpu_probe import probe
-
     plan.gpu = probe() if recipe.run.device in ("auto", "cuda") else None
     usable = plan.gpu is not None and plan.gpu.torch_cuda
     plan.device = "cuda" if recipe.run.device == "cuda" or (recipe.run.device == "auto" and usable) else "cpu"
