@@ -16,7 +16,6 @@ import shutil
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator, Literal, NamedTuple, Optional
-from unittest import mock
 
 from pydantic import Field
 
@@ -153,6 +152,8 @@ def _block_bar_on(console: IO[str]) -> Iterator[None]:
     """auto-round's per-block tqdm bar (it names the block being tuned) drawn on the console instead of into the
     engine log, where every other line of the library goes."""
     # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
+    from unittest import mock  # (unittest.mock imports asyncio: tens of ms on every check)
+
     import auto_round.compressors.orchestrator as orchestrator
 
     real = getattr(orchestrator, "tqdm", None)
