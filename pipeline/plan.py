@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import platform
 from dataclasses import dataclass, field
 
@@ -20,6 +21,7 @@ from pipeline.model.families import unknown_family
 from pipeline.eval.tasks_config import task_problems
 from pipeline.serve.config import serve_plan
 from pipeline.stages.kinds import Calibrate, Draft, Export, Load, Quality, Quantize, Serve
+from pipeline.base.gpu_probe import probe
 
 TRACKED_PACKAGES = ("torch", "transformers", "gptqmodel", "bitsandbytes", "optimum", "accelerate", "datasets",
                     "huggingface-hub", "safetensors", "gguf", "torchao", "pydantic", "numpy", "compress")
@@ -113,9 +115,7 @@ def _source_error(problem: Problem) -> RecipeError:
 
 def _check_executor(recipe) -> list[Problem]:
     """[run] executor = "ray" needs Ray installed (looked up, not imported: check stays fast)."""
-    from importlib.util import find_spec
-
-    if recipe.run.executor == "ray" and find_spec("ray") is None:
+    if recipe.run.executor == "ray" and importlib.util.find_spec("ray") is None:
         return [Problem("run.executor", "ray-not-installed",
                         "[run] executor = \"ray\" needs Ray, which is not installed: pip install -e '.[ray]'")]
     return []
@@ -183,8 +183,6 @@ def _check_dataset(where: str, name: str, text_field: str = "text") -> list[Prob
 
 def _check_device(recipe, plan: Plan) -> list[Problem]:
     """Which device the run will use ("auto": CUDA when this environment's torch can use a GPU)."""
-    from pipeline.base.gpu_probe import probe
-
     plan.gpu = probe() if recipe.run.device in ("auto", "cuda") else None
     usable = plan.gpu is not None and plan.gpu.torch_cuda
     plan.device = "cuda" if recipe.run.device == "cuda" or (recipe.run.device == "auto" and usable) else "cpu"

@@ -11,6 +11,8 @@ import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal, Optional
+import typing
+import types
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -216,8 +218,6 @@ def _is_union_tag(x: Any) -> bool:
 
 
 def _union_tags() -> set[str]:
-    import typing
-
     tags: set[str] = set()
     for arg in typing.get_args(typing.get_args(QuantVariant)[0]) if typing.get_args(QuantVariant) else ():
         field = getattr(arg, "model_fields", {}).get("method")
@@ -238,8 +238,6 @@ def _did_you_mean(loc: list[str], data: dict) -> str:
 
 
 def _model_at(loc: list[str], data: dict) -> type[BaseModel] | None:
-    import typing
-
     model: Any = Recipe
     node: Any = data
     for part in loc:
@@ -261,9 +259,6 @@ def _model_at(loc: list[str], data: dict) -> type[BaseModel] | None:
 
 def _unwrap(ann: Any) -> Any:
     """Strip Annotated, list[...] and Optional[...] down to a model class or a real Union."""
-    import types
-    import typing
-
     while True:
         origin = typing.get_origin(ann)
         if origin in (typing.Annotated, list):
@@ -279,8 +274,6 @@ def _unwrap(ann: Any) -> Any:
 
 def _pick_union_member(ann: Any, node: Any) -> Any:
     """The member of a discriminated union that `node` (a dict with 'method') selects."""
-    import typing
-
     ann = _unwrap(ann)
     method = node.get("method") if isinstance(node, dict) else None
     for arg in typing.get_args(ann):

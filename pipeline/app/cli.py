@@ -5,15 +5,26 @@ The CLI repeats no recipe default. `check` imports neither torch nor transformer
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
+import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
+from pipeline.base.cli_logging import setup_logging
 from pipeline.base.errors import EXIT_CODES, CompressError, RecipeError
+from pipeline.serve import engines
 from pipeline.serve.engines import NAMES as ENGINE_NAMES
+from pipeline.serve.engines.base import OPTIONS, ServeOptions
+from pipeline.stages.kinds import Speed
+
+# Each command imports the machinery it runs in its body: `compress --help` loads only click and the modules above,
+# `compress check` the recipe and the plan (no torch), the other commands their own subsystem.
 
 EPILOG = "Exit codes: " + "; ".join(f"{k} {v}" for k, v in EXIT_CODES.items())
 SET_HELP = "Override a recipe field, e.g. --set quantize.0.bits=3 (repeatable; type-checked)."
@@ -24,14 +35,12 @@ SET_HELP = "Override a recipe field, e.g. --set quantize.0.bits=3 (repeatable; t
 @click.pass_context
 def cli(ctx: click.Context, verbose: bool) -> None:
     """Calibrate, quantize, distil a draft, validate, export and publish an LLM from one TOML recipe."""
-    from pipeline.base.cli_logging import setup_logging
-
     setup_logging(verbose)
     ctx.obj = {"verbose": verbose}
 
 
 def _load(recipe: str, overrides: tuple[str, ...]):
-    from pipeline.recipe import load_recipe
+    from pipeline.recipe import load_recipe  # late: the recipe schema (every method's declarations), not for --help
 
     return load_recipe(recipe, list(overrides))
 
@@ -41,8 +50,10 @@ def _load(recipe: str, overrides: tuple[str, ...]):
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 def check(recipe: str, overrides: tuple[str, ...]) -> None:
     """Validate RECIPE and print the resolved plan; loads no weights."""
+    # late: the plan and the configs it checks (torch-free), not for --help
+    from pipeline.eval.tasks_config import HUMANEVAL
     from pipeline.plan import GiB, check as check_plan
-    from pipeline.stages.kinds import Speed
+    from pipeline.publish.config import summary
 
     t0 = time.perf_counter()
     r = _load(recipe, overrides)
@@ -75,13 +86,9 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
     click.echo(f"disk      about {sum(plan.disk.values()) / GiB:.2f} GiB in the run folder ({disk}{reused}); "
                f"{plan.disk_free / GiB:.1f} GiB free")
     if r.publish is not None:
-        from pipeline.publish.config import summary
-
         click.echo(f"publish   {summary(r.publish)}")
     tasks = r.validate_.tasks
     if tasks.enabled and tasks.tasks:
-        from pipeline.eval.tasks_config import HUMANEVAL
-
         scored = [t for t in tasks.tasks if t != HUMANEVAL]
         sample = f"seed {tasks.seed}" if tasks.seed is not None else "the first items"
         parts = [f"{', '.join(scored)} (lm-eval, {tasks.scorer} scorer; {tasks.limit or 'all'} items each, "
@@ -91,8 +98,6 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
                          "in a sandbox, execute_code = true)")
         click.echo(f"tasks     {'; '.join(parts)} on {tasks.models if tasks.models != 'all' else 'every model'}")
     if plan.serve_engines:
-        from pipeline.serve import engines
-
         served = {e for by in plan.serve_engines.values() for e, why in by.items() if why is None}
         versions = "; ".join(f"{e}: " + (", ".join(f"{k} {v}" for k, v in engines.get(e).version().items()) or "?")
                              for e in sorted(served))
@@ -109,6 +114,7 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help=SET_HELP)
 def run(recipe: str, overrides: tuple[str, ...]) -> None:
     """Run every stage of RECIPE; completed stages whose inputs did not change are skipped."""
+    # late: the run machinery, loaded by `compress run` only
     from pipeline.app.execute import execute
     from pipeline.plan import check as check_plan
 
@@ -121,6 +127,7 @@ def run(recipe: str, overrides: tuple[str, ...]) -> None:
 
 
 def _print_summary(run_dir: Path, wall: float) -> None:
+    # late: the report's code, loaded by `compress run` only
     from pipeline.results import schema
     from pipeline.results.gates import gates_summary
     from pipeline.results.render import planned
@@ -153,7 +160,7 @@ def _print_summary(run_dir: Path, wall: float) -> None:
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
 def report(run_dir: str) -> None:
     """Re-render report.md, plots and model cards of RUN_DIR from its stage outputs (no recomputation)."""
-    from pipeline.results.render import render_report
+    from pipeline.results.render import render_report  # late: the renderers, loaded by `compress report` only
 
     path = Path(run_dir)
     render_report(path)
@@ -173,9 +180,7 @@ def report(run_dir: str) -> None:
 def eval(checkpoint: str, dataset: str, seq_len: int, stride: int | None, max_windows: int | None, device: str,  # noqa: A001
          threads: int | None, out_dir: str | None) -> None:
     """Perplexity of any checkpoint folder on DATASET, outside a recipe."""
-    import tempfile
-    import time
-
+    # late: the measuring code and its configs, loaded by `compress eval` only
     from pipeline.eval.jobs import run_quality
     from pipeline.recipe import PerplexityConfig, SmokeConfig
 
@@ -204,8 +209,7 @@ def eval(checkpoint: str, dataset: str, seq_len: int, stride: int | None, max_wi
               help="Also write the result to this JSON file.")
 def bench(checkpoint: str, overrides: tuple[str, ...], device: str, threads: int | None, out_json: str | None) -> None:
     """Speed and memory of any checkpoint folder ([validate.speed] defaults), outside a recipe."""
-    import tempfile
-
+    # late: the timing code (it imports torch) and its config, loaded by `compress bench` only
     from pipeline.eval.config import SpeedConfig
     from pipeline.eval.speed import run_speed_subprocess
     from pipeline.recipe import apply_override
@@ -238,10 +242,9 @@ def bench(checkpoint: str, overrides: tuple[str, ...], device: str, threads: int
               "failed (default: the [publish] table's partial).")
 def push(run_dir: str, recipe_path: str | None, dry_run: bool | None, partial: bool | None) -> None:
     """Publish the exports the finished run's report lists (re-checks the publish rule and file hashes first)."""
-    import logging
-
-    from pipeline.publish.hub import publish_run
+    # late: the Hub client and the run folder's lock, loaded by `compress push` only
     from pipeline.app.runner import RunLock
+    from pipeline.publish.hub import publish_run
 
     path = Path(run_dir)
     cfg = _publish_config(path, recipe_path)
@@ -257,9 +260,7 @@ def push(run_dir: str, recipe_path: str | None, dry_run: bool | None, partial: b
 
 
 def _publish_config(run_dir: Path, recipe_path: str | None):
-    import tomllib
-
-    from pipeline.recipe import load_recipe, validate
+    from pipeline.recipe import load_recipe, validate  # late: the recipe schema, loaded by `compress push` only
 
     if recipe_path:
         r = load_recipe(recipe_path)
@@ -274,14 +275,14 @@ def _publish_config(run_dir: Path, recipe_path: str | None):
 
 
 def _failed_section(e: CompressError):
-    from pipeline.results.schema import PublishSection
+    from pipeline.results.schema import PublishSection  # late: the report schema, loaded by `compress push` only
 
     return PublishSection(status="failed", reason=str(e))
 
 
 def _record_publish(run_dir: Path, section) -> None:
     """`compress push` writes its outcome into the run's report (publish.items[] for a push)."""
-    from pipeline.results import schema
+    from pipeline.results import schema  # late: the report schema, loaded by `compress push` only
 
     try:
         report = schema.load(run_dir)
@@ -297,7 +298,7 @@ def _record_publish(run_dir: Path, section) -> None:
 def sweep(spec: str, overrides: tuple[str, ...]) -> None:
     """Run every recipe (or recipe x --set matrix) of the sweep SPEC, each in its own run folder; exits with the
     worst run's code. Every run is checked before the first starts."""
-    from pipeline.app.sweep import run_sweep, summary_table
+    from pipeline.app.sweep import run_sweep, summary_table  # late: the run machinery, loaded by `compress sweep` only
 
     t0 = time.perf_counter()
     rows, code = run_sweep(Path(spec), list(overrides))
@@ -350,10 +351,7 @@ def serve(ctx: click.Context, export_dir: str, host: str, port: int, engine: str
           start_timeout_s: float, enforce_eager: bool, device: str, threads: int | None) -> None:
     """Serve EXPORT_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health) with continuous batching."""
-    from click.core import ParameterSource
-
-    from pipeline.serve.engines.base import OPTIONS, ServeOptions
-    from pipeline.serve.server import serve as run_server
+    from pipeline.serve.server import serve as run_server  # late: the server, loaded by `compress serve` only
 
     explicit = frozenset(o for o in OPTIONS if ctx.get_parameter_source(o) is not ParameterSource.DEFAULT)
     opts = ServeOptions(host=host, port=port, key=api_key, slots=slots, max_queue=max_queue,

@@ -13,30 +13,26 @@ import signal
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.base.errors import CompressError, GateFailure, Interrupted, StageError
-from pipeline.base.fileio import atomic_write_text
+import tomli_w
+
+from pipeline.base.errors import CompressError, GateFailure, Interrupted, PublishError, StageError
+from pipeline.base.fileio import atomic_write_text, drop_none, sha256_file
 from pipeline.plan import Plan, versions
 from pipeline.results import schema
 from pipeline.app.runner import Runner, RunLock
 from pipeline.base.unit import Unit
-from pipeline.app.units import build_units  # noqa: F401  (re-exported: the stages of a recipe)
 from pipeline import data
 from pipeline.eval.tasks_config import data_lock
 from pipeline.model.sources import parse
 from pipeline.results.gates import evaluate_gates, failed_gates, gates_table
-from pipeline.publish.hub import publish_run
 from pipeline.results.publishing import PublishRefused
-from pipeline.results.render import render_report
+from pipeline.base.env import tame
+from pipeline.stages.kinds import Export
 
 log = logging.getLogger("compress")
 
 
 def lock_text(recipe, vers: dict, device: str, run_id: str) -> str:
-    import tomli_w
-
-    from pipeline.base.fileio import sha256_file
-    from pipeline.base.fileio import drop_none
-
     src = parse(recipe.model.source, recipe.model.gguf_file)
     files = {}
     for ds in sorted({recipe.calibration.dataset, recipe.validate_.perplexity.dataset}):  # a set: sort for a stable lock
@@ -78,10 +74,11 @@ def stop_signals():
 
 
 def _execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None = None) -> int:
-    from pipeline.base.env import tame
-
     tame()
+    # late: tame() sets the environment that torch, transformers and GPTQModel read on import; the stages import them
     import torch
+
+    from pipeline.app.units import build_units
 
     if recipe.run.threads:
         torch.set_num_threads(recipe.run.threads)
@@ -130,10 +127,12 @@ def _execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None 
 def run_device(recipe) -> str:
     """[run] device resolved where the units run: this machine, or the Ray cluster's nodes."""
     if recipe.run.executor == "ray":
+        # late: Ray is the optional [ray] extra, loaded only for executor = "ray"
         from pipeline.app.ray_executor import alive_nodes, cluster_device, connect
 
         connect(recipe.run.ray_address)  # unreachable: exit 2 naming the address, before any work
         return cluster_device(recipe.run.device, alive_nodes(), recipe.run.ray_address)
+    # late: after tame() (_execute_locked); it loads torch and transformers
     from pipeline.model.models import resolve_device
 
     return resolve_device(recipe.run.device)
@@ -143,6 +142,7 @@ def run_device(recipe) -> str:
 def unit_executor(recipe, runner: Runner, run_dir: Path, plan: Plan | None, units: list[Unit]):
     """run_units(units, first_index, total): one after another here ("local"), or as Ray tasks ("ray")."""
     if recipe.run.executor == "ray":
+        # late: Ray is the optional [ray] extra, loaded only for executor = "ray"
         from pipeline.app.ray_executor import RayExecutor
 
         ex = RayExecutor(recipe, runner, run_dir, plan)
@@ -164,8 +164,6 @@ def unit_executor(recipe, runner: Runner, run_dir: Path, plan: Plan | None, unit
 def remove_stale_exports(run_dir: Path, export_keys: list[str]) -> None:
     """Export folders of models no longer in the recipe are removed: no report of this run lists them, and
     nothing may ever push them."""
-    from pipeline.stages.kinds import Export
-
     root, keep = run_dir / Export.stage, {Export.name_of(k) for k in export_keys}
     for folder in sorted(root.iterdir()) if root.is_dir() else []:
         if folder.name not in keep:
@@ -185,7 +183,8 @@ def publish_in_run(run_dir: Path, recipe, report: schema.Report, code: int) -> i
     """The run's [publish] step, after the final report is on disk: the same rule as `compress push`. A
     refusal because gates failed keeps the gates' exit code (5); any other publish problem is exit 6. The
     run's own status stays what the stages and gates made it, so `compress push` can retry."""
-    from pipeline.base.errors import PublishError
+    # late: the Hub client, loaded only by a run with a [publish] table (after tame(), which sets its environment)
+    from pipeline.publish.hub import publish_run
 
     try:
         section = publish_run(run_dir, recipe.publish, log)
@@ -225,6 +224,9 @@ def _stopped(run_dir: Path, report: schema.Report, status: str, code: int, error
 
 
 def _render(run_dir: Path) -> None:
+    # late: the cards and plots load the Hub client and matplotlib; a run renders after tame(), at its end
+    from pipeline.results.render import render_report
+
     try:
         render_report(run_dir)
     except Exception as e:  # the report must never hide the run's own outcome

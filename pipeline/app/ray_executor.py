@@ -28,11 +28,17 @@ import time
 import uuid
 from pathlib import Path
 
+import ray
+from ray import exceptions as rex
+
 from pipeline.base.errors import CompressError, StageError
 from pipeline.app.ray_nodes import (NODE_RESOURCE, Admission, alive_nodes, cluster_device,  # noqa: F401 (API)
                                      connect, exclusive, node_name, options_for, probe_nodes, refuse_unfit)
-from pipeline.app.ray_task import NodeNotAdmitted, attempts_of
+from pipeline.app.ray_task import NodeNotAdmitted, attempts_of, unit_task
 from pipeline.results import schema
+from pipeline.base.unit import fault_point
+from pipeline.app.runner import read_manifest, verify_outputs
+from pipeline.base.fileio import atomic_write_text
 
 log = logging.getLogger("compress")
 
@@ -72,8 +78,6 @@ class RayExecutor:
                  ", ".join(names), self.run_dir)
 
     def close(self) -> None:
-        import ray
-
         self.admission.close()
         if ray.is_initialized():
             ray.shutdown()
@@ -84,10 +88,6 @@ class RayExecutor:
             log.info("ray: node %s joined: run folder seen, library versions the driver's", name)
 
     def _submit(self, unit, h: str):
-        import ray
-
-        from pipeline.app.ray_task import unit_task
-
         r = self.recipe.run
         opts = {**options_for(unit.key, self.plan, self.runner.device, r.threads), "max_retries": MAX_RETRIES}
         run = {"run_dir": str(self.run_dir.resolve()), "seed": self.runner.seed, "device": self.runner.device,
@@ -110,9 +110,6 @@ class RayExecutor:
 
     def _collect(self, unit, ref) -> bool:
         """Record a finished task's unit; False when its attempt found its node not admitted (submit it again)."""
-        import ray
-        from ray import exceptions as rex
-
         try:
             out = ray.get(ref)
         except rex.RayTaskError as e:
@@ -137,15 +134,12 @@ class RayExecutor:
         self.runner.report.stages[unit.key].node = out["node"]
 
         schema.save(self.runner.report, self.run_dir)
-        from pipeline.base.unit import fault_point
 
         fault_point(unit.key, "recorded")  # tests: the driver killed right after recording a unit
         return True
 
     def run(self, units: list) -> None:
         """Every unit once its deps are recorded; up-to-date units are skipped here, as the local runner does."""
-        import ray
-
         pending, running, shown = list(units), {}, None
         while pending or running:
             self._admit()
@@ -169,8 +163,6 @@ class RayExecutor:
         self._finish(units)
 
     def _submit_ready(self, pending: list, running: dict) -> None:
-        from pipeline.app.runner import read_manifest, verify_outputs
-
         for unit in self._ready(pending):
             h = self.runner.inputs_hash(unit)
             old = read_manifest(self.run_dir / unit.key)
@@ -184,8 +176,6 @@ class RayExecutor:
 
     def _finish(self, units: list) -> None:
         """The report's stages and variants in recipe order (tasks finish in any order); ray_tasks.json."""
-        from pipeline.base.fileio import atomic_write_text
-
         order = [u.key for u in units]
         stages = self.runner.report.stages
         self.runner.report.stages = {**{k: v for k, v in stages.items() if k not in order},

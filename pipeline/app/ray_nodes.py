@@ -20,10 +20,14 @@ import sys
 import uuid
 from pathlib import Path
 
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from pipeline.base.errors import RecipeError, StageError
 from pipeline.app.ray_task import PROBE_DIR, admitted_file, probe_task, version_mismatch
 from pipeline.base.stage_keys import UnitKey
 from pipeline.stages.kinds import kind_of
+from pipeline.base.fileio import atomic_write_text
 
 log = logging.getLogger("compress")
 
@@ -102,8 +106,6 @@ def answers(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
 def connect(address: str | None) -> None:
     """ray.init, or exit 2 naming the address when nothing answers there (a TCP check first, 10 s at most, then a
     Ray connection in a child process, CONNECT_TIMEOUT_S at most)."""
-    import ray
-
     if ray.is_initialized():
         return
     if not address:
@@ -141,8 +143,6 @@ def cluster_device(requested: str, nodes: list[dict], address: str | None) -> st
 
 
 def alive_nodes() -> list[dict]:
-    import ray
-
     return [n for n in ray.nodes() if n.get("Alive")]
 
 
@@ -156,9 +156,6 @@ def node_name(n: dict) -> str:
 def probe_nodes(run_dir: Path, nodes: list[dict], versions: dict, timeout_s: float = 120) -> None:
     """Each node reads the driver's probe file in the run folder and writes its own, read back here, and reports its
     own library versions, which must be the driver's. Refused (exit 4) naming the node and what failed."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     token = uuid.uuid4().hex
     probe = run_dir / PROBE_DIR
     probe.mkdir(exist_ok=True)
@@ -203,7 +200,6 @@ class Admission:
         if not new:
             return []
         self.probe(self.run_dir, new, self.versions)
-        from pipeline.base.fileio import atomic_write_text
 
         (self.run_dir / PROBE_DIR).mkdir(parents=True, exist_ok=True)
         for n in new:

@@ -29,7 +29,14 @@ import time
 import uuid
 from pathlib import Path
 
+import ray
+
 from pipeline.base.errors import StageError
+from pipeline.plan import versions
+from pipeline.app.runner import Runner, read_manifest
+from pipeline.base.env import tame
+from pipeline.recipe import Recipe
+from pipeline.base.stage_keys import UnitKey
 
 log = logging.getLogger("compress")
 
@@ -48,16 +55,12 @@ class NodeNotAdmitted(StageError):
 
 def this_node() -> tuple[str, str]:
     """(node id, "<id12> (<ip>)") of the node this process runs on."""
-    import ray
-
     node_id = ray.get_runtime_context().get_node_id()
     return node_id, f"{node_id[:12]} ({ray.util.get_node_ip_address()})"
 
 
 def node_versions() -> dict[str, str]:
     """The library versions installed where this runs (pipeline.plan.versions: what goes into every identity)."""
-    from pipeline.plan import versions
-
     return {**versions(), **json.loads(os.environ.get(VERSIONS_ENV) or "{}")}
 
 
@@ -149,8 +152,6 @@ def commit_attempt(private: Path, final: Path, h: str) -> tuple[dict, bool]:
     """Make one attempt's complete folder the unit's folder; (the manifest now there, whether it is this attempt's).
     Exactly one attempt commits: the rename fails once `final` holds a unit. A committed unit with this inputs hash
     wins over this attempt's folder, which is discarded; a folder with another hash is stale and moved away."""
-    from pipeline.app.runner import read_manifest
-
     final.parent.mkdir(parents=True, exist_ok=True)
     for _ in range(3):
         try:
@@ -211,18 +212,15 @@ def _task_logging() -> None:
 
 def _rebuild(recipe_data: dict, key: str, h: str, run: dict, manifests: dict, node: str):
     """(a TaskRunner, the unit) rebuilt from the recipe; refused when this node computes another inputs hash."""
-    from pipeline.base.env import tame
-
     tame()
+    # late: after tame(), which sets the environment torch, transformers and GPTQModel read on import
     import torch
 
     from pipeline.app.units import build_units
-    from pipeline.recipe import Recipe
 
     if run["threads"]:
         torch.set_num_threads(run["threads"])
     torch.manual_seed(run["seed"])
-    from pipeline.base.stage_keys import UnitKey
 
     UnitKey.parse(key)  # a key outside the grammar: UnitKeyError naming what is wrong
     head, exports = build_units(Recipe.model_validate(recipe_data))
@@ -239,8 +237,6 @@ def _rebuild(recipe_data: dict, key: str, h: str, run: dict, manifests: dict, no
 
 
 def task_runner_cls():
-    from pipeline.app.runner import Runner
-
     class TaskRunner(Runner):
         def _record(self, unit, manifest, skipped):  # the driver records; a task never writes report.json
             self.manifests[unit.key] = manifest

@@ -28,6 +28,7 @@ from pipeline.plan import check
 from pipeline.recipe import load_recipe
 from pipeline.results import schema
 from pipeline.results.gates import gates_summary
+from pipeline.app.execute import execute
 
 log = logging.getLogger("compress")
 KEYS = {"recipes", "recipe", "set", "matrix"}
@@ -111,8 +112,6 @@ def run_folder(recipe) -> Path:
 
 def run_sweep(spec: Path, extra_sets: list[str] = ()) -> tuple[list[dict], int]:
     """Run every run of SPEC one after another; ([summary row per run], the worst exit code)."""
-    from pipeline.app.execute import execute
-
     checked = load_all(parse_spec(spec, extra_sets))
     rows = []
     for i, (run, r, plan) in enumerate(checked, 1):

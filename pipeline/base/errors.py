@@ -5,6 +5,7 @@ anything else is a bug and exits 1 with a traceback.
 """
 from __future__ import annotations
 
+import signal
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -56,8 +57,6 @@ class Interrupted(CompressError):
     """SIGINT (Ctrl-C, exit 130) or SIGTERM (exit 143) stopped the run; rerunning the command resumes it."""
 
     def __init__(self, signum: int) -> None:
-        import signal
-
         name = signal.Signals(signum).name
         super().__init__(f"interrupted by {name}; rerun the same command to resume")
         self.exit_code = 128 + int(signum)

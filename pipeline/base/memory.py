@@ -14,6 +14,7 @@ Torch-free at import: only a CUDA meter imports torch.
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import re
 import resource
@@ -87,6 +88,7 @@ class PeakMemory:
 
     def start(self) -> PeakMemory:
         if self.cuda:
+            # late: only a CUDA measurement needs torch; the run's parent imports this module before tame()
             import torch
 
             torch.cuda.synchronize(self.device)
@@ -115,6 +117,7 @@ class PeakMemory:
         if self._frozen:
             return self._peak
         if self.cuda:
+            # late: only a CUDA measurement needs torch; the run's parent imports this module before tame()
             import torch
 
             torch.cuda.synchronize(self.device)
@@ -179,8 +182,6 @@ def drop_mapped_pages(folder: Path, suffix: str = ".safetensors") -> int:
     checkpoint and reads it tensor by tensor (transformers, for bitsandbytes) otherwise keeps every page it read
     resident until the map closes. (MADV_DONTNEED would also drop the modified pages of a private map, silently
     reverting them to the file: a GPTQ checkpoint then measured perplexity 3e9.)"""
-    import ctypes
-
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
     except OSError:  # pragma: no cover - not glibc

@@ -10,6 +10,8 @@ progress bars) to the console and that log, less the known-harmless library line
 from __future__ import annotations
 
 import codecs
+import ctypes
+import importlib
 import json
 import os
 import re
@@ -20,13 +22,14 @@ import sys
 import threading
 from pathlib import Path
 
+from pipeline.base.cli_logging import setup_logging
+from pipeline.base.env import tame
 from pipeline.base.errors import StageError
+from pipeline.base.memory import peak_rss_bytes
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a killed run kills its workers
     except OSError:
         pass
@@ -184,8 +187,6 @@ TASKS = {
 
 def task_function(task: str):
     """The function behind TASKS[task], imported now."""
-    import importlib
-
     module, _, name = TASKS[task].partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -193,11 +194,9 @@ def task_function(task: str):
 def main(argv: list[str]) -> int:
     job_path, result_path = Path(argv[0]), Path(argv[1])
     job = json.loads(job_path.read_text())
-    from pipeline.base.cli_logging import setup_logging
-    from pipeline.base.env import tame
-    from pipeline.base.memory import peak_rss_bytes
 
     tame()
+    # late: after tame(), which sets the environment torch, transformers and GPTQModel read on import
     import torch  # before setup_logging: torch installs its own log handlers on import
 
     setup_logging(library_log=sys.stdout)  # library warnings to the task's log (run_child sends stdout there)

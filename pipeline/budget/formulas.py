@@ -6,7 +6,10 @@ estimates does not rerun quantization.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+from pipeline.model.dtypes import config_dtype, dtype_bytes
 
 GiB = 1 << 30
 # resident memory of the runtime before any weight: the main process with torch, transformers and GPTQModel imported
@@ -50,10 +53,6 @@ def head_bytes(config: dict, param_bytes: int) -> int:
 
 def quantize_peak(base_dir: Path, calib_ids, offload: bool) -> int:
     """quantize_bytes for the checkpoint in base_dir (its config.json and safetensors sizes)."""
-    import json
-
-    from pipeline.model.dtypes import config_dtype, dtype_bytes
-
     config = json.loads((Path(base_dir) / "config.json").read_text())
     weights = sum(f.stat().st_size for f in Path(base_dir).glob("*.safetensors"))
     return quantize_bytes(config, weights, calib_ids.numel() if calib_ids is not None else 0, offload,

@@ -21,6 +21,7 @@ from typing import Callable
 from pipeline.base.errors import RecipeError, StageError
 from pipeline.base.fileio import sha256_file
 from pipeline.base.registry import Registry
+from pipeline.base.identity import content_id
 
 CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "calibration"
 
@@ -135,6 +136,7 @@ def _jsonl(ref: DatasetRef, path: Path) -> list[str]:
 
 @_format("parquet", suffix=".parquet")
 def _parquet(ref: DatasetRef, path: Path) -> list[str]:
+    # late: one input format's reader; `compress check` imports this module
     import pyarrow.parquet as pq
 
     table = pq.read_table(path)
@@ -145,6 +147,7 @@ def _parquet(ref: DatasetRef, path: Path) -> list[str]:
 
 @_format("hf", prefix="hf:")
 def _hf_rows(ref: DatasetRef, path: None = None) -> list[str]:
+    # late: one input format's reader; `compress check` imports this module
     import datasets
 
     repo, _, split = ref.name[3:].partition("@")
@@ -174,8 +177,6 @@ def eval_text(ref: DatasetRef) -> str:
 
 def fingerprint(ref: DatasetRef) -> str | None:
     """sha256 of the data file (None for HF-cache datasets), cached by the file's stats (pipeline/base/identity.py)."""
-    from pipeline.base.identity import content_id
-
     return content_id(ref.path) if ref.path is not None and ref.path.is_file() else None
 
 

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator
 from pathlib import Path
+
+import gguf
 
 from pipeline.model.models import single_gguf
 from pipeline.quant.shapes import linear_shapes_from_config, module_names
@@ -16,8 +19,6 @@ def linear_bits_per_weight(folder: Path) -> float | None:
     folder = Path(folder)
     gguf_file = single_gguf(folder)
     if gguf_file is not None:
-        import gguf
-
         blk = [t for t in gguf.GGUFReader(folder / gguf_file).tensors
                if t.name.startswith("blk.") and len(t.shape) == 2]  # norms are 1-D
         weights = sum(int(t.n_elements) for t in blk)
@@ -42,8 +43,6 @@ def linear_bits_per_weight(folder: Path) -> float | None:
 
 def _safetensors_sizes(folder: Path) -> Iterator[tuple[str, int]]:
     """(tensor name, bytes) from the safetensors headers: no tensor is read."""
-    import struct
-
     for f in sorted(folder.glob("*.safetensors")):
         with open(f, "rb") as fh:
             header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))

@@ -180,6 +180,7 @@ def generate_completions(model, tokenizer, problems: list[dict], max_new_tokens:
                          chat: bool = False, progress: bool = False) -> list[str]:
     """Greedy completions, one per problem, truncated at the standard stop sequences (and at ``` in chat mode).
     Batches are left-padded; a batch stops early once every row has produced a stop sequence."""
+    # late: generation only; `compress check` imports this module (eval/tasks_config.py)
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 

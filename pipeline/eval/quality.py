@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
 from pipeline import data
 from pipeline.budget.formulas import GiB
@@ -121,8 +122,6 @@ def evaluate(model_dir: Path, out: Path, ppl_cfg, smoke_cfg, device: str, refere
              memory_limit: int | None = None) -> dict:
     """memory_limit: the bytes this process may hold ([run] max_memory_gb); a plain checkpoint that does not fit
     beside a window's activations is offloaded to disk (offload_bytes)."""
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     in_memory = offload_bytes(model_dir, ppl_cfg.seq_len, memory_limit, device)
     offload = None

@@ -26,10 +26,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer, CompileConfig, LogitsProcessorList
+from transformers.utils import is_flash_attn_2_available
 
 from pipeline.base.errors import StageError
 from pipeline.base.fileio import atomic_write_json
 from pipeline.base.memory import PeakMemory
+from pipeline.base.worker import run_task  # a killed run kills its timing process too
 from pipeline.budget.formulas import GiB, head_bytes, speed_bytes
 from pipeline.eval.config import SpeedConfig
 from pipeline.eval.measure import copy_bandwidth, roofline_fraction, summarize, sync, timed_runs, weight_bytes_per_token
@@ -96,8 +101,6 @@ def time_prefill(model, ids: torch.Tensor, mask: torch.Tensor, device: str) -> f
 
 def time_generate(model, ids, mask, new_tokens: int, device: str, pad_id: int, **gen_kwargs) -> dict:
     """One greedy generate of exactly `new_tokens` tokens -> ttft_s and decode_s (N-1 steps)."""
-    from transformers import LogitsProcessorList
-
     clock = StepClock(device)
     sync(device)
     t0 = time.perf_counter()
@@ -168,8 +171,6 @@ def _technique(bench: Bench, name: str, kv: dict) -> dict:
 
 
 def _compile_row(bench: Bench, cuda: bool) -> dict:
-    from transformers import CompileConfig
-
     quantizer = getattr(bench.model, "hf_quantizer", None)
     if quantizer is not None and not quantizer.is_compileable:
         return {"skipped": f"{type(quantizer).__name__} models do not support torch.compile in transformers"}
@@ -187,8 +188,6 @@ def _compile_row(bench: Bench, cuda: bool) -> dict:
 def _attention_row(bench: Bench, name: str, cuda: bool) -> dict:
     model = bench.model
     if name == "flash_attention_2":
-        from transformers.utils import is_flash_attn_2_available
-
         if not cuda:
             return {"skipped": "flash_attention_2 needs CUDA"}
         if not is_flash_attn_2_available():
@@ -222,8 +221,6 @@ def technique_rows(bench: Bench, kv: dict, bar=None) -> dict:
 
 # ---------------------------------------------------------------- entry points
 def _load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
-
     if any((model_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         return AutoTokenizer.from_pretrained(str(model_dir))
     return None
@@ -235,8 +232,6 @@ def measure_speed(model_or_dir, tokenizer, cfg: SpeedConfig, device: str, *, lab
     Peak memory is measured from this call's entry: post-import when given a folder (the
     model's own load counts), call-entry when given a model already in memory. A progress bar
     (stderr) counts the cells: prefill, each decode batch, each technique row, the roofline."""
-    from tqdm.auto import tqdm
-
     memory = PeakMemory(device).start()
     cells = 2 + len(cfg.batch_sizes) + len(cfg.techniques) + int(cfg.roofline)
     bar = tqdm(total=cells, desc=f"speed {label or Path(str(model_or_dir)).name}", unit="cell", leave=False)
@@ -307,8 +302,6 @@ def run_speed_subprocess(model_dir: str | Path, cfg: SpeedConfig, device: str, o
 
     model_name ("baseline", a variant, the draft) applies `cfg.for_model` (technique rows only for
     `technique_models`); threads sets torch's CPU threads in the child (None: torch's default)."""
-    from pipeline.base.worker import run_task  # a killed run kills its timing process too
-
     if model_name is not None:
         cfg = cfg.for_model(model_name)
     if not Path(model_dir).is_dir():
@@ -353,8 +346,6 @@ def measure_checkpoint(model_dir: Path, cfg: SpeedConfig, device: str, label: st
 def _preimport(model_dir: Path) -> None:
     """Import the model's code and its quantization library before the memory baseline: peak
     memory should count the model and its run, not imports."""
-    import transformers
-
     try:
         config = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):

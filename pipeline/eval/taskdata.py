@@ -24,6 +24,8 @@ import zipfile
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+import gzip
+import json
 
 from pipeline.base.errors import RecipeError
 from pipeline.base.fileio import sha256_file
@@ -100,9 +102,6 @@ def arc_from_oe_eval(requests_gz: bytes, items: int) -> bytes:
     """ai2_arc rows (JSON lines: id, question, choices {text, label}, answerKey) from an oe-eval ARC request
     file: one row per document, in doc_id order; refuses a file whose documents are not 0..items-1 or whose
     query is not lm-eval's "Question: ...\nAnswer:" prompt."""
-    import gzip
-    import json
-
     docs: dict[int, dict] = {}
     for line in gzip.decompress(requests_gz).decode().splitlines():
         r = json.loads(line)

@@ -20,12 +20,17 @@ import time
 from pathlib import Path
 
 from pipeline.base.fileio import atomic_write_json
+from pipeline.eval import humaneval
+from pipeline.eval.recovery import recoveries
+from pipeline.eval.taskdata import verify_job
+from pipeline.model.compute import float32_matmuls
 
 log = logging.getLogger("compress")
 ITEMS = "task_items.json"
 
 
 def lm_eval_tasks_dir() -> Path:
+    # late: lm_eval imports datasets, which reads HF_DATASETS_OFFLINE once, on import (run_lm_eval sets it)
     import lm_eval
 
     return Path(lm_eval.__file__).parent / "tasks"
@@ -74,6 +79,7 @@ def run_lm_eval(lm, yaml_folder: Path, tasks: dict[str, list[int] | None], num_f
     Returns {task: {"metrics": {metric: value, metric_stderr: value}, "items": per-item scores}}."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # late: after the two lines above; datasets and the Hub client read them once, on import
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -97,9 +103,9 @@ def make_lm(model, tokenizer, batch_size: int, device: str, scorer: str = "share
     """The lm-eval LM over an in-memory model: lm-eval's HFLM, or SharedContextLM (pipeline/eval/scorer.py: an
     item's choices in one forward, the same numbers)."""
     if scorer == "lm-eval":
-        from lm_eval.models.huggingface import HFLM as cls
+        from lm_eval.models.huggingface import HFLM as cls  # late: after evaluate_tasks set the offline switches
     else:
-        from pipeline.eval.scorer import SharedContextLM as cls
+        from pipeline.eval.scorer import SharedContextLM as cls  # late: the same (scorer.py imports lm_eval)
     return cls(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
 
 
@@ -107,8 +113,6 @@ def score_model(model, tokenizer, jobs: list[dict], cfg: dict, out_dir: Path, de
     """Score one in-memory model on every job ({"task", "include", "data_file", "split", "items", "metric",
     "format"}), one lm-eval call per task (so each gets its own progress bar and time); the per-item scores
     go to out_dir/task_items.json, the summary is returned."""
-    from pipeline.eval.taskdata import verify_job
-
     for job in jobs:  # the data files as pinned, re-hashed at use (once a process): refused before any scoring
         verify_job(job)
     lm = make_lm(model, tokenizer, cfg["batch_size"], device, cfg.get("scorer", "shared-context"))
@@ -149,8 +153,6 @@ def humaneval_job(model, tokenizer, job: dict, limit: int | None = None) -> tupl
     recipe said execute_code = true; `compress check` refused otherwise, and the job carries execute_code, checked
     again here before anything runs). `limit`: the first N problems (all 164 by default; a larger limit uses all
     and says so). The summary names the protocol."""
-    from pipeline.eval import humaneval
-
     if not job.get("execute_code"):
         raise humaneval.CodeExecutionRefused("HumanEval runs model-generated code: refused unless [validate.tasks] "
                                              "execute_code = true")
@@ -179,9 +181,9 @@ def evaluate_tasks(model_dir: Path, out: Path, jobs: list[dict], cfg: dict, devi
     baseline's tasks unit folder) the paired recovery from both saved per-item files (recovery.py)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before datasets is imported (it reads them once)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # late: after the two lines above; datasets and the Hub client read them once, on import
     from transformers import AutoTokenizer
 
-    from pipeline.model.compute import float32_matmuls
     from pipeline.quant.checkpoint import load_checkpoint
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -196,8 +198,6 @@ def evaluate_tasks(model_dir: Path, out: Path, jobs: list[dict], cfg: dict, devi
 
 
 def recovery_from_files(base: Path, var: Path, metrics: dict[str, str], iters: int, seed: int) -> dict:
-    from pipeline.eval.recovery import recoveries
-
     return recoveries(json.loads(base.read_text()), json.loads(var.read_text()), metrics, iters, seed)
 
 

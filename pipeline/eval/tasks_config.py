@@ -2,11 +2,17 @@
 Torch-free and lm-eval-free: `compress check` validates it (task names, the data package) in a second."""
 from __future__ import annotations
 
+import difflib
+import importlib.util
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pipeline.base.errors import RecipeError
 from pipeline.base.problem import Problem
+from pipeline.eval import humaneval
+from pipeline.eval.taskdata import PACKAGE, TASKS, VERSION, data_file
 
 Metric = Literal["acc", "acc_norm", "pass@1"]
 
@@ -58,9 +64,6 @@ def task_problems(cfg: TasksConfig, variants: list[str]) -> list[Problem]:
     set-up line), humaneval without execute_code, unknown model names, a metric for a task not listed or one the
     task does not report; and notes (Problem.note) for limits larger than a split and for a recipe that runs
     generated code."""
-    from pipeline.base.errors import RecipeError
-    from pipeline.eval.taskdata import TASKS, data_file
-
     if not cfg.enabled:
         return []
     problems = []
@@ -101,10 +104,6 @@ def task_problems(cfg: TasksConfig, variants: list[str]) -> list[Problem]:
 
 def _unknown(name: str) -> str:
     """The registry's "Unknown task ... Did you mean" line, humaneval (not an lm-eval task) among the names."""
-    import difflib
-
-    from pipeline.eval.taskdata import TASKS
-
     names = [*TASKS, HUMANEVAL]
     close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
     hint = f" Did you mean: {', '.join(close)}?" if close else f" Known: {', '.join(sorted(names))}."
@@ -113,20 +112,15 @@ def _unknown(name: str) -> str:
 
 def _metrics_of(task: str) -> tuple[str, ...]:
     """The per-item metrics a task reports (pipeline/eval/taskdata.py TaskSpec.metrics; humaneval pass@1)."""
-    from pipeline.eval.taskdata import TASKS
-
     return ("pass@1",) if task == HUMANEVAL else TASKS.get(task).metrics if task in TASKS else ()
 
 
 def _humaneval_problems(cfg: TasksConfig) -> list[Problem]:
     """humaneval needs execute_code (else refused), says that the recipe runs generated code, needs its data,
     and notes a limit over its 164 problems (the first `limit` problems are scored, not a seeded sample)."""
-    from pipeline.base.errors import RecipeError
-
     if not cfg.execute_code:
         return [Problem("validate.tasks.execute_code", "humaneval-needs-execute-code",
                         "[validate.tasks] humaneval runs generated code: set execute_code = true to allow it")]
-    from pipeline.eval import humaneval
 
     out = [Problem("validate.tasks.execute_code", "humaneval-runs-code",  # check says the recipe runs code
                    humaneval.executes_code_message(PROBLEM_TIMEOUT_S), note=True)]
@@ -144,8 +138,6 @@ def _humaneval_problems(cfg: TasksConfig) -> list[Problem]:
 def task_jobs(cfg: TasksConfig) -> list[dict]:
     """One job per task for the worker (pipeline/eval/tasks.py score_model): its lm-eval yaml, the cached data
     file and its pinned sha256 (the unit's identity), split, size and metric."""
-    from pipeline.eval.taskdata import TASKS, data_file
-
     jobs = []
     for name in cfg.tasks:
         if name == HUMANEVAL:
@@ -161,12 +153,8 @@ def task_jobs(cfg: TasksConfig) -> list[dict]:
 
 def _lm_eval_tasks_dir():
     """lm_eval/tasks, found without importing lm_eval (its import pulls in torch and datasets)."""
-    import importlib.util
-    from pathlib import Path
-
     spec = importlib.util.find_spec("lm_eval")
     if spec is None or not spec.origin:
-        from pipeline.base.errors import RecipeError
         raise RecipeError("[validate.tasks] needs lm-eval (pip install 'lm-eval[hf]==0.4.13')")
     return Path(spec.origin).parent / "tasks"
 
@@ -174,8 +162,6 @@ def _lm_eval_tasks_dir():
 def _humaneval_job(cfg: TasksConfig) -> dict:
     """The humaneval job: its pinned data and harness by sha256 (the unit's identity), the per-problem timeout,
     and execute_code, which the scorer checks again before anything runs."""
-    from pipeline.eval import humaneval
-
     return {"task": HUMANEVAL, "metric": "pass@1", "split": "test", "items": humaneval.N_PROBLEMS,
             "timeout_s": PROBLEM_TIMEOUT_S, "execute_code": cfg.execute_code, "sha256": dict(humaneval.MEMBERS),
             "dataset_id": humaneval.DATASET_ID, "dataset_config": None, "label": "HumanEval"}
@@ -184,9 +170,6 @@ def _humaneval_job(cfg: TasksConfig) -> dict:
 def data_lock(cfg: TasksConfig) -> dict[str, str]:
     """The sha256 of each task data file a recipe reads, for recipe.lock.toml's data_sha256 (beside the
     calibration data): "<package>==<version>:<file in its wheel>" -> sha256. Nothing when the tasks are off."""
-    from pipeline.eval import humaneval
-    from pipeline.eval.taskdata import PACKAGE, TASKS, VERSION
-
     if not cfg.enabled:
         return {}
     out = {}

@@ -14,6 +14,7 @@ STORAGE_DTYPE_NAMES: tuple[str, ...] = ("uint8", *DTYPE_NAMES)
 
 def torch_dtype(name: str) -> Any:
     """"bfloat16" -> torch.bfloat16. Unknown names fail with the known ones listed."""
+    # late: `compress check` imports this module for the dtype names
     import torch
 
     if name not in STORAGE_DTYPE_NAMES:

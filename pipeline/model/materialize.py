@@ -19,6 +19,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+import numpy as np
+from gguf import GGUFReader, dequantize
+from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor,
+                                                      get_gguf_hf_weights_map, load_gguf_checkpoint, read_field)
 
 from pipeline.model.dtypes import SAFETENSORS_DTYPES, torch_dtype
 from pipeline.base.errors import StageError
@@ -67,8 +72,6 @@ def link_checkpoint(folder: Path, out: Path, trust_remote_code: bool = False) ->
 def write_config(config, out: Path, dtype: str, architecture: str, folder: Path | None = None) -> None:
     """config.json declaring `dtype` and `architecture` (as save_pretrained writes them) and
     generation_config.json (the source folder's, else derived from the config, as from_pretrained does)."""
-    from transformers import GenerationConfig
-
     config.dtype = dtype
     config.architectures = [architecture]
     config.save_pretrained(out)
@@ -82,8 +85,6 @@ def write_config(config, out: Path, dtype: str, architecture: str, folder: Path 
 def meta_model(config, trust_remote_code: bool = False, dtype: str | None = None):
     """The model a config describes, on the meta device (no memory for weights): its class, parameter
     names, shapes and tied weights."""
-    from transformers import AutoModelForCausalLM
-
     kwargs = {"dtype": torch_dtype(dtype)} if dtype else {}
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, **kwargs)
@@ -99,12 +100,6 @@ def gguf_to_safetensors(path: Path, out: Path, dtype: str) -> str | None:
     processors are replayed here; others (MoE experts merged across the file, GPT-2, T5, ...) load whole.
     The values are transformers' own: the same gguf dequantize, tensor processor and name map as
     from_pretrained(gguf_file=..., dtype=...)."""
-    import numpy as np
-    from gguf import GGUFReader, dequantize
-    from transformers import AutoConfig
-    from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor,
-                                                          get_gguf_hf_weights_map, load_gguf_checkpoint, read_field)
-
     reader = GGUFReader(str(path))
     arch = read_field(reader, "general.architecture")[0]
     parsed = load_gguf_checkpoint(str(path), return_tensors=False)  # config and tokenizer fields only
@@ -246,8 +241,6 @@ def _write_shard(path: Path, shard: list, dtype: str) -> None:
 def checkpoint_facts(folder: Path, dtype: str, trust_remote_code: bool = False) -> dict:
     """Architecture, parameter count, in-memory size in `dtype` and config of the checkpoint in `folder`, from
     its config.json and a meta-device model (no weights read)."""
-    from transformers import AutoConfig
-
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     model = meta_model(config, trust_remote_code, dtype)
     d = config.to_dict()

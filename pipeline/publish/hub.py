@@ -31,8 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi, ModelCard, get_token
+from huggingface_hub.community import DiscussionComment
+from huggingface_hub.hf_api import RepoFile
+from huggingface_hub.utils.sha import git_hash
+
 from pipeline.base.errors import PublishError
-from pipeline.publish.config import PublishConfig
+from pipeline.base.fileio import atomic_write_json
+from pipeline.publish.config import PublishConfig, check_endpoint, summary
 from pipeline.publish.plan import LocalFile, Plan, PushItem, human, plan, render_dry_run
 from pipeline.results.publishing import PublishRefused
 from pipeline.results.schema import PublishSection
@@ -84,8 +90,6 @@ def hub_call(what: str, token: str | None, fn: Callable[..., T], *args, **kwargs
 
 def resolve_token() -> str:
     """HF_TOKEN, else the token saved by `hf auth login`; never a recipe value."""
-    from huggingface_hub import get_token
-
     token = hub_call("reading the Hugging Face token", None, get_token)
     if not token:
         raise PublishError("no Hugging Face token: set HF_TOKEN or run `hf auth login` "
@@ -94,8 +98,6 @@ def resolve_token() -> str:
 
 
 def resolve_endpoint(cfg: PublishConfig) -> str:
-    from pipeline.publish.config import check_endpoint
-
     if cfg.endpoint:
         return cfg.endpoint
     try:
@@ -108,15 +110,11 @@ def resolve_endpoint(cfg: PublishConfig) -> str:
 
 
 def _remote_files(api, item: PushItem, revision: str) -> dict:
-    from huggingface_hub.hf_api import RepoFile
-
     tree = api.list_repo_tree(item.repo_id, revision=revision, recursive=True)
     return {f.path: f for f in tree if isinstance(f, RepoFile) and item.in_scope(f.path)}
 
 
 def _same(local: LocalFile, remote) -> bool:
-    from huggingface_hub.utils.sha import git_hash
-
     if remote.size != local.size:
         return False
     if remote.lfs is not None:
@@ -144,8 +142,6 @@ def _check_config(item: PushItem, downloaded: str) -> None:
 
 
 def _card_data(path: Path | str) -> dict:
-    from huggingface_hub import ModelCard
-
     data = ModelCard.load(Path(path)).data.to_dict()
     return {k: data.get(k) for k in _CARD_KEYS}
 
@@ -213,8 +209,6 @@ def pr_description(item: PushItem) -> str:
 def open_prs(api, item: PushItem, token: str | None) -> list[OpenPR]:
     """The token user's open PRs against item.revision for this folder: marked ones first, then
     pre-marker ones with the item's commit title, newest first within each."""
-    from huggingface_hub.community import DiscussionComment
-
     me = hub_call("reading the token's user (whoami)", token, api.whoami, cache=True)["name"]
     listed = hub_call(f"listing pull requests of {item.repo_id}", token, lambda: list(api.get_repo_discussions(
         item.repo_id, author=me, discussion_type="pull_request")))
@@ -255,8 +249,6 @@ def _prepare_target(api, item: PushItem, cfg: PublishConfig, token: str) -> str:
 
 
 def _operations(item: PushItem, changed: list[LocalFile], stale: list[str]) -> list:
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-
     ops = []
     for f in changed:
         op = CommitOperationAdd(path_in_repo=item.remote_path(f.relpath), path_or_fileobj=str(f.path))
@@ -349,8 +341,6 @@ def push(items: Plan | list[PushItem], cfg: PublishConfig, token: str | None = N
 
     `on_verified(results_so_far)` is called only after an item's commit is read back and verified.
     """
-    from huggingface_hub import HfApi
-
     log = log or logging.getLogger(__name__)
     token = token or resolve_token()
     api = HfApi(endpoint=resolve_endpoint(cfg), token=token, library_name="compress")
@@ -372,12 +362,9 @@ def publish_run(run_dir: Path, cfg: PublishConfig, log: logging.Logger,
     Raises PublishRefused (a PublishError; `.section` holds the refusal for the report)
     when the publish rule forbids publishing, PublishError for anything else.
     """
-    from pipeline.base.fileio import atomic_write_json
-
     run_dir = Path(run_dir)
     endpoint = resolve_endpoint(cfg)
     the_plan = plan(run_dir, cfg)  # PublishRefused / PublishError: the caller reports it
-    from pipeline.publish.config import summary
 
     text = render_dry_run(the_plan, endpoint) + "\n" + summary(cfg)
     planned = the_plan.as_dict()

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+
 from pipeline.base.errors import PublishError
 from pipeline.base.fileio import sha256_file
 from pipeline.publish.config import PublishConfig, template_fields
@@ -230,8 +232,6 @@ def _message(cfg: PublishConfig, report: Report, export: Export, run: str) -> st
 
 
 def _repo(cfg: PublishConfig, model: str, variant: str) -> str:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
     repo_id = cfg.repo_id.format(org=cfg.org, model=model, variant=variant)
     try:
         validate_repo_id(repo_id)

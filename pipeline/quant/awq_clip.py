@@ -21,6 +21,7 @@ import contextlib
 from typing import Iterator
 
 import torch
+from gptqmodel.looper.awq_processor import AWQProcessor
 
 from pipeline.quant.common import library_method_replaced
 
@@ -69,7 +70,5 @@ def _as_bmm(w4: torch.Tensor) -> torch.Tensor:
 def matmul_clip_search() -> Iterator[None]:
     """GPTQModel's AWQ clipping search computed with batched matrix products (re-entrant; the library's own
     method is back on exit)."""
-    from gptqmodel.looper.awq_processor import AWQProcessor
-
     with library_method_replaced(AWQProcessor, "_compute_best_clip", lambda _library: best_clip):
         yield

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from pipeline.base.errors import StageError
 from pipeline.base.memory import MappedPagesTrimmed
@@ -23,8 +24,6 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
     keeps the first layers in memory and reads the others from the checkpoint's own safetensors files at each
     forward (nothing is copied when the files are safetensors in the loaded dtype; anything else it writes goes to
     the scratch folder)."""
-    from transformers import AutoModelForCausalLM
-
     gguf_file = single_gguf(folder)
     if gguf_file is not None:
         return load_gguf(folder, gguf_file, device, dtype)

@@ -13,8 +13,11 @@ from pathlib import Path
 from typing import IO, Callable, Iterator
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from tqdm import tqdm
 
 from pipeline.model.dtypes import config_dtype
+from pipeline.quant.shapes import is_skipped
 
 # Tokenizer files a checkpoint folder may carry (copied verbatim from the base checkpoint).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -122,8 +125,6 @@ class LayerProgress:
     """A tqdm bar that counts decoder layers as the engine reports each one done."""
 
     def __init__(self, total: int, label: str, stream: IO[str]) -> None:
-        from tqdm import tqdm
-
         self._seen: set[int] = set()
         self.bar = tqdm(total=total, desc=f"quantize {label}", unit="layer", file=stream, dynamic_ncols=True,
                         mininterval=0.5)
@@ -149,10 +150,6 @@ def nullcontext_session(out_dir: Path) -> Iterator[None]:
 
 def skipped_linears(base_dir: Path, modules_to_skip: list[str]) -> list[str]:
     """Full names of the model's nn.Linear modules that modules_to_skip names (model built on the meta device)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from pipeline.quant.shapes import is_skipped
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and is_skipped(n, modules_to_skip)]

@@ -19,8 +19,15 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+import tempfile
 
 import torch
+from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+from safetensors.torch import load_file
+from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.quantization import apply_quantization_config
+from transformers import AutoConfig, AutoModelForCausalLM
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 
 CT_FORMAT = "pack-quantized"
 GPTQ_FILES = ("quantize_config.json",)  # the GPTQ folder's own metadata, not carried over
@@ -68,8 +75,6 @@ def dequantized(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, dtype: t
 
 def scheme(bits: int, group_size: int, sym: bool, ignore: list[str]):
     """compressed-tensors' own config: int weights only (A16), group or channel strategy, static."""
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
-
     args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, dynamic=False,
                             strategy="channel" if group_size == -1 else "group",
                             group_size=None if group_size == -1 else group_size)
@@ -87,8 +92,6 @@ def _gptq_linears(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.T
 
 
 def _read_state(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     state: dict[str, torch.Tensor] = {}
     for f in sorted(folder.glob("*.safetensors")):
         state.update(load_file(f))
@@ -98,10 +101,6 @@ def _read_state(folder: Path) -> dict[str, torch.Tensor]:
 def convert(gptq_dir: Path, out_dir: Path) -> dict:
     """Write the compressed-tensors checkpoint of the GPTQ folder gptq_dir into out_dir (weights and config.json;
     the caller copies the tokenizer and finishes the config). Returns config.json's quantization_config."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import apply_quantization_config
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = json.loads((gptq_dir / "config.json").read_text())
     qc = config["quantization_config"]
     if qc.get("quant_method") != "gptq":
@@ -155,8 +154,6 @@ def convert(gptq_dir: Path, out_dir: Path) -> dict:
 
 def _verify(out_dir: Path, ints: dict, bits: int, sym: bool) -> None:
     """Unpack what compressed-tensors wrote (its own unpacker) and compare with the GPTQ integers, scales and zeros."""
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-
     state = _read_state(out_dir)
     mid = 1 << (bits - 1)
     for name, (q, z, s) in ints.items():
@@ -189,8 +186,6 @@ def rewrite_in_place(folder: Path) -> dict:
     """The GPTQ checkpoint a method just saved in `folder`, rewritten there as compressed-tensors (its GPTQ
     safetensors and quantize_config.json removed; config.json left for the caller's finish_checkpoint). Returns the
     new quantization_config."""
-    import tempfile
-
     scratch = Path(tempfile.mkdtemp(prefix=".ct-", dir=folder))
     try:
         qc = convert(folder, scratch)

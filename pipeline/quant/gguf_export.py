@@ -25,8 +25,13 @@ from dataclasses import dataclass, field
 from hashlib import sha256
 from pathlib import Path
 from typing import IO, Any, Iterator
+import importlib.metadata
 
 import torch
+import gguf
+from safetensors import safe_open
+from tqdm import tqdm
+from transformers import AutoTokenizer
 
 from pipeline.quant.common import TOKENIZER_FILES, base_dtype
 from pipeline.quant.shapes import is_skipped
@@ -74,8 +79,6 @@ def convert(base_dir: Path, variant, config: dict, kquant: bool, permute_qk: boo
     """The whole file in memory: metadata, tokenizer and every tensor in its GGUF type (float for K-quants,
     which llama.cpp quantizes in `write`). kquant: the type is made by llama.cpp's quantizer; permute_qk: the
     architecture's Q/K rows are permuted as llama.cpp's LlamaModel does (pipeline/quant/methods/gguf.py)."""
-    import gguf
-
     dtype = base_dtype(base_dir)
     target = FLOAT_TYPES[dtype] if kquant else variant.type
     writer = gguf.GGUFWriter(None, config["model_type"])
@@ -89,8 +92,6 @@ def convert(base_dir: Path, variant, config: dict, kquant: bool, permute_qk: boo
 def write(conv: Converted, base_dir: Path, out_dir: Path, variant, kquant: bool) -> dict:
     """Write the file (through llama.cpp's quantizer for K-quants), the tokenizer files beside it, and
     describe what the file holds, read back from it."""
-    import gguf
-
     path = out_dir / conv.file_name
     details: dict[str, Any] = {"engine": ENGINE, "engine_version": _version("gguf")}
     if kquant:
@@ -136,8 +137,6 @@ def tensor_type(gguf_name: str, n_dims: int, skipped: bool, target: str, float_t
 def _checkpoint_tensors(base_dir: Path) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
     """(how many, the checkpoint's tensors one at a time, in float32): the float32 data is what ggml's reference
     quantizers take (gguf's numpy Q8_0 is bit-exact with them in float32); fp16/bf16 widen exactly."""
-    from safetensors import safe_open
-
     files = sorted(base_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{base_dir} holds no .safetensors weights to convert")
@@ -159,9 +158,6 @@ def _write_tensors(writer, base_dir: Path, config: dict, variant, target: str, f
                    console: IO[str]) -> list[str]:
     """Every checkpoint tensor under its GGUF name, permuted where llama.cpp permutes, in its GGUF type.
     Returns the tensors written in F16 because their rows do not fit the type's blocks (allow_fallback)."""
-    import gguf
-    from tqdm import tqdm
-
     arch = getattr(gguf.MODEL_ARCH, config["model_type"].upper())
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     heads = config["num_attention_heads"]
@@ -201,8 +197,6 @@ def _write_tensors(writer, base_dir: Path, config: dict, variant, target: str, f
 
 
 def _write_metadata(writer, base_dir: Path, target: str) -> None:
-    import gguf
-
     info = _model_info(base_dir)
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(str(info.get("name") or "model"))
@@ -244,9 +238,6 @@ def _write_vocab(writer, base_dir: Path, vocab_size: int) -> tuple[str, bool]:
     """LlamaModel.set_vocab without SentencePiece's tokenizer.model (the load stage writes tokenizer.json):
     a SentencePiece-style BPE through gguf.LlamaHfVocab, else a byte-level BPE (GPT-2 style: SmolLM2, Llama 3,
     Qwen2). Returns (pre-tokenizer name, whether a chat template was embedded)."""
-    import gguf
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(base_dir)
     try:
         hf_vocab = gguf.LlamaHfVocab(base_dir)
@@ -284,8 +275,6 @@ def pre_tokenizer(tok) -> str:
 
 def _bpe_tokens(tok, vocab_size: int) -> tuple[list[str], list[int]]:
     """TextModel.get_vocab_base: every id's token text and llama.cpp token type ([PAD<i>] for unused ids)."""
-    import gguf
-
     vocab = tok.get_vocab()
     if max(vocab.values()) >= vocab_size:
         raise ValueError(f"the tokenizer has ids up to {max(vocab.values())}, beyond the model's vocab_size {vocab_size}")
@@ -338,6 +327,7 @@ def _write(writer, path: Path) -> None:
 def llama_quantize(src: Path, dst: Path, gguf_type: str, threads: int | None = None) -> None:
     """llama.cpp's quantizer (what `llama-quantize src dst <type>` runs) through llama-cpp-python."""
     try:
+        # late: the optional [gguf-kquants] extra; a missing one is the error below
         import llama_cpp
     except ImportError as e:
         raise RuntimeError(f"type = {gguf_type!r} needs llama.cpp's quantizer: pip install -e '.[gguf-kquants]' "
@@ -356,8 +346,6 @@ def _model_info(base_dir: Path) -> dict:
 
 
 def _version(dist: str) -> str:
-    import importlib.metadata
-
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:

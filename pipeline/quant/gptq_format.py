@@ -10,6 +10,7 @@ from pipeline.base.problem import Problem
 from pipeline.quant.ct_format import CT, LOAD, ct_bits_per_weight, ct_problems, ct_runtimes, ct_usage
 from pipeline.quant.method import LLAMA_CPP_ROW, bits_tags, grouped_bits
 from pipeline.quant.shapes import Arch, quantized_linears
+from pipeline.base.env import tame
 
 # GPTQModel 7.6 QuantizeConfig accepts these group sizes; its CPU/torch kernel (TorchLinear) takes them all.
 GPTQ_GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)
@@ -23,8 +24,6 @@ class GPTQModelKernels:
     load_module = "gptqmodel"
 
     def before_load(self) -> None:
-        from pipeline.base.env import tame
-
         tame()
 
 
@@ -70,11 +69,13 @@ class GPTQModelDriven:
     engine_modules = ("pipeline.quant.gptqmodel_driver",)
 
     def session(self, out_dir: Path):
+        # late: GPTQModel; `compress check` imports these declarations
         from pipeline.quant.gptqmodel_driver import session
 
         return session(out_dir)
 
     def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
+        # late: GPTQModel; `compress check` imports these declarations
         from pipeline.quant.gptqmodel_driver import save
 
         return save(model, base_dir, out_dir, variant)

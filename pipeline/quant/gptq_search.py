@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+from gptqmodel.quantization.quantizer import Quantizer
+
 from pipeline.quant.common import library_method_replaced
 
 
@@ -52,7 +54,5 @@ def _groups_only(original):
 def group_search_only() -> Iterator[None]:
     """GPTQModel's Quantizer.find_params without the scale search on whole multi-group matrices (re-entrant;
     the library's own method is back on exit)."""
-    from gptqmodel.quantization.quantizer import Quantizer
-
     with library_method_replaced(Quantizer, "find_params", _groups_only):
         yield

@@ -19,9 +19,16 @@ from pathlib import Path
 from typing import IO, Iterator
 
 import torch
+import gptqmodel
+from gptqmodel import GPTQModel
+from safetensors import safe_open
+from gptqmodel.nn_modules.qlinear.torch import TorchLinear
+from gptqmodel.utils.model import convert_gptq_v1_to_v2_format
+from gptqmodel.nn_modules.qlinear import BaseQuantLinear
 
 from pipeline.model.compute import float32_matmuls
 from pipeline.model.dtypes import torch_dtype
+from pipeline.quant.ct_export import rewrite_in_place
 from pipeline.quant.common import LayerProgress, base_dtype, finish_checkpoint
 from pipeline.quant.gptq_search import group_search_only
 from pipeline.quant.shapes import skip_pattern
@@ -35,8 +42,6 @@ os.environ.setdefault("LOGBAR_ANIMATION", "0")
 
 
 def engine_version() -> str:
-    import gptqmodel
-
     return gptqmodel.__version__
 
 
@@ -76,8 +81,6 @@ def quantize_with(base_dir: Path, qcfg, calibration: list[dict] | None, console:
     backend: the kernel GPTQModel packs for (None = its choice). offload: a scratch folder: GPTQModel builds the
     model on the meta device and reads one decoder layer at a time from base_dir's safetensors (its "lazy
     turtle"), writing finished layers to that folder; `save` scrubs the folder from the saved config."""
-    from gptqmodel import GPTQModel
-
     if offload is not None:
         qcfg.offload_to_disk, qcfg.offload_to_disk_path = True, str(offload)
     n_layers = json.loads((base_dir / "config.json").read_text()).get("num_hidden_layers", 0)
@@ -103,8 +106,6 @@ def save(model, base_dir: Path, out_dir: Path, variant) -> dict:
     qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
     extra = {}
     if getattr(variant, "format", "gptq") == "compressed-tensors":  # the same integers, rewritten (ct_export.py)
-        from pipeline.quant.ct_export import rewrite_in_place
-
         extra["gptq_config"], qc = qc, rewrite_in_place(out_dir)
     elif any(e != "lm_head" for e in variant.modules_to_skip):
         qc["modules_in_block_to_quantize"] = quantized_in_blocks(out_dir)
@@ -133,8 +134,6 @@ def quantized_in_blocks(out_dir: Path) -> list[list[str]]:
     would build quantized modules for skipped layers; it honours `modules_in_block_to_quantize`, matched
     as name suffixes. Read the quantized names back from the weights: one kind list when every layer
     has the same ones, else the full names."""
-    from safetensors import safe_open
-
     names = set()
     for f in sorted(out_dir.glob("*.safetensors")):
         with safe_open(f, "pt") as st:
@@ -154,9 +153,6 @@ def inference_model(model):
     """GPTQModel's in-memory model after quantize(), made runnable: its packed modules hold the
     checkpoint's v1 zero points (zero - 1) while its torch kernels compute with v2 ones, which its
     loader converts on load; run as-is it is off by one quantization step. Same conversion here."""
-    from gptqmodel.nn_modules.qlinear.torch import TorchLinear
-    from gptqmodel.utils.model import convert_gptq_v1_to_v2_format
-
     return convert_gptq_v1_to_v2_format(model.model, model.quantize_config, TorchLinear).eval()
 
 
@@ -179,8 +175,6 @@ def dequantize_to_linear(model: torch.nn.Module) -> int:
     with float32's row-independence: GPTQModel's CPU int4 kernel rounds scales and activations to bfloat16 and its
     results change with the number of tokens per call, which breaks token-exact greedy comparisons. Memory and
     speed become those of a float32 model. Call before any forward. Returns the number of modules replaced."""
-    from gptqmodel.nn_modules.qlinear import BaseQuantLinear
-
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, BaseQuantLinear)]
     for name, m in targets:
         if getattr(m, "linear_mode", None) == "inference":

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
+import tomli_w
 
 from pipeline.base.public import local_name, public, public_text, public_tree
 from pipeline.results.format import num, size, speculative_label
@@ -27,6 +28,7 @@ from pipeline.results.schema import DraftEntry, ModelEntry, ModelInfo, Report
 from pipeline.base.fileio import atomic_write_text
 from pipeline.quant.registry import METHODS
 from pipeline.model.sources import packaged_upstream
+from pipeline.results.tasks_render import task_eval_results
 
 # names of our datasets -> Hub dataset ids (metadata only lists ids the Hub can resolve)
 HUB_DATASETS = {"wikitext2": "Salesforce/wikitext", "wikitext-2": "Salesforce/wikitext",
@@ -96,7 +98,6 @@ def card_data(report: Report, entry: dict) -> ModelCardData:
         results = [EvalResult(task_type="text-generation", dataset_type=HUB_DATASETS.get(str(ds).lower(), str(ds)),
                               dataset_name=str(ds), metric_type="perplexity", metric_value=round(float(ppl), 4),
                               metric_name=f"perplexity ({measured.protocol or 'unknown protocol'})")]
-    from pipeline.results.tasks_render import task_eval_results
 
     results = ((results or []) + task_eval_results(data)) or None  # [validate.tasks], one per task
     library = getattr(_method(data), "hub_library", None) or "transformers"
@@ -294,8 +295,6 @@ def card_recipe(recipe: dict) -> dict:
 
 def card_lock(lock_text: str) -> str:
     """recipe.lock.toml as shown in a card: everything but the per-invocation and machine-local fields."""
-    import tomli_w
-
     try:
         data = tomllib.loads(lock_text)
     except tomllib.TOMLDecodeError:
@@ -334,8 +333,6 @@ def write_model_card(export_dir: Path, report: Report, entry: dict, recipe_excer
 
 def excerpt_from_lock(lock_text: str, entry: dict) -> str:
     """The recipe excerpt for an entry, from the lock's [recipe] table (as the export stage builds it)."""
-    import tomli_w
-
     recipe = tomllib.loads(lock_text).get("recipe") or {}
     keep = {k: recipe[k] for k in ("model", "calibration") if k in recipe}
     if entry["kind"] == "variant":

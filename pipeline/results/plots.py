@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 from pipeline.results.format import PLOTS
 from pipeline.results.metrics import Speed, Stat
 from pipeline.results.query import models
@@ -36,8 +38,6 @@ def write_plots(report: Report, out_dir: Path) -> list[str]:
 
 
 def _figure(width: float = 7.0, height: float = 4.5):
-    from matplotlib.figure import Figure
-
     return Figure(figsize=(width, height), layout="constrained")
 
 

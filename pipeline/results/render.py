@@ -15,6 +15,11 @@ from pipeline.results.metrics import Smoke, SmokeOutput, Speed
 from pipeline.results.query import is_distilled, models, shown_params
 from pipeline.results.schema import ModelEntry, ModelInfo, Report
 from pipeline.results.serve_table import serving, techniques_section
+from pipeline.results.tasks_render import tasks_section
+from pipeline.base.fileio import atomic_write_text
+from pipeline.results import schema
+from pipeline.results.card import render_cards
+from pipeline.results.plots import write_plots
 
 
 def baseline_label(report: Report) -> str:
@@ -259,7 +264,6 @@ def _exports(report: Report) -> list[str]:
 
 def render_markdown(report: Report, plots: list[str]) -> str:
     lines: list[str] = []
-    from pipeline.results.tasks_render import tasks_section
 
     for section in (_header, _quality, tasks_section, _size, _speed, _speculative, serving, techniques_section, _gates,
                     _stages, _exports):
@@ -271,11 +275,6 @@ def render_markdown(report: Report, plots: list[str]) -> str:
 def render_report(run_dir: Path) -> None:
     """Write report.md, plots/*.png and the model cards of existing export folders from
     run_dir/report.json and recipe.lock.toml (nothing is recomputed)."""
-    from pipeline.base.fileio import atomic_write_text
-    from pipeline.results import schema
-    from pipeline.results.card import render_cards
-    from pipeline.results.plots import write_plots
-
     run_dir = Path(run_dir)
     report = schema.load(run_dir)
     plots = write_plots(report, run_dir / "plots")

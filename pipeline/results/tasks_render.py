@@ -2,6 +2,8 @@
 model-index results. Read from the typed report only (ModelEntry.tasks, ModelEntry.task_recovery)."""
 from __future__ import annotations
 
+from huggingface_hub import EvalResult
+
 from pipeline.results.format import num, table
 from pipeline.results.query import models
 from pipeline.results.schema import Report
@@ -73,8 +75,6 @@ def _chance_notes(report: Report) -> list[str]:
 def task_eval_results(e) -> list:
     """Hub `model-index` results, one per task scored (dataset id, config and split from the task registry):
     the score, and for a variant its recovery with the paired interval in the metric's name."""
-    from huggingface_hub import EvalResult
-
     out = []
     for task, t in sorted((getattr(e, "tasks", None) or {}).items()):
         ds = {**_dataset(task), "dataset_split": t.split}

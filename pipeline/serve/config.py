@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeline.base.problem import Problem
 from pipeline.quant.registry import METHODS
+from pipeline.serve import engines
+from pipeline.serve.engines.base import describe
 
 EngineChoice = Literal["auto", "transformers", "llama.cpp", "vllm"]
 _DEFAULT_ENGINES: tuple[EngineChoice, ...] = ("auto",)
@@ -88,8 +90,6 @@ def engine_plan(cfg: ServeConfig, fmt: str, device: str, model: str
     format's default engine (skipped with its reason when that is an extra not installed); a named engine serves the
     models whose format it declares, must be installed, and a model that no listed engine declares is refused.
     An engine that `engine_models` keeps for other models is not asked for this one at all."""
-    from pipeline.serve import engines
-
     declared = engines.declared(fmt, device)
     why = engines.engines_for(fmt, device)
     if cfg.engines == "all":
@@ -117,9 +117,6 @@ def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None] | tuple[str
     `models` are (name, method) pairs, the baseline's method None, or (name, method, format) when a variant asks
     for another format than its method's default. A model no engine can serve here is refused, naming the engines
     that can."""
-    from pipeline.serve import engines
-    from pipeline.serve.engines.base import describe
-
     problems: list[Problem] = []
     out: dict[str, dict[str, str | None]] = {}
     served = [n for n, *_ in models if cfg.serves(n)]

@@ -74,6 +74,7 @@ class DrainMiddleware:
 
 def run(asgi_app, drain: Drain, sock: socket.socket, drain_s: float) -> None:
     """Serve on `sock` until a signal and its drain have ended."""
+    # late: the HTTP server; `compress check` imports the engines that use this module
     import uvicorn
 
     class _Server(uvicorn.Server):

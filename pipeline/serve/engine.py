@@ -13,6 +13,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from transformers import AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
+
+from pipeline.quant.checkpoint import load_checkpoint
+
 
 @dataclass
 class Step:
@@ -29,11 +34,6 @@ class TransformersEngine:
         """max_batch requests at once, each at most max_len tokens (prompt + output, capped at the model's context).
         The paged KV cache is sized for exactly that: left to itself the manager sizes it to 60% of free memory,
         which on a CPU means zeroing gigabytes before the first request (tens of seconds, measured here)."""
-        import torch
-        from transformers import AutoTokenizer, ContinuousBatchingConfig, GenerationConfig
-
-        from pipeline.quant.checkpoint import load_checkpoint
-
         self.model = load_checkpoint(folder, device=device)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         eos = self.model.generation_config.eos_token_id

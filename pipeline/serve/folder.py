@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.base.errors import RecipeError
+from pipeline.serve.engines import checkpoint_format
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -22,8 +23,6 @@ class ExportFolder:
     @property
     def checkpoint_format(self) -> str:
         """As engines declare formats (pipeline/serve/engines): "gguf", "unquantized" or the quant_method."""
-        from pipeline.serve.engines import checkpoint_format
-
         return checkpoint_format(self.format, self.quant_method)
 
 

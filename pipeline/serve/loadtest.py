@@ -15,9 +15,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import aiohttp
+
+from pipeline.data import resolve, rows
 
 # Greedy, exactly max_tokens tokens, on every server compress serve runs: ignore_eos (compress serve's transformers
 # app, vLLM) or min_tokens = max_tokens (llama-cpp-python's server, vLLM); temperature 0 and no repetition penalty
@@ -78,8 +83,6 @@ def peak_rss(pid: int | None) -> int | None:
 
 def corpus_prompts(n: int, words: int = 64, dataset: str = "wikitext2") -> list[str]:
     """n prompts of about `words` words each, from the perplexity corpus's non-empty rows, in order."""
-    from pipeline.data import resolve, rows
-
     text = " ".join(r.strip() for r in rows(resolve(dataset)) if r.strip())
     toks = text.split()
     return [" ".join(toks[i * words:(i + 1) * words]) for i in range(n)]
@@ -87,8 +90,6 @@ def corpus_prompts(n: int, words: int = 64, dataset: str = "wikitext2") -> list[
 
 async def one_request(session, url: str, body: dict, headers: dict, timeout_s: float) -> dict:
     """One streaming completion: {status, tokens, ttft, gaps, error}."""
-    import aiohttp
-
     t0 = time.perf_counter()
     out: dict = {"status": None, "tokens": 0, "ttft": None, "gaps": [], "error": None}
     try:
@@ -137,8 +138,6 @@ async def one_request(session, url: str, body: dict, headers: dict, timeout_s: f
 async def run_level(base_url: str, model: str, prompts: list[str], concurrency: int, requests: int,
                     max_tokens: int, api_key: str | None = None, timeout_s: float = 120.0,
                     pid: int | None = None) -> LevelResult:
-    import aiohttp
-
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     todo = list(range(requests))
@@ -191,7 +190,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pid", type=int, default=None, help="the server's pid (its peak memory is read from /proc)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     a = p.parse_args(argv)
-    import os
 
     res = run(a.url, a.model, [int(x) for x in a.concurrency.split(",")], a.requests, a.max_tokens, a.prompt_words,
               os.environ.get("COMPRESS_API_KEY"), a.pid)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -11,7 +12,15 @@ import time
 import urllib.request
 from pathlib import Path
 
+import torch
+from transformers import AutoTokenizer
+
 from pipeline.base.errors import StageError
+from pipeline.model.models import single_gguf
+from pipeline.quant.checkpoint import load_checkpoint
+from pipeline.serve import engines
+from pipeline.serve.engines.base import error_line
+from pipeline.serve.loadtest import FIXED_LENGTH_GREEDY, run
 
 # what the `compress serve` subprocess runs, named so the serve unit's identity covers it (pipeline/base/codehash.py);
 # the CLI that parses its arguments is harness, followed by no unit
@@ -43,9 +52,6 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
     """{"equality": {...}, "levels": [...], "engine", "versions", "ready_s", "server_exit"}; the server's log in
     out/. The server is `compress serve --engine <engine>` in a subprocess; the options passed are those the engine
     applies (pipeline/serve/engines), so none is refused."""
-    from pipeline.serve import engines
-    from pipeline.serve.loadtest import FIXED_LENGTH_GREEDY, run
-
     eng = engines.get(engine)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -94,8 +100,6 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
 
 
 def _error_line(out: Path) -> str:
-    from pipeline.serve.engines.base import error_line
-
     return error_line((out / "server.log").read_text(errors="replace").splitlines())
 
 
@@ -104,8 +108,6 @@ def _vllm_facts(log: Path, folder: Path) -> dict:
     kernels it chose ("Using CPUWNA16LinearKernel for ..."); and whether its CPU kernel multiplied 4-bit weights with
     int8-quantized activations: vLLM 0.32 does for 4-bit GPTQ/AWQ in bfloat16 on a CPU with AMX unless
     VLLM_CPU_INT4_W4A8=0 (read in its source, mixed_precision/cpu.py; its log does not say)."""
-    import re
-
     text = log.read_text(errors="replace")
     m = re.search(r"\bdtype=torch\.(\w+)", text)
     kernels = sorted(set(re.findall(r"Using (\w+Kernel|\w+LinearMethod) for", text)))
@@ -144,12 +146,6 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float, out: Path) -> dict:
 def _generate(folder: Path, prompts: list[str], n: int, device: str):
     """(greedy `generate` token ids per prompt, tokenizer, dtype), after the server stopped: one copy of the weights
     at a time. A .gguf folder loads the way transformers reads it: every tensor dequantized."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from pipeline.model.models import single_gguf
-    from pipeline.quant.checkpoint import load_checkpoint
-
     model = load_checkpoint(folder, device=device)
     tok = AutoTokenizer.from_pretrained(folder)  # a GGUF variant's folder holds the baseline's tokenizer files
     refs = []

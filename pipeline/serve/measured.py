@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pipeline.base.errors import RecipeError
 from pipeline.base.fileio import atomic_write_text
 
 SERVING_FILE = "serving.json"
@@ -56,8 +57,6 @@ def read(folder: Path) -> dict:
             raise ValueError(f"schema {data.get('schema')!r}, expected {SCHEMA}")
         return data["engines"]
     except (ValueError, AttributeError) as e:
-        from pipeline.base.errors import RecipeError
-
         raise RecipeError(f"{path}: not a compress serving record ({e}); remove it or pass --engine") from None
 
 

@@ -18,6 +18,7 @@ import socket
 from dataclasses import replace
 
 from pipeline.base.errors import RecipeError
+from pipeline.serve import engines
 from pipeline.serve.engines.base import ServeOptions
 from pipeline.serve.folder import inspect
 
@@ -62,8 +63,6 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(folder: str, engine: str, opts: ServeOptions) -> int:
     """Check the folder, the key, the engine and the options it cannot apply, bind the port, then serve."""
-    from pipeline.serve import engines
-
     exp = inspect(folder)
     opts = replace(opts, key=resolve_key(opts.host, opts.key))
     if engine == "auto":

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from pipeline.model.dtypes import torch_dtype
 from pipeline.speculative.targets import autocast
@@ -243,7 +244,5 @@ def check_tokenizers_match(verifier_tok, draft_tok) -> None:
 
 def load_causal_lm(path: Path, device: str = "cpu"):
     """Any checkpoint from_pretrained can read (fp32, GPTQ, bitsandbytes), in eval mode, on `device`."""
-    from transformers import AutoModelForCausalLM
-
     placed = {} if device == "cpu" else {"device_map": {"": device}}
     return AutoModelForCausalLM.from_pretrained(str(path), **placed).eval()

@@ -3,6 +3,7 @@ acceptance, speed-up and costs on held-out prompts. Nothing here is part of the 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -81,10 +82,6 @@ def check_no_overlap(train_texts: list[str], prompts: list[str], probe_chars: in
 
 def worker_task(args: dict) -> dict:
     """The worker's "speculative" task (pipeline/base/worker.py TASKS)."""
-    import logging
-
-    from pipeline.speculative.config import DraftConfig
-
     und = Path(args["undistilled"]) if args.get("undistilled") else None
     fp = Path(args["fp_distilled"]) if args.get("fp_distilled") else None
     return measure_speculative(Path(args["verifier"]), Path(args["draft"]), args["prompts"],

@@ -12,6 +12,8 @@ import torch
 from transformers import AutoTokenizer
 
 from pipeline.base.public import public_tree
+from pipeline.model.models import load_source
+from pipeline.model.sources import parse
 from pipeline.speculative.config import DraftConfig
 from pipeline.speculative.distill import distill
 from pipeline.speculative.draft_model import (
@@ -37,9 +39,6 @@ def init_draft(verifier, cfg: DraftConfig, base_dir: Path | None,
     untie = (cfg.vocab_size is not None or cfg.init_head == "lens"
              or bool({"head", "embed"} & set(cfg.distill.train)))
     if cfg.init == "model":
-        from pipeline.model.models import load_source
-        from pipeline.model.sources import parse
-
         assert cfg.source is not None  # DraftConfig: init = 'model' needs source
         draft, draft_tok = load_source(parse(cfg.source), "float32", 0, None)
         check_tokenizers_match(verifier_tok, draft_tok)

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import json
 
+from safetensors.torch import save_file
+from transformers import AutoTokenizer
+
 from pipeline import data
 from pipeline.stages.kinds import Calibrate, Load
 from pipeline.base.unit import Unit, UnitContext
+from pipeline.data.calib import sample_token_windows, training_documents
 
 CODE = ("stages/calibrate.py",)  # the entry module: what it imports is found by pipeline/base/codehash.py
 
@@ -19,11 +23,6 @@ def unit(recipe) -> Unit:
 
 
 def run(ctx: UnitContext, recipe) -> dict:
-    from safetensors.torch import save_file
-    from transformers import AutoTokenizer
-
-    from pipeline.data.calib import sample_token_windows, training_documents
-
     cfg = recipe.calibration
     tokenizer = AutoTokenizer.from_pretrained(ctx.dep(Load.key()))
     docs = training_documents(cfg)

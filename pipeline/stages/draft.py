@@ -7,6 +7,11 @@ from pathlib import Path
 
 from pipeline.stages.kinds import Draft, Load, Quantize
 from pipeline.base.unit import Unit, UnitContext
+from pipeline.quant.registry import model_code
+from pipeline import data
+from pipeline.model.sources import content_identity, parse
+from pipeline.data.calib import training_documents
+from pipeline.speculative.stage_api import build_draft
 
 CODE = ("stages/draft.py",)  # the entry module: what it imports is found by pipeline/base/codehash.py
 # [draft] fields only the speculative measurement reads (validate/draft/speculative): changing them never
@@ -26,8 +31,6 @@ def verifier_key(recipe) -> str:
 
 def verifier_code(recipe) -> tuple[str, ...]:
     """The verifier's method file (its checkpoint is loaded by that method's reload hook), () for the baseline."""
-    from pipeline.quant.registry import model_code
-
     return model_code(recipe, recipe.draft.verifier)
 
 
@@ -40,9 +43,6 @@ def unit(recipe) -> Unit:
 def unit_config(recipe) -> dict:
     """The draft's identity: the recipe fields distillation reads (not gamma or how the draft is measured), the
     training corpus by content, and an init='model' source by content."""
-    from pipeline import data
-    from pipeline.model.sources import content_identity, parse
-
     cfg, cal = recipe.draft, recipe.calibration
     return {"draft": cfg.model_dump(mode="json", exclude=MEASURE_ONLY),
             "calibration": cal.model_dump(mode="json", include=CORPUS_FIELDS),
@@ -51,9 +51,6 @@ def unit_config(recipe) -> dict:
 
 
 def run(ctx: UnitContext, recipe) -> dict:
-    from pipeline.data.calib import training_documents
-    from pipeline.speculative.stage_api import build_draft
-
     texts = training_documents(recipe.calibration)
     # layers are copied from the unquantized model (a GPTQ verifier's packed weights cannot be sliced);
     # distillation targets come from the verifier itself. ctx.work survives a kill: checkpoints live there.
@@ -74,8 +71,6 @@ def fp_distilled(ctx: UnitContext, recipe, texts: list[str]) -> dict:
     """The same draft (settings, budget, seed) distilled against the full-precision baseline instead of the
     quantized verifier, into draft/fp-distilled (never exported): validate measures it with the quantized
     verifier, showing what distilling against the deployed model buys. Its scratch is ctx.work/fp."""
-    from pipeline.speculative.stage_api import build_draft
-
     cfg = recipe.draft.model_copy(update={"verifier": "baseline"})
     log.info("draft: also distilling against the full-precision baseline (draft.measure.compare_fp_distilled)")
     metrics = build_draft(ctx.dep(Load.key()), cfg, texts, ctx.out / "fp-distilled", ctx.work / "fp", ctx.seed,

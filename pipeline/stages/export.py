@@ -7,18 +7,22 @@ import os
 import shutil
 from pathlib import Path
 
+import tomli_w
+
 from pipeline.base.fileio import drop_none
 from pipeline.stages.kinds import Draft, Export, Load, Quantize
 from pipeline.base.unit import METRICS, MANIFEST, Unit, UnitContext
+from pipeline.results.card import card_recipe, entry_data, write_model_card
+from pipeline.quant.registry import model_code
+from pipeline.results import schema
+from pipeline.serve import measured
+from pipeline.base.public import public_tree
 
 SKIP_SUFFIXES = (".log", ".jsonl")
 
 
 def units(recipe, validate_keys: list[str]) -> list[Unit]:
-    from pipeline.results.card import card_recipe
-
     card_hash = hashlib.sha256(json.dumps(card_recipe(drop_none(recipe.dump())), sort_keys=True).encode()).hexdigest()
-    from pipeline.quant.registry import model_code
 
     entries = [(q.name, "variant", Quantize.key(q.name), None) for q in recipe.quantize]
     if recipe.export.include_baseline:
@@ -47,9 +51,6 @@ def checkpoint_files(src: Path) -> list[Path]:
 
 
 def run(ctx: UnitContext, recipe, entry: dict, src_key: str) -> dict:
-    from pipeline.results import schema
-    from pipeline.results.card import write_model_card
-
     src = ctx.dep(src_key)
     for f in checkpoint_files(src):
         if recipe.export.link == "hardlink":
@@ -63,9 +64,6 @@ def run(ctx: UnitContext, recipe, entry: dict, src_key: str) -> dict:
     lock_text = (ctx.run_dir / "recipe.lock.toml").read_text()
     write_model_card(ctx.out, report, entry, recipe_excerpt(recipe, entry), lock_text)
     if entry["kind"] != "draft":  # the figures `compress serve --engine auto` picks an engine by
-        from pipeline.results.card import entry_data
-        from pipeline.serve import measured
-
         served = entry_data(report, entry).served
         measured.write(ctx.out, None if served is None else {k: s.model_dump() for k, s in served.items()})
     files = {p.name: p.stat().st_size for p in ctx.out.iterdir() if p.is_file()}
@@ -74,10 +72,6 @@ def run(ctx: UnitContext, recipe, entry: dict, src_key: str) -> dict:
 
 def recipe_excerpt(recipe, entry: dict) -> str:
     """The recipe tables that made this entry, as its card shows them (local paths reduced to file names)."""
-    import tomli_w
-
-    from pipeline.base.public import public_tree
-
     data = recipe.dump()
     keep = {"model": data["model"], "calibration": data["calibration"]}
     if entry["kind"] == "variant":

@@ -5,11 +5,16 @@ from __future__ import annotations
 import json
 import logging
 
+from transformers import AutoConfig
+
 from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
 from pipeline.base.fileio import sha256_file
 from pipeline.stages.kinds import Load
 from pipeline.base.unit import Unit, UnitContext
 from pipeline.model.sources import content_identity, describe, link_problem, parse
+from pipeline.model.materialize import checkpoint_facts
+from pipeline.model.models import check_vocab, load_model, source_tokenizer
+from pipeline.model import materialize
 
 CODE = ("stages/load.py",)  # the entry module: what it imports is found by pipeline/base/codehash.py
 log = logging.getLogger("compress")
@@ -29,9 +34,6 @@ def unit(recipe) -> Unit:
 
 
 def run(ctx: UnitContext, recipe) -> dict:
-    from pipeline.model.materialize import checkpoint_facts
-    from pipeline.model.models import check_vocab, source_tokenizer
-
     cfg = recipe.model
     src = parse(cfg.source, cfg.gguf_file)
     info = describe(src)
@@ -56,13 +58,8 @@ def run(ctx: UnitContext, recipe) -> dict:
 
 def write_weights(ctx: UnitContext, src, dtype: str, trust_remote_code: bool) -> str:
     """Put the weights into ctx.out in `dtype` the cheapest way; returns how (recorded in the metrics)."""
-    from pipeline.model import materialize
-    from pipeline.model.models import load_model
-
     why = link_problem(src, dtype)
     if why is None:  # a safetensors folder kept as stored: config readable, then its files linked
-        from transformers import AutoConfig
-
         config = AutoConfig.from_pretrained(src.path, trust_remote_code=trust_remote_code)
         arch = type(materialize.meta_model(config, trust_remote_code)).__name__
         how = materialize.link_checkpoint(src.path, ctx.out, trust_remote_code)
@@ -74,8 +71,6 @@ def write_weights(ctx: UnitContext, src, dtype: str, trust_remote_code: bool) ->
             log.info("load: %s dequantized tensor by tensor into safetensors (%s)", src.path.name, dtype)
             return "dequantized tensor by tensor"
     if src.random_init:
-        from transformers import AutoConfig
-
         config = AutoConfig.for_model(**json.loads(src.path.read_text()))
         materialize.random_to_safetensors(config, ctx.out, dtype, ctx.seed, trust_remote_code)
         log.info("load: %s built with random weights in %s tensor by tensor into safetensors", src.spec, dtype)

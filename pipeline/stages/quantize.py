@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 import logging
+import json
+
+from safetensors.torch import load_file
 
 from pipeline.stages.kinds import Calibrate, Load, Quantize
 from pipeline.base.unit import Unit, UnitContext
+from pipeline.quant.registry import method_code, needs_calibration, runtimes
+from pipeline.quant.api import quantize_variant
+from pipeline.quant.shapes import linear_shapes_from_config
 
 # the entry module; what it imports is found by pipeline/base/codehash.py. Each unit adds its own method's file
 # (pipeline/quant/methods/<name>.py), and only that one: editing one method reruns that method's variants, no other
@@ -14,8 +20,6 @@ log = logging.getLogger("compress")
 
 
 def units(recipe) -> list[Unit]:
-    from pipeline.quant.registry import method_code, needs_calibration
-
     # not in the units' identity: offloading changes how the weights are computed, not what they are
     limit = recipe.run.memory_limit_bytes
     out = []
@@ -27,10 +31,6 @@ def units(recipe) -> list[Unit]:
 
 
 def run(ctx: UnitContext, variant, memory_limit: int | None = None) -> dict:
-    from safetensors.torch import load_file
-
-    from pipeline.quant.api import quantize_variant
-
     calib = None
     if Calibrate.key() in ctx.manifests:
         calib = load_file(ctx.dep(Calibrate.key()) / "calibration.safetensors")["input_ids"]
@@ -42,11 +42,6 @@ def run(ctx: UnitContext, variant, memory_limit: int | None = None) -> dict:
 
 def serving_runtimes(model_dir, variant) -> list[dict]:
     """Which runtimes can serve this checkpoint, and with which kernel (from the model's shapes)."""
-    import json
-
-    from pipeline.quant.registry import runtimes
-    from pipeline.quant.shapes import linear_shapes_from_config
-
     config = json.loads((model_dir / "config.json").read_text())
     return runtimes(variant, linear_shapes_from_config(config))
 

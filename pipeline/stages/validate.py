@@ -7,6 +7,18 @@ import logging
 from pipeline.base.unit import Unit, UnitContext
 from pipeline.base.worker import run_task
 from pipeline.stages.kinds import Draft, Load, Quality, Quantize, Serve, Speculative, Speed, Tasks
+from pipeline import data
+from pipeline.quant.registry import model_code, variant_format
+from pipeline.serve import engines
+from pipeline.serve.config import engine_plan, model_format
+from pipeline.eval.tasks_config import task_jobs
+from pipeline.stages.draft import verifier_code, verifier_key
+from pipeline.eval.jobs import run_quality
+from pipeline.eval.speed import run_speed_subprocess, speed_skip
+from pipeline.base.fileio import atomic_write_json
+from pipeline.serve.folder import inspect
+from pipeline.serve.loadtest import corpus_prompts
+from pipeline.serve.measure import Refused, measure
 
 # the entry module; what it imports (the worker, the eval and speculative code it runs) is found by pipeline/base/codehash.py
 CODE = ("stages/validate.py",)
@@ -14,13 +26,10 @@ log = logging.getLogger("compress")
 
 
 def units(recipe) -> list[Unit]:
-    from pipeline import data
-
     v = recipe.validate_
     models = [("baseline", Load.key())] + [(q.name, Quantize.key(q.name)) for q in recipe.quantize]
     ppl = v.perplexity
     eval_data = data.identity(data.resolve(ppl.dataset, ppl.text_field))  # the evaluation text, by content
-    from pipeline.quant.registry import model_code, variant_format
 
     formats = {q.name: variant_format(q) for q in recipe.quantize}
     out = []
@@ -47,9 +56,6 @@ def serve_units(recipe, name: str, src: str, fmt: str | None, eval_data, code: t
     """validate/<model>/serve/<engine>, one per engine [validate.serve] engines asks for this model's format
     (pipeline/serve/config.py engine_plan). Each identity holds its engine's installed version: a rerun after
     installing (or upgrading) an engine serves the model in it again, and only there."""
-    from pipeline.serve import engines
-    from pipeline.serve.config import engine_plan, model_format
-
     cfg = recipe.validate_.serve
     if not cfg.serves(name):
         return []
@@ -69,9 +75,6 @@ def serve_units(recipe, name: str, src: str, fmt: str | None, eval_data, code: t
 def task_units(recipe, models: list[tuple[str, str]]) -> list[Unit]:
     """validate/<model>/tasks ([validate.tasks]): identity = the task config and each task's data by sha256;
     a variant's unit also reads the baseline's saved per-item scores (recovery on the same items)."""
-    from pipeline.eval.tasks_config import task_jobs
-    from pipeline.quant.registry import model_code
-
     cfg = recipe.validate_.tasks
     if not cfg.enabled or not cfg.tasks:
         return []
@@ -102,8 +105,6 @@ def tasks(ctx: UnitContext, recipe, name: str, src: str, jobs: list[dict]) -> di
 def speculative_unit(recipe) -> Unit:
     """Acceptance and speed-up of the draft: every [draft] field (gamma and [draft.measure] are read here, and
     only here) and the held-out prompts by content."""
-    from pipeline import data
-    from pipeline.stages.draft import verifier_code, verifier_key
     cfg, ppl = recipe.draft, recipe.validate_.perplexity
     if cfg.measure.prompts is not None:
         prompts = {"dataset": cfg.measure.prompts, "data": data.identity(data.resolve(cfg.measure.prompts))}
@@ -116,8 +117,6 @@ def speculative_unit(recipe) -> Unit:
 
 
 def quality(ctx: UnitContext, recipe, name: str, src: str) -> dict:
-    from pipeline.eval.jobs import run_quality
-
     v = recipe.validate_
     ref = None if name == "baseline" else ctx.dep(Quality.key("baseline"))
     return run_quality(ctx.dep(src), ctx.out, v.perplexity, v.smoke, ctx.device, recipe.run.threads, reference=ref,
@@ -127,9 +126,6 @@ def quality(ctx: UnitContext, recipe, name: str, src: str) -> dict:
 def speed(ctx: UnitContext, recipe, name: str, src: str) -> dict:
     """Time one model in a fresh process; under [run] max_memory_gb, a model whose timing would not fit is not
     timed and the reason is recorded instead (speed_skip)."""
-    from pipeline.eval.speed import run_speed_subprocess, speed_skip
-    from pipeline.base.fileio import atomic_write_json
-
     cfg = recipe.validate_.speed.for_model(name)
     skipped = speed_skip(ctx.dep(src), cfg.model_dump(mode="json"), recipe.run.memory_limit_bytes, ctx.device)
     if skipped is not None:
@@ -141,8 +137,6 @@ def speed(ctx: UnitContext, recipe, name: str, src: str) -> dict:
 
 
 def speculative(ctx: UnitContext, recipe) -> dict:
-    from pipeline.stages.draft import verifier_key
-
     cfg, draft = recipe.draft, ctx.dep(Draft.key())
     args = {"verifier": str(ctx.dep(verifier_key(recipe))), "draft": str(draft),
             "prompts": held_out_prompts(cfg.measure.num_prompts, recipe.validate_.perplexity, cfg.measure.prompts),
@@ -155,8 +149,6 @@ def speculative(ctx: UnitContext, recipe) -> dict:
 def held_out_prompts(n: int, ppl_cfg, dataset: str | None = None) -> list[str]:
     """Prompts for measuring acceptance, never trained on: `n` documents spread through `dataset` (each one
     prompt), or by default paragraphs of the evaluation corpus."""
-    from pipeline import data
-
     if dataset is not None:
         docs = data.documents(data.resolve(dataset))
         if len(docs) < n:
@@ -173,11 +165,6 @@ def held_out_prompts(n: int, ppl_cfg, dataset: str | None = None) -> list[str]:
 def serve(ctx: UnitContext, recipe, name: str, src: str, engine: str, skipped: str | None) -> dict:
     """`compress serve --engine <engine>` on the model's checkpoint: greedy output against generate's, then the load
     test. An engine not installed here records why it was not served instead."""
-    from pipeline.serve import engines
-    from pipeline.serve.folder import inspect
-    from pipeline.serve.loadtest import corpus_prompts
-    from pipeline.serve.measure import Refused, measure
-
     cfg, ppl = recipe.validate_.serve, recipe.validate_.perplexity
     folder = inspect(ctx.dep(src))
     if skipped:

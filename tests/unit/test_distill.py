@@ -374,6 +374,7 @@ def test_draft_stage_compares_a_draft_distilled_against_the_full_precision_model
     from pipeline.stages import validate as validate_stage
 
     monkeypatch.setattr(pipeline.data.calib, "training_documents", lambda cfg: texts(30))
+    monkeypatch.setattr(draft_stage, "training_documents", lambda cfg: texts(30))  # bound at its import
     monkeypatch.setattr(validate_stage, "held_out_prompts", lambda n, cfg, dataset=None: texts(n, seed=9))
     tiny = tmp_path / "recipe.toml"
     tiny.write_text(STAGE_RECIPE)

@@ -1,7 +1,6 @@
 """The Ray executor's node admission, per-attempt folders and resource requests, without a cluster: node tables and a
 fake of the few Ray calls the driver makes (the real two-node cluster: tests/e2e/test_ray_executor.py)."""
 import json
-import sys
 import threading
 import types
 from collections import defaultdict
@@ -147,7 +146,8 @@ def executor(monkeypatch, tmp_path, table, results):
     from pipeline.results import schema
 
     fake, probed = FakeRay(results), []
-    monkeypatch.setitem(sys.modules, "ray", fake)
+    monkeypatch.setattr(rx, "ray", fake)  # the driver module imports Ray at its top
+    monkeypatch.setattr(rx, "rex", fake.exceptions)
     monkeypatch.setattr(schema, "save", lambda report, run_dir: None)
     monkeypatch.setattr(rx, "connect", lambda address: None)
     monkeypatch.setattr(rx, "alive_nodes", lambda: list(table))

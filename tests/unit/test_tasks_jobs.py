@@ -57,7 +57,7 @@ def test_task_jobs_identity_metric_and_the_humaneval_opt_in(tmp_path, monkeypatc
     from pipeline.eval.taskdata import TASKS
 
     pytest.importorskip("lm_eval")
-    monkeypatch.setattr("pipeline.eval.taskdata.data_file", lambda spec: tmp_path / spec.member)
+    monkeypatch.setattr("pipeline.eval.tasks_config.data_file", lambda spec: tmp_path / spec.member)
     cfg = TasksConfig(enabled=True, tasks=["piqa", "humaneval"], metric={"piqa": "acc_norm"}, execute_code=True)
     piqa, he = task_jobs(cfg)
     assert piqa["metric"] == "acc_norm" and piqa["sha256"] == TASKS.get("piqa").sha256

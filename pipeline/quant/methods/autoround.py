@@ -24,6 +24,7 @@ from pipeline.quant.gptq_format import GPTQFormatMethod, lm_head_rule
 from pipeline.quant.method import QuantMethod, missing_package
 from pipeline.quant.shapes import Arch
 from pipeline.quant.variant import Calibrated, GPTQFormat
+from pipeline.model.dtypes import torch_dtype
 
 ENGINE = "auto_round"
 EXPORT_FORMAT = "auto_gptq"
@@ -89,6 +90,7 @@ def cpp_compiler() -> str | None:
 
 
 def _engine_version() -> str:
+    # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
     import auto_round
 
     return auto_round.__version__
@@ -114,6 +116,7 @@ def compiles(variant, dtype: str, device: str) -> bool:
     """Whether auto-round's tuning step is torch.compile'd: as the variant asks, except where float32_matmuls
     upcasts half-precision matmuls (a CPU without bf16/fp16 units): its torch function mode and swapped F.linear
     have not been tried under dynamo, so that path stays eager (the manifest's torch_compile says which ran)."""
+    # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
     from pipeline.model.compute import upcasts
 
     return variant.torch_compile and not upcasts(dtype, device)
@@ -121,12 +124,12 @@ def compiles(variant, dtype: str, device: str) -> bool:
 
 def tune(base_dir: Path, variant, calib_ids, console: IO[str], device: str) -> Tuned:
     """Tune and export into a scratch folder (finish() moves it into out_dir)."""
+    # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
     import torch
     from auto_round import AutoRound
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.model.compute import float32_matmuls
-    from pipeline.model.dtypes import torch_dtype
     from pipeline.quant.common import base_dtype, skipped_linears
 
     dtype = variant.dtype or base_dtype(base_dir)
@@ -151,7 +154,8 @@ def tune(base_dir: Path, variant, calib_ids, console: IO[str], device: str) -> T
 def _block_bar_on(console: IO[str]) -> Iterator[None]:
     """auto-round's per-block tqdm bar (it names the block being tuned) drawn on the console instead of into the
     engine log, where every other line of the library goes."""
-    from unittest import mock
+    # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
+    from unittest import mock  # (unittest.mock imports asyncio: tens of ms on every check)
 
     import auto_round.compressors.orchestrator as orchestrator
 
@@ -175,6 +179,7 @@ def _checkpoint_folder(export: Path) -> Path:
 
 
 def finish(tuned: Tuned, base_dir: Path, out_dir: Path, variant) -> dict:
+    # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
     from pipeline.quant.common import base_dtype, finish_checkpoint
     from pipeline.quant.gptqmodel_driver import quantized_in_blocks
 
@@ -183,6 +188,7 @@ def finish(tuned: Tuned, base_dir: Path, out_dir: Path, variant) -> dict:
     qc = json.loads((tuned.folder / "config.json").read_text())["quantization_config"]
     extra = {}
     if variant.format == "compressed-tensors":  # the same integers, rewritten (pipeline/quant/ct_export.py)
+        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
         from pipeline.quant.ct_export import rewrite_in_place
 
         shutil.copyfile(tuned.folder / "config.json", out_dir / "config.json")

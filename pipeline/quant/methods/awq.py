@@ -95,11 +95,13 @@ class AWQMethod(GPTQModelKernels, QuantMethod):
                 "What this run recorded:", ""]
 
     def session(self, out_dir: Path):
+        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
         from pipeline.quant.gptqmodel_driver import session
 
         return session(out_dir)
 
     def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
+        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
         from gptqmodel import BACKEND
         from gptqmodel.quantization.config import AWQConfig
 
@@ -113,6 +115,7 @@ class AWQMethod(GPTQModelKernels, QuantMethod):
                                  run_dtype(variant, base_dir), device, backend=backend)
 
     def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
+        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
         from pipeline.quant.common import finish_checkpoint, skipped_linears
         from pipeline.quant.gptqmodel_driver import ENGINE, append_file, engine_version
 
@@ -129,6 +132,7 @@ class AWQMethod(GPTQModelKernels, QuantMethod):
 
 def run_dtype(variant, base_dir: Path) -> str:
     """The variant's dtype, else the checkpoint's when it is 16-bit, else bfloat16."""
+    # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
     from pipeline.quant.common import base_dtype
 
     base = base_dtype(base_dir)

@@ -19,6 +19,8 @@ from pydantic import Field
 from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod
 from pipeline.quant.shapes import Arch
 from pipeline.quant.variant import Dtype, VariantBase
+from pipeline.model.dtypes import torch_dtype
+from pipeline.base.memory import MappedPagesTrimmed
 
 ENGINE = "bitsandbytes"
 
@@ -91,10 +93,9 @@ class BnbMethod(QuantMethod):
 
     def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
         """Quantized while loading; not run (see the module note)."""
+        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
         from transformers import AutoModelForCausalLM
 
-        from pipeline.model.dtypes import torch_dtype
-        from pipeline.base.memory import MappedPagesTrimmed
         from pipeline.quant.common import base_dtype
 
         # transformers maps the whole checkpoint and reads it tensor by tensor: without trimming, every page it read
@@ -104,6 +105,7 @@ class BnbMethod(QuantMethod):
                                                         device_map={"": device}, dtype=torch_dtype(base_dtype(base_dir)))
 
     def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
+        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
         import bitsandbytes
 
         from pipeline.quant.common import base_dtype, finish_checkpoint
@@ -116,9 +118,8 @@ class BnbMethod(QuantMethod):
 
 
 def bnb_config(variant):
+    # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
     from transformers import BitsAndBytesConfig
-
-    from pipeline.model.dtypes import torch_dtype
 
     skip = list(variant.modules_to_skip) or None
     if variant.method == "bnb-int8":

@@ -173,6 +173,7 @@ class GGUFMethod(QuantMethod):
 
     def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
         """The whole file in memory (pipeline/quant/gguf_export.py Converted)."""
+        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
         from pipeline.quant.gguf_export import convert
 
         config = json.loads((base_dir / "config.json").read_text())
@@ -185,6 +186,7 @@ class GGUFMethod(QuantMethod):
     def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
         """Write the file (through llama.cpp's quantizer for K-quants), the tokenizer files beside it, and
         describe what the file holds, read back from it."""
+        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
         from pipeline.quant.gguf_export import write
 
         return write(model, base_dir, out_dir, variant, variant.type in GGUF_KQUANT_TYPES)

@@ -56,6 +56,7 @@ class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
         return problems
 
     def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
+        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
         from pipeline.quant.common import base_dtype
         from pipeline.quant.gptqmodel_driver import calibration_rows, quantize_with
 
@@ -64,6 +65,7 @@ class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
 
 
 def gptq_config(variant):
+    # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
     from gptqmodel import GPTQConfig
     from gptqmodel.quantization.config import FOEMConfig, GPTAQConfig
 

@@ -30,6 +30,7 @@ class RTNMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
     memory = "layerwise"
 
     def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
+        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
         from gptqmodel import RTNConfig
 
         from pipeline.quant.common import base_dtype

@@ -17,14 +17,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Literal, Optional
+import types
 
 from pydantic import Field
 
 from pipeline.base.problem import Problem
-from pipeline.model.dtypes import DTYPE_NAMES
+from pipeline.model.dtypes import DTYPE_NAMES, torch_dtype
 from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod
 from pipeline.quant.shapes import Arch
 from pipeline.quant.variant import Dtype, VariantBase
+from pipeline.base.fileio import canonical_safetensors
 
 ENGINE = "torchao"
 TORCHAO_GROUP_SIZES = (32, 64, 128, 256)  # Int4WeightOnlyConfig's documented group sizes
@@ -159,16 +161,14 @@ class TorchAoMethod(QuantMethod):
                 f"vLLM (CUDA): `vllm serve {repo}` (its `torchao` quantization method). What this run recorded:", ""]
 
     def after_load(self, model) -> None:
-        import types
-
         # transformers counts a torchao weight (a tensor subclass) at the dense dtype it stands for
         model.get_memory_footprint = types.MethodType(footprint_bytes, model)
 
     def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
         """Quantized while loading (no calibration)."""
+        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
         from transformers import AutoModelForCausalLM, TorchAoConfig
 
-        from pipeline.model.dtypes import torch_dtype
         from pipeline.quant.common import base_dtype, skipped_linears
 
         qc = TorchAoConfig(ao_config(variant), modules_to_not_convert=skipped_linears(base_dir, variant.modules_to_skip))
@@ -177,9 +177,9 @@ class TorchAoMethod(QuantMethod):
                                                     dtype=dtype)
 
     def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
+        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
         import torchao
 
-        from pipeline.base.fileio import canonical_safetensors
         from pipeline.quant.common import base_dtype, finish_checkpoint
 
         model.save_pretrained(out_dir, safe_serialization=True)
@@ -194,6 +194,7 @@ class TorchAoMethod(QuantMethod):
 def ao_config(variant):
     """The torchao config of the variant's scheme. set_inductor_config=False: nothing here compiles, and
     torchao would otherwise change torch._inductor's global settings in this process."""
+    # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
     from torchao.quantization import (Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig,
                                       Int8WeightOnlyConfig, MappingType, PerRow)
 
@@ -217,6 +218,7 @@ def footprint_bytes(model, return_buffers: bool = True) -> int:
 
 
 def _stored_bytes(t) -> int:
+    # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
     import torch
 
     if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):

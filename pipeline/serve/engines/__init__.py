@@ -12,6 +12,7 @@ import importlib
 
 from pipeline.base.errors import RecipeError
 from pipeline.base.registry import Registry
+from pipeline.serve import measured
 from pipeline.serve.engines.base import UNQUANTIZED, Engine, ServeOptions, describe, device_kind
 
 ENGINE_MODULES = ("transformers", "llamacpp", "vllm")
@@ -70,8 +71,6 @@ def auto(fmt: str, folder, opts: ServeOptions) -> tuple[str, str]:
     """What `--engine auto` serves a folder with, and the line that says why: the engine its run measured fastest
     on this kind of device among those that can serve it here and apply every option set (pipeline/serve/measured.py),
     else the format's default engine."""
-    from pipeline.serve import measured
-
     why = engines_for(fmt, opts.device)
     usable = [n for n in NAMES if why[n] is None and not ENGINES.get(n).unhonoured(opts)]
     kind = device_kind(opts.device)

@@ -34,9 +34,11 @@ import logging
 import os
 import socket
 import sys
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from pipeline.base.errors import RecipeError
+from pipeline.serve import drain as draining
 from pipeline.serve.engines.base import Engine, ServeOptions
 from pipeline.serve.openai_schema import MAX_BODY_BYTES
 
@@ -49,6 +51,7 @@ def settings(gguf: Path, model_name: str, host: str, port: int, key: str | None,
              n_ctx: int) -> tuple:
     """(ServerSettings, ModelSettings) for llama_cpp.server.app.create_app: greedy-serving defaults, no
     interruption of streams, the key and the bind of `compress serve`."""
+    # late: the optional [gguf-serve] extra; `compress check` imports this engine's declarations
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
     server = ServerSettings(host=host, port=port, api_key=key, interrupt_requests=False, _env_prefix=ENV_PREFIX)
@@ -63,10 +66,9 @@ def serve_gguf(gguf: Path, model_name: str, sock: socket.socket, host: str, port
     if os.environ.get("CONFIG_FILE"):
         raise RecipeError("CONFIG_FILE is set: llama_cpp.server would read its settings from that file instead of "
                           "compress serve's options; unset it")
+    # late: the optional [gguf-serve] extra; `compress check` imports this engine's declarations
     from fastapi.responses import JSONResponse
     from llama_cpp.server.app import authenticate, create_app
-
-    from pipeline.serve import drain as draining
 
     server_settings, model_settings = settings(gguf, model_name, host, port, key, threads, n_ctx)
     app = create_app(server_settings=server_settings, model_settings=[model_settings])  # loads the model
@@ -95,6 +97,7 @@ def serve_gguf(gguf: Path, model_name: str, sock: socket.socket, host: str, port
 
 def bearer_check(key: str | None):
     """llama_cpp.server's `authenticate` dependency (the same 401), comparing the key in constant time."""
+    # late: the optional [gguf-serve] extra; `compress check` imports this engine's declarations
     from fastapi import Depends, HTTPException
     from fastapi.security import HTTPBearer
 
@@ -204,8 +207,6 @@ def llama_cpp_missing() -> str | None:
 
 def llama_cpp_version() -> str | None:
     """llama-cpp-python's version, read from its metadata (nothing imported); None when it is not installed."""
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("llama-cpp-python")
     except PackageNotFoundError:

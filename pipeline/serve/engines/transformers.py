@@ -7,7 +7,9 @@ import logging
 import os
 import socket
 import sys
+from importlib.metadata import version
 
+from pipeline.serve import drain
 from pipeline.serve.engines.base import UNQUANTIZED, Engine, ServeOptions
 
 log = logging.getLogger("compress.serve")
@@ -20,14 +22,12 @@ class Transformers(Engine):
     exact = True  # the same weights and kernels as generate: token for token
 
     def version(self) -> dict[str, str]:
-        from importlib.metadata import version
-
         return {"transformers": version("transformers")}
 
     def serve(self, exp, sock: socket.socket, opts: ServeOptions) -> int:
+        # late: the server and the model; `compress check` imports this engine's declarations
         import torch
 
-        from pipeline.serve import drain
         from pipeline.serve.app import build_app
         from pipeline.serve.engine import TransformersEngine
 

@@ -103,6 +103,7 @@ class VLLM(Engine):
 
 def command(exp, opts: ServeOptions, missing: str | None) -> tuple[list[str], dict]:
     """vLLM's argv and environment for this folder and these options (RecipeError for what it cannot honour)."""
+    # late: pipeline.serve.server imports the engine registry, which imports this module
     from pipeline.serve.server import is_loopback
 
     if missing:
