@@ -92,3 +92,19 @@ def test_dynamic_overrides_match_exactly_the_unit_linears(smol):
     assert mlp0.match("model.layers.0.mlp.down_proj") and not mlp0.match("model.layers.10.mlp.down_proj")
     assert not mlp0.match("model.layers.0.self_attn.q_proj")
     assert attn1.match("model.layers.1.self_attn.o_proj") and not attn1.match("model.layers.1.mlp.up_proj")
+
+
+def test_a_checkpoint_with_per_module_bits_is_loaded_by_gptqmodel_not_transformers():
+    from pipeline.quant.gptq_format import per_module_formats
+
+    assert per_module_formats({"dynamic": {r"+:^(?:.*\.)?layers\.0\.mlp\.(?:up_proj)$": {"bits": 8, "group_size": 64}}})
+    assert not per_module_formats({"dynamic": {r"-:^(?:.*\.)?down_proj$": {}}})  # skips only: transformers loads it
+    assert not per_module_formats({"bits": 4})
+
+
+def test_the_disk_plan_reads_the_budget(smol):
+    from pipeline.quant.registry import method_of
+
+    v = variant(mix={"budget": {"bits_per_weight": 3.5}})
+    assert method_of(v).bits_per_weight(v) == 3.5
+    assert method_of(variant()).bits_per_weight(variant()) == 4.5  # the uniform estimate, unchanged
