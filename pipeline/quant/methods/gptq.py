@@ -68,6 +68,9 @@ class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
                  "Marlin or Triton/Torch (CUDA)", "note": "reads the `dynamic` overrides; what this run measures with"},
                 {"runtime": "vLLM (CUDA)", "kernel": "gptq / gptq_marlin per module",
                  "note": "vLLM documents GPTQModel's `dynamic` overrides; not served here"},
+                {"runtime": "vLLM (CPU, 0.32)", "kernel": "none",
+                 "note": "reads the overrides but its CPU GPTQ kernel takes symmetric 4-bit only: an 8-bit module is "
+                         "refused ('Marlin does not support weight_bits = uint8b128'), measured here"},
                 {"runtime": "llama.cpp", "kernel": "none", "note": "reads GGUF only"}]
 
     def bits_per_weight(self, variant) -> float:
