@@ -42,6 +42,9 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
     method = checkpoint_method(config)  # its reload hook: e.g. GPTQModel tamed before its kernels load
     if method is not None:
         method.before_load()
+        own = method.load_own(folder, config, device)
+        if own is not None:
+            return own.eval()
     with MappedPagesTrimmed(folder):  # pages of the mapped checkpoint are not the model's memory (pipeline/base/memory.py)
         model = AutoModelForCausalLM.from_pretrained(folder, device_map=device, **kwargs)
     if method is not None:

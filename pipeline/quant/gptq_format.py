@@ -26,6 +26,23 @@ class GPTQModelKernels:
     def before_load(self) -> None:
         tame()
 
+    def load_own(self, folder: Path, config: dict, device: str):
+        """A checkpoint with per-module bits or group sizes (GPTQModel `dynamic` overrides, a [quantize.mix] variant):
+        transformers' loader (optimum) builds every module with the base bits and refuses the shapes, so GPTQModel
+        loads it; its HF model is returned."""
+        if not per_module_formats(config.get("quantization_config") or {}):
+            return None
+        # late: GPTQModel loads only for a per-module-bits checkpoint; `compress check` imports this file
+        from gptqmodel import GPTQModel
+
+        return GPTQModel.load(str(folder), device=device).model
+
+
+def per_module_formats(qc: dict) -> bool:
+    """Whether a GPTQ quantization_config gives some modules their own bits or group size."""
+    return any(isinstance(v, dict) and ({"bits", "group_size"} & v.keys()) for k, v in (qc.get("dynamic") or {}).items()
+               if str(k).startswith("+:") or not str(k).startswith("-:"))
+
 
 class GPTQFormatMethod(GPTQModelKernels):
     """Mixin of the methods that write the GPTQ checkpoint format (GPTQ, RTN, AutoRound): its bits, group sizes,

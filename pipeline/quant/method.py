@@ -100,6 +100,11 @@ class QuantMethod:
     def after_load(self, model) -> None:
         """Called on the model transformers loaded from one of this method's checkpoints."""
 
+    def load_own(self, folder: Path, config: dict, device: str) -> Any:
+        """The model, for a checkpoint of this method that transformers cannot load (e.g. per-module bits); None:
+        transformers loads it (between before_load and after_load)."""
+        return None
+
     # ------------------------------------------------------------ the work (engine imports inside)
 
     def session(self, out_dir: Path) -> contextlib.AbstractContextManager:

@@ -23,6 +23,7 @@ from pipeline.base.public import local_name, public, public_text, public_tree
 from pipeline.results.format import num, size, speculative_label
 from pipeline.results.gates import blocks, gate_status
 from pipeline.results.metrics import Perplexity, Served
+from pipeline.results.mix_render import mix_lines, mix_of
 from pipeline.results.query import is_distilled, shown_params
 from pipeline.results.schema import DraftEntry, ModelEntry, ModelInfo, Report
 from pipeline.base.fileio import atomic_write_text
@@ -302,6 +303,15 @@ def card_lock(lock_text: str) -> str:
     return tomli_w.dumps(public_tree(_drop(data, _VOLATILE_LOCK))).strip()
 
 
+def _mix(report: Report, entry: dict) -> list[str]:
+    """A mixed-precision variant's allocation (pipeline/results/mix_render.py)."""
+    data = report.variants.get(entry["name"]) if entry["kind"] == "variant" else None
+    mix = mix_of(data)
+    if data is None or mix is None:
+        return []
+    return ["## Mixed precision: bits per block", ""] + mix_lines(entry["name"], data, mix)[2:]
+
+
 def _reproduce(report: Report, recipe_excerpt: str, lock_text: str) -> list[str]:
     versions = report.run.versions
     return ["## Reproduce", "",
@@ -315,7 +325,7 @@ def card_text(report: Report, entry: dict, recipe_excerpt: str, lock_text: str) 
     data = card_data(report, entry)
     repo = entry.get("repo_id") or f"./{entry['name']}"
     body = (_intro(report, entry, data.base_model) + _provenance(report) + _results(report, entry)
-            + _usage(report, entry, repo) + _reproduce(report, recipe_excerpt, lock_text))
+            + _mix(report, entry) + _usage(report, entry, repo) + _reproduce(report, recipe_excerpt, lock_text))
     text = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)
     # the sections above name a local source by its file name; this also catches the path in a caller's text
     return public_text(text, report.model.source if report.model else None)

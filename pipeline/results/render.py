@@ -12,6 +12,7 @@ from pipeline.base.stage_keys import UnitKey
 from pipeline.results.format import FP_DISTILLED, num, size, speculative_label, spread, table
 from pipeline.results.gates import fmt_value, gate_status
 from pipeline.results.metrics import Smoke, SmokeOutput, Speed
+from pipeline.results.mix_render import mix_section
 from pipeline.results.query import is_distilled, models, shown_params
 from pipeline.results.schema import ModelEntry, ModelInfo, Report
 from pipeline.results.serve_table import serving, techniques_section
@@ -265,7 +266,7 @@ def _exports(report: Report) -> list[str]:
 def render_markdown(report: Report, plots: list[str]) -> str:
     lines: list[str] = []
 
-    for section in (_header, _quality, tasks_section, _size, _speed, _speculative, serving, techniques_section, _gates,
+    for section in (_header, _quality, tasks_section, mix_section, _size, _speed, _speculative, serving, techniques_section, _gates,
                     _stages, _exports):
         lines += section(report)
     lines += ["## Plots", ""] + ([f"![{p}](plots/{p})" for p in plots] or ["No data to plot yet."])

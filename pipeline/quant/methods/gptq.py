@@ -2,14 +2,17 @@
 driver, shared with RTN and AWQ, is pipeline/quant/gptqmodel_driver.py)."""
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import IO, Literal, Optional
 
 from pydantic import Field
 
+from pipeline.base.fileio import atomic_write_json
 from pipeline.base.problem import Problem
 from pipeline.quant.gptq_format import GPTQFormatMethod, GPTQModelDriven
 from pipeline.quant.method import QuantMethod
+from pipeline.quant.mix import MixConfig, check_mix
 from pipeline.quant.shapes import Arch
 from pipeline.quant.variant import Calibrated, GPTQFormat
 
@@ -31,6 +34,10 @@ class GPTQVariant(Calibrated, GPTQFormat):
                                                            "correction term (GPTAQ's recommended 0.25); 0 = off")
     foem_beta: float = Field(0.0, ge=0, le=1, description="FOEM: first-order error compensation on top of GPTQ "
                                                          "(or GPTAQ when gptaq_alpha > 0), 0.1-0.25 typical; 0 = off")
+    mix: Optional[MixConfig] = Field(
+        None, description="mixed precision to a budget: bits and group size chosen per decoder block (or linear) from "
+                          "measured sensitivity; bits/group_size above are then GPTQModel's base config only "
+                          "(pipeline/quant/mix.py)")
 
 
 class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
@@ -53,18 +60,67 @@ class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
                 problems.append(Problem("act_group_aware", "act-group-aware-needs-groups",
                                         f"act_group_aware reorders columns inside groups: it needs group_size > 0, "
                                         f"not {variant.group_size}; drop act_group_aware"))
+        if variant.mix is not None:
+            problems += [p.within("", "mix: ") for p in check_mix(variant, arch, self.bits, self.group_sizes)]
         return problems
+
+    def runtimes(self, variant, arch: Arch) -> list[dict]:
+        if variant.mix is None:
+            return super().runtimes(variant, arch)
+        return [{"runtime": "transformers (CPU/CUDA)", "kernel": "none",
+                 "note": "its GPTQ loader (optimum) builds every linear with the base bits and refuses per-module bits"},
+                {"runtime": "GPTQModel.load", "kernel": "per module: TorchAtenLinear (4-bit) or TorchLinear (CPU); "
+                 "Marlin or Triton/Torch (CUDA)", "note": "reads the `dynamic` overrides; what this run measures with"},
+                {"runtime": "vLLM (CUDA)", "kernel": "gptq / gptq_marlin per module",
+                 "note": "vLLM documents GPTQModel's `dynamic` overrides; not served here"},
+                {"runtime": "vLLM (CPU, 0.32)", "kernel": "none",
+                 "note": "reads the overrides but its CPU GPTQ kernel takes symmetric 4-bit only: an 8-bit module is "
+                         "refused ('Marlin does not support weight_bits = uint8b128'), measured here"},
+                {"runtime": "llama.cpp", "kernel": "none", "note": "reads GGUF only"}]
+
+    def bits_per_weight(self, variant) -> float:
+        budget = variant.mix.budget.bits_per_weight if variant.mix is not None else None
+        return budget if budget is not None else super().bits_per_weight(variant)
+
+    def session(self, out_dir: Path):
+        # late: the mix's planner loads torch; `compress check` imports this file for its declarations
+        from pipeline.quant.mix_plan import cache_beside
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(super().session(out_dir))
+        stack.enter_context(cache_beside(out_dir))  # a [quantize.mix] sensitivity table is shared by the variants
+        return stack
 
     def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
         # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
         from pipeline.quant.common import base_dtype
         from pipeline.quant.gptqmodel_driver import calibration_rows, quantize_with
 
-        return quantize_with(base_dir, gptq_config(variant), calibration_rows(calib_ids), console, variant.name,
-                             variant.dtype or base_dtype(base_dir), device, offload=offload)
+        mix = None
+        if variant.mix is not None:
+            # late: as in session() above
+            from pipeline.quant.mix_plan import plan
+
+            mix = plan(base_dir, variant, calib_ids, console)
+        model = quantize_with(base_dir, gptq_config(variant, mix["dynamic"] if mix else None),
+                              calibration_rows(calib_ids), console, variant.name,
+                              variant.dtype or base_dtype(base_dir), device, offload=offload)
+        model.compress_mix = mix
+        return model
+
+    def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
+        details = super().save(model, base_dir, out_dir, variant)
+        mix = getattr(model, "compress_mix", None)
+        if mix is not None:
+            # late: as in session() above
+            from pipeline.quant.mix_plan import summary
+
+            atomic_write_json(out_dir / "mix.json", mix)
+            details["mix"] = summary(mix)
+        return details
 
 
-def gptq_config(variant):
+def gptq_config(variant, mix_dynamic: dict | None = None):
     # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
     from gptqmodel import GPTQConfig
     from gptqmodel.quantization.config import FOEMConfig, GPTAQConfig
@@ -76,7 +132,10 @@ def gptq_config(variant):
         extra["foem"] = FOEMConfig(alpha=variant.gptaq_alpha, beta=variant.foem_beta, device="cpu")
     elif variant.gptaq_alpha > 0:
         extra["gptaq"] = GPTAQConfig(alpha=variant.gptaq_alpha, device="cpu")
-    return GPTQConfig(**common_kwargs(variant), desc_act=variant.desc_act, act_group_aware=act_group_aware(variant),
+    kwargs = common_kwargs(variant)
+    if mix_dynamic:  # after the skips: GPTQModel takes the first pattern that matches a module
+        kwargs["dynamic"] = {**(kwargs["dynamic"] or {}), **mix_dynamic}
+    return GPTQConfig(**kwargs, desc_act=variant.desc_act, act_group_aware=act_group_aware(variant),
                       damp_percent=variant.damp_percent, true_sequential=variant.true_sequential, mse=variant.mse,
                       **extra)
 

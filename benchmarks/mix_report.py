@@ -1,0 +1,120 @@
+"""Mixed precision to a budget (issue #35): the figures of a finished `recipes/mixed.toml` run, and whether the
+per-block sensitivities add up.
+
+    compress run recipes/mixed.toml
+    python benchmarks/mix_report.py artifacts/mixed [--additivity 12]
+
+Prints, from report.json: per variant the bits per weight budgeted / spent / measured on the checkpoint, the
+perplexity ratio and KL against the baseline on the same windows; the issue's two floors (at uniform w4g64's bits
+per weight, mixed's perplexity rise <= 0.8x uniform's; at 3.5 bits per weight, mixed beats uniform w3); predicted
+(summed sensitivities) vs measured KL and their Pearson correlation.
+
+--additivity N: the sensitivities' additivity at the probe itself: N random allocations, plus each mixed variant's
+and every uniform one, applied as RTN weights (the probe's) to the base model; the measured KL on the probe's
+calibration rows vs the summed table entries. One forward pass per allocation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from pipeline.quant.mix_sensitivity import fake_quantize, mean_kl
+from pipeline.results.mix_render import mix_of, pearson, predicted_kl
+from pipeline.results.schema import load
+
+
+def rows(report) -> list[dict]:
+    out = []
+    for name, e in report.variants.items():
+        mix = mix_of(e)
+        out.append({"name": name, "budget": mix["budget"]["bits_per_weight"] if mix else None,
+                    "spent": mix["spent"]["bits_per_weight"] if mix else None, "bpw": e.bits_per_weight,
+                    "ppl_ratio": e.ppl_ratio, "kl": e.kl, "predicted_kl": mix["predicted"]["kl"] if mix else None})
+    return out
+
+
+def floors(table: list[dict]) -> list[str]:
+    by = {r["name"]: r for r in table}
+    lines = []
+    w4, w3 = by.get("gptq-w4g64"), by.get("gptq-w3g64")
+    m4, m35 = by.get("mixed-4.36"), by.get("mixed-3.5")
+    if w4 and m4 and w4["ppl_ratio"] and m4["ppl_ratio"]:
+        rise = (m4["ppl_ratio"] - 1) / (w4["ppl_ratio"] - 1)
+        lines.append(f"floor 1: mixed-4.36 perplexity rise / uniform w4g64's = {rise:.3f} (<= 0.8 wanted): "
+                     f"{'met' if rise <= 0.8 else 'MISSED'}")
+    if w3 and m35 and w3["ppl_ratio"] and m35["ppl_ratio"]:
+        lines.append(f"floor 2: mixed-3.5 ppl ratio {m35['ppl_ratio']:.4f} vs uniform w3g64 {w3['ppl_ratio']:.4f}: "
+                     f"{'met' if m35['ppl_ratio'] < w3['ppl_ratio'] else 'MISSED'}")
+    return lines
+
+
+def additivity(run_dir: Path, record: dict, n: int, seed: int = 0) -> list[tuple[str, float, float]]:
+    """(allocation, predicted KL, measured KL) for n random allocations, the record's and each uniform one."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    sens = record["sensitivity"]
+    units, cands, table = sens["units"], [tuple(c) for c in record["candidates"]], sens["kl"]
+    ids = load_file(run_dir / "calibrate" / "calibration.safetensors")["input_ids"][: sens["probe"]["kl_rows"]]
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "load", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = torch.log_softmax(torch.cat([model(r[None]).logits[0].float() for r in ids]), -1)
+    layers = model.get_submodule("model.layers")
+    originals = {name: mod.weight.data.clone() for name, mod in layers.named_modules() if hasattr(mod, "weight")
+                 and mod.weight.dim() == 2}
+    rng = random.Random(seed)
+    allocs = {f"random-{i}": [rng.randrange(len(cands)) for _ in units] for i in range(n)}
+    allocs["record"] = [cands.index((a["bits"], a["group_size"])) for a in record["allocation"].values()]
+    allocs |= {f"uniform-w{b}g{g}": [j] * len(units) for j, (b, g) in enumerate(cands)}
+    out = []
+    for label, choice in allocs.items():
+        for u, j in zip(units, choice, strict=True):
+            prefix = u.split(".", 1)[1] + "."  # "3.mlp."
+            for name, w in originals.items():
+                if name.startswith(prefix):
+                    layers.get_submodule(name).weight.data.copy_(fake_quantize(w, *cands[j]))
+        with torch.no_grad():
+            logits = torch.cat([model(r[None]).logits[0].float() for r in ids])
+        out.append((label, sum(table[u][j] for u, j in enumerate(choice)), mean_kl(ref, logits)))
+        print(f"  {label}: predicted {out[-1][1]:.4f}, measured {out[-1][2]:.4f}", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("--additivity", type=int, default=0, help="random allocations to measure (0: skip)")
+    args = ap.parse_args(argv)
+    report = load(args.run_dir)
+    base = report.baseline.perplexity.value if report.baseline and report.baseline.perplexity else None
+    print(f"baseline perplexity {base}")
+    print("| variant | budget bpw | spent bpw | checkpoint bpw | ppl ratio | KL | predicted KL |")
+    print("|---|---|---|---|---|---|---|")
+    table = rows(report)
+    for r in table:
+        cells = [r["name"]] + [("–" if r[k] is None else f"{r[k]:.4f}")
+                               for k in ("budget", "spent", "bpw", "ppl_ratio", "kl", "predicted_kl")]
+        print("| " + " | ".join(cells) + " |")
+    for line in floors(table):
+        print(line)
+    pairs = predicted_kl(report)
+    r = pearson([p for _, p, _ in pairs], [k for _, _, k in pairs])
+    print(f"predicted (calibration, RTN probe, summed) vs measured (GPTQ, evaluation text) KL over {len(pairs)} "
+          f"models: Pearson {r if r is None else round(r, 3)}")
+    if args.additivity:
+        mixed = [n for n, e in report.variants.items() if mix_of(e)]
+        record = json.loads((args.run_dir / "quantize" / mixed[0] / "mix.json").read_text())
+        got = additivity(args.run_dir, record, args.additivity)
+        r = pearson([p for _, p, _ in got], [m for _, _, m in got])
+        print(f"additivity at the probe (RTN weights, the probe's calibration rows), {len(got)} allocations: "
+              f"Pearson {r if r is None else round(r, 3)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

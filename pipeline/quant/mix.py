@@ -1,0 +1,202 @@
+"""Mixed precision to a budget (`[quantize.mix]` on a GPTQ variant): the recipe table, the allocation units (one
+decoder layer's attention or MLP block, or one linear), what each candidate costs on disk, and the checks
+`compress check` runs on them. Torch-free.
+
+The cost of a module is counted as the GPTQ checkpoint stores it (GPTQModel's packing, int32 words):
+    qweight  in * bits / 8 * out bytes      qzeros  groups * out * bits / 8 bytes
+    scales   groups * out * 2 bytes (fp16)  g_idx   in * 4 bytes           groups = in / group_size (1 for -1)
+so a budget in bits per weight means what pipeline/eval/bits.py measures on the written checkpoint (GPTQ w4g64 on
+SmolLM2: 4.36, not 4.5 or 4.0). Skipped modules (`modules_to_skip`) are outside the budget and outside the mix.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from pipeline.base.problem import Problem
+from pipeline.quant.shapes import Arch, is_skipped, module_names
+
+Granularity = Literal["block", "module"]
+MB = 10**6
+
+
+class MixBudget(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    bits_per_weight: Optional[float] = Field(
+        None, gt=0, description="average bits per weight of the quantized decoder linears as stored (scales, zero "
+                                "points and g_idx included: GPTQ w4g64 is 4.36 on SmolLM2)")
+    size_mb: Optional[float] = Field(
+        None, gt=0, description="the quantized decoder linears' bytes on disk, in MB (10^6 bytes); embeddings, norms "
+                                "and skipped modules are outside it")
+
+    @model_validator(mode="after")
+    def _one(self):
+        if (self.bits_per_weight is None) == (self.size_mb is None):
+            raise ValueError("give exactly one of bits_per_weight or size_mb")
+        return self
+
+
+class MixConfig(BaseModel):
+    """`[quantize.mix]`: choose bits and group size per allocation unit so that the predicted quality cost (the
+    measured sensitivity, summed) is smallest within the budget (an exact dynamic program, pipeline/quant/mix_alloc.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    budget: MixBudget = Field(description="the budget: { bits_per_weight = 4.0 } or { size_mb = 40 }")
+    bits: list[int] = Field([2, 3, 4, 8], min_length=1, description="candidate bits")
+    group_sizes: Optional[list[int]] = Field(
+        None, min_length=1, description="candidate group sizes; None = the variant's group_size only")
+    granularity: Granularity = Field(
+        "block", description="allocation unit: 'block' (one decoder layer's attention, or its MLP: two units a "
+                             "layer) or 'module' (every linear; ~3.5x the sensitivity probe's forward passes)")
+    estimator: Literal["kl", "hessian"] = Field(
+        "kl", description="the sensitivity the allocation minimises: 'kl' (output KL on the calibration rows with "
+                          "that unit alone quantized, RTN weights) or 'hessian' (sum of ||(W-Q)X||^2 over the unit's "
+                          "linears, X the calibration activations); both are measured and recorded")
+    probe_rows: int = Field(8, ge=1, description="calibration rows the KL probe runs (each unit x candidate is one "
+                                                  "forward pass over them, from the unit's layer on)")
+    hessian_rows: int = Field(16, ge=1, description="calibration rows whose activations make the Hessian estimator's "
+                                                    "X^T X (one forward pass)")
+
+    def candidates(self, variant_group_size: int) -> list[tuple[int, int]]:
+        """(bits, group_size) pairs, in a fixed order."""
+        gs = self.group_sizes or [variant_group_size]
+        return [(b, g) for b in sorted(set(self.bits)) for g in sorted(set(gs), key=lambda g: (g == -1, g))]
+
+
+@dataclass(frozen=True)
+class MixUnit:
+    """One allocation unit: a name ('layers.3.mlp'), and its linears (full name, in, out)."""
+
+    name: str
+    modules: tuple[tuple[str, int, int], ...]
+
+    @property
+    def weights(self) -> int:
+        return sum(i * o for _, i, o in self.modules)
+
+    def pattern(self, layers: str) -> str:
+        """GPTQModel `dynamic` regex matching exactly this unit's linears (by name suffix after the layers path)."""
+        tail = layers.rpartition(".")[2]
+        names = "|".join(re.escape(n[len(layers) + 1:]) for n, _, _ in self.modules)
+        return rf"^(?:.*\.)?{re.escape(tail)}\.(?:{names})$"
+
+
+def mix_units(arch: Arch, modules_to_skip: list[str], granularity: Granularity) -> list[MixUnit]:
+    """The allocation units of a model's decoder linears (lm_head and skipped modules are not in the mix)."""
+    prefix, tail = arch.layers + ".", arch.layers.rpartition(".")[2]
+    groups: dict[str, list[tuple[str, int, int]]] = {}
+    for full in module_names(arch):
+        if not full.startswith(prefix) or is_skipped(full, modules_to_skip):
+            continue
+        layer, kind = full[len(prefix):].split(".", 1)
+        key = f"{tail}.{layer}.{kind if granularity == 'module' else kind.split('.', 1)[0]}"
+        groups.setdefault(key, []).append((full, arch.linear_in_features[kind], arch.linear_out_features[kind]))
+    return [MixUnit(k, tuple(v)) for k, v in groups.items()]
+
+
+def module_bytes(in_f: int, out_f: int, bits: int, group_size: int) -> int:
+    """Bytes of one linear in the GPTQ format (see the module docstring)."""
+    groups = in_f // group_size if group_size > 0 else 1
+    return in_f * out_f * bits // 8 + groups * out_f * bits // 8 + groups * out_f * 2 + in_f * 4
+
+
+def shape_problem(in_f: int, out_f: int, bits: int, group_size: int) -> str | None:
+    """Why a linear of this shape cannot be stored at (bits, group_size) in the GPTQ format, or None."""
+    if group_size > 0 and in_f % group_size:
+        return f"group_size {group_size} does not divide its {in_f} in-features"
+    if in_f * bits % 32:
+        return f"{bits}-bit qweight packs {32 // bits if 32 % bits == 0 else '32/3'} values per int32 word along its {in_f} in-features"
+    if out_f * bits % 32:
+        return f"{bits}-bit qzeros pack along its {out_f} out-features, which {bits} x {out_f} bits do not fill in int32 words"
+    return None
+
+
+def unit_cost(unit: MixUnit, bits: int, group_size: int) -> int:
+    return sum(module_bytes(i, o, bits, group_size) for _, i, o in unit.modules)
+
+
+def budget_bytes(budget: MixBudget, units: list[MixUnit]) -> int:
+    """The budget in bytes of the mixed linears."""
+    if budget.size_mb is not None:
+        return int(budget.size_mb * MB)
+    assert budget.bits_per_weight is not None
+    return int(budget.bits_per_weight * sum(u.weights for u in units) / 8)
+
+
+def bits_per_weight(nbytes: int, units: list[MixUnit]) -> float:
+    return 8 * nbytes / sum(u.weights for u in units)
+
+
+def achievable(units: list[MixUnit], cands: list[tuple[int, int]]) -> tuple[int, int]:
+    """(cheapest, dearest) total bytes over the units."""
+    costs = [[unit_cost(u, b, g) for b, g in cands] for u in units]
+    return sum(min(c) for c in costs), sum(max(c) for c in costs)
+
+
+def check_mix(variant, arch: Arch, method_bits: tuple[int, ...], method_group_sizes: tuple[int, ...]) -> list[Problem]:
+    """What makes a variant's [quantize.mix] impossible on this model ([] = fine): candidates the format does not take,
+    candidates some linears' shapes cannot take (named), a budget outside the achievable range (stated)."""
+    mix: MixConfig = variant.mix
+    problems: list[Problem] = []
+    if variant.format != "gptq":
+        problems.append(Problem("format", "mix-needs-gptq-format", f"[quantize.mix] writes GPTQModel's per-module `dynamic` overrides, which only the GPTQ format "
+                        f"holds: set format = \"gptq\" (not {variant.format!r})"))
+    bad_bits = [b for b in mix.bits if b not in method_bits]
+    if bad_bits:
+        problems.append(Problem("mix.bits", "mix-bits-unsupported",
+                                f"mix.bits {bad_bits} not supported (the GPTQ format takes "
+                                f"{', '.join(map(str, method_bits))})"))
+    cands = mix.candidates(variant.group_size)
+    bad_g = sorted({g for _, g in cands if g not in method_group_sizes})
+    if bad_g:
+        problems.append(Problem("mix.group_sizes", "mix-group-size-unsupported",
+                                f"mix.group_sizes {bad_g} not supported (supported: "
+                                f"{', '.join(map(str, method_group_sizes))})"))
+    if problems or not arch.shapes_known:
+        return problems
+    units = mix_units(arch, variant.modules_to_skip, mix.granularity)
+    if not units:
+        return [Problem("mix", "mix-nothing-to-mix",
+                        "[quantize.mix]: no decoder linear is left to mix (every one is in modules_to_skip)")]
+    kinds: dict[str, tuple[int, int]] = {}
+    for u in units:
+        for full, i, o in u.modules:
+            kinds.setdefault(full[len(arch.layers) + 1:].split(".", 1)[1], (i, o))
+    for b, g in cands:
+        why = {k: shape_problem(i, o, b, g) for k, (i, o) in kinds.items()}
+        bad = {k: w for k, w in why.items() if w}
+        if bad:
+            problems.append(Problem("mix", "mix-candidate-does-not-fit",
+                                    f"mix candidate {b}-bit group_size {g} cannot take "
+                                    + "; ".join(f"{k} ({kinds[k][0]}x{kinds[k][1]}): {w}" for k, w in bad.items())
+                                    + ": drop it from mix.bits / mix.group_sizes"))
+    if problems:
+        return problems
+    lo, hi = achievable(units, cands)
+    want = budget_bytes(mix.budget, units)
+    if not lo <= want <= hi:
+        problems.append(Problem("mix.budget", "mix-budget-out-of-range",
+                                f"mix budget {_budget_text(mix.budget)} is outside what the candidates can spend on "
+                                f"this model's mixed linears: {bits_per_weight(lo, units):.3f} to "
+                                f"{bits_per_weight(hi, units):.3f} bits per weight ({lo / MB:.2f} to {hi / MB:.2f} MB)"))
+    return problems
+
+
+def _budget_text(b: MixBudget) -> str:
+    return f"bits_per_weight = {b.bits_per_weight}" if b.bits_per_weight is not None else f"size_mb = {b.size_mb}"
+
+
+def dynamic_overrides(units: list[MixUnit], choice: list[tuple[int, int]], layers: str,
+                      base: tuple[int, int]) -> dict[str, dict]:
+    """GPTQModel's QuantizeConfig(dynamic=...) entries ("+:" positive match) for the units whose setting differs
+    from the base config's (bits, group_size)."""
+    out = {}
+    for u, (b, g) in zip(units, choice):
+        if (b, g) != base:
+            out[f"+:{u.pattern(layers)}"] = {"bits": b, "group_size": g}
+    return out

@@ -1,0 +1,93 @@
+"""The mixed-precision section of report.md and of a mixed variant's card: the budget and what was spent, the
+predicted and measured quality, and the allocation (bits and group size per decoder layer and block). Reads the
+`mix` record a [quantize.mix] variant's quantize unit wrote (pipeline/quant/mix_plan.py summary)."""
+from __future__ import annotations
+
+import math
+import re
+
+from pipeline.results.format import num, table
+from pipeline.results.schema import ModelEntry, Report
+
+
+def mix_of(entry: ModelEntry | None) -> dict | None:
+    return (entry.quantize or {}).get("mix") if entry is not None else None
+
+
+def predicted_kl(report: Report) -> list[tuple[str, float, float]]:
+    """(model, predicted KL, measured KL) of every variant a mixed record predicts: the mixed variants (their summed
+    sensitivities) and the uniform GPTQ variants whose (bits, group_size) is a candidate of a mixed record (the
+    candidate's sensitivities summed over every unit). Predicted: RTN probe on calibration rows; measured: the
+    variant itself on the evaluation text."""
+    records = [m for _, e in report.variants.items() if (m := mix_of(e))]
+    out = []
+    for name, e in report.variants.items():
+        m = mix_of(e)
+        if m is not None:
+            pred = m["predicted"]["kl"]
+        else:
+            p = e.params or {}
+            key = f"w{p.get('bits')}g{p.get('group_size')}"
+            same = [r for r in records if key in r.get("predicted_uniform", {}) and e.method == "gptq"
+                    and not p.get("modules_to_skip", ["lm_head"]) != ["lm_head"]]
+            if not same:
+                continue
+            pred = same[0]["predicted_uniform"][key]["kl"]
+        if e.kl is not None:
+            out.append((name, float(pred), float(e.kl)))
+    return out
+
+
+def pearson(xs: list[float], ys: list[float]) -> float | None:
+    n = len(xs)
+    if n < 3:
+        return None
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
+
+
+def allocation_table(mix: dict) -> list[str]:
+    """Rows: decoder layers; columns: the units of a layer (self_attn, mlp, or each linear); cells: w<bits>g<group>."""
+    cells: dict[int, dict[str, str]] = {}
+    for unit, a in mix["allocation"].items():
+        m = re.match(r"^[^.]+\.(\d+)\.(.+)$", unit)
+        if m:
+            cells.setdefault(int(m.group(1)), {})[m.group(2)] = f"w{a['bits']}g{a['group_size']}"
+    cols = list(dict.fromkeys(c for row in cells.values() for c in row))
+    body = [[str(i)] + [cells[i].get(c, "–") for c in cols] for i in sorted(cells)]
+    return table(["layer", *cols], body)
+
+
+def mix_lines(name: str, entry: ModelEntry, mix: dict) -> list[str]:
+    b, s = mix["budget"], mix["spent"]
+    sens_t = mix.get("sensitivity_time_s") or {}
+    probe = mix.get("probe") or {}
+    cached = " (read from the cache: same model, calibration and candidates)" if mix.get("sensitivity_cached") else ""
+    return [f"### {name}", "",
+            f"Budget {num(b['bits_per_weight'], 4)} bits per weight ({num(b['bytes'] / 1e6, 4)} MB of decoder linears); "
+            f"spent {num(s['bits_per_weight'], 4)} ({num(s['bytes'] / 1e6, 4)} MB); measured on the checkpoint: "
+            f"{num(entry.bits_per_weight, 4)}. Allocation by `{mix['estimator']}` sensitivity per {mix['granularity']}, "
+            f"{mix['solver']['kind']}, {'exact' if mix['solver']['exact'] else 'exact at a resolution of '}"
+            f"{'' if mix['solver']['exact'] else str(mix['solver']['resolution_bytes']) + ' bytes'}.",
+            f"Predicted KL (summed sensitivities, RTN probe on {probe.get('kl_rows')} calibration row(s)) "
+            f"{num(mix['predicted']['kl'])}; measured KL (this GPTQ checkpoint, evaluation text) {num(entry.kl)}. "
+            f"Sensitivity cost: KL probe {num(sens_t.get('kl'), 3)} s, Hessian estimator {num(sens_t.get('hessian'), 3)} s"
+            f"{cached}.", ""] + allocation_table(mix) + [""]
+
+
+def mix_section(report: Report) -> list[str]:
+    mixed = [(n, e, m) for n, e in report.variants.items() if (m := mix_of(e))]
+    if not mixed:
+        return []
+    lines = ["## Mixed precision", ""]
+    rows = predicted_kl(report)
+    if rows:
+        r = pearson([p for _, p, _ in rows], [k for _, _, k in rows])
+        lines += table(["model", "predicted KL (calibration, RTN probe)", "measured KL"],
+                       [[n, num(p), num(k)] for n, p, k in rows])
+        lines += ["", f"Pearson correlation of predicted and measured KL over these {len(rows)} models: {num(r, 3)}.", ""]
+    for name, e, m in mixed:
+        lines += mix_lines(name, e, m)
+    return lines

@@ -1,0 +1,122 @@
+"""[quantize.mix] on a GPTQ variant: the recipe surface, the cost accounting and what `compress check` says."""
+from __future__ import annotations
+
+import pytest
+from pydantic import TypeAdapter, ValidationError
+
+from pipeline.quant.mix import achievable, bits_per_weight, dynamic_overrides, mix_units, module_bytes
+from pipeline.quant.registry import QuantVariant, check_variant
+from pipeline.quant.shapes import linear_shapes_from_config
+from tests.problems import codes, keys, only
+
+SMOL = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
+
+
+def variant(**kw):
+    return TypeAdapter(QuantVariant).validate_python({"name": "mixed", "method": "gptq", **kw})
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return linear_shapes_from_config(SMOL)
+
+
+def test_units_are_one_attention_and_one_mlp_block_a_layer(smol):
+    blocks = mix_units(smol, ["lm_head"], "block")
+    assert len(blocks) == 60 and blocks[0].name == "layers.0.self_attn" and blocks[1].name == "layers.0.mlp"
+    assert [n for n, _, _ in blocks[1].modules] == ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj",
+                                                    "model.layers.0.mlp.down_proj"]
+    assert len(mix_units(smol, ["lm_head"], "module")) == 210
+    # a skipped module is outside the mix
+    assert len(mix_units(smol, ["lm_head", "mlp.down_proj"], "module")) == 180
+
+
+def test_uniform_w4g64_costs_what_the_checkpoint_measures(smol):
+    """4.36 bits per weight on SmolLM2, as pipeline/eval/bits.py measured GPTQ w4g64's checkpoint (report.md)."""
+    units = mix_units(smol, ["lm_head"], "block")
+    total = sum(module_bytes(i, o, 4, 64) for u in units for _, i, o in u.modules)
+    assert bits_per_weight(total, units) == pytest.approx(4.36, abs=0.005)
+    # q_proj 576x576 at 4-bit g64: 576*576/2 qweight + 9*576/2 qzeros + 9*576*2 scales + 576*4 g_idx
+    assert module_bytes(576, 576, 4, 64) == 165888 + 2592 + 10368 + 2304
+
+
+def test_the_recipe_table_and_its_errors():
+    v = variant(mix={"budget": {"bits_per_weight": 4.0}, "bits": [3, 4, 8], "group_sizes": [32, 64]})
+    assert v.mix.candidates(v.group_size) == [(3, 32), (3, 64), (4, 32), (4, 64), (8, 32), (8, 64)]
+    assert variant(mix={"budget": {"size_mb": 40}}).mix.candidates(64) == [(2, 64), (3, 64), (4, 64), (8, 64)]
+    with pytest.raises(ValidationError, match="exactly one of bits_per_weight or size_mb"):
+        variant(mix={"budget": {"bits_per_weight": 4.0, "size_mb": 40}})
+    with pytest.raises(ValidationError, match="budgt"):
+        variant(mix={"budgt": {"bits_per_weight": 4.0}})
+    with pytest.raises(ValidationError):
+        variant(mix={"budget": {"bits_per_weight": -1}})
+
+
+def test_a_budget_outside_the_achievable_range_states_the_range(smol):
+    units = mix_units(smol, ["lm_head"], "block")
+    lo, hi = achievable(units, [(2, 64), (3, 64), (4, 64), (8, 64)])
+    low_bpw, high_bpw = bits_per_weight(lo, units), bits_per_weight(hi, units)
+    for bpw in (2.0, 9.0):
+        problems = check_variant(variant(mix={"budget": {"bits_per_weight": bpw}}), smol, "cpu")
+        p = only(problems)
+        assert (p.path, p.code) == ("mix.budget", "mix-budget-out-of-range")
+        assert f"{low_bpw:.3f} to {high_bpw:.3f} bits per weight" in p.message  # the range it computes
+        assert f"bits_per_weight = {bpw}" in p.message
+    assert check_variant(variant(mix={"budget": {"bits_per_weight": 4.0}}), smol, "cpu") == []
+    assert codes(check_variant(variant(mix={"budget": {"size_mb": 1}}), smol, "cpu")) == ["mix-budget-out-of-range"]
+
+
+def test_a_candidate_a_module_cannot_take_is_named(smol):
+    problems = check_variant(variant(mix={"budget": {"bits_per_weight": 4.0}, "group_sizes": [64, 128]}), smol, "cpu")
+    assert codes(problems) == ["mix-candidate-does-not-fit"] * 4  # one per bits candidate at group size 128
+    assert all("group_size 128" in p.message and "self_attn.q_proj (576x576)" in p.message for p in problems)
+    assert not any("mlp.down_proj" in p.message for p in problems)  # its 1536 in-features take group size 128
+    problems = check_variant(variant(mix={"budget": {"bits_per_weight": 4.0}, "bits": [4, 5]}), smol, "cpu")
+    assert keys(problems) == [("mix.bits", "mix-bits-unsupported")]
+    assert str(problems[0]) == "mix: mix.bits [5] not supported (the GPTQ format takes 2, 3, 4, 8)"
+    problems = check_variant(variant(mix={"budget": {"bits_per_weight": 4.0}, "group_sizes": [64, 48]}), smol, "cpu")
+    assert keys(problems) == [("mix.group_sizes", "mix-group-size-unsupported")]
+    odd = linear_shapes_from_config(dict(SMOL, hidden_size=592, num_attention_heads=37, num_key_value_heads=37))
+    problems = check_variant(variant(group_size=16, mix={"budget": {"bits_per_weight": 4.0}, "bits": [3, 4]}), odd, "cpu")
+    assert any("3-bit" in p.message and "(592x592)" in p.message for p in problems), problems
+
+
+def test_mix_needs_the_gptq_format(smol):
+    problems = check_variant(variant(format="compressed-tensors", mix={"budget": {"bits_per_weight": 4.0}}), smol, "cpu")
+    assert ("format", "mix-needs-gptq-format") in keys(problems)
+
+
+def test_a_mix_with_every_linear_skipped_has_nothing_to_mix(smol):
+    every = ["lm_head", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    problems = check_variant(variant(modules_to_skip=every, mix={"budget": {"bits_per_weight": 4.0}}), smol, "cpu")
+    assert keys(problems) == [("mix", "mix-nothing-to-mix")]
+
+
+def test_dynamic_overrides_match_exactly_the_unit_linears(smol):
+    import re
+
+    units = mix_units(smol, ["lm_head"], "block")[:3]
+    dyn = dynamic_overrides(units, [(4, 64), (8, 64), (2, 32)], smol.layers, (4, 64))
+    assert list(dyn.values()) == [{"bits": 8, "group_size": 64}, {"bits": 2, "group_size": 32}]
+    mlp0, attn1 = (re.compile(k[2:]) for k in dyn)
+    assert mlp0.match("model.layers.0.mlp.down_proj") and not mlp0.match("model.layers.10.mlp.down_proj")
+    assert not mlp0.match("model.layers.0.self_attn.q_proj")
+    assert attn1.match("model.layers.1.self_attn.o_proj") and not attn1.match("model.layers.1.mlp.up_proj")
+
+
+def test_a_checkpoint_with_per_module_bits_is_loaded_by_gptqmodel_not_transformers():
+    from pipeline.quant.gptq_format import per_module_formats
+
+    assert per_module_formats({"dynamic": {r"+:^(?:.*\.)?layers\.0\.mlp\.(?:up_proj)$": {"bits": 8, "group_size": 64}}})
+    assert not per_module_formats({"dynamic": {r"-:^(?:.*\.)?down_proj$": {}}})  # skips only: transformers loads it
+    assert not per_module_formats({"bits": 4})
+
+
+def test_the_disk_plan_reads_the_budget(smol):
+    from pipeline.quant.registry import method_of
+
+    v = variant(mix={"budget": {"bits_per_weight": 3.5}})
+    assert method_of(v).bits_per_weight(v) == 3.5
+    assert method_of(variant()).bits_per_weight(variant()) == 4.5  # the uniform estimate, unchanged

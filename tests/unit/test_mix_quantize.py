@@ -1,0 +1,164 @@
+"""A [quantize.mix] GPTQ variant end to end on the tiny random Llama: sensitivity measured (two estimators, cached
+by identity), allocation within the budget, GPTQModel's per-module `dynamic` overrides in the checkpoint, the
+checkpoint reloaded (GPTQModel: transformers' loader refuses per-module bits) and matching the in-memory model."""
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from pydantic import TypeAdapter
+
+from pipeline.base.env import tame
+from pipeline.eval.bits import linear_bits_per_weight
+from pipeline.quant.api import implementation, quantize_variant
+from pipeline.quant.checkpoint import load_checkpoint
+from pipeline.quant.gptqmodel_driver import inference_model
+from pipeline.quant.mix import mix_units
+from pipeline.quant.mix_plan import CACHE_DIR
+from pipeline.quant.mix_sensitivity import fake_quantize, mean_kl
+from pipeline.quant.registry import QuantVariant
+from pipeline.quant.shapes import linear_shapes_from_config
+from tests.tiny_models import tiny_llama
+
+tame()
+VOCAB = 512
+CALIB = torch.randint(0, VOCAB, (8, 64), generator=torch.Generator().manual_seed(0))
+PROBE = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+MIX = {"budget": {"bits_per_weight": 4.5}, "bits": [2, 3, 4, 8], "group_sizes": [32, 64], "probe_rows": 4,
+       "hessian_rows": 8}
+
+
+def make(name: str, **mix):
+    return TypeAdapter(QuantVariant).validate_python(
+        {"name": name, "method": "gptq", "bits": 4, "group_size": 64, "mse": 0.0, "mix": {**MIX, **mix}})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny-llama"), VOCAB)
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny, tmp_path_factory):
+    """(folder, metrics, in-memory logits) of the mixed variant, quantized through the method's module."""
+    root = tmp_path_factory.mktemp("quantize")
+    v = make("mixed")
+    impl, out = implementation(v), root / "mixed"
+    out.mkdir()
+    with impl.session(out):
+        model = impl.quantize(tiny, v, CALIB, sys.stderr, "cpu")
+        details = impl.save(model, tiny, out, v)
+        with torch.no_grad():
+            logits = inference_model(model)(PROBE).logits.float()
+    return out, details, logits
+
+
+def test_the_allocation_keeps_the_budget_and_the_checkpoint_measures_what_it_spent(mixed, tiny):
+    out, details, _ = mixed
+    mix = details["mix"]
+    assert mix["spent"]["bytes"] <= mix["budget"]["bytes"]
+    assert mix["spent"]["bits_per_weight"] <= 4.5
+    assert linear_bits_per_weight(out) == pytest.approx(mix["spent"]["bits_per_weight"], abs=1e-3)
+    chosen = {(a["bits"], a["group_size"]) for a in mix["allocation"].values()}
+    assert len(chosen) > 1, f"a budget between the candidates should mix them: {mix['allocation']}"
+    record = json.loads((out / "mix.json").read_text())
+    assert set(record["sensitivity"]) >= {"kl", "hessian", "time_s", "key"}
+    assert record["sensitivity"]["time_s"]["kl"] > 0 and record["sensitivity"]["time_s"]["hessian"] > 0
+
+
+def test_the_checkpoint_holds_each_modules_bits(mixed):
+    from safetensors import safe_open
+
+    out, details, _ = mixed
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qc["dynamic"], "the per-module overrides are in the checkpoint's config"
+    arch = linear_shapes_from_config(json.loads((out / "config.json").read_text()))
+    with safe_open(out / "model.safetensors", "pt") as f:
+        for unit in mix_units(arch, ["lm_head"], "block"):
+            a = details["mix"]["allocation"][unit.name]
+            for name, in_f, _ in unit.modules:
+                assert f.get_slice(f"{name}.qweight").get_shape()[0] == in_f * a["bits"] // 32, name
+                groups = in_f // a["group_size"]
+                assert f.get_slice(f"{name}.scales").get_shape()[0] == groups, name
+
+
+def test_the_checkpoint_reloads_with_per_module_bits_and_matches_in_memory(mixed):
+    from gptqmodel.nn_modules.qlinear import BaseQuantLinear
+
+    out, details, in_memory = mixed
+    model = load_checkpoint(out)
+    bits = {n.split("model.", 1)[1].rsplit(".", 1)[0]: (m.bits, m.group_size) for n, m in model.named_modules()
+            if isinstance(m, BaseQuantLinear)}
+    for unit, a in details["mix"]["allocation"].items():
+        assert {v for k, v in bits.items() if k == unit} <= {(a["bits"], a["group_size"])}
+        assert any(k == unit for k in bits), unit
+    with torch.no_grad():
+        reloaded = model(PROBE).logits.float()
+    assert (reloaded - in_memory).abs().max().item() < 5e-2  # GPTQModel's CPU kernels round to bfloat16
+
+
+def test_transformers_own_loader_refuses_per_module_bits(mixed):
+    """Recorded, not hidden: optimum builds every module with the base bits (hence load_own)."""
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(Exception, match="mismatched|size"):
+        AutoModelForCausalLM.from_pretrained(mixed[0])
+
+
+def test_the_sensitivity_table_is_cached_by_model_and_calibration(tiny, tmp_path):
+    log = logging.getLogger("test")
+    a = quantize_variant(tiny, make("a", budget={"bits_per_weight": 4.0}), CALIB, tmp_path / "a", log, 0, "cpu")
+    b = quantize_variant(tiny, make("b", budget={"bits_per_weight": 3.5}), CALIB, tmp_path / "b", log, 0, "cpu")
+    assert not a["mix"]["sensitivity_cached"] and b["mix"]["sensitivity_cached"]
+    assert len(list((tmp_path / CACHE_DIR).glob("*.json"))) == 1
+    other = CALIB.roll(1, dims=1)
+    c = quantize_variant(tiny, make("c", budget={"bits_per_weight": 3.5}), other, tmp_path / "c", log, 0, "cpu")
+    assert not c["mix"]["sensitivity_cached"]  # another calibration set: measured again
+    assert len(list((tmp_path / CACHE_DIR).glob("*.json"))) == 2
+    assert a["mix"]["spent"]["bits_per_weight"] > b["mix"]["spent"]["bits_per_weight"]
+
+
+def test_fake_quantize_is_gptqmodels_rtn_grid(tiny, tmp_path):
+    """The probe's RTN weights equal what GPTQModel's RTN writes (dequantized), module by module."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quant.gptqmodel_driver import dequantize_to_linear
+
+    v = TypeAdapter(QuantVariant).validate_python({"name": "r", "method": "rtn", "bits": 3, "group_size": 32})
+    impl = implementation(v)
+    (tmp_path / "r").mkdir()
+    with impl.session(tmp_path / "r"):
+        model = inference_model(impl.quantize(tiny, v, None, sys.stderr, "cpu"))
+    dequantize_to_linear(model)
+    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
+    name = "model.layers.1.mlp.down_proj"
+    ours = fake_quantize(base.get_submodule(name).weight.data, 3, 32)
+    theirs = model.get_submodule(name).weight.data
+    assert (ours - theirs).abs().max().item() < 1e-2 * ours.abs().max().item()
+
+
+def test_mean_kl_is_zero_for_the_same_distribution_and_positive_otherwise():
+    logits = torch.randn(5, 11)
+    ref = torch.log_softmax(logits, -1)
+    assert mean_kl(ref, logits) == pytest.approx(0.0, abs=1e-6)
+    assert mean_kl(ref, logits + torch.randn(5, 11)) > 0.01
+
+
+def test_replaying_the_layers_before_a_unit_gives_the_full_forwards_logits(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quant.mix_sensitivity import _layer_outputs, _logits, _logits_from
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    layers = model.get_submodule("model.layers")
+    outputs = _layer_outputs(layers, model, CALIB[:2])
+    m = model.get_submodule("model.layers.1.mlp.up_proj")
+    m.weight.data.copy_(fake_quantize(m.weight.data, 2, 32))  # a unit of layer 1 quantized
+    full = _logits(model, CALIB[:2])
+    assert torch.allclose(_logits_from(model, layers, 1, outputs, CALIB[:2]), full, atol=1e-5)
+    assert all(type(layers[j]).__name__ == "LlamaDecoderLayer" for j in range(2))  # restored
+    assert mean_kl(torch.log_softmax(full, -1), _logits(model, CALIB[:2])) == pytest.approx(0.0, abs=1e-6)
