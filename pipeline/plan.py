@@ -195,6 +195,10 @@ def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[str]:
         if rows is not None and rows > recipe.calibration.num_samples:
             problems.append(f"quantize.{i} ({v.name}): calibration_rows = {rows} exceeds calibration.num_samples = "
                             f"{recipe.calibration.num_samples}: lower it or raise num_samples")
+        if needs_calibration(v):
+            n = min(rows or recipe.calibration.num_samples, recipe.calibration.num_samples)
+            problems += [f"quantize.{i} ({v.name}): {p}"
+                         for p in method_of(v).check_calibration(v, n, recipe.calibration.seq_len)]
         plan.variants.append({"name": v.name, "method": v.method, "runtimes": runtimes(v, arch)})
     return problems
 

@@ -68,6 +68,10 @@ class QuantMethod:
         """This method's own rules beyond the declared bits/group sizes/dtypes/devices ([] = fine)."""
         return []
 
+    def check_calibration(self, variant, rows: int, seq_len: int) -> list[str]:
+        """Rules on the calibration set this variant reads (rows x seq_len tokens) ([] = fine)."""
+        return []
+
     def runtimes(self, variant, arch: Arch) -> list[dict]:
         """Which runtimes can serve the checkpoint, with which kernel: [{"runtime", "kernel", "note"}]."""
         raise NotImplementedError
