@@ -132,13 +132,26 @@ def quantize_model(model, family: Family, calib_ids: torch.Tensor | None, plan: 
 
 
 def _hessians(layer, linears, inputs) -> dict[str, torch.Tensor]:
-    hs = {k: torch.zeros(lin.in_features, lin.in_features) for k, lin in linears.items()}
+    """X^T X of each linear's inputs; linears fed the same tensor (q/k/v, gate/up) share one matrix."""
+    hs: dict[str, torch.Tensor] = {}
+    # this batch's input tensors -> the linear whose matrix they went into; holding each tensor keeps its memory from
+    # being reused by a later input within the batch, so equal (address, shape) means the same tensor
+    last: dict[tuple, tuple[str, torch.Tensor]] = {}
 
     def add(name, x):
+        key = (x.data_ptr(), tuple(x.shape))
+        if key in last and last[key][0] != name:
+            hs[name] = hs[last[key][0]]  # the same input as an earlier linear's: its matrix (the same object)
+            return
+        last[key] = (name, x)
         x = x.float()
+        if name not in hs:
+            hs[name] = torch.zeros(x.shape[1], x.shape[1])
         hs[name].add_(x.t() @ x)
 
-    run_layer(layer, inputs, linears, add)
+    for batch in inputs:
+        last.clear()
+        run_layer(layer, [batch], linears, add)
     return hs
 
 

@@ -252,3 +252,23 @@ def test_serving_plan_sends_fp8_to_no_cpu_vllm_and_int8_to_it():
     assert "vllm" not in engines.declared("compressed-tensors-fp8", "cpu")
     assert "vllm" in engines.declared("compressed-tensors-fp8", "cuda")
     assert "transformers" in engines.declared("compressed-tensors-fp8", "cpu")
+
+
+def test_linears_fed_the_same_input_share_one_hessian_and_the_others_get_their_own(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quant.w8a8_layers import _hessians, layer_inputs, run_layer
+
+    m = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    layer = m.model.layers[0]
+    inputs = layer_inputs(m, m.model.layers, CALIB[:4])
+    linears = {k: layer.get_submodule(k) for k in LLAMA.linears if k != "lm_head"}
+    hs = _hessians(layer, linears, inputs)
+    assert hs["self_attn.q_proj"] is hs["self_attn.k_proj"] is hs["self_attn.v_proj"]
+    assert hs["mlp.gate_proj"] is hs["mlp.up_proj"]
+    assert len({id(h) for h in hs.values()}) == 4
+    xs: dict[str, list] = {}
+    run_layer(layer, inputs, linears, lambda n, x: xs.setdefault(n, []).append(x))
+    for name in ("self_attn.o_proj", "mlp.down_proj", "self_attn.v_proj"):
+        x = torch.cat(xs[name])
+        assert torch.allclose(hs[name], x.t() @ x, rtol=1e-4, atol=1e-3), name
