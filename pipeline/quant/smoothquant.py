@@ -61,15 +61,15 @@ def fold(prev: torch.nn.Module, linears: Sequence[torch.nn.Linear], s: torch.Ten
 
 
 def group_error(x: torch.Tensor, weights: Sequence[torch.Tensor], s_in: torch.Tensor | None,
-                quant_w: Callable[[torch.Tensor], torch.Tensor], quant_x: Callable[[torch.Tensor], torch.Tensor]
-                ) -> float:
+                quant_w: Callable[[torch.Tensor], torch.Tensor], quant_x: Callable[[torch.Tensor], torch.Tensor],
+                refs: Sequence[torch.Tensor] | None = None) -> float:
     """Relative squared error of the quantized group on inputs x [tokens, in]: sum ||x W^T - Qx(x/s) Qw(W s)^T||^2
-    over the group's linears, divided by sum ||x W^T||^2 (s_in None: no smoothing)."""
+    over the group's linears, divided by sum ||x W^T||^2 (s_in None: no smoothing; refs: the x W^T, if known)."""
     xs = x if s_in is None else x / s_in
     xq = quant_x(xs)
     num = den = 0.0
-    for w in weights:
-        ref = x @ w.t()
+    for i, w in enumerate(weights):
+        ref = x @ w.t() if refs is None else refs[i]
         ws = w if s_in is None else w * s_in
         num += float((xq @ quant_w(ws).t() - ref).pow(2).sum())
         den += float(ref.pow(2).sum())
@@ -83,14 +83,15 @@ def search_alpha(x: torch.Tensor, act_max: torch.Tensor, weights: Sequence[torch
     error}). x: sample inputs of the linears [tokens, in]; act_max: max|x_j| over all calibration tokens, per input
     channel of the linears (reduced to key/value channels inside when repeat > 1)."""
     w32 = [w.detach().float() for w in weights]
-    errors = {"none": group_error(x, w32, None, quant_w, quant_x)}
+    refs = [x @ w.t() for w in w32]
+    errors = {"none": group_error(x, w32, None, quant_w, quant_x, refs)}
     best: tuple[float | None, torch.Tensor | None] = (None, None)
     best_err = errors["none"]
     a_max = kv_reduce(act_max, repeat, head_dim)
     cols = [kv_reduce(w.abs().amax(0), repeat, head_dim) for w in w32]  # per kv channel column maxima
     for alpha in alphas:
         s = smooth_factors(a_max, [c.unsqueeze(0) for c in cols], alpha)
-        err = group_error(x, w32, kv_expand(s, repeat, head_dim), quant_w, quant_x)
+        err = group_error(x, w32, kv_expand(s, repeat, head_dim), quant_w, quant_x, refs)
         errors[f"{alpha:g}"] = err
         if err < best_err:
             best, best_err = (alpha, s), err

@@ -19,7 +19,7 @@ from pipeline.quant.shapes import is_skipped
 from pipeline.quant.smoothquant import fold, search_alpha
 from pipeline.quant.w8a8_math import FP8_MAX, INT8_ACT, fake_weight, gptq_channel, quant_act, rtn
 
-SEARCH_TOKENS = 2048  # calibration tokens per fold point the alpha search measures its error on
+SEARCH_TOKENS = 512  # calibration tokens per fold point the alpha search measures its error on (the first rows')
 BATCH = 8  # calibration rows per forward
 
 

@@ -74,6 +74,16 @@ def gptq_channel(w: torch.Tensor, hessian: torch.Tensor, dtype: torch.dtype, dam
     H += torch.eye(H.shape[0]) * (damp * torch.mean(torch.diag(H)))
     Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
     Q = torch.zeros_like(W)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # thousands of tiny ops: with 2 threads on shared cores each one waits for the other
+    try:                      # thread to be scheduled (measured on SmolLM2's down_proj: 16.9 s -> 1.3 s)
+        _gptq_columns(W, Hinv, s, Q, block)
+    finally:
+        torch.set_num_threads(threads)
+    return Q, s
+
+
+def _gptq_columns(W: torch.Tensor, Hinv: torch.Tensor, s: torch.Tensor, Q: torch.Tensor, block: int) -> None:
     n = W.shape[1]
     for i1 in range(0, n, block):
         i2 = min(i1 + block, n)
@@ -87,4 +97,3 @@ def gptq_channel(w: torch.Tensor, hessian: torch.Tensor, dtype: torch.dtype, dam
             W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
             Err1[:, i] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-    return Q, s

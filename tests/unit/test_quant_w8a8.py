@@ -272,3 +272,24 @@ def test_linears_fed_the_same_input_share_one_hessian_and_the_others_get_their_o
     for name in ("self_attn.o_proj", "mlp.down_proj", "self_attn.v_proj"):
         x = torch.cat(xs[name])
         assert torch.allclose(hs[name], x.t() @ x, rtol=1e-4, atol=1e-3), name
+
+
+def test_compressed_tensors_kv_cache_scheme_finds_no_attention_in_this_transformers(tiny):
+    """Why there is no FP8 KV cache option yet: compressed-tensors 0.20 recognises an attention module by a
+    `past_key_value(s)` forward parameter, and transformers 5.24's Llama attention names it `cache`; a
+    kv_cache_scheme is then applied to nothing (no k_scale/v_scale, no quantized keys in the forward), so the
+    quality stage could not measure it through compressed-tensors' own forward. This pins the fact: when it fails,
+    the libraries agree again and the option can be built."""
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, apply_quantization_config
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    with torch.no_grad():
+        before = m(PROBE).logits
+    kv = QuantizationArgs(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
+    apply_quantization_config(m, QuantizationConfig(config_groups={}, kv_cache_scheme=kv,
+                                                    quantization_status="initialized"))
+    attn = m.model.layers[0].self_attn
+    assert not hasattr(attn, "k_scale") and not hasattr(attn, "kv_cache")
+    with torch.no_grad():
+        assert torch.equal(m(PROBE).logits, before)
