@@ -293,3 +293,17 @@ def test_compressed_tensors_kv_cache_scheme_finds_no_attention_in_this_transform
     assert not hasattr(attn, "k_scale") and not hasattr(attn, "kv_cache")
     with torch.no_grad():
         assert torch.equal(m(PROBE).logits, before)
+
+
+def test_compress_check_cli_refuses_static_scales_from_a_short_calibration_set():
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    r = subprocess.run([str(Path(sys.executable).parent / "compress"), "check", str(root / "recipes" / "w8a8.toml"),
+                        "--set", "calibration.num_samples=8", "--set", "validate.serve.enabled=false"],
+                       capture_output=True, text=True, cwd=root)
+    assert r.returncode == 2, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert "quantize.3 (w8a8-int8-static): scheme = 'int8-static' takes its activation scales" in out
+    assert "8 rows x 256 = 2048 is fewer than static_min_tokens = 4096" in out
