@@ -17,7 +17,7 @@ FOLD_POINTS = ("input_layernorm", "post_attention_layernorm", "self_attn.v_proj"
 
 
 def _value(x):
-    return x.get("perplexity") if isinstance(x, dict) else x
+    return x.get("value") if isinstance(x, dict) else x
 
 
 def smoothing(sq: dict) -> dict:
