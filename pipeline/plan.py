@@ -208,6 +208,9 @@ def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[Problem]:
             found.append(Problem("calibration_rows", "calibration-rows-over-samples",
                                  f"calibration_rows = {rows} exceeds calibration.num_samples = "
                                  f"{recipe.calibration.num_samples}: lower it or raise num_samples"))
+        if needs_calibration(v):
+            n = min(rows or recipe.calibration.num_samples, recipe.calibration.num_samples)
+            found += method_of(v).check_calibration(v, n, recipe.calibration.seq_len)
         problems += [p.within(f"quantize[{i}]", f"quantize.{i} ({v.name}): ") for p in found]
         plan.variants.append({"name": v.name, "method": v.method, "runtimes": runtimes(v, arch)})
     return problems

@@ -22,6 +22,10 @@ class Family:
     layers: str  # the decoder layers' module path: "<layers>.<i>.<linear>"
     linears: dict[str, Callable[[Dims], tuple[int, int]]]  # linear name inside a layer (or "lm_head") -> (in, out)
     head: str = "lm_head"
+    # SmoothQuant's fold points inside a layer: (the module whose output feeds the linears, those linears). A norm
+    # takes 1/s on its weight; a linear (v_proj before o_proj) on its output rows, repeated over the query heads
+    # that share each key/value head
+    smooth: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 def _dims(config: dict) -> Dims:
@@ -44,6 +48,9 @@ LLAMA = Family(
         "mlp.down_proj": lambda d: (d["inter"], d["hidden"]),
         "lm_head": lambda d: (d["hidden"], d["vocab"]),
     },
+    smooth=(("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+            ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+            ("self_attn.v_proj", ("self_attn.o_proj",))),
 )
 
 FAMILIES: tuple[Family, ...] = (LLAMA,)

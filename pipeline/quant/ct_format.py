@@ -36,6 +36,9 @@ class CompressedTensorsLoad:
     def after_load(self, model) -> None:
         pass
 
+    def load_own(self, folder, config: dict, device: str):
+        return None  # transformers' compressed-tensors quantizer loads it (pipeline/quant/checkpoint.py)
+
 
 LOAD = CompressedTensorsLoad()
 

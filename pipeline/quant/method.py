@@ -70,6 +70,10 @@ class QuantMethod:
         whose path names a field of the variant ("group_size"; "" = the variant as a whole)."""
         return []
 
+    def check_calibration(self, variant, rows: int, seq_len: int) -> list[Problem]:
+        """Rules on the calibration set this variant reads (rows x seq_len tokens) ([] = fine)."""
+        return []
+
     def runtimes(self, variant, arch: Arch) -> list[dict]:
         """Which runtimes can serve the checkpoint, with which kernel: [{"runtime", "kernel", "note"}]."""
         raise NotImplementedError

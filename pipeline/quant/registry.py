@@ -23,7 +23,7 @@ from pipeline.base.registry import Registry
 
 # the method files, in the order their variants appear in the recipe's union. Imported by name: a unit's code
 # identity names only the method file of the variant it concerns (pipeline/base/codehash.py PLUGINS)
-METHOD_MODULES = ("gptq", "rtn", "awq", "autoround", "bnb", "torchao", "gguf")
+METHOD_MODULES = ("gptq", "rtn", "awq", "autoround", "bnb", "torchao", "gguf", "w8a8")
 PACKAGE = "pipeline.quant.methods"
 
 # export formats no method writes by default (a variant's `format` field asks for them): their reload facts
@@ -43,12 +43,15 @@ def method_of(variant) -> QuantMethod:
 
 def by_format(checkpoint_format: str | None):
     """A method that writes checkpoints of this format (config.json's quant_method), for its reload hook and load
-    facts (the methods of one format share them), or the export format's own (compressed-tensors); None for an
-    unquantized or unknown checkpoint."""
+    facts (the methods of one format share them), or the export format's own (compressed-tensors: the format's,
+    whichever method wrote it); None for an unquantized or unknown checkpoint."""
+    fmt = next((f for f in EXPORT_FORMATS if f.checkpoint_format == checkpoint_format), None)
+    if fmt is not None:
+        return fmt
     for name in METHODS:
         if METHODS.get(name).checkpoint_format == checkpoint_format:
             return METHODS.get(name)
-    return next((f for f in EXPORT_FORMATS if f.checkpoint_format == checkpoint_format), None)
+    return None
 
 
 def variant_format(variant) -> str:

@@ -13,7 +13,7 @@ from pipeline.serve import drain
 from pipeline.serve.engines.base import UNQUANTIZED, Engine, ServeOptions
 
 log = logging.getLogger("compress.serve")
-HF_FORMATS = (UNQUANTIZED, "gptq", "awq", "bitsandbytes", "torchao", "compressed-tensors")
+HF_FORMATS = (UNQUANTIZED, "gptq", "awq", "bitsandbytes", "torchao", "compressed-tensors", "compressed-tensors-fp8")
 
 
 class Transformers(Engine):

