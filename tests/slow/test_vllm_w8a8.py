@@ -35,6 +35,7 @@ def test_vllm_cpu_serves_an_int8_w8a8_checkpoint(tmp_path: Path, fields: dict):
     shutil.copyfile(base / "tokenizer_config.json", out / "tokenizer_config.json")  # the chat template
     cfg = ServeConfig(enabled=True, concurrency=[1, 4], requests_per_level=4, max_tokens=8, equality_prompts=2,
                       equality_tokens=8, max_model_len=128, compile=False, timeout_s=300)
+    (tmp_path / "m").mkdir()  # the serve unit's own folder, made by the unit before it measures
     r = measure(out, cfg, PROMPTS, tmp_path / "m", threads=1, engine="vllm")
     assert r["engine"] == "vllm" and r["server_exit"] == 0
     assert all(lv["errors"] == 0 and lv["requests"] == 4 and lv["output_tok_s"] > 0 for lv in r["levels"])
