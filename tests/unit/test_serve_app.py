@@ -235,17 +235,30 @@ class EagerManager:
         self.cancelled.append(rid)
 
 
+def _engine(manager: EagerManager, poll_s: float | None = None) -> TransformersEngine:
+    """A TransformersEngine with no model: the fake manager stands for it (its generation thread, healthy)."""
+    eng = TransformersEngine.__new__(TransformersEngine)
+    eng._cb, eng._ids, eng.eos = manager, itertools.count(), [2]
+    eng._cb.background_thread_status = type("Status", (), {"fatal_error": None})()
+    if poll_s is not None:
+        eng.POLL_S = poll_s
+    return eng
+
+
+def _generate(eng: TransformersEngine, ids: list[int], n: int) -> list[Step]:
+    """Every step of one request's stream, within 5 s."""
+    async def collect() -> list[Step]:
+        return [s async for s in eng.generate(ids, n, ignore_eos=False)]
+
+    return asyncio.run(asyncio.wait_for(collect(), 5))
+
+
 def test_engine_stream_gets_outputs_emitted_before_add_request_returns():
     """A request's outputs may come before add_request returns (the generation thread runs beside the event loop):
     none may be lost, or a stream misses tokens, or a short request never ends and keeps its slot."""
-    eng = TransformersEngine.__new__(TransformersEngine)  # no model: the fake manager stands for it
-    eng._cb, eng._ids, eng.eos = EagerManager(), itertools.count(), [2]
-
-    async def collect(n: int) -> list[Step]:
-        return [s async for s in eng.generate([1, 5, 9], n, ignore_eos=False)]
-
+    eng = _engine(EagerManager())
     for n in (1, 3):
-        steps = asyncio.run(asyncio.wait_for(collect(n), 5))
+        steps = _generate(eng, [1, 5, 9], n)
         assert [s.tokens for s in steps] == [list(range(100, 100 + k)) for k in range(1, n + 1)]
         assert steps[-1].finished and not any(s.finished for s in steps[:-1])
     assert eng._cb.output_router.output_queue.empty() and eng._cb.output_router.result_handlers == {}
@@ -261,14 +274,8 @@ def test_engine_stream_ends_when_the_generation_thread_has_stopped():
         def is_running(self) -> bool:
             return False
 
-    eng = TransformersEngine.__new__(TransformersEngine)
-    eng._cb, eng._ids, eng.eos, eng.POLL_S = Dead(), itertools.count(), [2], 0.05
-    eng._cb.background_thread_status = type("Status", (), {"fatal_error": None})()
-
-    async def collect() -> list[Step]:
-        return [s async for s in eng.generate([1, 5], 4, ignore_eos=False)]
-
-    steps = asyncio.run(asyncio.wait_for(collect(), 5))
+    eng = _engine(Dead(), poll_s=0.05)
+    steps = _generate(eng, [1, 5], 4)
     assert len(steps) == 1 and steps[0].finished and steps[0].error == "the generation thread stopped"
     assert eng._cb.output_router.result_handlers == {}
 
@@ -319,12 +326,6 @@ def test_engine_stream_outlives_poll_timeouts_on_python_310_too(asyncio_timeout_
         def is_running(self) -> bool:
             return True
 
-    eng = TransformersEngine.__new__(TransformersEngine)
-    eng._cb, eng._ids, eng.eos, eng.POLL_S = Slow(), itertools.count(), [2], 0.02
-    eng._cb.background_thread_status = type("Status", (), {"fatal_error": None})()
-
-    async def collect() -> list[Step]:
-        return [s async for s in eng.generate([1, 5], 1, ignore_eos=False)]
-
-    steps = asyncio.run(asyncio.wait_for(collect(), 5))
+    eng = _engine(Slow(), poll_s=0.02)
+    steps = _generate(eng, [1, 5], 1)
     assert [s.tokens for s in steps] == [[100]] and steps[0].finished and steps[0].error is None
