@@ -16,10 +16,10 @@ def mix_of(entry: ModelEntry | None) -> dict | None:
 
 def predicted_kl(report: Report) -> list[tuple[str, float, float]]:
     """(model, predicted KL, measured KL) of every variant a mixed record predicts: the mixed variants (their summed
-    sensitivities) and the uniform GPTQ variants whose (bits, group_size) is a candidate of a mixed record (the
-    candidate's sensitivities summed over every unit). Predicted: RTN probe on calibration rows; measured: the
+    sensitivities) and the uniform variants of a mixed record's method whose (bits, group_size) is one of its
+    candidates (the candidate's sensitivities summed over every unit). Predicted: RTN probe on calibration rows; measured: the
     variant itself on the evaluation text."""
-    records = [m for _, e in report.variants.items() if (m := mix_of(e))]
+    records = [(e.method, m) for e in report.variants.values() if (m := mix_of(e))]
     out = []
     for name, e in report.variants.items():
         m = mix_of(e)
@@ -28,8 +28,8 @@ def predicted_kl(report: Report) -> list[tuple[str, float, float]]:
         else:
             p = e.params or {}
             key = f"w{p.get('bits')}g{p.get('group_size')}"
-            same = [r for r in records if key in r.get("predicted_uniform", {}) and e.method == "gptq"
-                    and not p.get("modules_to_skip", ["lm_head"]) != ["lm_head"]]
+            same = [r for method, r in records if method == e.method and key in r.get("predicted_uniform", {})
+                    and p.get("modules_to_skip", ["lm_head"]) == ["lm_head"]]
             if not same:
                 continue
             pred = same[0]["predicted_uniform"][key]["kl"]
