@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -474,3 +475,61 @@ def test_auto_without_vllm_set_up_keeps_the_default(tmp_path, no_vllm):
     folder.mkdir()
     measured.write(folder, {"transformers": _served("transformers", {16: 38.2}), "vllm": _served("vllm", {16: 63.3})})
     assert engines.auto("gptq", folder, _auto_opts())[0] == "transformers"
+
+
+HEALTH_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a): pass
+print("stand-in for vLLM's API server", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_vllm_dead_before_the_stop_signal_is_exit_4_naming_its_death_not_a_clean_stop():
+    """The supervisor (real code; a 12-line HTTP server stands in for vLLM's API server): vLLM killed, then SIGTERM
+    before the supervisor's poll saw the death (a load test's requests fail at once and its caller stops the server)
+    is still 'vLLM exited -9 while serving', never the exit 0 of a clean stop (CI: a measurement passed as served)."""
+    import os
+    import signal
+    import sys
+    import threading
+    import time
+
+    from pipeline.base.errors import StageError
+    from tests.serve_helpers import free_port
+
+    port = free_port()
+    opts = ServeOptions(host="127.0.0.1", port=port, key=None, slots=1, max_queue=1, queue_timeout_s=5,
+                        max_tokens_limit=16, max_model_len=64, drain_s=1, device="cpu", threads=None,
+                        start_timeout_s=60)
+    sup = vllm_engine.Supervisor([sys.executable, "-c", HEALTH_SERVER, str(port)], dict(os.environ), "tiny", opts)
+
+    def kill_then_signal():
+        while not hasattr(sup, "proc"):
+            time.sleep(0.01)
+        import urllib.request
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.05)
+        os.kill(sup.proc.pid, signal.SIGKILL)
+        while Path(f"/proc/{sup.proc.pid}/stat").read_text().split(")")[1].split()[0] != "Z":  # dead, not yet reaped
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)  # the supervisor's handler: a stop asked while vLLM is already gone
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    t = threading.Thread(target=kill_then_signal, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(StageError, match=r"^vLLM exited -9 while serving tiny"):
+            sup.run()
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    t.join(5)
+    assert sup.stop_signal == signal.SIGTERM  # the signal did arrive first: the death is what is reported

@@ -16,7 +16,7 @@ vLLM's CUDA build on a GPU machine). What `compress serve --engine vllm` does ar
   in ~45 s instead of ~100-130 s, at 0.7-0.85x the compiled throughput; measured on SmolLM2-135M GPTQ w4g64);
 - start-up is bounded (`--start-timeout-s`): past it, or when vLLM exits first, exit 4 with the last lines of its
   log; SIGTERM/SIGINT is passed on to vLLM's API server, which gets `--drain-s` (+10 s) to stop its engine, then
-  its whole process group is killed: no orphan is left, exit 0. vLLM dying while serving is exit 4 with its last line.
+  its whole process group is killed: no orphan is left, exit 0. vLLM dying while serving is exit 4 with its last line, also when a stop signal comes after it died.
 """
 from __future__ import annotations
 
@@ -180,8 +180,8 @@ class Supervisor:
                       file=sys.stderr, flush=True)
             while self.stop_signal is None and self.proc.poll() is None:
                 time.sleep(0.2)
-            if self.stop_signal is None:
-                copier.join(5)
+            if self.stop_signal is None or self.proc.poll() is not None:  # vLLM is signalled only in _stop: dead
+                copier.join(5)                                                # here, it died on its own, first
                 raise StageError(f"vLLM exited {self.proc.returncode} while serving {self.model}: {self.last_line()}")
             log.warning("signal %s: stopping vLLM (pid %d), %g s for in-flight requests", self.stop_signal,
                         self.proc.pid, self.opts.drain_s)
