@@ -53,14 +53,25 @@ class MixConfig(BaseModel):
     granularity: Granularity = Field(
         "block", description="allocation unit: 'block' (one decoder layer's attention, or its MLP: two units a "
                              "layer) or 'module' (every linear; ~3.5x the sensitivity probe's forward passes)")
-    estimator: Literal["kl", "hessian"] = Field(
+    estimator: Literal["kl", "kl-scaled", "hessian"] = Field(
         "kl", description="the sensitivity the allocation minimises: 'kl' (output KL on the calibration rows with "
-                          "that unit alone quantized, RTN weights) or 'hessian' (sum of ||(W-Q)X||^2 over the unit's "
-                          "linears, X the calibration activations); both are measured and recorded")
+                          "that unit alone quantized, RTN weights; one probe per unit and candidate), 'kl-scaled' "
+                          "(that KL probed at each candidate bits with the variant's group_size only, the other "
+                          "group sizes scaled by the unit's Hessian error ratio at the same bits: units x bits "
+                          "probes instead of units x candidates) or 'hessian' (sum of ||(W-Q)X||^2 over the "
+                          "unit's linears, X the calibration activations); KL and Hessian are both recorded")
     probe_rows: int = Field(8, ge=1, description="calibration rows the KL probe runs (each unit x candidate is one "
                                                   "forward pass over them, from the unit's layer on)")
     hessian_rows: int = Field(16, ge=1, description="calibration rows whose activations make the Hessian estimator's "
                                                     "X^T X (one forward pass)")
+
+    def probe_group_size(self, variant_group_size: int) -> int | None:
+        """The group size the KL probe runs at for 'kl-scaled' (the variant's, else the first candidate group size);
+        None: every candidate is probed."""
+        if self.estimator != "kl-scaled":
+            return None
+        gs = [g for _, g in self.candidates(variant_group_size)]
+        return variant_group_size if variant_group_size in gs else gs[0]
 
     def candidates(self, variant_group_size: int) -> list[tuple[int, int]]:
         """(bits, group_size) pairs, in a fixed order."""
@@ -194,9 +205,10 @@ def _budget_text(b: MixBudget) -> str:
 def dynamic_overrides(units: list[MixUnit], choice: list[tuple[int, int]], layers: str,
                       base: tuple[int, int]) -> dict[str, dict]:
     """GPTQModel's QuantizeConfig(dynamic=...) entries ("+:" positive match) for the units whose setting differs
-    from the base config's (bits, group_size)."""
+    from the base config's (bits, group_size). A per-row scale (group_size -1) turns GPTQModel's act_group_aware off
+    for that unit: it orders columns within groups and GPTQModel refuses it without groups."""
     out = {}
     for u, (b, g) in zip(units, choice):
         if (b, g) != base:
-            out[f"+:{u.pattern(layers)}"] = {"bits": b, "group_size": g}
+            out[f"+:{u.pattern(layers)}"] = {"bits": b, "group_size": g, **({"act_group_aware": False} if g == -1 else {})}
     return out

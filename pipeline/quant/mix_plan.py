@@ -46,11 +46,11 @@ def plan(base_dir: Path, variant, calib_ids, console: IO[str]) -> dict:
         console.flush()
 
     sens = measure(base_dir, calib_ids, units, cands, mix.probe_rows, mix.hessian_rows, variant.sym, arch.layers,
-                   _cache_dir.get(), say)
+                   _cache_dir.get(), say, mix.probe_group_size(variant.group_size))
     cost = [[unit_cost(u, b, g) for b, g in cands] for u in units]
     budget = budget_bytes(mix.budget, units)
     try:
-        a = allocate(cost, sens[mix.estimator], budget)
+        a = allocate(cost, sens["hessian" if mix.estimator == "hessian" else "kl"], budget)
     except ValueError as e:
         raise StageError(f"quantize {variant.name}: mix allocation: {e}") from e
     choice = [cands[j] for j in a.choice]

@@ -4,6 +4,10 @@ the evaluation text), two ways, each timed:
 - kl:      mean per-token KL(base || model) of the next-token distributions on `probe_rows` calibration rows, with
            that unit alone quantized. The probe's weights are round-to-nearest with GPTQ's own min/max grid
            (`fake_quantize`), not GPTQ's: one forward pass per unit and candidate, no Hessian solve.
+- kl-scaled: the kl above probed only at `probe_group_size` (one forward pass per unit and bits); a candidate of
+           another group size g at the same bits b is KL(b, probe) x hessian(b, g) / hessian(b, probe): the unit's
+           own ratio of the layer-wise error, which tracks the KL's ratio where the bits are equal (both are the
+           same RTN noise, finer or coarser; measured on SmolLM2 in benchmarks/README_mix.md).
 - hessian: sum over the unit's linears of ||(W - Q) X||^2 / tokens = tr(dW H dW^T), H = X^T X / tokens from the
            calibration activations (one forward pass with hooks over `hessian_rows` rows), Q the same RTN weights:
            the layer-wise objective GPTQ minimises, before its error feedback.
@@ -26,7 +30,7 @@ from transformers import AutoModelForCausalLM
 from pipeline.base.fileio import atomic_write_text
 from pipeline.quant.mix import MixUnit
 
-VERSION = 1
+VERSION = 2  # 2: kl-scaled (the probed candidates are part of the key)
 
 
 def fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool = True) -> torch.Tensor:
@@ -167,7 +171,7 @@ def hessian_table(model, ids: torch.Tensor, units: list[MixUnit], cands: list[tu
 
 
 def cache_key(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], cands: list[tuple[int, int]],
-              rows: tuple[int, int], sym: bool) -> str:
+              rows: tuple[int, int], sym: bool, probe_group_size: int | None = None) -> str:
     h = hashlib.sha256()
     manifest = base_dir / "manifest.json"
     if manifest.is_file():
@@ -176,15 +180,34 @@ def cache_key(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], can
         for f in sorted(base_dir.glob("*.safetensors")):
             h.update(f.read_bytes())
     h.update(calib_ids.to(torch.int64).contiguous().numpy().tobytes())
-    h.update(json.dumps([VERSION, [(u.name, u.modules) for u in units], cands, rows, sym]).encode())
+    h.update(json.dumps([VERSION, [(u.name, u.modules) for u in units], cands, rows, sym, probe_group_size]).encode())
     return h.hexdigest()[:32]
+
+
+def scale_by_hessian(probed: list[list[float]], hess: list[list[float]], cands: list[tuple[int, int]],
+                     probe_group_size: int) -> list[list[float]]:
+    """The kl-scaled table (see the module docstring): probed[u] has one entry per candidate at probe_group_size,
+    in cands' order; every other candidate's KL is scaled from the probed one at its bits."""
+    probe_cands = [c for c in cands if c[1] == probe_group_size]
+    out = []
+    for kl_u, h_u in zip(probed, hess, strict=True):
+        row = []
+        for j, (b, g) in enumerate(cands):
+            r = probe_cands.index((b, probe_group_size))
+            ref = h_u[cands.index((b, probe_group_size))]
+            row.append(kl_u[r] if g == probe_group_size or ref <= 0 else kl_u[r] * h_u[j] / ref)
+        out.append(row)
+    return out
 
 
 def measure(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], cands: list[tuple[int, int]],
             probe_rows: int, hessian_rows: int, sym: bool, layers_path: str, cache_dir: Path | None,
-            log: Callable[[str], None]) -> dict:
-    """{"kl": table, "hessian": table, "time_s": {...}, "key", "cached"}: measured, or read from cache_dir."""
-    key = cache_key(base_dir, calib_ids, units, cands, (probe_rows, hessian_rows), sym)
+            log: Callable[[str], None], probe_group_size: int | None = None) -> dict:
+    """{"kl": table, "hessian": table, "time_s": {...}, "key", "cached"}: measured, or read from cache_dir.
+    probe_group_size: the kl-scaled estimator (KL probed at that group size only); None: every candidate probed."""
+    if probe_group_size is not None and any((b, probe_group_size) not in cands for b, _ in cands):
+        raise ValueError(f"kl-scaled: every candidate bits needs a candidate at group_size {probe_group_size}")
+    key = cache_key(base_dir, calib_ids, units, cands, (probe_rows, hessian_rows), sym, probe_group_size)
     path = cache_dir / f"{key}.json" if cache_dir is not None else None
     if path is not None and path.is_file():
         found = json.loads(path.read_text())
@@ -196,13 +219,19 @@ def measure(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], cands
     hess = hessian_table(model, calib_ids[:hessian_rows], units, cands, sym)
     t1 = time.perf_counter()
     log(f"sensitivity: hessian table ({len(units)} units x {len(cands)} candidates) in {t1 - t0:.1f} s")
-    kl = kl_table(model, calib_ids[:probe_rows], units, cands, sym, layers_path,
+    probed = cands if probe_group_size is None else [c for c in cands if c[1] == probe_group_size]
+    kl = kl_table(model, calib_ids[:probe_rows], units, probed, sym, layers_path,
                   lambda k, n: log(f"sensitivity: KL probe {k}/{n} units") if k % 10 == 0 or k == n else None)
+    if probe_group_size is not None:
+        kl = scale_by_hessian(kl, hess, cands, probe_group_size)
     t2 = time.perf_counter()
-    log(f"sensitivity: KL table in {t2 - t1:.1f} s ({len(units) * len(cands) + 1} forward passes)")
+    log(f"sensitivity: KL table in {t2 - t1:.1f} s ({len(units) * len(probed) + 1} forward passes)")
     found = {"key": key, "units": [u.name for u in units], "candidates": cands, "kl": kl, "hessian": hess,
              "probe": {"weights": "RTN on GPTQ's min/max grid", "kl_rows": probe_rows,
-                       "hessian_rows": int(calib_ids[:hessian_rows].shape[0]), "seq_len": int(calib_ids.shape[1])},
+                       "hessian_rows": int(calib_ids[:hessian_rows].shape[0]), "seq_len": int(calib_ids.shape[1]),
+                       "kl_probed": "every candidate" if probe_group_size is None else
+                       f"group_size {probe_group_size} at each bits; other group sizes scaled by the Hessian error "
+                       "ratio at the same bits"},
              "time_s": {"hessian": round(t1 - t0, 2), "kl": round(t2 - t1, 2)}}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)

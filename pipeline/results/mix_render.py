@@ -71,7 +71,8 @@ def mix_lines(name: str, entry: ModelEntry, mix: dict) -> list[str]:
             f"{num(entry.bits_per_weight, 4)}. Allocation by `{mix['estimator']}` sensitivity per {mix['granularity']}, "
             f"{mix['solver']['kind']}, {'exact' if mix['solver']['exact'] else 'exact at a resolution of '}"
             f"{'' if mix['solver']['exact'] else str(mix['solver']['resolution_bytes']) + ' bytes'}.",
-            f"Predicted KL (summed sensitivities, RTN probe on {probe.get('kl_rows')} calibration row(s)) "
+            f"Predicted KL (summed sensitivities, RTN probe on {probe.get('kl_rows')} calibration row(s)"
+            f"{'; KL probed at ' + probe['kl_probed'] if probe.get('kl_probed', 'every candidate') != 'every candidate' else ''}) "
             f"{num(mix['predicted']['kl'])}; measured KL (this GPTQ checkpoint, evaluation text) {num(entry.kl)}. "
             f"Sensitivity cost: KL probe {num(sens_t.get('kl'), 3)} s, Hessian estimator {num(sens_t.get('hessian'), 3)} s"
             f"{cached}.", ""] + allocation_table(mix) + [""]

@@ -106,6 +106,14 @@ def test_dynamic_overrides_match_exactly_the_unit_linears(smol):
     assert attn1.match("model.layers.1.self_attn.o_proj") and not attn1.match("model.layers.1.mlp.up_proj")
 
 
+def test_a_per_row_scale_turns_act_group_aware_off_for_its_unit_only(smol):
+    """GPTQModel refuses act_group_aware (on by default) without groups: a group_size -1 unit says so itself."""
+    units = mix_units(smol, ["lm_head"], "module")[:3]
+    dyn = dynamic_overrides(units, [(4, -1), (8, 64), (3, -1)], smol.layers, (4, 64))
+    assert list(dyn.values()) == [{"bits": 4, "group_size": -1, "act_group_aware": False},
+                                  {"bits": 8, "group_size": 64}, {"bits": 3, "group_size": -1, "act_group_aware": False}]
+
+
 def test_a_checkpoint_with_per_module_bits_is_loaded_by_gptqmodel_not_transformers():
     from pipeline.quant.gptq_format import per_module_formats
 

@@ -162,3 +162,29 @@ def test_replaying_the_layers_before_a_unit_gives_the_full_forwards_logits(tiny)
     assert torch.allclose(_logits_from(model, layers, 1, outputs, CALIB[:2]), full, atol=1e-5)
     assert all(type(layers[j]).__name__ == "LlamaDecoderLayer" for j in range(2))  # restored
     assert mean_kl(torch.log_softmax(full, -1), _logits(model, CALIB[:2])) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_kl_scaled_probes_one_group_size_and_scales_the_others_by_their_hessian_ratio(tiny):
+    """estimator = "kl-scaled": the probed column equals the full KL probe's; every other group size is that KL times
+    the unit's own Hessian error ratio at the same bits; fewer forward passes; the cache keys differ."""
+    from pipeline.quant.mix_sensitivity import cache_key, measure
+
+    arch = linear_shapes_from_config(json.loads((tiny / "config.json").read_text()))
+    units = mix_units(arch, ["lm_head"], "module")
+    cands = make("k").mix.candidates(64)
+    assert make("k", estimator="kl-scaled").mix.probe_group_size(64) == 64 and make("k").mix.probe_group_size(64) is None
+    lines: list[str] = []
+    full = measure(tiny, CALIB, units, cands, 2, 4, True, arch.layers, None, lambda s: None)
+    scaled = measure(tiny, CALIB, units, cands, 2, 4, True, arch.layers, None, lines.append, 64)
+    assert scaled["hessian"] == full["hessian"]
+    assert f"({len(units) * 4 + 1} forward passes)" in lines[-1]  # 4 bits at g64, not 8 candidates
+    for u in range(len(units)):
+        for j, (b, g) in enumerate(cands):
+            ref = cands.index((b, 64))
+            want = full["kl"][u][ref] * (1 if g == 64 else full["hessian"][u][j] / full["hessian"][u][ref])
+            assert scaled["kl"][u][j] == pytest.approx(want, rel=1e-5)
+    # the scaled entries are estimates, not copies: at equal bits g32 is predicted better than g64
+    assert all(scaled["kl"][u][cands.index((3, 32))] < scaled["kl"][u][cands.index((3, 64))] for u in range(len(units)))
+    assert "scaled by the Hessian error ratio" in scaled["probe"]["kl_probed"]
+    k = (tiny, CALIB, units, cands, (2, 4), True)
+    assert cache_key(*k) != cache_key(*k, 64)
