@@ -14,6 +14,7 @@ from pipeline.base.errors import StageError
 from pipeline.base.memory import MappedPagesTrimmed
 from pipeline.model.dtypes import config_dtype, torch_dtype
 from pipeline.model.models import load_gguf, single_gguf
+from pipeline.quant import kv_fp8
 from pipeline.quant.registry import checkpoint_method
 
 
@@ -49,4 +50,7 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
         model = AutoModelForCausalLM.from_pretrained(folder, device_map=device, **kwargs)
     if method is not None:
         method.after_load(model)
+    kv = kv_fp8.read(folder)  # an FP8 KV cache the checkpoint declares: its keys and values go through float8
+    if kv is not None:
+        kv_fp8.install(model, kv)
     return model.eval()

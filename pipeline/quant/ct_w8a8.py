@@ -22,7 +22,9 @@ from compressed_tensors.quantization import (
     apply_quantization_config,
     preset_name_to_scheme,
 )
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
+
+from pipeline.quant import kv_fp8
 
 from pipeline.quant.w8a8_layers import W8A8Result
 
@@ -65,6 +67,8 @@ def write(result: W8A8Result, scheme: str, dtype: torch.dtype, out_dir: Path) ->
     model.config.dtype = dtype
     model.save_pretrained(out_dir)
     compressor.update_config(str(out_dir))
+    if result.kv_scales is not None:
+        add_kv_cache(out_dir, result.kv_scales)
     _verify(out_dir, result, scheme)
     return json.loads((out_dir / "config.json").read_text())["quantization_config"]
 
@@ -79,3 +83,21 @@ def _verify(out_dir: Path, result: W8A8Result, scheme: str) -> None:
                                "and scales")
         if scheme == "int8-static" and f"{name}.input_scale" not in state:
             raise RuntimeError(f"{name}: no input_scale written for the static scheme")
+    if result.kv_scales is not None and kv_fp8.read(out_dir) != {
+            n: (float(torch.tensor(k)), float(torch.tensor(v))) for n, (k, v) in result.kv_scales.items()}:
+        raise RuntimeError(f"{out_dir}: the FP8 KV cache scales read back differ from those calibrated")
+
+
+def add_kv_cache(out_dir: Path, scales: dict[str, tuple[float, float]]) -> None:
+    """The FP8 KV cache into a written folder: compressed-tensors' kv_cache_scheme (validated by its own
+    QuantizationArgs) in config.json, and the per-layer k/v scales beside the weights (pipeline/quant/kv_fp8.py).
+    compressed-tensors 0.20 writes neither for transformers 5.24's attention, which it does not find."""
+    files = sorted(out_dir.glob("*.safetensors"))
+    if len(files) != 1:
+        raise RuntimeError(f"{out_dir}: the FP8 KV cache scales go into a single-file checkpoint; found {len(files)}")
+    state = load_file(files[0])
+    state.update(kv_fp8.tensors(scales))
+    save_file(state, str(files[0]), metadata={"format": "pt"})
+    config = json.loads((out_dir / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = QuantizationArgs(**kv_fp8.SCHEME).model_dump(exclude_none=True)
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

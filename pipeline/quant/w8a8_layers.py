@@ -15,6 +15,7 @@ from typing import IO, Callable, Sequence
 import torch
 
 from pipeline.model.families import Family
+from pipeline.quant import kv_fp8
 from pipeline.quant.shapes import is_skipped
 from pipeline.quant.smoothquant import fold, search_alpha
 from pipeline.quant.w8a8_math import FP8_MAX, INT8_ACT, fake_weight, gptq_channel, quant_act, rtn
@@ -33,6 +34,7 @@ class W8A8Plan:
     dtype: torch.dtype  # the checkpoint's dtype: scales are rounded to it
     damp: float = 0.01
     min_static_tokens: int = 0
+    kv_cache: bool = False  # an FP8 KV cache: per-layer k/v scales calibrated on the quantized model
 
 
 @dataclass
@@ -43,6 +45,7 @@ class W8A8Result:
     alphas: dict[str, float | None] = field(default_factory=dict)  # fold point -> alpha (None: not smoothed)
     errors: dict[str, dict[str, float]] = field(default_factory=dict)  # fold point -> {candidate: rel. error}
     tokens: int = 0
+    kv_scales: dict[str, tuple[float, float]] | None = None  # attention -> (k_scale, v_scale): an FP8 KV cache
 
 
 class _Stop(Exception):
@@ -128,6 +131,13 @@ def quantize_model(model, family: Family, calib_ids: torch.Tensor | None, plan: 
                 result.input_scales[prefix + k] = (m / qmax).reshape(1).to(plan.dtype).float()
         if console is not None:
             console.write(f"w8a8: layer {i + 1}/{len(layers)} done\n")
+    if plan.kv_cache:
+        if calib_ids is None:
+            raise ValueError("an FP8 KV cache calibrates its k/v scales: it needs calibration rows")
+        result.kv_scales = kv_fp8.calibrate(model, calib_ids)
+        if console is not None:
+            console.write(f"w8a8: FP8 KV cache: k/v scales of {len(result.kv_scales)} layers from "
+                          f"{len(calib_ids)} calibration rows\n")
     return result
 
 

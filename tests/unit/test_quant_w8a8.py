@@ -34,6 +34,7 @@ CASES = {
                      "smoothquant_alphas": [0.3, 0.5, 0.8]},
     "int8-static": {"scheme": "int8-static", "static_min_tokens": 256},
     "fp8": {"scheme": "fp8-dynamic"},
+    "int8-kv": {"scheme": "int8-dynamic", "kv_cache": "fp8"},
 }
 
 
@@ -281,11 +282,11 @@ def test_linears_fed_the_same_input_share_one_hessian_and_the_others_get_their_o
 
 
 def test_compressed_tensors_kv_cache_scheme_finds_no_attention_in_this_transformers(tiny):
-    """Why there is no FP8 KV cache option yet: compressed-tensors 0.20 recognises an attention module by a
-    `past_key_value(s)` forward parameter, and transformers 5.24's Llama attention names it `cache`; a
-    kv_cache_scheme is then applied to nothing (no k_scale/v_scale, no quantized keys in the forward), so the
-    quality stage could not measure it through compressed-tensors' own forward. This pins the fact: when it fails,
-    the libraries agree again and the option can be built."""
+    """Why the FP8 KV cache is measured by pipeline/quant/kv_fp8.py and not by compressed-tensors' own forward:
+    compressed-tensors 0.20 recognises an attention module by a `past_key_value(s)` forward parameter, and
+    transformers 5.24's Llama attention names it `cache`; a kv_cache_scheme is then applied to nothing (no
+    k_scale/v_scale, no quantized keys in the forward). This pins the fact: when it fails, the libraries agree again
+    and kv_fp8.py can give way to compressed-tensors' forward."""
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, apply_quantization_config
     from transformers import AutoModelForCausalLM
 
@@ -313,3 +314,90 @@ def test_compress_check_cli_refuses_static_scales_from_a_short_calibration_set()
     out = r.stdout + r.stderr
     assert "quantize.3 (w8a8-int8-static): scheme = 'int8-static' takes its activation scales" in out
     assert "8 rows x 256 = 2048 is fewer than static_min_tokens = 4096" in out
+
+
+def _cache_keys_values(model, rows) -> tuple[list[float], list[float]]:
+    """Per layer, the largest |key| and |value| a DynamicCache holds after a forward of each row (keys after RoPE):
+    read from transformers' own cache, not through kv_fp8."""
+    ks = [0.0] * model.config.num_hidden_layers
+    vs = list(ks)
+    with torch.no_grad():
+        for row in rows:
+            cache = model(row[None], use_cache=True).past_key_values
+            for i, layer in enumerate(cache.layers):
+                ks[i] = max(ks[i], float(layer.keys.abs().max()))
+                vs[i] = max(vs[i], float(layer.values.abs().max()))
+    return ks, vs
+
+
+def test_fp8_kv_scales_are_the_largest_cached_key_and_value_over_448(tiny):
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quant import kv_fp8
+
+    m = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    scales = kv_fp8.calibrate(m, CALIB[:4])
+    ks, vs = _cache_keys_values(m, CALIB[:4])
+    assert list(scales) == [f"model.layers.{i}.self_attn" for i in range(len(ks))]
+    for (k, v), want_k, want_v in zip(scales.values(), ks, vs):
+        assert k == pytest.approx(want_k / 448, rel=1e-6) and v == pytest.approx(want_v / 448, rel=1e-6)
+    assert m.config._attn_implementation == "sdpa"  # calibration leaves the model's attention as it was
+    x = torch.tensor([0.3, -1.7, 100.0, 1e4])
+    assert torch.equal(kv_fp8.quantize_dequantize(x, torch.tensor(1.0)),
+                       x.clamp(-448, 448).to(torch.float8_e4m3fn).float())
+
+
+def test_fp8_kv_cache_changes_the_logits_slightly_and_decoding_reads_the_same_fp8_keys(tiny):
+    """Installed: the logits move (keys and values are float8) but stay close; the last position's logits of a
+    full forward equal those of prefill + one decode step through the cache (every key read goes through fp8)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quant import kv_fp8
+
+    m = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    with torch.no_grad():
+        plain = m(PROBE).logits
+    kv_fp8.install(m, kv_fp8.calibrate(m, CALIB[:4]))
+    with torch.no_grad():
+        fp8 = m(PROBE).logits
+        out = m(PROBE[:, :-1], use_cache=True)
+        step = m(PROBE[:, -1:], past_key_values=out.past_key_values, use_cache=True).logits[:, -1]
+    assert (fp8 - plain).abs().max() > 1e-4
+    assert (fp8 - plain).abs().max() < 0.1 * plain.abs().max()
+    assert torch.allclose(step, fp8[:, -1], atol=1e-4)
+
+
+def test_a_w8a8_checkpoint_with_an_fp8_kv_cache_declares_it_and_reloads_with_it(folders):
+    """kv_cache = "fp8": compressed-tensors' kv_cache_scheme in config.json, one k/v scale per layer beside the
+    weights (llm-compressor's names), and our loader reads keys and values through float8 with them: the logits
+    differ from the same weights without the scheme by what the FP8 cache changes."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from pipeline.quant import kv_fp8
+
+    folder = folders["int8-kv"]
+    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert {k: qc["kv_cache_scheme"][k] for k in kv_fp8.SCHEME} == kv_fp8.SCHEME
+    state = load_file(folder / "model.safetensors")
+    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    assert sorted(k for k in state if k.endswith("_scale") and "self_attn." in k and "proj" not in k) == sorted(
+        f"model.layers.{i}.self_attn.{kv}_scale" for i in range(layers) for kv in "kv")
+    assert all(float(state[f"model.layers.{i}.self_attn.k_scale"]) > 0 for i in range(layers))
+    with_kv = _logits(folder, True)
+    no_kv = folder.parent / "int8-kv-without"
+    shutil.copytree(folder, no_kv, dirs_exist_ok=True)
+    config = json.loads((no_kv / "config.json").read_text())
+    del config["quantization_config"]["kv_cache_scheme"]
+    (no_kv / "config.json").write_text(json.dumps(config))
+    without = _logits(no_kv, True)
+    assert torch.allclose(without, _logits(folders["int8-rtn"], True), atol=1e-5)  # the same weights and activations
+    assert (with_kv - without).abs().max() > 1e-4
+    assert kv_fp8.read(folder) is not None and kv_fp8.read(no_kv) is None
+
+
+def test_fp8_kv_cache_on_an_unknown_family_is_refused_at_check():
+    arch = linear_shapes_from_config({"model_type": "nosuchmodel"})
+    v = variant(name="kv", kv_cache="fp8")
+    assert ("kv_cache", "kv-fp8-unknown-family") in keys(check_variant(v, arch, "cpu"))

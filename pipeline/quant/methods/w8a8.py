@@ -61,6 +61,10 @@ class W8A8Variant(Calibrated, VariantBase):
                                                            "activation maxima are taken from")
     dtype: Optional[Dtype] = Field(None, description="dtype of the checkpoint's unquantized tensors and scales; "
                                                      "None = the loaded checkpoint's")
+    kv_cache: Optional[Literal["fp8"]] = Field(
+        None, description="'fp8': an FP8 KV cache (float8_e4m3fn keys and values, one calibrated scale per layer for "
+                          "each, compressed-tensors' kv_cache_scheme; vLLM stores its cache in fp8 with them); the "
+                          "quality stages read keys and values through float8 too (pipeline/quant/kv_fp8.py)")
 
 
 class W8A8Method(QuantMethod):
@@ -100,6 +104,10 @@ class W8A8Method(QuantMethod):
             p.append(Problem("smoothquant", "smoothquant-unknown-family",
                              f"smoothquant = true on model_type {arch.model_type!r}: its fold points (norms before "
                              "q/k/v and gate/up) are unknown (pipeline/model/families.py); set smoothquant = false"))
+        if variant.kv_cache and not arch.shapes_known:
+            p.append(Problem("kv_cache", "kv-fp8-unknown-family",
+                             f"kv_cache = 'fp8' on model_type {arch.model_type!r}: its attention layers (self_attn) "
+                             "are unknown (pipeline/model/families.py); drop kv_cache"))
         if arch.shapes_known:
             linears = quantized_linears(arch, variant.modules_to_skip)
             bad_tiles = [f"{k} ({i}x{o})" for k, (i, o) in linears.items() if i % TILE or o % TILE]
@@ -118,6 +126,14 @@ class W8A8Method(QuantMethod):
                 "calibration.num_samples (or calibration_rows) or use scheme = 'int8-dynamic'")]
 
     def runtimes(self, variant, arch: Arch) -> list[dict]:
+        rows = self._runtimes(variant)
+        if variant.kv_cache == "fp8":
+            rows.append({"runtime": "vLLM (FP8 KV cache)", "kernel": "the checkpoint's kv_cache_scheme turns fp8 KV "
+                         "storage on with its k/v scales", "note": "CPU build: x86 with AVX-512 or AMX and a head "
+                         "size divisible by 32; CUDA: any GPU vLLM supports"})
+        return rows
+
+    def _runtimes(self, variant) -> list[dict]:
         if variant.scheme.startswith("fp8"):
             return fp8_runtimes()
         how = "per token at run time" if variant.scheme == "int8-dynamic" else "one calibrated scale per tensor"
@@ -139,7 +155,8 @@ class W8A8Method(QuantMethod):
 
     def hub_tags(self, params: dict) -> list[str]:
         scheme = str(params.get("scheme") or "int8-dynamic")
-        return ["w8a8", scheme.split("-")[0], "8-bit", CT] + (["smoothquant"] if params.get("smoothquant") else [])
+        return (["w8a8", scheme.split("-")[0], "8-bit", CT] + (["smoothquant"] if params.get("smoothquant") else [])
+                + (["fp8-kv-cache"] if params.get("kv_cache") == "fp8" else []))
 
     def card_usage(self, repo: str, params: dict, quantize: dict) -> list[str]:
         scheme = str(params.get("scheme") or "int8-dynamic")
@@ -170,7 +187,7 @@ class W8A8Method(QuantMethod):
                         alphas=variant.smoothquant_alphas if variant.smoothquant else None,
                         modules_to_skip=variant.modules_to_skip,
                         dtype=torch_dtype(variant.dtype or base_dtype(base_dir)), damp=variant.damp_percent,
-                        min_static_tokens=variant.static_min_tokens)
+                        min_static_tokens=variant.static_min_tokens, kv_cache=variant.kv_cache == "fp8")
         return quantize_model(model, family, calib_ids, plan, console)
 
     def save(self, result, base_dir: Path, out_dir: Path, variant) -> dict:
@@ -189,7 +206,22 @@ class W8A8Method(QuantMethod):
                 "smoothquant": {"alphas": result.alphas, "errors": result.errors,
                                 "smoothed": sum(a is not None for a in chosen), "points": len(chosen)}
                 if variant.smoothquant else None,
-                "measured_with": MEASURED.format(how="")}
+                "kv_cache": kv_record(result.kv_scales),
+                "measured_with": MEASURED.format(how="") + (KV_MEASURED if result.kv_scales else "")}
+
+
+KV_MEASURED = ("; keys (after RoPE) and values went through float8_e4m3fn with the checkpoint's per-layer "
+               "k_scale and v_scale in every attention (pipeline/quant/kv_fp8.py: compressed-tensors 0.20 applies "
+               "no kv_cache_scheme to transformers 5.24's attention)")
+
+
+def kv_record(scales: dict | None) -> dict | None:
+    """What the report keeps of an FP8 KV cache: the scheme and the range of its calibrated scales."""
+    if not scales:
+        return None
+    ks, vs = [k for k, _ in scales.values()], [v for _, v in scales.values()]
+    return {"dtype": "float8_e4m3fn", "strategy": "tensor (one k and one v scale per layer)", "layers": len(scales),
+            "k_scale": [min(ks), max(ks)], "v_scale": [min(vs), max(vs)]}
 
 
 def fp8_runtimes() -> list[dict]:
