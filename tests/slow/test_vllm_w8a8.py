@@ -1,10 +1,12 @@
 """An INT8 W8A8 compressed-tensors checkpoint written by method = "w8a8" (compressed-tensors 0.20) served by vLLM's
 CPU build (which carries compressed-tensors 0.17) through the serve unit's measurement: it loads, answers and passes
-a load test with 0 errors. The tiny random Llama, eager mode (~40 s a start on 2 cores). Skipped, saying so, where
+a load test with 0 errors; with kv_cache = "fp8" vLLM stores its KV cache in fp8 (one byte a value: twice the tokens in the same memory; its
+CPU build needs AVX-512 or AMX and a head size divisible by 32). The tiny random Llama, eager mode (~40 s a start on 2 cores). Skipped, saying so, where
 .venv-vllm is not set up."""
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -22,7 +24,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(get("vllm").missing() is not 
 PROMPTS = [f"word{i} " * 12 for i in range(16)]
 
 
-@pytest.mark.parametrize("fields", [{"scheme": "int8-dynamic"}, {"scheme": "int8-static", "static_min_tokens": 256}])
+@pytest.mark.parametrize("fields", [{"scheme": "int8-dynamic"}, {"scheme": "int8-static", "static_min_tokens": 256},
+                                    {"scheme": "int8-dynamic", "kv_cache": "fp8"}])
 def test_vllm_cpu_serves_an_int8_w8a8_checkpoint(tmp_path: Path, fields: dict):
     from pipeline.quant.api import quantize_variant
     from pipeline.serve.measure import measure
@@ -39,3 +42,8 @@ def test_vllm_cpu_serves_an_int8_w8a8_checkpoint(tmp_path: Path, fields: dict):
     r = measure(out, cfg, PROMPTS, tmp_path / "m", threads=1, engine="vllm")
     assert r["engine"] == "vllm" and r["server_exit"] == 0
     assert all(lv["errors"] == 0 and lv["requests"] == 4 and lv["output_tok_s"] > 0 for lv in r["levels"])
+    log = (tmp_path / "m" / "server.log").read_text(errors="replace")
+    # bytes a cached token takes: 2 layers x (k, v) x 2 kv heads x 32 dims x 1 byte (fp8) or 2 (bfloat16, as served)
+    memory = int(re.search(r"'kv_cache_memory_bytes': (\d+)", log).group(1))
+    tokens = int(re.search(r"CPU KV cache size: ([\d,]+) tokens", log).group(1).replace(",", ""))
+    assert memory / tokens == (256 if fields.get("kv_cache") == "fp8" else 512), (memory, tokens)
