@@ -2,7 +2,7 @@
 per-block sensitivities add up.
 
     compress run recipes/mixed.toml
-    python benchmarks/mix_report.py artifacts/mixed [--additivity 12]
+    python benchmarks/mix_report.py artifacts/mixed [--additivity 12] [--scaled-check 40]
 
 Prints, from report.json: per variant the bits per weight budgeted / spent / measured on the checkpoint, the
 perplexity ratio and KL against the baseline on the same windows; the issue's two floors (at uniform w4g64's bits
@@ -12,11 +12,15 @@ per weight, mixed's perplexity rise <= 0.8x uniform's; at 3.5 bits per weight, m
 --additivity N: the sensitivities' additivity at the probe itself: N random allocations, plus each mixed variant's
 and every uniform one, applied as RTN weights (the probe's) to the base model; the measured KL on the probe's
 calibration rows vs the summed table entries. One forward pass per allocation.
+
+--scaled-check N (estimator "kl-scaled"): N random (unit, candidate) pairs at a group size the probe did not run,
+probed now: the scaled estimate in the table vs the KL the probe measures.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -74,9 +78,9 @@ def additivity(run_dir: Path, record: dict, n: int, seed: int = 0) -> list[tuple
     out = []
     for label, choice in allocs.items():
         for u, j in zip(units, choice, strict=True):
-            prefix = u.split(".", 1)[1] + "."  # "3.mlp."
+            stem = u.split(".", 1)[1]  # "3.mlp" (a block) or "3.mlp.down_proj" (a linear)
             for name, w in originals.items():
-                if name.startswith(prefix):
+                if name == stem or name.startswith(stem + "."):
                     layers.get_submodule(name).weight.data.copy_(fake_quantize(w, *cands[j]))
         with torch.no_grad():
             logits = torch.cat([model(r[None]).logits[0].float() for r in ids])
@@ -85,10 +89,44 @@ def additivity(run_dir: Path, record: dict, n: int, seed: int = 0) -> list[tuple
     return out
 
 
+def scaled_check(run_dir: Path, record: dict, n: int, seed: int = 0) -> list[tuple[str, float, float]]:
+    """kl-scaled's estimate against the KL probe itself: for n random (unit, candidate) pairs off the probed group
+    size, (label, scaled estimate from the record, KL measured by the same probe). One forward pass a pair."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quant.mix import mix_units
+    from pipeline.quant.mix_sensitivity import kl_table
+    from pipeline.quant.shapes import linear_shapes_from_config
+
+    sens = record["sensitivity"]
+    cands = [tuple(c) for c in record["candidates"]]
+    probed = sens["probe"].get("kl_probed", "every candidate")
+    if probed == "every candidate":
+        raise SystemExit("--scaled-check: this record probed every candidate (estimator 'kl')")
+    g_probe = int(probed.split()[1])
+    arch = linear_shapes_from_config(json.loads((run_dir / "load" / "config.json").read_text()))
+    units = {u.name: u for u in mix_units(arch, ["lm_head"], record["granularity"])}
+    ids = load_file(run_dir / "calibrate" / "calibration.safetensors")["input_ids"][: sens["probe"]["kl_rows"]]
+    model = AutoModelForCausalLM.from_pretrained(run_dir / "load", dtype=torch.float32).eval()
+    rng = random.Random(seed)
+    off = [j for j, (_, g) in enumerate(cands) if g != g_probe]
+    out = []
+    for _ in range(n):
+        u, j = rng.randrange(len(sens["units"])), rng.choice(off)
+        name = sens["units"][u]
+        (kl,) = kl_table(model, ids, [units[name]], [cands[j]], True, arch.layers)[0]
+        out.append((f"{name} w{cands[j][0]}g{cands[j][1]}", sens["kl"][u][j], kl))
+        print(f"  {out[-1][0]}: scaled {out[-1][1]:.3e}, probed {kl:.3e}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=Path)
     ap.add_argument("--additivity", type=int, default=0, help="random allocations to measure (0: skip)")
+    ap.add_argument("--scaled-check", type=int, default=0,
+                    help="kl-scaled: random (unit, candidate) pairs off the probed group size to probe (0: skip)")
     args = ap.parse_args(argv)
     report = load(args.run_dir)
     base = report.baseline.perplexity.value if report.baseline and report.baseline.perplexity else None
@@ -113,6 +151,14 @@ def main(argv: list[str] | None = None) -> int:
         r = pearson([p for _, p, _ in got], [m for _, _, m in got])
         print(f"additivity at the probe (RTN weights, the probe's calibration rows), {len(got)} allocations: "
               f"Pearson {r if r is None else round(r, 3)}")
+    if args.scaled_check:
+        mixed = [n for n, e in report.variants.items() if mix_of(e)]
+        record = json.loads((args.run_dir / "quantize" / mixed[0] / "mix.json").read_text())
+        got = scaled_check(args.run_dir, record, args.scaled_check)
+        r = pearson([math.log(p) for _, p, _ in got], [math.log(m) for _, _, m in got])
+        ratios = sorted(p / m for _, p, m in got)
+        print(f"kl-scaled vs probed KL, {len(got)} pairs: Pearson of the logs {r if r is None else round(r, 3)}, "
+              f"scaled/probed median {ratios[len(ratios) // 2]:.3f} (range {ratios[0]:.3f} to {ratios[-1]:.3f})")
     return 0
 
 

@@ -24,8 +24,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(get("vllm").missing() is not 
 PROMPTS = [f"word{i} " * 12 for i in range(16)]
 
 
-@pytest.mark.parametrize("fields", [{"scheme": "int8-dynamic"}, {"scheme": "int8-static", "static_min_tokens": 256},
-                                    {"scheme": "int8-dynamic", "kv_cache": "fp8"}])
+@pytest.mark.parametrize("fields", [{"scheme": "int8-dynamic", "kv_cache": "fp8"},  # one vLLM start for both
+                                    {"scheme": "int8-static", "static_min_tokens": 256}])
 def test_vllm_cpu_serves_an_int8_w8a8_checkpoint(tmp_path: Path, fields: dict):
     from pipeline.quant.api import quantize_variant
     from pipeline.serve.measure import measure
