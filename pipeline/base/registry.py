@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Generic, TypeVar
 
 from pipeline.base.errors import RecipeError
@@ -55,3 +57,12 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self._items)
+
+
+def load_work(path: str) -> ModuleType:
+    """The work module a plug-in declares by dotted path: a quantization method's (QuantMethod.work, reload_work:
+    pipeline/quant/work/) or a serving engine's (Engine.work: pipeline/serve/work/). The one place a plug-in's heavy
+    side is imported (tests/unit/test_import_graph.py checks each declared path resolves and respects the layers)."""
+    # late: a work module imports torch, its engine or its server at its top; `compress check` imports every plug-in's
+    # declarations and must load none of them (tests/unit/test_import_boundaries.py)
+    return importlib.import_module(path)

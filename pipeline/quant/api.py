@@ -83,9 +83,9 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.LongTensor | None
 
 
 def implementation(variant):
-    """The variant's method (pipeline/quant/methods/), its engine imported: session(out_dir) context,
-    quantize(base_dir, variant, calib_ids, console, device) -> in-memory model, save(model, base_dir, out_dir,
-    variant) -> manifest details. A missing engine is one line naming it."""
+    """The variant's method (pipeline/quant/methods/), its engine and its work module (pipeline/quant/work/)
+    imported: session(out_dir) context, quantize(base_dir, variant, calib_ids, console, device) -> in-memory model,
+    save(model, base_dir, out_dir, variant) -> manifest details. A missing engine is one line naming it."""
     m = method_of(variant)
     for spec in (*m.engine_modules, m.engine):
         try:
@@ -93,4 +93,5 @@ def implementation(variant):
         except ImportError as e:
             raise StageError(f"{spec} cannot be imported ({e}); install the project's dependencies "
                              "(pip install -e .)") from e
+    m.load_work()
     return m

@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import threading
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import IO, Callable, Iterator
 
 import torch
+from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 from tqdm import tqdm
 
@@ -153,3 +155,23 @@ def skipped_linears(base_dir: Path, modules_to_skip: list[str]) -> list[str]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base_dir))
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and is_skipped(n, modules_to_skip)]
+
+
+def quantized_in_blocks(out_dir: Path) -> list[list[str]]:
+    """transformers (through optimum) ignores GPTQModel's `dynamic` skips when it loads a checkpoint and
+    would build quantized modules for skipped layers; it honours `modules_in_block_to_quantize`, matched
+    as name suffixes. Read the quantized names back from the weights: one kind list when every layer
+    has the same ones, else the full names."""
+    names = set()
+    for f in sorted(out_dir.glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            names |= {k.removesuffix(".qweight") for k in st.keys() if k.endswith(".qweight")}
+    per_layer: dict[str, set[str]] = {}
+    for n in names:
+        m = re.match(r"^(.*\.\d+)\.(.+)$", n)
+        if m:
+            per_layer.setdefault(m.group(1), set()).add(m.group(2))
+    kinds = list(per_layer.values())
+    if kinds and all(k == kinds[0] for k in kinds):
+        return [sorted(kinds[0])]
+    return [sorted(n for n in names if re.match(r"^.*\.\d+\.", n))]

@@ -11,6 +11,7 @@ from pipeline.quant.ct_format import CT, LOAD, ct_bits_per_weight, ct_problems, 
 from pipeline.quant.method import LLAMA_CPP_ROW, bits_tags, grouped_bits
 from pipeline.quant.shapes import Arch, quantized_linears
 from pipeline.base.env import tame
+from pipeline.base.registry import load_work
 
 # GPTQModel 7.6 QuantizeConfig accepts these group sizes; its CPU/torch kernel (TorchLinear) takes them all.
 GPTQ_GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)
@@ -22,6 +23,7 @@ class GPTQModelKernels:
 
     repacked_on_cpu = True  # GPTQModel repacks the quantized linears for its CPU kernel at the first forward
     load_module = "gptqmodel"
+    reload_work = "pipeline.quant.work.gptq_kernels"  # GPTQModel.load, for load_own
 
     def before_load(self) -> None:
         tame()
@@ -32,10 +34,7 @@ class GPTQModelKernels:
         loads it; its HF model is returned."""
         if not per_module_formats(config.get("quantization_config") or {}):
             return None
-        # late: GPTQModel loads only for a per-module-bits checkpoint; `compress check` imports this file
-        from gptqmodel import GPTQModel
-
-        return GPTQModel.load(str(folder), device=device).model
+        return load_work(self.reload_work).load_own(folder, device)
 
 
 def per_module_formats(qc: dict) -> bool:
@@ -80,22 +79,11 @@ class GPTQFormatMethod(GPTQModelKernels):
 
 
 class GPTQModelDriven:
-    """Mixin of the methods GPTQModel's driver quantizes and saves (pipeline/quant/gptqmodel_driver.py)."""
+    """Mixin of the methods GPTQModel's driver quantizes and saves (pipeline/quant/gptqmodel_driver.py: their work
+    modules take its session and save)."""
 
     engine = "gptqmodel"
     engine_modules = ("pipeline.quant.gptqmodel_driver",)
-
-    def session(self, out_dir: Path):
-        # late: GPTQModel; `compress check` imports these declarations
-        from pipeline.quant.gptqmodel_driver import session
-
-        return session(out_dir)
-
-    def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
-        # late: GPTQModel; `compress check` imports these declarations
-        from pipeline.quant.gptqmodel_driver import save
-
-        return save(model, base_dir, out_dir, variant)
 
 
 def gptq_runtimes(variant, arch: Arch) -> list[dict]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,7 +20,6 @@ from typing import IO, Iterator
 import torch
 import gptqmodel
 from gptqmodel import GPTQModel
-from safetensors import safe_open
 from gptqmodel.nn_modules.qlinear.torch import TorchLinear
 from gptqmodel.utils.model import convert_gptq_v1_to_v2_format
 from gptqmodel.nn_modules.qlinear import BaseQuantLinear
@@ -29,7 +27,7 @@ from gptqmodel.nn_modules.qlinear import BaseQuantLinear
 from pipeline.model.compute import float32_matmuls
 from pipeline.model.dtypes import torch_dtype
 from pipeline.quant.ct_export import rewrite_in_place
-from pipeline.quant.common import LayerProgress, base_dtype, finish_checkpoint
+from pipeline.quant.common import LayerProgress, base_dtype, finish_checkpoint, quantized_in_blocks
 from pipeline.quant.gptq_search import group_search_only
 from pipeline.quant.shapes import skip_pattern
 
@@ -127,26 +125,6 @@ def scrub_offload(out_dir: Path) -> None:
         if isinstance(meta, dict) and (meta.get("offload_to_disk") or meta.get("offload_to_disk_path")):
             meta["offload_to_disk"], meta["offload_to_disk_path"] = False, None
             path.write_text(json.dumps(cfg, indent=2) + "\n")
-
-
-def quantized_in_blocks(out_dir: Path) -> list[list[str]]:
-    """transformers (through optimum) ignores GPTQModel's `dynamic` skips when it loads a checkpoint and
-    would build quantized modules for skipped layers; it honours `modules_in_block_to_quantize`, matched
-    as name suffixes. Read the quantized names back from the weights: one kind list when every layer
-    has the same ones, else the full names."""
-    names = set()
-    for f in sorted(out_dir.glob("*.safetensors")):
-        with safe_open(f, "pt") as st:
-            names |= {k.removesuffix(".qweight") for k in st.keys() if k.endswith(".qweight")}
-    per_layer: dict[str, set[str]] = {}
-    for n in names:
-        m = re.match(r"^(.*\.\d+)\.(.+)$", n)
-        if m:
-            per_layer.setdefault(m.group(1), set()).add(m.group(2))
-    kinds = list(per_layer.values())
-    if kinds and all(k == kinds[0] for k in kinds):
-        return [sorted(kinds[0])]
-    return [sorted(n for n in names if re.match(r"^.*\.\d+\.", n))]
 
 
 def inference_model(model):

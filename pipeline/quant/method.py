@@ -6,8 +6,15 @@ it holds the model while quantizing (the memory plan), and implements: `check` (
 declarations), `runtimes` (the kernel table the cards print), `bits_per_weight` (on disk), `hub_tags` and
 `card_usage` (the Hub card), `before_load`/`after_load` (the reload hook: how its checkpoint is loaded back;
 `format_of`/`reload_of` when a variant may ask for another export format, e.g. compressed-tensors),
-and `session`/`quantize`/`save` (the work). Everything but the work is torch-free, and a method file imports its
-engine inside those three, so `compress check` imports every method without torch.
+and `session`/`quantize`/`save` (the work). A method file holds the declarations only, all torch-free, so
+`compress check` imports every method without torch; the work lives in a module of its own,
+pipeline/quant/work/<name>.py, which imports torch and the method's engine at its top and defines
+`quantize(base_dir, variant, calib_ids, console, device, offload=None)`, `save(model, base_dir, out_dir, variant)`
+and, when the method needs one, `session(out_dir)`. The method names it by dotted path (`work =
+"pipeline.quant.work.rtn"`; `reload_work` for a reload hook's torch side), and `load_work`
+(pipeline/base/registry.py) is the one place such a module is imported (tests/unit/test_import_graph.py checks
+that every named path resolves and respects the layers; pipeline/base/codehash.py follows the name, so a unit's
+identity covers its method's work).
 
 A method file imports no other method's file (a test checks it): a unit's identity names the method file of the
 variant it concerns (pipeline/base/codehash.py), so what two methods share lives in a module of its own
@@ -18,9 +25,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 from pathlib import Path
+from types import ModuleType
 from typing import IO, Any, ClassVar
 
 from pipeline.base.problem import Problem
+from pipeline.base.registry import load_work
 from pipeline.model.dtypes import DTYPE_NAMES
 from pipeline.quant.shapes import Arch
 
@@ -47,6 +56,8 @@ class QuantMethod:
     repacked_on_cpu: ClassVar[bool] = False  # its CPU kernel repacks the quantized linears at the first forward
     load_module: ClassVar[str | None] = None  # the library transformers calls to load the checkpoint (imported first)
     hub_library: ClassVar[str | None] = None  # the card's library_name when it is not transformers
+    work: ClassVar[str]  # the dotted path of the module that does the work (session/quantize/save): load_work()
+    reload_work: ClassVar[str | None] = None  # the module a reload hook calls for its torch side, if any
 
     @property
     def file(self) -> str:
@@ -109,21 +120,27 @@ class QuantMethod:
         transformers loads it (between before_load and after_load)."""
         return None
 
-    # ------------------------------------------------------------ the work (engine imports inside)
+    # ------------------------------------------------------------ the work (in the module `work` names)
+
+    def load_work(self) -> ModuleType:
+        """This method's work module (pipeline/quant/work/<name>.py), imported on first use."""
+        return load_work(self.work)
 
     def session(self, out_dir: Path) -> contextlib.AbstractContextManager:
-        """A context around quantize() and save() (working folder, library settings)."""
-        return contextlib.nullcontext()
+        """A context around quantize() and save() (working folder, library settings): the work module's
+        `session(out_dir)`, or none."""
+        work = self.load_work()
+        return work.session(out_dir) if hasattr(work, "session") else contextlib.nullcontext()
 
     def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str,
                  offload: Path | None = None) -> Any:
         """The quantized model in memory (calib_ids: [n, seq_len] ids when needs_calibration, else None)."""
-        raise NotImplementedError
+        return self.load_work().quantize(base_dir, variant, calib_ids, console, device, offload=offload)
 
     def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
         """Write the checkpoint into out_dir; return the manifest details (engine, engine_version, engine_config,
         dtype, ...)."""
-        raise NotImplementedError
+        return self.load_work().save(model, base_dir, out_dir, variant)
 
 
 def missing_package(package: str, module: str, method: str) -> list[Problem]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.base.stage_keys import UnitKey
 from pipeline.results.schema import DraftEntry, ModelEntry, Report
 
 
@@ -27,3 +28,11 @@ def is_distilled(draft: DraftEntry | ModelEntry | None) -> bool:
     """Whether a draft's report entry says it was distilled ([draft.distill] steps = 0 uses it as initialised)."""
     distill = getattr(draft, "distill", None)
     return distill is None or distill.steps != 0
+
+
+def planned(by_stage: dict, key: str):
+    """The plan's value for a run stage: its own figure (UnitKey.plan_key: the plan names a model's quality unit
+    "validate/<model>", pipeline/estimate.py)."""
+    if key in by_stage:
+        return by_stage[key]
+    return by_stage.get(UnitKey.parse(key).plan_key)

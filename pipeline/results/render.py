@@ -8,12 +8,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pipeline.base.stage_keys import UnitKey
 from pipeline.results.format import FP_DISTILLED, num, size, speculative_label, spread, table
 from pipeline.results.gates import fmt_value, gate_status
 from pipeline.results.metrics import Smoke, SmokeOutput, Speed
 from pipeline.results.mix_render import mix_section
-from pipeline.results.query import is_distilled, models, shown_params
+from pipeline.results.query import is_distilled, models, planned, shown_params
 from pipeline.results.schema import ModelEntry, ModelInfo, Report
 from pipeline.results.serve_table import serving, techniques_section
 from pipeline.results.tasks_render import tasks_section
@@ -245,14 +244,6 @@ def _stages(report: Report) -> list[str]:
     if any(s.node for s in report.stages.values()):  # executor = "ray": the node that ran each unit
         head, body = head + ["node"], [row + [s.node or "-"] for row, s in zip(body, report.stages.values())]
     return lines + note + table(head, body) + [""]
-
-
-def planned(by_stage: dict, key: str):
-    """The plan's value for a run stage: its own figure (UnitKey.plan_key: the plan names a model's quality unit
-    "validate/<model>", pipeline/estimate.py)."""
-    if key in by_stage:
-        return by_stage[key]
-    return by_stage.get(UnitKey.parse(key).plan_key)
 
 
 def _exports(report: Report) -> list[str]:

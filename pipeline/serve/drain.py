@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import uvicorn
+
 log = logging.getLogger("compress.serve")
 EXEMPT = ("/health", "/metrics")  # probes and scrapes are answered during the drain, and are not waited for
 CLOSE_S = 1.0  # after the drain: how long uvicorn's shutdown lets responses still being written finish
@@ -74,9 +76,6 @@ class DrainMiddleware:
 
 def run(asgi_app, drain: Drain, sock: socket.socket, drain_s: float) -> None:
     """Serve on `sock` until a signal and its drain have ended."""
-    # late: the HTTP server; `compress check` imports the engines that use this module
-    import uvicorn
-
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
             if drain.begin(drain_s):

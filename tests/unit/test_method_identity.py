@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.base.codehash import PACKAGE_DIR, code_hash
+from pipeline.base.codehash import PACKAGE_DIR, code_hash, module_file
 from pipeline.app.units import build_units
 from pipeline.recipe import load_recipe
 
@@ -67,6 +67,11 @@ def test_editing_gptq_reruns_only_the_gptq_variants(units, tmp_path):
     assert changed(units, tmp_path, "quant/methods/gptq.py") == variant_units(units, names_of(units, "gptq"))
 
 
+def test_editing_a_methods_work_reruns_only_its_variants(units, tmp_path):
+    """The method file names its work module (pipeline/quant/work/gptq.py), which the identity follows."""
+    assert changed(units, tmp_path, "quant/work/gptq.py") == variant_units(units, names_of(units, "gptq"))
+
+
 def test_editing_the_shared_gptqmodel_driver_reruns_the_methods_built_on_it(units, tmp_path):
     """(their method files import it, and a variant's validate and export units name its method file)"""
     got = changed(units, tmp_path, "quant/gptqmodel_driver.py")
@@ -90,6 +95,21 @@ def test_a_method_file_imports_no_other_method_file():
     for path in sorted(folder.glob("*.py")):
         others = {m for m in imports(path) if m.startswith("pipeline.quant.methods.")}
         assert not others, f"{path.name} imports {sorted(others)}"
+
+
+def test_a_work_module_imports_no_other_method_or_work_module():
+    """A method's work (pipeline/quant/work/<name>.py, which its method file names) is in that method's identity
+    only: it imports its own method file at most, and no other method's file or work."""
+    from pipeline.quant.registry import METHODS
+    from tests.unit.test_import_graph import imports
+
+    for name in METHODS:
+        method = METHODS.get(name)
+        own = type(method).__module__
+        for work in filter(None, (method.work, method.reload_work)):
+            others = {m for m in imports(module_file(work)) if m.startswith(("pipeline.quant.methods.",
+                                                                               "pipeline.quant.work.")) and m != own}
+            assert not others, f"{work} imports {sorted(others)}"
 
 
 def test_every_method_file_is_registered_and_declares_its_file():

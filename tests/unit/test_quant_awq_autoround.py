@@ -195,11 +195,10 @@ def test_check_refuses_torch_compile_without_a_cpp_compiler(monkeypatch):
 
 def test_torch_compile_is_off_where_half_precision_matmuls_are_upcast(monkeypatch):
     """pipeline/model/compute.py swaps F.linear for float32 matmuls on CPUs without bf16 units; dynamo is kept out of it."""
-    from pipeline.model import compute
-    from pipeline.quant.methods import autoround
+    from pipeline.quant.work import autoround
 
     v = variant("r", method="autoround")
-    monkeypatch.setattr(compute, "upcasts", lambda dtype, device: dtype == "bfloat16")
+    monkeypatch.setattr(autoround, "upcasts", lambda dtype, device: dtype == "bfloat16")
     assert autoround.compiles(v, "float32", "cpu") and not autoround.compiles(v, "bfloat16", "cpu")
     assert not autoround.compiles(variant("r", method="autoround", torch_compile=False), "float32", "cpu")
 

@@ -312,7 +312,7 @@ def test_compress_check_cli_refuses_static_scales_from_a_short_calibration_set()
                        capture_output=True, text=True, cwd=root)
     assert r.returncode == 2, r.stdout + r.stderr
     out = r.stdout + r.stderr
-    assert "quantize.3 (w8a8-int8-static): scheme = 'int8-static' takes its activation scales" in out
+    assert "quantize.4 (w8a8-int8-static): scheme = 'int8-static' takes its activation scales" in out
     assert "8 rows x 256 = 2048 is fewer than static_min_tokens = 4096" in out
 
 

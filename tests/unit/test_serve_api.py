@@ -259,7 +259,7 @@ def test_llama_cpp_max_tokens_limit_and_body_cap(run):
 def test_llama_cpp_key_compared_in_constant_time(run, monkeypatch):
     import hmac
 
-    from pipeline.serve.engines import llamacpp
+    from pipeline.serve.work import llamacpp
 
     calls, real = [], hmac.compare_digest
     monkeypatch.setattr(llamacpp.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))

@@ -116,12 +116,12 @@ def test_the_quality_worker_has_one_argument_builder():
     """`compress eval` and the validate stage build the quality job with the same function (and the same keys)."""
     import inspect
 
-    from pipeline.app import cli
+    from pipeline.app.commands import measure
     from pipeline.eval.config import PerplexityConfig, SmokeConfig
     from pipeline.eval.jobs import quality_args
     from pipeline.stages import validate
 
-    assert "run_quality" in inspect.getsource(cli.eval.callback)
+    assert "run_quality" in inspect.getsource(measure.eval.callback)
     assert "run_quality" in inspect.getsource(validate.quality)
     args = quality_args("/m/w4", "/o", PerplexityConfig(), SmokeConfig(), "cpu", reference=Path("/r"),
                         memory_limit=2**30)

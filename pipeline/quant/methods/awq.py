@@ -7,12 +7,11 @@ CUDA-only and refuses a CPU run); the checkpoint is the same GEMM layout either 
 (through GPTQModel's kernels), vLLM and GPTQModel load. GPTQModel's AWQ packer builds float16/bfloat16 modules only,
 so a float32 checkpoint is quantized in bfloat16. The driver, session, logs and checkpoint finishing are GPTQModel's
 (pipeline/quant/gptqmodel_driver.py); the clipping search runs as matrix products (pipeline/quant/awq_clip.py).
+The work is pipeline/quant/work/awq.py.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import IO, Literal, Optional
+from typing import Literal, Optional
 
 from pydantic import Field
 
@@ -54,6 +53,7 @@ class AWQMethod(GPTQModelKernels, QuantMethod):
     note = "AWQ (Lin et al. 2023): activation-aware per-channel scales, then 4-bit round-to-nearest, through GPTQModel"
     memory = "layerwise"
     half_only = True
+    work = "pipeline.quant.work.awq"
 
     def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         # (dtype: the generic check refuses float32 with AWQ_DTYPES)
@@ -93,50 +93,6 @@ class AWQMethod(GPTQModelKernels, QuantMethod):
                 "```python", "from gptqmodel import GPTQModel", f'model = GPTQModel.load("{repo}")', "```", "",
                 f"vLLM (CUDA): `vllm serve {repo}` (awq_marlin where the shapes allow, else awq). "
                 "What this run recorded:", ""]
-
-    def session(self, out_dir: Path):
-        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-        from pipeline.quant.gptqmodel_driver import session
-
-        return session(out_dir)
-
-    def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
-        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-        from gptqmodel import BACKEND
-        from gptqmodel.quantization.config import AWQConfig
-
-        from pipeline.quant.awq_clip import matmul_clip_search
-        from pipeline.quant.gptqmodel_driver import calibration_rows, common_kwargs, quantize_with
-
-        backend = BACKEND.AWQ_TORCH if device == "cpu" else None
-        with matmul_clip_search():  # the clipping search as matrix products (pipeline/quant/awq_clip.py)
-            awq_config = AWQConfig(**common_kwargs(variant, sym=not variant.zero_point))
-            return quantize_with(base_dir, awq_config, calibration_rows(calib_ids), console, variant.name,
-                                 run_dtype(variant, base_dir), device, backend=backend)
-
-    def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
-        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-        from pipeline.quant.common import finish_checkpoint, skipped_linears
-        from pipeline.quant.gptqmodel_driver import ENGINE, append_file, engine_version
-
-        model.save(str(out_dir.resolve()))
-        append_file(out_dir / "quant_log.csv", out_dir / f"{ENGINE}.log")
-        qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
-        skipped = skipped_linears(base_dir, variant.modules_to_skip)
-        if skipped:  # transformers' AWQ loader ignores GPTQModel's `dynamic` skips; it honours this list
-            qc["modules_to_not_convert"] = skipped
-        dtype = run_dtype(variant, base_dir)
-        finish_checkpoint(base_dir, out_dir, qc, dtype)
-        return {"engine": ENGINE, "engine_version": engine_version(), "engine_config": qc, "dtype": dtype}
-
-
-def run_dtype(variant, base_dir: Path) -> str:
-    """The variant's dtype, else the checkpoint's when it is 16-bit, else bfloat16."""
-    # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-    from pipeline.quant.common import base_dtype
-
-    base = base_dtype(base_dir)
-    return variant.dtype or (base if base in AWQ_DTYPES else "bfloat16")
 
 
 METHODS = (AWQMethod(),)

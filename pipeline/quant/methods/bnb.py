@@ -6,21 +6,17 @@ so the checkpoint reloads from disk.
 
 bitsandbytes 0.50 on CPUs with AVX512-BF16 repacks 4-bit weights for its CPU kernel on the first forward, and
 save_pretrained after that repacking writes different (worse) weights than the freshly quantized ones. So we save
-before any forward, and nothing here runs the model.
+before any forward, and nothing here runs the model (the work: pipeline/quant/work/bnb.py).
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import IO, Literal
+from typing import Literal
 
 from pydantic import Field
 
 from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod
 from pipeline.quant.shapes import Arch
 from pipeline.quant.variant import Dtype, VariantBase
-from pipeline.model.dtypes import torch_dtype
-from pipeline.base.memory import MappedPagesTrimmed
 
 ENGINE = "bitsandbytes"
 
@@ -61,6 +57,7 @@ class BnbMethod(QuantMethod):
     checkpoint_format = "bitsandbytes"
     memory = "while_loading"
     load_module = "bitsandbytes"
+    work = "pipeline.quant.work.bnb"
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -90,44 +87,6 @@ class BnbMethod(QuantMethod):
                 "`pip install bitsandbytes` and load as above; no `BitsAndBytesConfig` is needed. "
                 "LLM.int8() picks outlier columns per batch, so outputs can differ slightly with batch composition.",
                 ""]
-
-    def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
-        """Quantized while loading; not run (see the module note)."""
-        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-        from transformers import AutoModelForCausalLM
-
-        from pipeline.quant.common import base_dtype
-
-        # transformers maps the whole checkpoint and reads it tensor by tensor: without trimming, every page it read
-        # stays resident (a 1.7 B bfloat16 model: 5.0 GiB peak instead of 2.0)
-        with MappedPagesTrimmed(base_dir):
-            return AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=bnb_config(variant),
-                                                        device_map={"": device}, dtype=torch_dtype(base_dtype(base_dir)))
-
-    def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
-        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-        import bitsandbytes
-
-        from pipeline.quant.common import base_dtype, finish_checkpoint
-
-        model.save_pretrained(out_dir, safe_serialization=True)
-        qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
-        dtype = base_dtype(base_dir)
-        finish_checkpoint(base_dir, out_dir, qc, dtype)
-        return {"engine": ENGINE, "engine_version": bitsandbytes.__version__, "engine_config": qc, "dtype": dtype}
-
-
-def bnb_config(variant):
-    # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-    from transformers import BitsAndBytesConfig
-
-    skip = list(variant.modules_to_skip) or None
-    if variant.method == "bnb-int8":
-        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=variant.threshold, llm_int8_skip_modules=skip)
-    return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type=variant.method.removeprefix("bnb-"),
-        bnb_4bit_use_double_quant=variant.double_quant, bnb_4bit_compute_dtype=torch_dtype(variant.compute_dtype),
-        bnb_4bit_quant_storage=torch_dtype(variant.quant_storage), llm_int8_skip_modules=skip)
 
 
 METHODS = (BnbMethod("int8"), BnbMethod("nf4"), BnbMethod("fp4"))

@@ -1,19 +1,17 @@
 """GGUF files for llama.cpp, Ollama and LM Studio, converted from the run's baseline: the types written here and by
-llama.cpp's quantizer, the architectures converted, `compress check`'s rules, the runtimes, and the work (the
-converter, a port of llama.cpp's convert_hf_to_gguf.py through its `gguf` package, is
-pipeline/quant/gguf_export.py)."""
+llama.cpp's quantizer, the architectures converted, `compress check`'s rules and the runtimes; the work is
+pipeline/quant/work/gguf.py (the converter, a port of llama.cpp's convert_hf_to_gguf.py through its `gguf` package,
+is pipeline/quant/gguf_export.py)."""
 from __future__ import annotations
 
 import importlib.util
-import json
-from pathlib import Path
-from typing import IO, Literal
+from typing import Literal
 
 from pydantic import Field
 
 from pipeline.base.problem import Problem
 from pipeline.quant.method import QuantMethod
-from pipeline.quant.shapes import Arch, is_skipped, linear_shapes_from_config, quantized_linears
+from pipeline.quant.shapes import Arch, is_skipped, quantized_linears
 from pipeline.quant.variant import SKIP_HELP, VariantBase
 
 # config.json model_type -> whether llama.cpp permutes the Q/K rows (its LlamaModel does, Qwen2Model does not);
@@ -135,6 +133,7 @@ class GGUFMethod(QuantMethod):
     hub_library = "gguf"  # Hub GGUF conventions
     bits = (2, 3, 4, 5, 6, 8, 16)
     note = "a GGUF file for llama.cpp, Ollama and LM Studio, converted from the baseline"
+    work = "pipeline.quant.work.gguf"
 
     def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         return gguf_problems(variant, arch, device)
@@ -170,26 +169,6 @@ class GGUFMethod(QuantMethod):
                 "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
                 f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
                 f'model = AutoModelForCausalLM.from_pretrained("{repo}", gguf_file="{name}")', "```", ""]
-
-    def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
-        """The whole file in memory (pipeline/quant/gguf_export.py Converted)."""
-        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-        from pipeline.quant.gguf_export import convert
-
-        config = json.loads((base_dir / "config.json").read_text())
-        problems = gguf_problems(variant, linear_shapes_from_config(config))
-        if problems:  # the rules `compress check` applied to the recipe's source, now on the checkpoint itself
-            raise ValueError("; ".join(map(str, problems)))
-        return convert(base_dir, variant, config, variant.type in GGUF_KQUANT_TYPES, GGUF_ARCHS[config["model_type"]],
-                       console)
-
-    def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
-        """Write the file (through llama.cpp's quantizer for K-quants), the tokenizer files beside it, and
-        describe what the file holds, read back from it."""
-        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-        from pipeline.quant.gguf_export import write
-
-        return write(model, base_dir, out_dir, variant, variant.type in GGUF_KQUANT_TYPES)
 
 
 METHODS = (GGUFMethod(),)

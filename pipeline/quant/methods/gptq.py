@@ -1,14 +1,11 @@
-"""GPTQ (Frantar et al. 2022) through GPTQModel: the recipe variant, what it takes, and the work (GPTQModel's
-driver, shared with RTN and AWQ, is pipeline/quant/gptqmodel_driver.py)."""
+"""GPTQ (Frantar et al. 2022) through GPTQModel: the recipe variant and what it takes; the work is
+pipeline/quant/work/gptq.py (GPTQModel's driver, shared with RTN and AWQ, is pipeline/quant/gptqmodel_driver.py)."""
 from __future__ import annotations
 
-import contextlib
-from pathlib import Path
-from typing import IO, Literal, Optional
+from typing import Literal, Optional
 
 from pydantic import Field
 
-from pipeline.base.fileio import atomic_write_json
 from pipeline.base.problem import Problem
 from pipeline.quant.gptq_format import GPTQFormatMethod, GPTQModelDriven
 from pipeline.quant.method import QuantMethod
@@ -48,6 +45,7 @@ class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
     note = "GPTQ (Frantar et al. 2022) through GPTQModel"
     offload = True
     memory = "layerwise"
+    work = "pipeline.quant.work.gptq"
 
     def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         problems = super().check(variant, arch, device)  # the checkpoint format's rules (gptq_format.py)
@@ -81,63 +79,6 @@ class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
     def bits_per_weight(self, variant) -> float:
         budget = variant.mix.budget.bits_per_weight if variant.mix is not None else None
         return budget if budget is not None else super().bits_per_weight(variant)
-
-    def session(self, out_dir: Path):
-        # late: the mix's planner loads torch; `compress check` imports this file for its declarations
-        from pipeline.quant.mix_plan import cache_beside
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(super().session(out_dir))
-        stack.enter_context(cache_beside(out_dir))  # a [quantize.mix] sensitivity table is shared by the variants
-        return stack
-
-    def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
-        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-        from pipeline.quant.common import base_dtype
-        from pipeline.quant.gptqmodel_driver import calibration_rows, quantize_with
-
-        mix = None
-        if variant.mix is not None:
-            # late: as in session() above
-            from pipeline.quant.mix_plan import plan
-
-            mix = plan(base_dir, variant, calib_ids, console)
-        model = quantize_with(base_dir, gptq_config(variant, mix["dynamic"] if mix else None),
-                              calibration_rows(calib_ids), console, variant.name,
-                              variant.dtype or base_dtype(base_dir), device, offload=offload)
-        model.compress_mix = mix
-        return model
-
-    def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
-        details = super().save(model, base_dir, out_dir, variant)
-        mix = getattr(model, "compress_mix", None)
-        if mix is not None:
-            # late: as in session() above
-            from pipeline.quant.mix_plan import summary
-
-            atomic_write_json(out_dir / "mix.json", mix)
-            details["mix"] = summary(mix)
-        return details
-
-
-def gptq_config(variant, mix_dynamic: dict | None = None):
-    # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-    from gptqmodel import GPTQConfig
-    from gptqmodel.quantization.config import FOEMConfig, GPTAQConfig
-
-    from pipeline.quant.gptqmodel_driver import common_kwargs
-
-    extra = {}
-    if variant.foem_beta > 0:  # GPTQModel: FOEM with alpha > 0 is FOEM + GPTAQ
-        extra["foem"] = FOEMConfig(alpha=variant.gptaq_alpha, beta=variant.foem_beta, device="cpu")
-    elif variant.gptaq_alpha > 0:
-        extra["gptaq"] = GPTAQConfig(alpha=variant.gptaq_alpha, device="cpu")
-    kwargs = common_kwargs(variant)
-    if mix_dynamic:  # after the skips: GPTQModel takes the first pattern that matches a module
-        kwargs["dynamic"] = {**(kwargs["dynamic"] or {}), **mix_dynamic}
-    return GPTQConfig(**kwargs, desc_act=variant.desc_act, act_group_aware=act_group_aware(variant),
-                      damp_percent=variant.damp_percent, true_sequential=variant.true_sequential, mse=variant.mse,
-                      **extra)
 
 
 def act_group_aware(variant) -> bool:

@@ -7,8 +7,7 @@ group size isolates what GPTQ's error feedback buys.
 """
 from __future__ import annotations
 
-from pathlib import Path
-from typing import IO, Literal
+from typing import Literal
 
 from pipeline.quant.gptq_format import GPTQFormatMethod, GPTQModelDriven
 from pipeline.quant.method import QuantMethod
@@ -28,17 +27,7 @@ class RTNMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
     note = "round-to-nearest, min/max scales, GPTQ checkpoint format"
     offload = True
     memory = "layerwise"
-
-    def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
-        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-        from gptqmodel import RTNConfig
-
-        from pipeline.quant.common import base_dtype
-        from pipeline.quant.gptqmodel_driver import common_kwargs, quantize_with
-
-        rtn_config = RTNConfig(**common_kwargs(variant))  # no smoother: plain min/max scales
-        return quantize_with(base_dir, rtn_config, None, console, variant.name,
-                             variant.dtype or base_dtype(base_dir), device, offload=offload)
+    work = "pipeline.quant.work.rtn"
 
 
 METHODS = (RTNMethod(),)

@@ -1,5 +1,5 @@
 """torchao (PyTorch-native quantization) through transformers' TorchAoConfig: its schemes, what each takes and
-which kernel runs it where, `compress check`'s rules for them, and the work.
+which kernel runs it where and `compress check`'s rules for them; the work is pipeline/quant/work/torchao.py.
 
 Schemes: int8 weight-only, int8 dynamic activation + int8 weight, int4 weight-only (CUDA only in torchao 0.18).
 torchao swaps each quantized nn.Linear weight for a tensor subclass (Int8Tensor, Int4TilePackedTo4dTensor) while the
@@ -13,20 +13,17 @@ names of the linears our own rule (shapes.is_skipped) skips.
 from __future__ import annotations
 
 import importlib.util
-import json
 from dataclasses import dataclass
-from pathlib import Path
-from typing import IO, Literal, Optional
+from typing import Literal, Optional
 import types
 
 from pydantic import Field
 
 from pipeline.base.problem import Problem
-from pipeline.model.dtypes import DTYPE_NAMES, torch_dtype
+from pipeline.model.dtypes import DTYPE_NAMES
 from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod
 from pipeline.quant.shapes import Arch
 from pipeline.quant.variant import Dtype, VariantBase
-from pipeline.base.fileio import canonical_safetensors
 
 ENGINE = "torchao"
 TORCHAO_GROUP_SIZES = (32, 64, 128, 256)  # Int4WeightOnlyConfig's documented group sizes
@@ -99,6 +96,7 @@ class TorchAoMethod(QuantMethod):
     bits = (4, 8)
     group_sizes = (-1, *TORCHAO_GROUP_SIZES)
     note = "PyTorch-native quantization (torchao) through transformers' TorchAoConfig"
+    work = "pipeline.quant.work.torchao"
 
     def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         problems = []
@@ -162,69 +160,7 @@ class TorchAoMethod(QuantMethod):
 
     def after_load(self, model) -> None:
         # transformers counts a torchao weight (a tensor subclass) at the dense dtype it stands for
-        model.get_memory_footprint = types.MethodType(footprint_bytes, model)
-
-    def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
-        """Quantized while loading (no calibration)."""
-        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-        from transformers import AutoModelForCausalLM, TorchAoConfig
-
-        from pipeline.quant.common import base_dtype, skipped_linears
-
-        qc = TorchAoConfig(ao_config(variant), modules_to_not_convert=skipped_linears(base_dir, variant.modules_to_skip))
-        dtype = torch_dtype(variant.dtype or base_dtype(base_dir))
-        return AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=qc, device_map={"": device},
-                                                    dtype=dtype)
-
-    def save(self, model, base_dir: Path, out_dir: Path, variant) -> dict:
-        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-        import torchao
-
-        from pipeline.quant.common import base_dtype, finish_checkpoint
-
-        model.save_pretrained(out_dir, safe_serialization=True)
-        for f in sorted(out_dir.glob("*.safetensors")):  # one metadata entry per tensor, in hash-map order: sorted,
-            canonical_safetensors(f)  # so the same checkpoint is the same bytes in every run
-        qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
-        dtype = variant.dtype or base_dtype(base_dir)
-        finish_checkpoint(base_dir, out_dir, qc, dtype)
-        return {"engine": ENGINE, "engine_version": torchao.__version__, "engine_config": qc, "dtype": dtype}
-
-
-def ao_config(variant):
-    """The torchao config of the variant's scheme. set_inductor_config=False: nothing here compiles, and
-    torchao would otherwise change torch._inductor's global settings in this process."""
-    # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-    from torchao.quantization import (Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig,
-                                      Int8WeightOnlyConfig, MappingType, PerRow)
-
-    name = TORCHAO_SCHEMES[variant.scheme].config
-    if name == "Int8WeightOnlyConfig":
-        return Int8WeightOnlyConfig(granularity=PerRow(), set_inductor_config=False)
-    if name == "Int8DynamicActivationInt8WeightConfig":
-        return Int8DynamicActivationInt8WeightConfig(granularity=PerRow(), set_inductor_config=False,
-                                                     act_mapping_type=MappingType[variant.act_mapping.upper()])
-    if name == "Int4WeightOnlyConfig":  # tinygemm layout: the one int4 packing torch's own CUDA kernel runs
-        return Int4WeightOnlyConfig(group_size=variant.group_size, int4_packing_format="tile_packed_to_4d",
-                                    set_inductor_config=False)
-    raise ValueError(f"no torchao config for scheme {variant.scheme!r}")
-
-
-def footprint_bytes(model, return_buffers: bool = True) -> int:
-    """get_memory_footprint that counts a wrapper tensor subclass (torchao's Int8Tensor, ...) by the
-    inner tensors it stores (int8 data, scales), not by its nominal dtype."""
-    tensors = list(model.parameters()) + (list(model.buffers()) if return_buffers else [])
-    return sum(_stored_bytes(t) for t in tensors)
-
-
-def _stored_bytes(t) -> int:
-    # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-    import torch
-
-    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return sum(_stored_bytes(getattr(t, n)) for n in names if getattr(t, n) is not None)
-    return t.nelement() * t.element_size()
+        model.get_memory_footprint = types.MethodType(self.load_work().footprint_bytes, model)
 
 
 METHODS = (TorchAoMethod(),)

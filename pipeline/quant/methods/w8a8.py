@@ -13,19 +13,15 @@ activation outliers into the weights, its alpha searched per fold point on the c
 not a `format` of the GPTQ-family variants: those promise the GPTQ checkpoint's integers rewritten as they are, while
 W8A8 changes the model (smoothing), quantizes activations and calibrates their scales: a quantization of its own,
 written by compressed-tensors' own config and compressor (pipeline/quant/ct_w8a8.py). The work is
-pipeline/quant/w8a8_layers.py; the maths w8a8_math.py and smoothquant.py.
+pipeline/quant/work/w8a8.py over pipeline/quant/w8a8_layers.py; the maths w8a8_math.py and smoothquant.py.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import IO, Literal, Optional
+from typing import Literal, Optional
 
 from pydantic import Field
 
 from pipeline.base.problem import Problem
-from pipeline.model.dtypes import torch_dtype
-from pipeline.model.families import family_of
 from pipeline.quant.ct_format import CT, LOAD, CompressedTensorsLoad
 from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod
 from pipeline.quant.shapes import Arch, quantized_linears
@@ -79,6 +75,7 @@ class W8A8Method(QuantMethod):
     load_module = LOAD.load_module
     before_load = CompressedTensorsLoad.before_load  # a compressed-tensors folder reloads the same whoever wrote it
     after_load = CompressedTensorsLoad.after_load
+    work = "pipeline.quant.work.w8a8"
 
     def format_of(self, variant) -> str:
         return FP8_FORMAT if variant.scheme.startswith("fp8") else CT
@@ -167,61 +164,14 @@ class W8A8Method(QuantMethod):
                  f"vLLM (CUDA, or its x86 CPU build): `vllm serve {repo}` (compressed-tensors W8A8 int8)")
         return [f"The checkpoint is W8A8 in the compressed-tensors format (`{scheme}`): transformers loads it with "
                 "`pip install compressed-tensors` and quantizes the activations in its forward pass.", "",
-                serve + ".", "", f"How this card's quality figures were measured: {MEASURED.format(how=how)}.", "",
+                serve + ".", "", f"How this card's quality figures were measured: {MEASURED.format(how=how)}"
+                f"{KV_MEASURED if params.get('kv_cache') == 'fp8' else ''}.", "",
                 "What this run recorded:", ""]
-
-    def quantize(self, base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
-        # late: torch and the engine load only to quantize; `compress check` imports this file for its declarations
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        from pipeline.quant.common import base_dtype
-        from pipeline.quant.w8a8_layers import W8A8Plan, quantize_model
-
-        family = family_of(json.loads((base_dir / "config.json").read_text()))
-        if family is None:
-            raise ValueError(f"{base_dir}: model family not in pipeline/model/families.py; W8A8 needs its layers")
-        model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-        plan = W8A8Plan(kind=variant.scheme.split("-")[0], rounding=variant.rounding,
-                        static=variant.scheme == "int8-static",
-                        alphas=variant.smoothquant_alphas if variant.smoothquant else None,
-                        modules_to_skip=variant.modules_to_skip,
-                        dtype=torch_dtype(variant.dtype or base_dtype(base_dir)), damp=variant.damp_percent,
-                        min_static_tokens=variant.static_min_tokens, kv_cache=variant.kv_cache == "fp8")
-        return quantize_model(model, family, calib_ids, plan, console)
-
-    def save(self, result, base_dir: Path, out_dir: Path, variant) -> dict:
-        # late: as in quantize()
-        import compressed_tensors
-
-        from pipeline.quant.common import base_dtype, finish_checkpoint
-        from pipeline.quant.ct_w8a8 import write
-
-        dtype = variant.dtype or base_dtype(base_dir)
-        qc = write(result, variant.scheme, torch_dtype(dtype), out_dir)
-        finish_checkpoint(base_dir, out_dir, qc, dtype)
-        chosen = [a for a in result.alphas.values()]
-        return {"engine": self.engine, "engine_version": compressed_tensors.__version__, "engine_config": qc,
-                "dtype": dtype, "calibration_tokens": result.tokens,
-                "smoothquant": {"alphas": result.alphas, "errors": result.errors,
-                                "smoothed": sum(a is not None for a in chosen), "points": len(chosen)}
-                if variant.smoothquant else None,
-                "kv_cache": kv_record(result.kv_scales),
-                "measured_with": MEASURED.format(how="") + (KV_MEASURED if result.kv_scales else "")}
 
 
 KV_MEASURED = ("; keys (after RoPE) and values went through float8_e4m3fn with the checkpoint's per-layer "
                "k_scale and v_scale in every attention (pipeline/quant/kv_fp8.py: compressed-tensors 0.20 applies "
                "no kv_cache_scheme to transformers 5.24's attention)")
-
-
-def kv_record(scales: dict | None) -> dict | None:
-    """What the report keeps of an FP8 KV cache: the scheme and the range of its calibrated scales."""
-    if not scales:
-        return None
-    ks, vs = [k for k, _ in scales.values()], [v for _, v in scales.values()]
-    return {"dtype": "float8_e4m3fn", "strategy": "tensor (one k and one v scale per layer)", "layers": len(scales),
-            "k_scale": [min(ks), max(ks)], "v_scale": [min(vs), max(vs)]}
 
 
 def fp8_runtimes() -> list[dict]:

@@ -13,6 +13,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from pipeline.base.registry import load_work
+
 UNQUANTIZED = "unquantized"
 # every `compress serve` option an engine may or may not apply; the transformers engine applies them all
 OPTIONS = ("slots", "max_queue", "queue_timeout_s", "max_tokens_limit", "max_model_len", "threads", "drain_s",
@@ -54,6 +56,7 @@ class Engine:
     install: ClassVar[str] = ""
     # an extra: [validate.serve] engines = "all" skips it, with the reason recorded, where it is not installed
     optional: ClassVar[bool] = False
+    work: ClassVar[str | None] = None  # the module that serves, by dotted path (pipeline.base.registry.load_work)
 
     def missing(self) -> str | None:
         """Why it cannot start on this machine (not installed), or None."""
@@ -76,7 +79,11 @@ class Engine:
         return [o for o in OPTIONS if o in opts.explicit and o not in self.honours]
 
     def serve(self, exp, sock: socket.socket, opts: ServeOptions) -> int:
-        raise NotImplementedError
+        """Serve the export on the bound socket until SIGTERM; the exit code. By default its work module's
+        `serve(exp, sock, opts)` (pipeline/serve/work/<name>.py, which imports the server and model libraries)."""
+        if self.work is None:
+            raise NotImplementedError
+        return load_work(self.work).serve(exp, sock, opts)
 
 
 def describe(fmt: str) -> str:

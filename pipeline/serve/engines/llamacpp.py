@@ -24,94 +24,21 @@ What llama-cpp-python 0.3.36's server does, read from its source (llama_cpp/serv
   which also caps the body (413, as for transformers).
 - its `authenticate` compares the key with ==: replaced (dependency_overrides) by a constant-time comparison.
 - SIGTERM: the drain of pipeline/serve/drain.py (socket kept open, 503 to new requests, in-flight ones finish).
+The server is built and run by pipeline/serve/work/llamacpp.py; this module holds the declarations and the pure parts.
 """
 from __future__ import annotations
 
-import hmac
 import importlib.util
 import json
 import logging
-import os
-import socket
-import sys
 from importlib.metadata import PackageNotFoundError, version
-from pathlib import Path
 
-from pipeline.base.errors import RecipeError
-from pipeline.serve import drain as draining
 from pipeline.serve.engines.base import Engine, ServeOptions
 from pipeline.serve.openai_schema import MAX_BODY_BYTES
 
 log = logging.getLogger("compress.serve")
 ENGINE_NAME = "llama.cpp (llama-cpp-python server: one request at a time)"
 ENV_PREFIX = "COMPRESS_LLAMA_CPP_UNUSED_"  # isolates its settings from the environment (see the docstring)
-
-
-def settings(gguf: Path, model_name: str, host: str, port: int, key: str | None, threads: int | None,
-             n_ctx: int) -> tuple:
-    """(ServerSettings, ModelSettings) for llama_cpp.server.app.create_app: greedy-serving defaults, no
-    interruption of streams, the key and the bind of `compress serve`."""
-    # late: the optional [gguf-serve] extra; `compress check` imports this engine's declarations
-    from llama_cpp.server.settings import ModelSettings, ServerSettings
-
-    server = ServerSettings(host=host, port=port, api_key=key, interrupt_requests=False, _env_prefix=ENV_PREFIX)
-    n_threads = threads or max(1, (os.cpu_count() or 2) // 2)  # its own default: half the cores
-    model = ModelSettings(model=str(gguf), model_alias=model_name, n_ctx=n_ctx, n_threads=n_threads,
-                          n_threads_batch=n_threads, logits_all=False, verbose=False, _env_prefix=ENV_PREFIX)
-    return server, model
-
-
-def serve_gguf(gguf: Path, model_name: str, sock: socket.socket, host: str, port: int, key: str | None, *,
-               threads: int | None, n_ctx: int, drain_s: float, slots: int, max_tokens_limit: int) -> int:
-    if os.environ.get("CONFIG_FILE"):
-        raise RecipeError("CONFIG_FILE is set: llama_cpp.server would read its settings from that file instead of "
-                          "compress serve's options; unset it")
-    # late: the optional [gguf-serve] extra; `compress check` imports this engine's declarations
-    from fastapi.responses import JSONResponse
-    from llama_cpp.server.app import authenticate, create_app
-
-    server_settings, model_settings = settings(gguf, model_name, host, port, key, threads, n_ctx)
-    app = create_app(server_settings=server_settings, model_settings=[model_settings])  # loads the model
-    app.dependency_overrides[authenticate] = bearer_check(key)  # its own compares the key with ==
-    versions = {"llama-cpp-python": llama_cpp_version()}
-    gate = draining.Drain()
-
-    async def health():
-        return JSONResponse({"status": "ok", "model": model_name, "engine": ENGINE_NAME, "versions": versions,
-                             "draining": gate.draining, "in_flight": gate.in_flight})
-
-    app.add_api_route("/health", health, methods=["GET"])
-    app.add_middleware(TokenCap, limit=max_tokens_limit)
-    app.add_middleware(draining.DrainMiddleware, drain=gate)  # outermost: 503 during the drain, socket kept open
-    print(f"serving {model_name} ({ENGINE_NAME}) on http://{host}:{port}/v1  context {n_ctx}, "
-          f"{model_settings.n_threads} threads, max_tokens <= {max_tokens_limit}"
-          + (", API key required" if key else "")
-          + (f"; --slots {slots}, --max-queue and --queue-timeout-s are not applied: this server runs one request "
-             "at a time and queues the rest" if slots > 1 else ""), file=sys.stderr, flush=True)
-    draining.run(app, gate, sock, drain_s)
-    # a generation cut by the shutdown may still hold a worker thread inside llama.cpp: leave without joining it
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def bearer_check(key: str | None):
-    """llama_cpp.server's `authenticate` dependency (the same 401), comparing the key in constant time."""
-    # late: the optional [gguf-serve] extra; `compress check` imports this engine's declarations
-    from fastapi import Depends, HTTPException
-    from fastapi.security import HTTPBearer
-
-    bearer = HTTPBearer(auto_error=False)
-
-    async def check(authorization=Depends(bearer)):
-        if key is None:
-            return True
-        got = authorization.credentials if authorization else ""
-        if hmac.compare_digest(got.encode(), key.encode()):
-            return got
-        raise HTTPException(status_code=401, detail="Invalid API key")
-
-    return check
 
 
 GENERATION_ROUTES = {"/v1/completions": False, "/v1/engines/copilot-codex/completions": False,
@@ -219,6 +146,7 @@ class LlamaCpp(Engine):
     honours = ("max_model_len", "threads", "drain_s", "max_tokens_limit")
     install = LLAMA_CPP_INSTALL
     optional = True  # an extra: engines = "all" skips it with a recorded reason when it is missing
+    work = "pipeline.serve.work.llamacpp"
 
     def missing(self) -> str | None:
         return llama_cpp_missing()
@@ -230,10 +158,6 @@ class LlamaCpp(Engine):
     def unhonoured(self, opts: ServeOptions) -> list[str]:
         return []  # what it does not apply, its start line says (it has always served with that line)
 
-    def serve(self, exp, sock: socket.socket, opts: ServeOptions) -> int:
-        return serve_gguf(exp.path / exp.gguf_file, exp.path.name, sock, opts.host, opts.port, opts.key,
-                          threads=opts.threads, n_ctx=opts.max_model_len, drain_s=opts.drain_s, slots=opts.slots,
-                          max_tokens_limit=opts.max_tokens_limit)
 
 
 ENGINES = (LlamaCpp,)

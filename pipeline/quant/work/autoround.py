@@ -1,0 +1,112 @@
+"""AutoRound's work (pipeline/quant/methods/autoround.py): tune with auto-round in a scratch folder, export in the
+GPTQ format, move the checkpoint into out_dir."""
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import IO, Iterator, NamedTuple
+from unittest import mock  # (unittest.mock imports asyncio: tens of ms, here only, never on `compress check`)
+
+import auto_round
+import auto_round.compressors.orchestrator as orchestrator
+import torch
+from auto_round import AutoRound
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pipeline.model.compute import float32_matmuls, upcasts
+from pipeline.model.dtypes import torch_dtype
+from pipeline.quant.common import base_dtype, finish_checkpoint, quantized_in_blocks, skipped_linears
+from pipeline.quant.ct_export import rewrite_in_place
+from pipeline.quant.methods.autoround import ENGINE
+
+EXPORT_FORMAT = "auto_gptq"
+_SCRATCH = ".autoround-"
+
+
+def _engine_version() -> str:
+    return auto_round.__version__
+
+
+@contextlib.contextmanager
+def session(out_dir: Path) -> Iterator[None]:
+    """cwd in a scratch folder inside out_dir (auto-round writes relative paths), removed on exit."""
+    scratch = Path(tempfile.mkdtemp(prefix=_SCRATCH, dir=out_dir))
+    try:
+        with contextlib.chdir(scratch):
+            yield
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+class Tuned(NamedTuple):
+    folder: Path  # auto-round's export, in the scratch folder
+    torch_compile: bool  # whether the tuning step was compiled
+
+
+def compiles(variant, dtype: str, device: str) -> bool:
+    """Whether auto-round's tuning step is torch.compile'd: as the variant asks, except where float32_matmuls
+    upcasts half-precision matmuls (a CPU without bf16/fp16 units): its torch function mode and swapped F.linear
+    have not been tried under dynamo, so that path stays eager (the manifest's torch_compile says which ran)."""
+    return variant.torch_compile and not upcasts(dtype, device)
+
+
+def quantize(base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None) -> Tuned:
+    """Tune and export into a scratch folder (save() moves it into out_dir)."""
+    dtype = variant.dtype or base_dtype(base_dir)
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch_dtype(dtype), device_map={"": device})
+    tokenizer = AutoTokenizer.from_pretrained(base_dir)
+    n, seq_len = calib_ids.shape
+    compiled = compiles(variant, dtype, device)
+    layer_config = {name: {"bits": 16} for name in skipped_linears(base_dir, variant.modules_to_skip)
+                    if name != "lm_head"}
+    ar = AutoRound(model, tokenizer=tokenizer, scheme="W4A16", bits=variant.bits, group_size=variant.group_size,
+                   sym=variant.sym, iters=variant.iters, lr=variant.lr, nsamples=n, seqlen=seq_len,
+                   batch_size=min(variant.batch_size, n), dataset=[row.unsqueeze(0) for row in calib_ids],
+                   layer_config=layer_config or None, device_map=device, seed=torch.initial_seed(),
+                   enable_torch_compile=compiled)
+    export = Path(tempfile.mkdtemp(prefix="export-", dir=Path.cwd()))
+    with _block_bar_on(console), float32_matmuls(dtype, device):  # pipeline/model/compute.py
+        ar.quantize_and_save(str(export), format=EXPORT_FORMAT)
+    return Tuned(_checkpoint_folder(export), compiled)
+
+
+@contextlib.contextmanager
+def _block_bar_on(console: IO[str]) -> Iterator[None]:
+    """auto-round's per-block tqdm bar (it names the block being tuned) drawn on the console instead of into the
+    engine log, where every other line of the library goes."""
+    real = getattr(orchestrator, "tqdm", None)
+    if real is None:  # another auto-round layout: its bar stays in the log
+        yield
+        return
+
+    def bar(*args, **kwargs):
+        return real(*args, **{**kwargs, "file": console, "unit": "block", "mininterval": 0.5, "dynamic_ncols": True})
+
+    with mock.patch.object(orchestrator, "tqdm", bar):
+        yield
+
+
+def _checkpoint_folder(export: Path) -> Path:
+    found = sorted(p.parent for p in export.rglob("config.json"))
+    if len(found) != 1:
+        raise RuntimeError(f"auto-round's export in {export} holds {len(found)} checkpoints, expected one")
+    return found[0]
+
+
+def save(tuned: Tuned, base_dir: Path, out_dir: Path, variant) -> dict:
+    for f in tuned.folder.glob("*.safetensors*"):
+        shutil.move(str(f), out_dir / f.name)
+    qc = json.loads((tuned.folder / "config.json").read_text())["quantization_config"]
+    extra = {}
+    if variant.format == "compressed-tensors":  # the same integers, rewritten (pipeline/quant/ct_export.py)
+        shutil.copyfile(tuned.folder / "config.json", out_dir / "config.json")
+        extra["gptq_config"], qc = qc, rewrite_in_place(out_dir)
+    elif any(e != "lm_head" for e in variant.modules_to_skip):  # as for GPTQ: the names transformers must quantize
+        qc["modules_in_block_to_quantize"] = quantized_in_blocks(out_dir)
+    dtype = variant.dtype or base_dtype(base_dir)
+    finish_checkpoint(base_dir, out_dir, qc, dtype)
+    return {"engine": ENGINE, "engine_version": _engine_version(), "engine_config": qc, "dtype": dtype,
+            "torch_compile": tuned.torch_compile, **extra}
