@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 from transformers import AutoConfig
 
@@ -58,6 +59,17 @@ def run(ctx: UnitContext, recipe) -> dict:
 
 def write_weights(ctx: UnitContext, src, dtype: str, trust_remote_code: bool) -> str:
     """Put the weights into ctx.out in `dtype` the cheapest way; returns how (recorded in the metrics)."""
+    if src.checkpoint_folder and "quantization_config" in json.loads((src.path / "config.json").read_text()):
+        # a quantized checkpoint (another tool's compressed-tensors, GPTQ, ...) is evaluated as it was written:
+        # loading and re-saving it through transformers would re-encode it and drop tensors its quantizer does not
+        # know (an FP8 KV cache's k/v scales: compressed-tensors 0.20 finds no attention in transformers 5.24)
+        how = materialize.link_checkpoint(src.path, ctx.out, trust_remote_code)
+        for name in ("config.json", "generation_config.json"):
+            if (src.path / name).is_file():
+                shutil.copyfile(src.path / name, ctx.out / name)
+        log.info("load: %s is already quantized: its files kept as written", src.spec)
+        return "quantized checkpoint kept as written (" + (
+            "hardlinked" if set(how.values()) == {"hardlink"} else "copied") + ")"
     why = link_problem(src, dtype)
     if why is None:  # a safetensors folder kept as stored: config readable, then its files linked
         config = AutoConfig.from_pretrained(src.path, trust_remote_code=trust_remote_code)
@@ -75,11 +87,8 @@ def write_weights(ctx: UnitContext, src, dtype: str, trust_remote_code: bool) ->
         materialize.random_to_safetensors(config, ctx.out, dtype, ctx.seed, trust_remote_code)
         log.info("load: %s built with random weights in %s tensor by tensor into safetensors", src.spec, dtype)
         return "random weights written tensor by tensor"
-    if src.random_init:
-        log.info("load: building %s with random weights in %s (one copy) and saving it", src.spec, dtype)
-    else:
-        log.info("load: loading %s once in %s and saving it (not %s: %s)", src.spec, dtype,
-                 "streamed" if src.is_gguf else "linked", why)
+    log.info("load: loading %s once in %s and saving it (not %s: %s)", src.spec, dtype,
+             "streamed" if src.is_gguf else "linked", why)
     model = load_model(src, dtype, ctx.seed, trust_remote_code)
     model.save_pretrained(ctx.out, safe_serialization=True)  # written from the tensors' memory: no second copy
-    return "built in memory and saved" if src.random_init else "loaded in memory and saved"
+    return "loaded in memory and saved"
