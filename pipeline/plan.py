@@ -319,10 +319,15 @@ def _check_serve(recipe, plan: Plan) -> list[Problem]:
     gates = recipe.validate_.gates
     for v in recipe.quantize:
         for gate in (g for g in gates.bounds_for(v.name) if GATE_SPECS[g].metric.startswith("serve_")):
+            needs = (v.name,) if GATE_SPECS[gate].metric == "serve_error_rate" else ("baseline", v.name)
             problems += [Problem(gate_path(gates, v.name, gate), "serve-gate-model-not-served",
                                  f"[validate.gates].{gate} for {v.name!r} needs {n!r} served, but its serving is "
-                                 f"skipped: {plan.serve_skipped[n]}") for n in ("baseline", v.name)
-                         if n in plan.serve_skipped]
+                                 f"skipped: {plan.serve_skipped[n]}") for n in needs if n in plan.serve_skipped]
+            problems += [Problem(gate_path(gates, v.name, gate), "serve-gate-model-not-listed",
+                                 f"[validate.gates].{gate} for {v.name!r} needs {n!r} served, but [validate.serve] "
+                                 f"models does not list it: add it there, or set the gate for the served models "
+                                 f"only ([validate.gates.models.<name>])") for n in needs
+                         if n not in plan.serve_engines and n not in plan.serve_skipped]
     return problems
 
 

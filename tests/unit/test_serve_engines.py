@@ -198,6 +198,16 @@ def test_a_serve_gate_on_a_skipped_model_is_refused(tmp_path, no_llama_cpp):
     assert "for 'gguf-q8_0'" in p.message and p.message.endswith(f"llama.cpp: {MISSING}")  # the reason it is skipped
 
 
+def test_a_serve_gate_on_a_model_serve_does_not_list_is_refused(tmp_path, no_llama_cpp):
+    """A global serve gate covers every variant; one that [validate.serve] models leaves out could only fail."""
+    problems = _refused(tmp_path, "validate.gates.max_serve_error_rate=0.05", 'validate.serve.models=["w4"]')
+    assert keys(problems) == [("validate.gates.max_serve_error_rate", "serve-gate-model-not-listed")] * 2
+    assert [p for p in problems if "for 'int8' needs 'int8' served" in p.message]
+    assert all("[validate.gates.models.<name>]" in p.message for p in problems)
+    ok = _recipe(tmp_path, "validate.gates.models.w4.max_serve_error_rate=0.05", 'validate.serve.models=["w4"]')
+    check(ok)  # scoped to the served model: accepted
+
+
 def test_unknown_or_repeated_engines_are_recipe_errors(tmp_path):
     with pytest.raises(RecipeError, match="engines"):
         _recipe(tmp_path, 'validate.serve.engines=["ollama"]')
