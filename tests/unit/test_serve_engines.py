@@ -543,3 +543,19 @@ def test_vllm_dead_before_the_stop_signal_is_exit_4_naming_its_death_not_a_clean
             signal.signal(s, h)
     t.join(5)
     assert sup.stop_signal == signal.SIGTERM  # the signal did arrive first: the death is what is reported
+
+
+def test_served_nll_sums_the_scored_prompt_tokens_as_the_quality_stage_does():
+    """vLLM's prompt_logprobs: one entry per prompt token (None first), keyed by token id as a string."""
+    import math
+
+    from pipeline.eval.perplexity import gptq_windows
+    from pipeline.serve.served_nll import ServedNLL, window_nll
+
+    ids = [5, 9, 9, 2]
+    lp = [None, {"9": {"logprob": -1.0}}, {"9": {"logprob": -0.5}, "3": {"logprob": -2.0}}, {"2": {"logprob": -0.25}}]
+    (w,) = gptq_windows(4, 4)
+    assert window_nll(lp, ids, w.score_from - w.begin) == (1.75, 3)
+    assert ServedNLL(1.75, 3).perplexity == pytest.approx(math.exp(1.75 / 3))
+    with pytest.raises(ValueError, match="no log-probability for prompt token 2"):
+        window_nll([None, {"9": {"logprob": -1.0}}, {"3": {"logprob": -2.0}}, {"2": {"logprob": -0.25}}], ids, 1)

@@ -1,0 +1,100 @@
+"""Perplexity through vLLM's CPU build against the quality stage's, for checkpoints of a finished run (issue #34:
+"where vLLM's CPU build serves the checkpoint, also score it through vLLM; the two figures should agree").
+
+    python -m benchmarks.served_perplexity artifacts/w8a8-kv baseline w8a8-int8-sq w8a8-int8-sq-kv
+
+Each model's folder (the baseline: load/; a variant: export/<name>, else quantize/<name>) is served by
+`compress serve --engine vllm` (eager); the run's own evaluation ids and windows (validate/<m>/quality: its
+eval_ids.safetensors and the perplexity record) are scored with prompt_logprobs (pipeline/serve/served_nll.py).
+Prints our perplexity, vLLM's, their ratio and vLLM's precision; --out writes the rows as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from pipeline.eval.perplexity import gptq_windows, sliding_windows
+from pipeline.serve.measure import free_port
+from pipeline.serve.served_nll import served_nll
+
+
+def folder_of(run: Path, model: str) -> Path:
+    if model == "baseline":
+        return run / "load"
+    return run / "export" / model if (run / "export" / model).is_dir() else run / "quantize" / model
+
+
+def score(run: Path, model: str, threads: int, log_dir: Path) -> dict:
+    quality = run / "validate" / model / "quality"
+    ppl = json.loads((quality / "metrics.json").read_text())["perplexity"]
+    ids_file = quality / "eval_ids.safetensors"
+    if not ids_file.is_file():
+        ids_file = run / "validate" / "baseline" / "quality" / "eval_ids.safetensors"
+    ids = next(iter(load_file(ids_file).values())).tolist()
+    windows = (gptq_windows(len(ids), ppl["window"], ppl["windows"]) if ppl["protocol"] == "gptq"
+               else sliding_windows(len(ids), ppl["window"], ppl["stride"], ppl["windows"]))
+    port, folder = free_port(), folder_of(run, model)
+    log_path = log_dir / f"{model}.serve.log"
+    cmd = [sys.executable, "-m", "pipeline.app.cli", "serve", str(folder), "--port", str(port), "--engine", "vllm",
+           "--enforce-eager", "--max-model-len", str(ppl["window"] + 8), "--threads", str(threads),
+           "--start-timeout-s", "600"]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            end = time.monotonic() + 660
+            while True:
+                if proc.poll() is not None:
+                    raise SystemExit(f"{model}: compress serve exited {proc.returncode} (log: {log_path})")
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=2)
+                    break
+                except OSError:
+                    if time.monotonic() > end:
+                        raise SystemExit(f"{model}: not healthy within 660 s (log: {log_path})") from None
+                    time.sleep(1)
+            t0 = time.perf_counter()
+            got = served_nll(url, folder.name, ids, windows)
+            took = time.perf_counter() - t0
+        finally:
+            proc.terminate()
+            proc.wait(120)
+    text = log_path.read_text(errors="replace")
+    dtype = next((w.split("dtype=torch.")[1].split(",")[0] for w in text.splitlines() if "dtype=torch." in w), None)
+    return {"model": model, "ours": ppl["value"], "ours_tokens": ppl["tokens"], "vllm": got.perplexity,
+            "vllm_tokens": got.tokens, "ratio": got.perplexity / ppl["value"], "vllm_dtype": dtype,
+            "score_s": round(took, 1), "windows": len(windows)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path)
+    ap.add_argument("models", nargs="+")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    log_dir = a.out.parent if a.out else a.run_dir
+    rows = []
+    print("| model | ours | vLLM CPU | vLLM / ours | vLLM dtype | tokens |")
+    print("|---|---|---|---|---|---|")
+    for m in a.models:
+        r = score(a.run_dir, m, a.threads, log_dir)
+        if r["vllm_tokens"] != r["ours_tokens"]:
+            raise SystemExit(f"{m}: vLLM scored {r['vllm_tokens']} tokens, the quality stage {r['ours_tokens']}")
+        rows.append(r)
+        print(f"| {m} | {r['ours']:.4f} | {r['vllm']:.4f} | {r['ratio']:.4f} | {r['vllm_dtype']} "
+              f"| {r['vllm_tokens']} |", flush=True)
+    if a.out:
+        a.out.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
