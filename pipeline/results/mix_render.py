@@ -48,15 +48,22 @@ def pearson(xs: list[float], ys: list[float]) -> float | None:
     return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
 
 
-def allocation_table(mix: dict) -> list[str]:
-    """Rows: decoder layers; columns: the units of a layer (self_attn, mlp, or each linear); cells: w<bits>g<group>."""
-    cells: dict[int, dict[str, str]] = {}
+def allocation_grid(mix: dict) -> tuple[list[list[dict | None]], list[str]]:
+    """(rows: one per decoder layer 0..n-1, each a cell per column: the unit's {"bits", "group_size"} or None;
+    the columns: the units of a layer, self_attn and mlp, or each linear)."""
+    cells: dict[int, dict[str, dict]] = {}
     for unit, a in mix["allocation"].items():
         m = re.match(r"^[^.]+\.(\d+)\.(.+)$", unit)
         if m:
-            cells.setdefault(int(m.group(1)), {})[m.group(2)] = f"w{a['bits']}g{a['group_size']}"
+            cells.setdefault(int(m.group(1)), {})[m.group(2)] = a
     cols = list(dict.fromkeys(c for row in cells.values() for c in row))
-    body = [[str(i)] + [cells[i].get(c, "–") for c in cols] for i in sorted(cells)]
+    return [[cells.get(i, {}).get(c) for c in cols] for i in range(max(cells) + 1 if cells else 0)], cols
+
+
+def allocation_table(mix: dict) -> list[str]:
+    """Rows: decoder layers; columns: the units of a layer (self_attn, mlp, or each linear); cells: w<bits>g<group>."""
+    rows, cols = allocation_grid(mix)
+    body = [[str(i)] + [f"w{c['bits']}g{c['group_size']}" if c else "–" for c in row] for i, row in enumerate(rows)]
     return table(["layer", *cols], body)
 
 

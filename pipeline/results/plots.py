@@ -10,6 +10,7 @@ from matplotlib.figure import Figure
 
 from pipeline.results.format import PLOTS
 from pipeline.results.metrics import Speed, Stat
+from pipeline.results.mix_render import allocation_grid, mix_of
 from pipeline.results.query import models
 from pipeline.results.schema import Report
 from pipeline.results.serve_table import CB, KV, PLAIN, SPEC, STATIC, TECHNIQUES_PLOT, technique_rows
@@ -17,14 +18,18 @@ from pipeline.base.fileio import atomic_path
 
 _MIB = 2**20
 TASK_PLOT = "task_recovery_vs_bits.png"  # [validate.tasks] (drawn only when a variant has task recovery)
+MIX_PARETO_PLOT = "ppl_ratio_vs_bits.png"  # [quantize.mix] (drawn only when a variant is mixed)
+MIX_ALLOCATION_PLOT = "mix_allocation.png"
 
 
 def write_plots(report: Report, out_dir: Path) -> list[str]:
     out_dir = Path(out_dir)
     written = []
-    extra = {"task_recovery": TASK_PLOT, "techniques": TECHNIQUES_PLOT}
+    extra = {"task_recovery": TASK_PLOT, "techniques": TECHNIQUES_PLOT, "mix_pareto": MIX_PARETO_PLOT,
+             "mix_allocation": MIX_ALLOCATION_PLOT}
     for key, draw in (("frontier", frontier_plot), ("decode", decode_plot), ("acceptance", acceptance_plot),
-                      ("task_recovery", recovery_plot), ("techniques", techniques_plot)):
+                      ("task_recovery", recovery_plot), ("techniques", techniques_plot),
+                      ("mix_pareto", mix_pareto_plot), ("mix_allocation", mix_allocation_plot)):
         fig = draw(report)
         path = out_dir / (PLOTS.get(key) or extra[key])
         if fig is None:
@@ -233,4 +238,61 @@ def techniques_plot(report: Report):
     left.legend(fontsize=7)
     fig.suptitle("Techniques: plain decoding, KV cache, static and continuous batching, speculative decoding\n"
                  + _subtitle(report), fontsize=10)
+    return fig
+
+
+def mix_pareto_plot(report: Report):
+    """Perplexity ratio against bits per weight for every variant with both, mixed ones marked, with the Pareto
+    front; None when no variant is mixed ([quantize.mix])."""
+    if not any(mix_of(e) for e in report.variants.values()):
+        return None
+    pts = [(e.bits_per_weight, e.ppl_ratio, name, mix_of(e) is not None) for name, e in report.variants.items()
+           if e.bits_per_weight is not None and e.ppl_ratio is not None]
+    if not pts:
+        return None
+    fig = _figure()
+    ax = fig.add_subplot()
+    for mixed, marker, label in ((False, "o", "uniform"), (True, "^", "mixed ([quantize.mix])")):
+        mine = [p for p in pts if p[3] == mixed]
+        if mine:
+            ax.scatter([p[0] for p in mine], [p[1] for p in mine], marker=marker, s=55, label=label, zorder=3)
+    front = pareto([(p[0], p[1]) for p in pts])
+    ax.plot([f[0] for f in front], [f[1] for f in front], "--", color="grey", lw=1, label="Pareto front", zorder=2)
+    for x, y, name, _ in pts:
+        ax.annotate(name, (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+    ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("bits per weight (decoder linears, as stored)")
+    ax.set_ylabel("perplexity ratio to the baseline")
+    if max(p[1] for p in pts) / max(min(p[1] for p in pts), 1e-9) > 3:
+        ax.set_yscale("log")
+    ax.set_title("Mixed and uniform precision: quality per bit (lower left is better)\n" + _subtitle(report),
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def mix_allocation_plot(report: Report):
+    """Bits per unit and layer of each mixed variant, as a heat map (group size written in each cell)."""
+    mixed = [(name, m) for name, e in report.variants.items() if (m := mix_of(e))]
+    if not mixed:
+        return None
+    fig = _figure(width=3.2 + 2.6 * len(mixed), height=6.5)
+    axes = fig.subplots(1, len(mixed), squeeze=False)[0]
+    image = None
+    for ax, (name, mix) in zip(axes, mixed):
+        layers, cols = allocation_grid(mix)
+        grid = [[(cell or {}).get("bits", float("nan")) for cell in row] for row in layers]
+        image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=2, vmax=8, interpolation="nearest")
+        for i, row in enumerate(layers):
+            for j, cell in enumerate(row):
+                if cell:
+                    g = cell["group_size"]
+                    ax.text(j, i, "ch" if g == -1 else str(g), ha="center", va="center", fontsize=5, color="w")
+        ax.set_xticks(range(len(cols)), cols, rotation=60, ha="right", fontsize=7)
+        ax.set_yticks(range(len(layers)), [str(i) for i in range(len(layers))], fontsize=6)
+        ax.set_ylabel("decoder layer")
+        ax.set_title(f"{name}: {mix['spent']['bits_per_weight']} bits per weight", fontsize=9)
+    if image is not None:
+        fig.colorbar(image, ax=list(axes), label="bits (cell text: group size; ch = per channel)")
     return fig

@@ -55,3 +55,19 @@ def test_report_md_shows_the_section(report):
     assert "## Mixed precision" in render_markdown(report, [])
     report.variants.pop("mixed")
     assert mix_section(report) == []
+
+
+def test_the_mix_plots_draw_the_allocation_and_quality_per_bit_only_for_a_mixed_run(report, tmp_path):
+    from pipeline.results.plots import MIX_ALLOCATION_PLOT, MIX_PARETO_PLOT, mix_allocation_plot, write_plots
+
+    for name, bpw, ratio in (("w4", 4.36, 1.33), ("w3", 3.36, 3.5), ("mixed", 3.99, 1.6)):
+        report.variants[name].bits_per_weight, report.variants[name].ppl_ratio = bpw, ratio
+    written = write_plots(report, tmp_path)
+    assert {MIX_PARETO_PLOT, MIX_ALLOCATION_PLOT} <= set(written)
+    assert (tmp_path / MIX_ALLOCATION_PLOT).read_bytes()[:4] == b"\x89PNG"
+    ax = mix_allocation_plot(report).axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["self_attn", "mlp"]
+    assert ax.images[0].get_array().tolist() == [[4, 3], [8, 3]]  # bits per layer (rows) and block (columns)
+    del report.variants["mixed"]
+    assert not {MIX_PARETO_PLOT, MIX_ALLOCATION_PLOT} & set(write_plots(report, tmp_path))  # no mix: none drawn
+    assert not (tmp_path / MIX_PARETO_PLOT).exists()  # and the stale ones are gone
