@@ -1,11 +1,34 @@
 """The torch side of the GPTQModel-loaded formats' reload hook (pipeline/quant/gptq_format.py GPTQModelKernels)."""
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
-from gptqmodel import GPTQModel
+from gptqmodel import BACKEND, GPTQModel
+
+log = logging.getLogger("compress")
+# the group sizes torch's int4 CPU matmul (_weight_int4pack_mm_cpu, GPTQModel's TorchFusedLinear) takes
+FUSED_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def group_sizes(folder: Path) -> set[int]:
+    """Every group size a GPTQ checkpoint's modules use: its base one and its `dynamic` overrides'."""
+    qc = json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or {}
+    found = {int(qc.get("group_size", -1))}
+    found |= {int(v["group_size"]) for v in (qc.get("dynamic") or {}).values()
+              if isinstance(v, dict) and "group_size" in v}
+    return found
 
 
 def load_own(folder: Path, device: str):
-    """GPTQModel's own loader, for a checkpoint with per-module bits or group sizes: its HF model."""
+    """GPTQModel's own loader, for a checkpoint with per-module bits or group sizes: its HF model. On a CPU, a
+    group size torch's fused int4 matmul does not take (a per-channel -1 on 576 in-features) would fail in the first
+    forward with GPTQModel's automatic choice of kernel: its plain torch kernel (dequantize, then matmul) is asked
+    for instead, for the whole model."""
+    odd = sorted(g for g in group_sizes(folder) if g not in FUSED_GROUP_SIZES)
+    if device == "cpu" and odd:
+        log.info("load: %s has group sizes %s, which torch's fused int4 CPU kernel does not take: GPTQModel's torch "
+                 "kernel (dequantize, then matmul) runs it", Path(folder).name, odd)
+        return GPTQModel.load(str(folder), device=device, backend=BACKEND.TORCH).model
     return GPTQModel.load(str(folder), device=device).model
