@@ -10,8 +10,16 @@ import math
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from pipeline.eval.perplexity import Window
+
+
+class Window(Protocol):
+    """A window of pipeline/eval/perplexity.py (serve and eval are siblings: neither imports the other)."""
+
+    begin: int
+    end: int
+    score_from: int
 
 
 @dataclass(frozen=True)
