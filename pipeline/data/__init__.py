@@ -12,16 +12,17 @@
 from __future__ import annotations
 
 import json
-import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
+
+import tomllib
 
 from pipeline.base.errors import RecipeError, StageError
 from pipeline.base.fileio import sha256_file
-from pipeline.base.registry import Registry
 from pipeline.base.identity import content_id
+from pipeline.base.registry import Registry
 
 CALIBRATION_DIR = Path(__file__).resolve().parents[2] / "calibration"
 
@@ -71,7 +72,8 @@ def _verified(ref: DatasetRef) -> Path:
     if ref.path is None or not ref.path.is_file():
         raise StageError(f"dataset {ref.name!r}: file missing: {ref.path}")
     if ref.sha256 and sha256_file(ref.path) != ref.sha256:
-        raise StageError(f"dataset {ref.name!r}: {ref.path} does not match its pinned sha256 (corrupted or edited copy)")
+        raise StageError(f"dataset {ref.name!r}: {ref.path} does not match its pinned sha256 "
+                         "(corrupted or edited copy)")
     return ref.path
 
 

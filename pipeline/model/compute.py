@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F

@@ -43,7 +43,8 @@ MODEL_DTYPES: tuple[str, ...] = (AUTO, *DTYPE_NAMES)
 # 2-core AVX2 machine: 1-6 GFLOPS against 38-53 in float32; GPTQ on SmolLM2 65 s per layer against 20).
 GGUF_AUTO_DTYPE = "bfloat16"
 # CPU flags (/proc/cpuinfo) of the units that run 16-bit float matmuls natively
-HALF_UNITS: dict[str, tuple[str, ...]] = {"bfloat16": ("avx512_bf16", "amx_bf16"), "float16": ("avx512_fp16", "amx_fp16")}
+HALF_UNITS: dict[str, tuple[str, ...]] = {"bfloat16": ("avx512_bf16", "amx_bf16"),
+                                          "float16": ("avx512_fp16", "amx_fp16")}
 
 
 def cpu_flags() -> set[str]:

@@ -9,8 +9,8 @@ model_type to add here (`unknown_family`).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 Dims = dict  # hidden, inter, heads, kv_heads, head_dim, vocab
 

@@ -14,7 +14,7 @@ import functools
 import inspect
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cache_name(forward_owner: type) -> str:
     params = inspect.signature(forward_owner.forward).parameters
     if "cache" in params:

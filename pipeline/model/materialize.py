@@ -15,19 +15,26 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 import numpy as np
+import torch
 from gguf import GGUFReader, dequantize
-from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, LlamaTensorProcessor, TensorProcessor,
-                                                      get_gguf_hf_weights_map, load_gguf_checkpoint, read_field)
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers.modeling_gguf_pytorch_utils import (
+    TENSOR_PROCESSORS,
+    LlamaTensorProcessor,
+    TensorProcessor,
+    get_gguf_hf_weights_map,
+    load_gguf_checkpoint,
+    read_field,
+)
 
-from pipeline.model.dtypes import SAFETENSORS_DTYPES, torch_dtype
 from pipeline.base.errors import StageError
 from pipeline.base.memory import MappedPagesTrimmed
+from pipeline.model.dtypes import SAFETENSORS_DTYPES, torch_dtype
 from pipeline.model.sources import weight_files
 
 log = logging.getLogger("compress")
@@ -178,9 +185,10 @@ def random_to_safetensors(config, out: Path, dtype: str, seed: int, trust_remote
 
 def write_safetensors(out: Path, tensors: list[tuple[str, list[int], Callable[[], Any]]], dtype: str,
                       max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
-    """Write tensors (name, shape, a function producing it, or an iterable of its rows in blocks) into model.safetensors, or model-0000i-of-0000n
-    shards plus model.safetensors.index.json past max_shard_bytes, all in `dtype`. Each header is computed
-    from the shapes first, so a tensor is produced, written and dropped before the next one."""
+    """Write tensors (name, shape, a function producing it, or an iterable of its rows in blocks) into
+    model.safetensors, or model-0000i-of-0000n shards plus model.safetensors.index.json past max_shard_bytes, all in
+    `dtype`. Each header is computed from the shapes first, so a tensor is produced, written and dropped before the
+    next one."""
     size = torch.empty((), dtype=torch_dtype(dtype)).element_size()
     shards: list[list] = [[]]
     filled = 0
@@ -193,11 +201,11 @@ def write_safetensors(out: Path, tensors: list[tuple[str, list[int], Callable[[]
         filled += n
     files = [out / "model.safetensors"] if len(shards) == 1 else [
         out / f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    for f, shard in zip(files, shards):
+    for f, shard in zip(files, shards, strict=True):
         _write_shard(f, shard, dtype)
     if len(files) > 1:
         index = {"metadata": {"total_size": sum(n for s in shards for *_, n in s)},
-                 "weight_map": {name: f.name for f, s in zip(files, shards) for name, *_ in s}}
+                 "weight_map": {name: f.name for f, s in zip(files, shards, strict=True) for name, *_ in s}}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return files
 

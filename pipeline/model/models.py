@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-from pipeline.model.dtypes import torch_dtype
 from pipeline.base.errors import StageError
+from pipeline.model.dtypes import torch_dtype
 from pipeline.model.sources import DEFAULT_TOKENIZER as DEFAULT_TOKENIZER  # re-exported (its home: the config: kind)
 from pipeline.model.sources import ModelSource, parse
 

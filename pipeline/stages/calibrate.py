@@ -7,9 +7,9 @@ from safetensors.torch import save_file
 from transformers import AutoTokenizer
 
 from pipeline import data
-from pipeline.stages.kinds import Calibrate, Load
 from pipeline.base.unit import Unit, UnitContext
 from pipeline.data.calib import sample_token_windows, training_documents
+from pipeline.stages.kinds import Calibrate, Load
 
 CODE = ("stages/calibrate.py",)  # the entry module: what it imports is found by pipeline/base/codehash.py
 

@@ -5,13 +5,13 @@ import logging
 import shutil
 from pathlib import Path
 
-from pipeline.stages.kinds import Draft, Load, Quantize
-from pipeline.base.unit import Unit, UnitContext
-from pipeline.quant.registry import model_code
 from pipeline import data
-from pipeline.model.sources import content_identity, parse
+from pipeline.base.unit import Unit, UnitContext
 from pipeline.data.calib import training_documents
+from pipeline.model.sources import content_identity, parse
+from pipeline.quant.registry import model_code
 from pipeline.speculative.stage_api import build_draft
+from pipeline.stages.kinds import Draft, Load, Quantize
 
 CODE = ("stages/draft.py",)  # the entry module: what it imports is found by pipeline/base/codehash.py
 # [draft] fields only the speculative measurement reads (validate/draft/speculative): changing them never

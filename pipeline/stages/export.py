@@ -10,13 +10,13 @@ from pathlib import Path
 import tomli_w
 
 from pipeline.base.fileio import drop_none
-from pipeline.stages.kinds import Draft, Export, Load, Quantize
-from pipeline.base.unit import METRICS, MANIFEST, Unit, UnitContext
-from pipeline.results.card import card_recipe, entry_data, write_model_card
+from pipeline.base.public import public_tree
+from pipeline.base.unit import MANIFEST, METRICS, Unit, UnitContext
 from pipeline.quant.registry import model_code
 from pipeline.results import schema
+from pipeline.results.card import card_recipe, entry_data, write_model_card
 from pipeline.serve import measured
-from pipeline.base.public import public_tree
+from pipeline.stages.kinds import Draft, Export, Load, Quantize
 
 SKIP_SUFFIXES = (".log", ".jsonl")
 

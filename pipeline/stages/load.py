@@ -8,14 +8,14 @@ import shutil
 
 from transformers import AutoConfig
 
-from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
 from pipeline.base.fileio import sha256_file
-from pipeline.stages.kinds import Load
 from pipeline.base.unit import Unit, UnitContext
-from pipeline.model.sources import content_identity, describe, link_problem, parse
+from pipeline.model import materialize
+from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
 from pipeline.model.materialize import checkpoint_facts
 from pipeline.model.models import check_vocab, load_model, source_tokenizer
-from pipeline.model import materialize
+from pipeline.model.sources import content_identity, describe, link_problem, parse
+from pipeline.stages.kinds import Load
 
 CODE = ("stages/load.py",)  # the entry module: what it imports is found by pipeline/base/codehash.py
 log = logging.getLogger("compress")

@@ -1,16 +1,16 @@
 """quantize: one resumable unit per [[quantize]] variant; weights only (evaluation is validate's job)."""
 from __future__ import annotations
 
-import logging
 import json
+import logging
 
 from safetensors.torch import load_file
 
-from pipeline.stages.kinds import Calibrate, Load, Quantize
 from pipeline.base.unit import Unit, UnitContext
-from pipeline.quant.registry import method_code, needs_calibration, runtimes
 from pipeline.quant.api import quantize_variant
+from pipeline.quant.registry import method_code, needs_calibration, runtimes
 from pipeline.quant.shapes import linear_shapes_from_config
+from pipeline.stages.kinds import Calibrate, Load, Quantize
 
 # the entry module; what it imports is found by pipeline/base/codehash.py. Each unit adds its own method's file
 # (pipeline/quant/methods/<name>.py), and only that one: editing one method reruns that method's variants, no other

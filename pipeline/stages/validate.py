@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import logging
 
+from pipeline import data
+from pipeline.base.fileio import atomic_write_json
 from pipeline.base.unit import Unit, UnitContext
 from pipeline.base.worker import run_task
-from pipeline.stages.kinds import Draft, Load, Quality, Quantize, Serve, Speculative, Speed, Tasks
-from pipeline import data
+from pipeline.eval.jobs import run_quality
+from pipeline.eval.speed import run_speed_subprocess, speed_skip
+from pipeline.eval.tasks_config import task_jobs
 from pipeline.quant.registry import model_code, variant_format
 from pipeline.serve import engines
 from pipeline.serve.config import engine_plan, model_format
-from pipeline.eval.tasks_config import task_jobs
-from pipeline.stages.draft import verifier_code, verifier_key
-from pipeline.eval.jobs import run_quality
-from pipeline.eval.speed import run_speed_subprocess, speed_skip
-from pipeline.base.fileio import atomic_write_json
 from pipeline.serve.folder import inspect
 from pipeline.serve.loadtest import corpus_prompts
 from pipeline.serve.measure import Refused, measure
+from pipeline.stages.draft import verifier_code, verifier_key
+from pipeline.stages.kinds import Draft, Load, Quality, Quantize, Serve, Speculative, Speed, Tasks
 
-# the entry module; what it imports (the worker, the eval and speculative code it runs) is found by pipeline/base/codehash.py
+# the entry module; what it imports (the worker, the eval and speculative code it runs) is found by
+# pipeline/base/codehash.py
 CODE = ("stages/validate.py",)
 log = logging.getLogger("compress")
 
@@ -79,8 +80,9 @@ def task_units(recipe, models: list[tuple[str, str]]) -> list[Unit]:
     if not cfg.enabled or not cfg.tasks:
         return []
     jobs = task_jobs(cfg)
-    config = {"tasks": cfg.model_dump(mode="json"), "jobs": [{k: v for k, v in j.items() if k not in ("data_file", "include")}
-                                                            for j in jobs], "device": recipe.run.device}
+    config = {"tasks": cfg.model_dump(mode="json"),
+              "jobs": [{k: v for k, v in j.items() if k not in ("data_file", "include")} for j in jobs],
+              "device": recipe.run.device}
     out = []
     for name, src in models:
         if not cfg.scores(name):
@@ -152,7 +154,8 @@ def held_out_prompts(n: int, ppl_cfg, dataset: str | None = None) -> list[str]:
     if dataset is not None:
         docs = data.documents(data.resolve(dataset))
         if len(docs) < n:
-            raise ValueError(f"prompt set {dataset!r} has {len(docs)} prompts; [draft.measure] num_prompts asks for {n}")
+            raise ValueError(f"prompt set {dataset!r} has {len(docs)} prompts; [draft.measure] num_prompts "
+                             f"asks for {n}")
         return [docs[i * len(docs) // n] for i in range(n)]
     rows = data.documents(data.resolve(ppl_cfg.dataset, ppl_cfg.text_field))
     paragraphs = [r.strip() for r in rows if len(r) > 300 and not r.strip().startswith("=")]
