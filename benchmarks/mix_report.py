@@ -121,6 +121,14 @@ def scaled_check(run_dir: Path, record: dict, n: int, seed: int = 0) -> list[tup
     return out
 
 
+def first_mix_record(report, run_dir: Path) -> dict:
+    """The first mixed variant's mix.json (its sensitivity tables: every mixed variant of a run shares them)."""
+    mixed = [n for n, e in report.variants.items() if mix_of(e)]
+    if not mixed:
+        raise SystemExit(f"{run_dir}: no variant has a [quantize.mix] record")
+    return json.loads((run_dir / "quantize" / mixed[0] / "mix.json").read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dir", type=Path)
@@ -145,16 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"predicted (calibration, RTN probe, summed) vs measured (GPTQ, evaluation text) KL over {len(pairs)} "
           f"models: Pearson {r if r is None else round(r, 3)}")
     if args.additivity:
-        mixed = [n for n, e in report.variants.items() if mix_of(e)]
-        record = json.loads((args.run_dir / "quantize" / mixed[0] / "mix.json").read_text())
-        got = additivity(args.run_dir, record, args.additivity)
+        got = additivity(args.run_dir, first_mix_record(report, args.run_dir), args.additivity)
         r = pearson([p for _, p, _ in got], [m for _, _, m in got])
         print(f"additivity at the probe (RTN weights, the probe's calibration rows), {len(got)} allocations: "
               f"Pearson {r if r is None else round(r, 3)}")
     if args.scaled_check:
-        mixed = [n for n, e in report.variants.items() if mix_of(e)]
-        record = json.loads((args.run_dir / "quantize" / mixed[0] / "mix.json").read_text())
-        got = scaled_check(args.run_dir, record, args.scaled_check)
+        got = scaled_check(args.run_dir, first_mix_record(report, args.run_dir), args.scaled_check)
         r = pearson([math.log(p) for _, p, _ in got], [math.log(m) for _, _, m in got])
         ratios = sorted(p / m for _, p, m in got)
         print(f"kl-scaled vs probed KL, {len(got)} pairs: Pearson of the logs {r if r is None else round(r, 3)}, "

@@ -50,7 +50,7 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
         model = AutoModelForCausalLM.from_pretrained(folder, device_map=device, **kwargs)
     if method is not None:
         method.after_load(model)
-    kv = kv_fp8.read(folder)  # an FP8 KV cache the checkpoint declares: its keys and values go through float8
+    kv = kv_fp8.read(folder, config)  # an FP8 KV cache the checkpoint declares: its keys and values go through float8
     if kv is not None:
         kv_fp8.install(model, kv)
     return model.eval()

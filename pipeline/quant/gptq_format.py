@@ -34,7 +34,7 @@ class GPTQModelKernels:
         loads it; its HF model is returned."""
         if not per_module_formats(config.get("quantization_config") or {}):
             return None
-        return load_work(self.reload_work).load_own(folder, device)
+        return load_work(self.reload_work).load_own(folder, config, device)
 
 
 def per_module_formats(qc: dict) -> bool:

@@ -120,9 +120,11 @@ def tensors(scales: dict[str, tuple[float, float]], dtype: torch.dtype = torch.f
     return out
 
 
-def read(folder: Path) -> dict[str, tuple[float, float]] | None:
-    """The k/v scales of a checkpoint whose config declares an FP8 kv_cache_scheme; None when it declares none."""
-    config = json.loads((Path(folder) / "config.json").read_text())
+def read(folder: Path, config: dict | None = None) -> dict[str, tuple[float, float]] | None:
+    """The k/v scales of a checkpoint whose config declares an FP8 kv_cache_scheme; None when it declares none.
+    config: its config.json, when the caller has read it already."""
+    if config is None:
+        config = json.loads((Path(folder) / "config.json").read_text())
     scheme = (config.get("quantization_config") or {}).get("kv_cache_scheme")
     if not scheme:
         return None

@@ -134,7 +134,6 @@ def test_a_group_size_torchs_fused_int4_kernel_refuses_loads_with_gptqmodels_tor
     """SmolLM2's mixed-4.36 checkpoint had 4-bit per-channel (-1) modules on 576 in-features: GPTQModel's automatic
     kernel (TorchFusedLinear) failed in the first forward ("_weight_int4pack_mm_cpu: expect qGroupSize to be 32,
     64, 128 or 256, got 576"); its plain torch kernel runs it (checked on that checkpoint)."""
-    import json
 
     from gptqmodel import BACKEND
 
@@ -148,12 +147,11 @@ def test_a_group_size_torchs_fused_int4_kernel_refuses_loads_with_gptqmodels_tor
     monkeypatch.setattr(gptq_kernels.GPTQModel, "load", lambda path, device, **kw: asked.append(kw) or Loaded())
     qc = {"quant_method": "gptq", "bits": 4, "group_size": 64,
           "dynamic": {"+:^layers\\.0\\.mlp\\.down_proj$": {"bits": 8, "group_size": 32}}}
-    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
-    assert gptq_kernels.group_sizes(tmp_path) == {64, 32}
-    assert gptq_kernels.load_own(tmp_path, "cpu") == "hf-model" and asked[-1] == {}  # GPTQModel chooses
+    config = {"quantization_config": qc}
+    assert gptq_kernels.group_sizes(config) == {64, 32}
+    assert gptq_kernels.load_own(tmp_path, config, "cpu") == "hf-model" and asked[-1] == {}  # GPTQModel chooses
     qc["dynamic"]["+:^layers\\.1\\.mlp\\.up_proj$"] = {"bits": 4, "group_size": -1, "act_group_aware": False}
-    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": qc}))
-    gptq_kernels.load_own(tmp_path, "cpu")
+    gptq_kernels.load_own(tmp_path, config, "cpu")
     assert asked[-1] == {"backend": BACKEND.TORCH}
-    gptq_kernels.load_own(tmp_path, "cuda")
+    gptq_kernels.load_own(tmp_path, config, "cuda")
     assert asked[-1] == {}  # on a GPU its own choice stands

@@ -1,7 +1,6 @@
 """The torch side of the GPTQModel-loaded formats' reload hook (pipeline/quant/gptq_format.py GPTQModelKernels)."""
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -12,21 +11,21 @@ log = logging.getLogger("compress")
 FUSED_GROUP_SIZES = (32, 64, 128, 256)
 
 
-def group_sizes(folder: Path) -> set[int]:
-    """Every group size a GPTQ checkpoint's modules use: its base one and its `dynamic` overrides'."""
-    qc = json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or {}
+def group_sizes(config: dict) -> set[int]:
+    """Every group size a GPTQ checkpoint's modules use (its config.json): its base one and its `dynamic` overrides'."""
+    qc = config.get("quantization_config") or {}
     found = {int(qc.get("group_size", -1))}
     found |= {int(v["group_size"]) for v in (qc.get("dynamic") or {}).values()
               if isinstance(v, dict) and "group_size" in v}
     return found
 
 
-def load_own(folder: Path, device: str):
+def load_own(folder: Path, config: dict, device: str):
     """GPTQModel's own loader, for a checkpoint with per-module bits or group sizes: its HF model. On a CPU, a
     group size torch's fused int4 matmul does not take (a per-channel -1 on 576 in-features) would fail in the first
     forward with GPTQModel's automatic choice of kernel: its plain torch kernel (dequantize, then matmul) is asked
     for instead, for the whole model."""
-    odd = sorted(g for g in group_sizes(folder) if g not in FUSED_GROUP_SIZES)
+    odd = sorted(g for g in group_sizes(config) if g not in FUSED_GROUP_SIZES)
     if device == "cpu" and odd:
         log.info("load: %s has group sizes %s, which torch's fused int4 CPU kernel does not take: GPTQModel's torch "
                  "kernel (dequantize, then matmul) runs it", Path(folder).name, odd)
