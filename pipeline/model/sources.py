@@ -323,16 +323,21 @@ def weight_dtypes(folder: Path) -> dict[str, int]:
     return counts
 
 
+def is_quantized(src: ModelSource) -> bool:
+    """A checkpoint folder whose config.json declares a quantization_config."""
+    return src.checkpoint_folder and "quantization_config" in json.loads((src.path / "config.json").read_text())
+
+
 def link_problem(src: ModelSource, dtype: str) -> str | None:
-    """None when the load stage may link the source's weight files into load/ as they are (a safetensors
-    checkpoint folder, not quantized, every float tensor stored in `dtype`); else why it must load and
-    save them."""
+    """None when the load stage links the source's weight files into load/ as they are: a safetensors checkpoint
+    folder that is already quantized (kept as written, whatever `dtype`), or whose every float tensor is stored in
+    `dtype`; else why it must load and save them."""
     if not src.checkpoint_folder:
         return f"a {src.kind}: source is not a checkpoint folder"
     if not weight_files(src.path):
         return "the folder holds no .safetensors weights"
-    if "quantization_config" in json.loads((src.path / "config.json").read_text()):
-        return "the checkpoint is already quantized"
+    if is_quantized(src):
+        return None
     stored = sorted(weight_dtypes(src.path))
     if stored != [dtype]:
         return f"its weights are stored in {' + '.join(stored) or 'no float dtype'}, the run asks for {dtype}"

@@ -14,7 +14,7 @@ from pipeline.model import materialize
 from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
 from pipeline.model.materialize import checkpoint_facts
 from pipeline.model.models import check_vocab, load_model, source_tokenizer
-from pipeline.model.sources import content_identity, describe, link_problem, parse
+from pipeline.model.sources import content_identity, describe, is_quantized, link_problem, parse
 from pipeline.stages.kinds import Load
 
 CODE = ("stages/load.py",)  # the entry module: what it imports is found by pipeline/base/codehash.py
@@ -59,7 +59,8 @@ def run(ctx: UnitContext, recipe) -> dict:
 
 def write_weights(ctx: UnitContext, src, dtype: str, trust_remote_code: bool) -> str:
     """Put the weights into ctx.out in `dtype` the cheapest way; returns how (recorded in the metrics)."""
-    if src.checkpoint_folder and "quantization_config" in json.loads((src.path / "config.json").read_text()):
+    why = link_problem(src, dtype)
+    if why is None and is_quantized(src):
         # a quantized checkpoint (another tool's compressed-tensors, GPTQ, ...) is evaluated as it was written:
         # loading and re-saving it through transformers would re-encode it and drop tensors its quantizer does not
         # know (an FP8 KV cache's k/v scales: compressed-tensors 0.20 finds no attention in transformers 5.24)
@@ -70,7 +71,6 @@ def write_weights(ctx: UnitContext, src, dtype: str, trust_remote_code: bool) ->
         log.info("load: %s is already quantized: its files kept as written", src.spec)
         return "quantized checkpoint kept as written (" + (
             "hardlinked" if set(how.values()) == {"hardlink"} else "copied") + ")"
-    why = link_problem(src, dtype)
     if why is None:  # a safetensors folder kept as stored: config readable, then its files linked
         config = AutoConfig.from_pretrained(src.path, trust_remote_code=trust_remote_code)
         arch = type(materialize.meta_model(config, trust_remote_code)).__name__
