@@ -259,11 +259,11 @@ def test_llama_cpp_max_tokens_limit_and_body_cap(run):
 def test_llama_cpp_key_compared_in_constant_time(run, monkeypatch):
     import hmac
 
-    from pipeline.serve.work import llamacpp
+    from pipeline.serve import auth  # the llama.cpp engine's key check: needs fastapi, not the [gguf-serve] extra
 
     calls, real = [], hmac.compare_digest
-    monkeypatch.setattr(llamacpp.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
-    url = run(_echo_app(auth=llamacpp.bearer_check("sk-7"))).url
+    monkeypatch.setattr(auth.hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
+    url = run(_echo_app(auth=auth.bearer_check("sk-7"))).url
     body = {"prompt": "x", "max_tokens": 2}
     assert post(url + "/v1/completions", body)[0] == 401
     assert post(url + "/v1/completions", body, {"Authorization": "Bearer sk-8"})[0] == 401

@@ -3,20 +3,18 @@ server does and what is changed here): its OpenAI-compatible server on the socke
 /health route, the max-tokens cap, a constant-time key check and the SIGTERM drain. Needs the [gguf-serve] extra."""
 from __future__ import annotations
 
-import hmac
 import os
 import socket
 import sys
 from pathlib import Path
 
-from fastapi import Depends, HTTPException
 from fastapi.responses import JSONResponse
-from fastapi.security import HTTPBearer
 from llama_cpp.server.app import authenticate, create_app
 from llama_cpp.server.settings import ModelSettings, ServerSettings
 
 from pipeline.base.errors import RecipeError
 from pipeline.serve import drain as draining
+from pipeline.serve.auth import bearer_check
 from pipeline.serve.engines.base import ServeOptions
 from pipeline.serve.engines.llamacpp import ENGINE_NAME, ENV_PREFIX, TokenCap, llama_cpp_version
 
@@ -67,17 +65,3 @@ def serve_gguf(gguf: Path, model_name: str, sock: socket.socket, host: str, port
     sys.stderr.flush()
     os._exit(0)
 
-
-def bearer_check(key: str | None):
-    """llama_cpp.server's `authenticate` dependency (the same 401), comparing the key in constant time."""
-    bearer = HTTPBearer(auto_error=False)
-
-    async def check(authorization=Depends(bearer)):
-        if key is None:
-            return True
-        got = authorization.credentials if authorization else ""
-        if hmac.compare_digest(got.encode(), key.encode()):
-            return got
-        raise HTTPException(status_code=401, detail="Invalid API key")
-
-    return check
