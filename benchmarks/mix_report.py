@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.quant.mix_sensitivity import fake_quantize, mean_kl
+from pipeline.quant.mix_sensitivity import Solver, Weights, input_hessians, mean_kl
 from pipeline.results.mix_render import mix_of, pearson, predicted_kl
 from pipeline.results.schema import load
 
@@ -57,6 +57,19 @@ def floors(table: list[dict]) -> list[str]:
     return lines
 
 
+def probe_weights(run_dir: Path, record: dict, model, names: list[str], keep: set):
+    """The record's probe weights (RTN, or GPTQ solves on the calibration Hessians of `names`), as a Weights."""
+    from safetensors.torch import load_file
+
+    sens = record["sensitivity"]
+    solver = Solver(**sens["probe"].get("solver", {}))  # records before probe_weights: RTN, symmetric
+    hess: dict = {}
+    if solver.weights == "gptq":
+        ids = load_file(run_dir / "calibrate" / "calibration.safetensors")["input_ids"]
+        hess, _ = input_hessians(model, ids[: sens["probe"]["hessian_rows"]], names)
+    return Weights(solver, hess, keep)
+
+
 def additivity(run_dir: Path, record: dict, n: int, seed: int = 0) -> list[tuple[str, float, float]]:
     """(allocation, predicted KL, measured KL) for n random allocations, the record's and each uniform one."""
     from safetensors.torch import load_file
@@ -71,6 +84,7 @@ def additivity(run_dir: Path, record: dict, n: int, seed: int = 0) -> list[tuple
     layers = model.get_submodule("model.layers")
     originals = {name: mod.weight.data.clone() for name, mod in layers.named_modules() if hasattr(mod, "weight")
                  and mod.weight.dim() == 2}
+    weights = probe_weights(run_dir, record, model, [f"model.layers.{name}" for name in originals], set(cands))
     rng = random.Random(seed)
     allocs = {f"random-{i}": [rng.randrange(len(cands)) for _ in units] for i in range(n)}
     allocs["record"] = [cands.index((a["bits"], a["group_size"])) for a in record["allocation"].values()]
@@ -81,7 +95,7 @@ def additivity(run_dir: Path, record: dict, n: int, seed: int = 0) -> list[tuple
             stem = u.split(".", 1)[1]  # "3.mlp" (a block) or "3.mlp.down_proj" (a linear)
             for name, w in originals.items():
                 if name == stem or name.startswith(stem + "."):
-                    layers.get_submodule(name).weight.data.copy_(fake_quantize(w, *cands[j]))
+                    layers.get_submodule(name).weight.data.copy_(weights(f"model.layers.{name}", w, *cands[j]))
         with torch.no_grad():
             logits = torch.cat([model(r[None]).logits[0].float() for r in ids])
         out.append((label, sum(table[u][j] for u, j in enumerate(choice)), mean_kl(ref, logits)))
@@ -109,13 +123,14 @@ def scaled_check(run_dir: Path, record: dict, n: int, seed: int = 0) -> list[tup
     units = {u.name: u for u in mix_units(arch, ["lm_head"], record["granularity"])}
     ids = load_file(run_dir / "calibrate" / "calibration.safetensors")["input_ids"][: sens["probe"]["kl_rows"]]
     model = AutoModelForCausalLM.from_pretrained(run_dir / "load", dtype=torch.float32).eval()
+    weights = probe_weights(run_dir, record, model, [n for u in units.values() for n, _, _ in u.modules], set())
     rng = random.Random(seed)
     off = [j for j, (_, g) in enumerate(cands) if g != g_probe]
     out = []
     for _ in range(n):
         u, j = rng.randrange(len(sens["units"])), rng.choice(off)
         name = sens["units"][u]
-        (kl,) = kl_table(model, ids, [units[name]], [cands[j]], True, arch.layers)[0]
+        (kl,) = kl_table(model, ids, [units[name]], [cands[j]], weights, arch.layers)[0]
         out.append((f"{name} w{cands[j][0]}g{cands[j][1]}", sens["kl"][u][j], kl))
         print(f"  {out[-1][0]}: scaled {out[-1][1]:.3e}, probed {kl:.3e}", flush=True)
     return out

@@ -62,6 +62,12 @@ class MixConfig(BaseModel):
                           "unit's linears, X the calibration activations); KL and Hessian are both recorded")
     probe_rows: int = Field(8, ge=1, description="calibration rows the KL probe runs (each unit x candidate is one "
                                                   "forward pass over them, from the unit's layer on)")
+    probe_weights: Literal["rtn", "gptq"] = Field(
+        "rtn", description="the quantized weights the estimators measure: 'rtn' (round to nearest on GPTQ's min/max "
+                           "grid: no solve) or 'gptq' (GPTQModel's GPTQ solve of each linear at each candidate on "
+                           "that linear's calibration Hessian X^T X, with the variant's damp, mse and act-group "
+                           "settings: what the checkpoint will hold, before the error feedback from earlier "
+                           "layers; about 0.3 s a linear and candidate on CPU)")
     hessian_rows: int = Field(16, ge=1, description="calibration rows whose activations make the Hessian estimator's "
                                                     "X^T X (one forward pass)")
 

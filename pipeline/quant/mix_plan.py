@@ -14,7 +14,8 @@ from pipeline.base.errors import StageError
 from pipeline.quant.mix import (MixConfig, bits_per_weight, budget_bytes, dynamic_overrides, mix_units,
                                 unit_cost)
 from pipeline.quant.mix_alloc import allocate
-from pipeline.quant.mix_sensitivity import measure
+from pipeline.quant.methods.gptq import act_group_aware
+from pipeline.quant.mix_sensitivity import Solver, measure
 from pipeline.quant.shapes import linear_shapes_from_config
 
 CACHE_DIR = ".mix-sensitivity"  # beside the variants' folders: artifacts/<run>/quantize/.mix-sensitivity/<key>.json
@@ -45,7 +46,9 @@ def plan(base_dir: Path, variant, calib_ids, console: IO[str]) -> dict:
         console.write(f"{variant.name}: {line}\n")
         console.flush()
 
-    sens = measure(base_dir, calib_ids, units, cands, mix.probe_rows, mix.hessian_rows, variant.sym, arch.layers,
+    solver = Solver(mix.probe_weights, variant.sym, variant.damp_percent, variant.mse, act_group_aware(variant),
+                    variant.desc_act)
+    sens = measure(base_dir, calib_ids, units, cands, mix.probe_rows, mix.hessian_rows, solver, arch.layers,
                    _cache_dir.get(), say, mix.probe_group_size(variant.group_size))
     cost = [[unit_cost(u, b, g) for b, g in cands] for u in units]
     budget = budget_bytes(mix.budget, units)

@@ -9,8 +9,14 @@ the evaluation text), two ways, each timed:
            own ratio of the layer-wise error, which tracks the KL's ratio where the bits are equal (both are the
            same RTN noise, finer or coarser; measured on SmolLM2 in benchmarks/README_mix.md).
 - hessian: sum over the unit's linears of ||(W - Q) X||^2 / tokens = tr(dW H dW^T), H = X^T X / tokens from the
-           calibration activations (one forward pass with hooks over `hessian_rows` rows), Q the same RTN weights:
-           the layer-wise objective GPTQ minimises, before its error feedback.
+           calibration activations (one forward pass with hooks over `hessian_rows` rows), Q the same weights as the
+           probe's: the layer-wise objective GPTQ minimises.
+
+The weights Q (`probe_weights`): 'rtn' rounds each weight to nearest on GPTQ's min/max grid (no solve, and no error
+feedback: it overstates what GPTQ's solve leaves, by more at some settings than at others); 'gptq' runs GPTQModel's
+own GPTQ solver on each linear alone, on that linear's calibration Hessian (fed as its symmetric square root, whose
+X^T X is H), with the variant's damp, mse, symmetry and act-group settings (`Solver`): the weights the checkpoint
+will hold, except for the error feedback from the layers before, which GPTQ's sequential pass adds.
 
 The table is cached beside the quantize units (`cache_dir`) under a key made of everything it depends on: the base
 model's files (their sha256 in the load stage's manifest, else the bytes), the calibration ids, the units, the
@@ -21,16 +27,20 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM
 
+from gptqmodel.quantization.config import QuantizeConfig
+from gptqmodel.quantization.gptq import GPTQ
+
 from pipeline.base.fileio import atomic_write_text
 from pipeline.quant.mix import MixUnit
 
-VERSION = 2  # 2: kl-scaled (the probed candidates are part of the key)
+VERSION = 3  # 2: kl-scaled (the probed candidates are part of the key); 3: the probe's weights (rtn or gptq)
 
 
 def fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool = True) -> torch.Tensor:
@@ -51,6 +61,74 @@ def fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool = True)
     zero = torch.full_like(scale, (maxq + 1) / 2) if sym else torch.round(-lo / scale)
     q = torch.clamp(torch.round(x / scale) + zero, 0, maxq)
     return (scale * (q - zero)).reshape(out_f, in_f).to(w.dtype)
+
+
+@dataclass(frozen=True)
+class Solver:
+    """How the probe's weights are made (see the module docstring): 'rtn', or 'gptq' with the variant's settings."""
+
+    weights: str = "rtn"
+    sym: bool = True
+    damp_percent: float = 0.05
+    mse: float = 0.0
+    act_group_aware: bool = True  # for group sizes > 0 (GPTQModel refuses it at -1: off there, as in the checkpoint)
+    desc_act: bool = False
+
+    def key(self) -> list:
+        return [self.weights, self.sym] + ([] if self.weights == "rtn" else
+                                           [self.damp_percent, self.mse, self.act_group_aware, self.desc_act])
+
+
+def gptq_solve(w: torch.Tensor, h_root: torch.Tensor, bits: int, group_size: int, solver: Solver) -> torch.Tensor:
+    """w [out, in] quantized by GPTQModel's GPTQ on the Hessian h_root^T h_root (h_root: [in, in]); the dequantized
+    weights, in w's dtype."""
+    linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    linear.weight.data = w.float().clone()
+    cfg = QuantizeConfig(bits=bits, group_size=group_size, sym=solver.sym, desc_act=solver.desc_act,
+                         act_group_aware=solver.act_group_aware and group_size > 0 and not solver.desc_act,
+                         damp_percent=solver.damp_percent, mse=solver.mse)
+    task = GPTQ(linear, cfg)
+    task.quantizer.configure(perchannel=True)  # as GPTQModel's own GPTQ processor does
+    task.fallback = None  # h_root stands for every calibration token: never the too-few-samples RTN fallback
+    task.add_batch(h_root, None)
+    return task.quantize()[0].to(w.dtype)
+
+
+def hessian_root(h: torch.Tensor) -> torch.Tensor:
+    """The symmetric square root of a positive semi-definite X^T X: R with R^T R = X^T X (negative rounding
+    eigenvalues clamped to 0)."""
+    e, v = torch.linalg.eigh(h.double())
+    return ((v * e.clamp(min=0).sqrt()) @ v.T).float()
+
+
+class Weights:
+    """The quantized weights of a linear at a candidate, per `solver`; GPTQ's are solved once and kept for the
+    candidates in `keep` (the KL probe's), so the Hessian table and the probe share them."""
+
+    def __init__(self, solver: Solver, hess: dict[str, torch.Tensor], keep: set[tuple[int, int]]):
+        self.solver, self.hess, self.keep = solver, hess, keep
+        self.roots: dict[str, torch.Tensor] = {}
+        self.kept: dict[tuple[str, int, int], torch.Tensor] = {}
+
+    def __call__(self, name: str, w: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+        if self.solver.weights == "rtn":
+            return fake_quantize(w, bits, group_size, self.solver.sym)
+        found = self.kept.get((name, bits, group_size))
+        if found is not None:
+            return found
+        if name not in self.roots:
+            self.roots[name] = hessian_root(self.hess[name])
+        q = gptq_solve(w, self.roots[name], bits, group_size, self.solver)
+        if (bits, group_size) in self.keep:
+            self.kept[(name, bits, group_size)] = q
+        return q
+
+    def forget(self, u: MixUnit) -> None:
+        """Drop what was kept and solved for unit u's linears (done with it: memory stays one unit's)."""
+        for name, _, _ in u.modules:
+            self.roots.pop(name, None)
+            for key in [k for k in self.kept if k[0] == name]:
+                del self.kept[key]
 
 
 def mean_kl(ref_logp: torch.Tensor, logits: torch.Tensor) -> float:
@@ -108,38 +186,45 @@ def _logits_from(model, layers, first: int, outputs: list[list], ids: torch.Tens
             layers[j] = layer
 
 
-def kl_table(model, ids: torch.Tensor, units: list[MixUnit], cands: list[tuple[int, int]], sym: bool, layers_path: str,
-             progress: Callable[[int, int], None] | None = None) -> list[list[float]]:
-    """[unit][candidate] mean KL with that unit alone quantized (see the module docstring). The decoder layers before
-    a unit's first linear are not recomputed (their outputs are replayed)."""
-    layers = model.get_submodule(layers_path)
-    outputs = _layer_outputs(layers, model, ids)
-    ref = torch.log_softmax(_logits(model, ids), -1)
-    prefix = layers_path + "."
-    table = []
-    for k, u in enumerate(units):
-        mods = [model.get_submodule(name) for name, _, _ in u.modules]
-        first = min(int(name[len(prefix):].split(".", 1)[0]) for name, _, _ in u.modules)
+class KLProbe:
+    """The KL probe on `ids` (see the module docstring): the unquantized model's per-layer outputs and reference
+    log-probabilities are computed once; row() measures one unit. The decoder layers before a unit's first linear are
+    not recomputed (their outputs are replayed)."""
+
+    def __init__(self, model, ids: torch.Tensor, layers_path: str):
+        self.model, self.ids, self.prefix = model, ids, layers_path + "."
+        self.layers = model.get_submodule(layers_path)
+        self.outputs = _layer_outputs(self.layers, model, ids)
+        self.ref = torch.log_softmax(_logits(model, ids), -1)
+
+    def row(self, u: MixUnit, cands: list[tuple[int, int]],
+            weights: Callable[[str, torch.Tensor, int, int], torch.Tensor]) -> list[float]:
+        """Mean KL with unit u alone quantized, for each candidate; u's weights are restored after."""
+        mods = [self.model.get_submodule(name) for name, _, _ in u.modules]
+        first = min(int(name[len(self.prefix):].split(".", 1)[0]) for name, _, _ in u.modules)
         saved = [m.weight.data.clone() for m in mods]
         row = []
-        for b, g in cands:
-            for m, w in zip(mods, saved):
-                m.weight.data.copy_(fake_quantize(w, b, g, sym))
-            row.append(mean_kl(ref, _logits_from(model, layers, first, outputs, ids)))
-        for m, w in zip(mods, saved):
-            m.weight.data.copy_(w)
-        table.append(row)
-        if progress is not None:
-            progress(k + 1, len(units))
-    return table
+        try:
+            for b, g in cands:
+                for (name, _, _), m, w in zip(u.modules, mods, saved, strict=True):
+                    m.weight.data.copy_(weights(name, w, b, g))
+                row.append(mean_kl(self.ref, _logits_from(self.model, self.layers, first, self.outputs, self.ids)))
+        finally:
+            for m, w in zip(mods, saved, strict=True):
+                m.weight.data.copy_(w)
+        return row
 
 
-def hessian_table(model, ids: torch.Tensor, units: list[MixUnit], cands: list[tuple[int, int]],
-                  sym: bool) -> list[list[float]]:
-    """[unit][candidate] summed ||(W - Q) X||^2 / tokens over the unit's linears (see the module docstring)."""
-    names = [name for u in units for name, _, _ in u.modules]
+def kl_table(model, ids: torch.Tensor, units: list[MixUnit], cands: list[tuple[int, int]],
+             weights: Callable[[str, torch.Tensor, int, int], torch.Tensor], layers_path: str) -> list[list[float]]:
+    """[unit][candidate] mean KL with that unit alone quantized (KLProbe, one unit after the other)."""
+    probe = KLProbe(model, ids, layers_path)
+    return [probe.row(u, cands, weights) for u in units]
+
+
+def input_hessians(model, ids: torch.Tensor, names: list[str]) -> tuple[dict[str, torch.Tensor], int]:
+    """({linear: X^T X summed over the tokens of ids}, tokens): one forward pass with hooks."""
     hess: dict[str, torch.Tensor] = {}
-    count = {"tokens": 0}
 
     def hook(name):
         def add(_mod, inputs, _out):
@@ -152,26 +237,28 @@ def hessian_table(model, ids: torch.Tensor, units: list[MixUnit], cands: list[tu
         with torch.no_grad():
             for row in ids:
                 model(row[None])
-                count["tokens"] += row.numel()
     finally:
         for h in handles:
             h.remove()
-    table = []
-    for u in units:
-        row = []
-        for b, g in cands:
-            total = 0.0
-            for name, _, _ in u.modules:
-                w = model.get_submodule(name).weight.data.float()
-                dw = w - fake_quantize(w, b, g, sym).float()
-                total += float(((dw @ hess[name]) * dw).sum()) / count["tokens"]
-            row.append(total)
-        table.append(row)
-    return table
+    return hess, int(ids.numel())
+
+
+def hessian_row(model, hess: dict[str, torch.Tensor], tokens: int, u: MixUnit, cands: list[tuple[int, int]],
+                weights: Callable[[str, torch.Tensor, int, int], torch.Tensor]) -> list[float]:
+    """Summed ||(W - Q) X||^2 / tokens over unit u's linears, for each candidate (see the module docstring)."""
+    row = []
+    for b, g in cands:
+        total = 0.0
+        for name, _, _ in u.modules:
+            w = model.get_submodule(name).weight.data.float()
+            dw = w - weights(name, w, b, g).float()
+            total += float(((dw @ hess[name]) * dw).sum()) / tokens
+        row.append(total)
+    return row
 
 
 def cache_key(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], cands: list[tuple[int, int]],
-              rows: tuple[int, int], sym: bool, probe_group_size: int | None = None) -> str:
+              rows: tuple[int, int], solver: Solver, probe_group_size: int | None = None) -> str:
     h = hashlib.sha256()
     manifest = base_dir / "manifest.json"
     if manifest.is_file():
@@ -180,7 +267,8 @@ def cache_key(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], can
         for f in sorted(base_dir.glob("*.safetensors")):
             h.update(f.read_bytes())
     h.update(calib_ids.to(torch.int64).contiguous().numpy().tobytes())
-    h.update(json.dumps([VERSION, [(u.name, u.modules) for u in units], cands, rows, sym, probe_group_size]).encode())
+    h.update(json.dumps([VERSION, [(u.name, u.modules) for u in units], cands, rows, solver.key(),
+                         probe_group_size]).encode())
     return h.hexdigest()[:32]
 
 
@@ -201,38 +289,57 @@ def scale_by_hessian(probed: list[list[float]], hess: list[list[float]], cands: 
 
 
 def measure(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], cands: list[tuple[int, int]],
-            probe_rows: int, hessian_rows: int, sym: bool, layers_path: str, cache_dir: Path | None,
+            probe_rows: int, hessian_rows: int, solver: Solver, layers_path: str, cache_dir: Path | None,
             log: Callable[[str], None], probe_group_size: int | None = None) -> dict:
     """{"kl": table, "hessian": table, "time_s": {...}, "key", "cached"}: measured, or read from cache_dir.
     probe_group_size: the kl-scaled estimator (KL probed at that group size only); None: every candidate probed."""
     if probe_group_size is not None and any((b, probe_group_size) not in cands for b, _ in cands):
         raise ValueError(f"kl-scaled: every candidate bits needs a candidate at group_size {probe_group_size}")
-    key = cache_key(base_dir, calib_ids, units, cands, (probe_rows, hessian_rows), sym, probe_group_size)
+    key = cache_key(base_dir, calib_ids, units, cands, (probe_rows, hessian_rows), solver, probe_group_size)
     path = cache_dir / f"{key}.json" if cache_dir is not None else None
     if path is not None and path.is_file():
         found = json.loads(path.read_text())
         if found.get("key") == key:
-            log(f"sensitivity: cached table {path.name} (same model, calibration and candidates)")
+            log(f"sensitivity: cached table {path.name} (same model, calibration, candidates and probe weights)")
             return {**found, "cached": True}
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
-    t0 = time.perf_counter()
-    hess = hessian_table(model, calib_ids[:hessian_rows], units, cands, sym)
-    t1 = time.perf_counter()
-    log(f"sensitivity: hessian table ({len(units)} units x {len(cands)} candidates) in {t1 - t0:.1f} s")
     probed = cands if probe_group_size is None else [c for c in cands if c[1] == probe_group_size]
-    kl = kl_table(model, calib_ids[:probe_rows], units, probed, sym, layers_path,
-                  lambda k, n: log(f"sensitivity: KL probe {k}/{n} units") if k % 10 == 0 or k == n else None)
+    solving = "GPTQ solves" if solver.weights == "gptq" else "RTN"
+    t0 = time.perf_counter()
+    hess, tokens = input_hessians(model, calib_ids[:hessian_rows], [n for u in units for n, _, _ in u.modules])
+    t1 = time.perf_counter()
+    probe = KLProbe(model, calib_ids[:probe_rows], layers_path)
+    weights = Weights(solver, hess, set(probed))
+    spent = {"hessian": t1 - t0, "kl": time.perf_counter() - t1}
+    hessian: list[list[float]] = []
+    kl: list[list[float]] = []
+    for k, u in enumerate(units):  # unit by unit: GPTQ's solves for the probe are kept for one unit at a time
+        t = time.perf_counter()
+        hessian.append(hessian_row(model, hess, tokens, u, cands, weights))
+        t1 = time.perf_counter()
+        kl.append(probe.row(u, probed, weights))
+        weights.forget(u)
+        spent["hessian"] += t1 - t
+        spent["kl"] += time.perf_counter() - t1
+        if (k + 1) % 10 == 0 or k + 1 == len(units):
+            log(f"sensitivity: {k + 1}/{len(units)} units ({solving}; {len(cands)} candidates' Hessian error, "
+                f"KL probed at {len(probed)}) {spent['hessian'] + spent['kl']:.0f} s")
+    del weights, probe
     if probe_group_size is not None:
-        kl = scale_by_hessian(kl, hess, cands, probe_group_size)
-    t2 = time.perf_counter()
-    log(f"sensitivity: KL table in {t2 - t1:.1f} s ({len(units) * len(probed) + 1} forward passes)")
-    found = {"key": key, "units": [u.name for u in units], "candidates": cands, "kl": kl, "hessian": hess,
-             "probe": {"weights": "RTN on GPTQ's min/max grid", "kl_rows": probe_rows,
+        kl = scale_by_hessian(kl, hessian, cands, probe_group_size)
+    log(f"sensitivity: Hessian table in {spent['hessian']:.1f} s, KL table in {spent['kl']:.1f} s "
+        f"({len(units) * len(probed) + 1} forward passes)")
+    found = {"key": key, "units": [u.name for u in units], "candidates": cands, "kl": kl, "hessian": hessian,
+             "probe": {"weights": "RTN on GPTQ's min/max grid" if solver.weights == "rtn" else
+                       "GPTQModel's GPTQ solve of each linear alone on its calibration Hessian "
+                       f"(damp {solver.damp_percent}, mse {solver.mse}, act_group_aware {solver.act_group_aware}, "
+                       f"desc_act {solver.desc_act}, sym {solver.sym})",
+                       "solver": asdict(solver), "kl_rows": probe_rows,
                        "hessian_rows": int(calib_ids[:hessian_rows].shape[0]), "seq_len": int(calib_ids.shape[1]),
                        "kl_probed": "every candidate" if probe_group_size is None else
                        f"group_size {probe_group_size} at each bits; other group sizes scaled by the Hessian error "
                        "ratio at the same bits"},
-             "time_s": {"hessian": round(t1 - t0, 2), "kl": round(t2 - t1, 2)}}
+             "time_s": {k: round(v, 2) for k, v in spent.items()}}
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(found))

@@ -19,7 +19,7 @@ from pipeline.quant.checkpoint import load_checkpoint
 from pipeline.quant.gptqmodel_driver import inference_model
 from pipeline.quant.mix import mix_units
 from pipeline.quant.mix_plan import CACHE_DIR
-from pipeline.quant.mix_sensitivity import fake_quantize, mean_kl
+from pipeline.quant.mix_sensitivity import Solver, fake_quantize, mean_kl
 from pipeline.quant.registry import QuantVariant
 from pipeline.quant.shapes import linear_shapes_from_config
 from tests.tiny_models import tiny_llama
@@ -174,8 +174,8 @@ def test_kl_scaled_probes_one_group_size_and_scales_the_others_by_their_hessian_
     cands = make("k").mix.candidates(64)
     assert make("k", estimator="kl-scaled").mix.probe_group_size(64) == 64 and make("k").mix.probe_group_size(64) is None
     lines: list[str] = []
-    full = measure(tiny, CALIB, units, cands, 2, 4, True, arch.layers, None, lambda s: None)
-    scaled = measure(tiny, CALIB, units, cands, 2, 4, True, arch.layers, None, lines.append, 64)
+    full = measure(tiny, CALIB, units, cands, 2, 4, Solver(), arch.layers, None, lambda s: None)
+    scaled = measure(tiny, CALIB, units, cands, 2, 4, Solver(), arch.layers, None, lines.append, 64)
     assert scaled["hessian"] == full["hessian"]
     assert f"({len(units) * 4 + 1} forward passes)" in lines[-1]  # 4 bits at g64, not 8 candidates
     for u in range(len(units)):
@@ -186,5 +186,47 @@ def test_kl_scaled_probes_one_group_size_and_scales_the_others_by_their_hessian_
     # the scaled entries are estimates, not copies: at equal bits g32 is predicted better than g64
     assert all(scaled["kl"][u][cands.index((3, 32))] < scaled["kl"][u][cands.index((3, 64))] for u in range(len(units)))
     assert "scaled by the Hessian error ratio" in scaled["probe"]["kl_probed"]
-    k = (tiny, CALIB, units, cands, (2, 4), True)
+    k = (tiny, CALIB, units, cands, (2, 4), Solver())
     assert cache_key(*k) != cache_key(*k, 64)
+
+
+def test_gptq_probe_weights_are_the_checkpoints_where_no_error_feeds_back(tiny, tmp_path):
+    """probe_weights = "gptq": layer 0's q_proj sees the unquantized embeddings in GPTQ's sequential pass too, so the
+    probe's solve on the same calibration rows gives the weights GPTQModel writes; the Hessian error of the GPTQ
+    weights is below RTN's (the objective GPTQ minimises); the cache key tells the two apart."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quant.gptqmodel_driver import dequantize_to_linear
+    from pipeline.quant.mix_sensitivity import Weights, cache_key, hessian_root, input_hessians, measure
+
+    v = TypeAdapter(QuantVariant).validate_python({"name": "g", "method": "gptq", "bits": 4, "group_size": 32,
+                                                   "mse": 0.0})
+    impl = implementation(v)
+    (tmp_path / "g").mkdir()
+    with impl.session(tmp_path / "g"):
+        model = inference_model(impl.quantize(tiny, v, CALIB, sys.stderr, "cpu"))
+    dequantize_to_linear(model)
+    base = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    name = "model.layers.0.self_attn.q_proj"
+    hess, _ = input_hessians(base, CALIB, [name])
+    solver = Solver("gptq", damp_percent=v.damp_percent, act_group_aware=True)
+    w = base.get_submodule(name).weight.data
+    ours = Weights(solver, hess, set())(name, w, 4, 32)
+    theirs = model.get_submodule(name).weight.data.float()
+    step = (w.abs().amax() * 2 / 15).item()  # about one 4-bit step
+    assert (ours - theirs).abs().max().item() < 0.05 * step, "the probe's GPTQ solve is the checkpoint's"
+    r = hessian_root(hess[name])
+    assert torch.allclose(r.T @ r, hess[name], rtol=1e-3, atol=1e-3 * hess[name].abs().max().item())
+
+    arch = linear_shapes_from_config(json.loads((tiny / "config.json").read_text()))
+    units = mix_units(arch, ["lm_head"], "module")
+    cands = [(3, 32), (4, 32)]
+    rtn = measure(tiny, CALIB, units, cands, 2, 8, Solver(), arch.layers, None, lambda s: None)
+    lines: list[str] = []
+    gptq = measure(tiny, CALIB, units, cands, 2, 8, solver, arch.layers, None, lines.append)
+    assert sum(map(sum, gptq["hessian"])) < 0.9 * sum(map(sum, rtn["hessian"]))
+    assert sum(map(sum, gptq["kl"])) < sum(map(sum, rtn["kl"]))
+    assert any("GPTQ solves" in line for line in lines) and gptq["probe"]["weights"].startswith("GPTQModel's GPTQ solve")
+    k = (tiny, CALIB, units, cands, (2, 8))
+    assert cache_key(*k, Solver()) != cache_key(*k, solver)
+    assert cache_key(*k, solver) != cache_key(*k, Solver("gptq", damp_percent=0.1))
