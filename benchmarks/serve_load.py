@@ -15,11 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 
@@ -59,19 +56,6 @@ def gguf_folder(source: str, work: Path) -> Path:
     return out
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise SystemExit("server not healthy in time")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--source", required=True)
@@ -88,34 +72,25 @@ def main() -> None:
     a = ap.parse_args()
     from pipeline.serve.engines import get
     from pipeline.serve.loadtest import run
-    from pipeline.serve.measure import free_port
+    from pipeline.serve.measure import serving
 
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     folder = gguf_folder(a.source, work) if a.engine == "llama.cpp" else hf_folder(a.source, work)
     levels = [int(x) for x in a.concurrency.split(",")]
-    port = a.port or free_port()
-    url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
     engine = get(a.engine)
-    cmd = [sys.executable, "-m", "pipeline.app.cli", "serve", str(folder), "--port", str(port), "--engine", a.engine,
-           "--threads", str(a.threads), "--slots", str(max(levels)), "--max-model-len", "512"]
+    args = ["--threads", str(a.threads), "--slots", str(max(levels)), "--max-model-len", "512"]
     if "max_queue" in engine.honours:
-        cmd += ["--max-queue", str(max(levels))]
+        args += ["--max-queue", str(max(levels))]
     if a.enforce_eager:
-        cmd.append("--enforce-eager")
-    proc = subprocess.Popen(cmd, env=env)
-    try:
-        wait_healthy(url, proc, 900)
-        run(url, folder.name, [1], 1, 4, a.prompt_words, pid=proc.pid)  # warm-up, not recorded
-        levels_out = run(url, folder.name, levels, a.requests, a.max_tokens, a.prompt_words, pid=proc.pid,
+        args.append("--enforce-eager")
+    with serving(folder, a.engine, args, work / "server.log", 900, port=a.port, env=env) as server:
+        url, pid = server.url, server.proc.pid
+        run(url, folder.name, [1], 1, 4, a.prompt_words, pid=pid)  # warm-up, not recorded
+        levels_out = run(url, folder.name, levels, a.requests, a.max_tokens, a.prompt_words, pid=pid,
                          timeout_s=600)
-        with urllib.request.urlopen(url + "/health") as r:
-            body = r.read()
-        health = json.loads(body) if body.strip() else {}  # vLLM's /health has no body
-    finally:
-        proc.terminate()
-        rc = proc.wait(60)
+    health, rc = server.health, server.rc  # vLLM's /health has no body: {}
     result = {"source": a.source, "folder": str(folder), "threads": a.threads, "max_tokens": a.max_tokens,
               "prompt_words": a.prompt_words, "levels": levels_out, "server_exit": rc,
               "engine": health.get("engine", a.engine),

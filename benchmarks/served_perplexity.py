@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 from safetensors.torch import load_file
 
 from pipeline.eval.perplexity import gptq_windows, sliding_windows
-from pipeline.serve.measure import free_port
+from pipeline.serve.measure import serving
 from pipeline.serve.served_nll import served_nll
 
 
@@ -40,32 +38,13 @@ def score(run: Path, model: str, threads: int, log_dir: Path) -> dict:
     ids = next(iter(load_file(ids_file).values())).tolist()
     windows = (gptq_windows(len(ids), ppl["window"], ppl["windows"]) if ppl["protocol"] == "gptq"
                else sliding_windows(len(ids), ppl["window"], ppl["stride"], ppl["windows"]))
-    port, folder = free_port(), folder_of(run, model)
+    folder = folder_of(run, model)
     log_path = log_dir / f"{model}.serve.log"
-    cmd = [sys.executable, "-m", "pipeline.app.cli", "serve", str(folder), "--port", str(port), "--engine", "vllm",
-           "--enforce-eager", "--max-model-len", str(ppl["window"] + 8), "--threads", str(threads),
-           "--start-timeout-s", "600"]
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            end = time.monotonic() + 660
-            while True:
-                if proc.poll() is not None:
-                    raise SystemExit(f"{model}: compress serve exited {proc.returncode} (log: {log_path})")
-                try:
-                    urllib.request.urlopen(url + "/health", timeout=2)
-                    break
-                except OSError:
-                    if time.monotonic() > end:
-                        raise SystemExit(f"{model}: not healthy within 660 s (log: {log_path})") from None
-                    time.sleep(1)
-            t0 = time.perf_counter()
-            got = served_nll(url, folder.name, ids, windows)
-            took = time.perf_counter() - t0
-        finally:
-            proc.terminate()
-            proc.wait(120)
+    args = ["--enforce-eager", "--max-model-len", str(ppl["window"] + 8), "--threads", str(threads)]
+    with serving(folder, "vllm", args, log_path, 600) as server:
+        t0 = time.perf_counter()
+        got = served_nll(server.url, folder.name, ids, windows)
+        took = time.perf_counter() - t0
     text = log_path.read_text(errors="replace")
     dtype = next((w.split("dtype=torch.")[1].split(",")[0] for w in text.splitlines() if "dtype=torch." in w), None)
     return {"model": model, "ours": ppl["value"], "ours_tokens": ppl["tokens"], "vllm": got.perplexity,

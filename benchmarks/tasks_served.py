@@ -16,31 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def serve(folder: Path, engine: str, port: int, log: Path, eager: bool) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "pipeline.app.cli", "serve", str(folder), "--engine", engine, "--port", str(port),
-           "--slots", "8", "--max-model-len", "2048"] + (["--enforce-eager"] if eager and engine == "vllm" else [])
-    with open(log, "wb") as log_file:  # the child writes to its own copy of the descriptor
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT)
-    end = time.monotonic() + 900
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"compress serve exited {proc.returncode}: {log.read_text()[-1500:]}")
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-            return proc
-        except OSError:
-            time.sleep(1)
-    proc.kill()
-    raise SystemExit("server not ready in 900 s")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,20 +39,17 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.eval.tasks import HUMANEVAL, item_indices, run_lm_eval, write_task_yaml
     from pipeline.eval.tasks_config import task_jobs
     from pipeline.recipe import load_recipe
-    from pipeline.serve.measure import free_port
+    from pipeline.serve.measure import serving
 
     cfg = load_recipe(a.recipe).validate_.tasks
     folder = (a.run / ("load" if a.model == "baseline" else f"quantize/{a.model}")).resolve()
     ref = json.loads((a.run / "validate" / a.model / "tasks" / "task_items.json").read_text())
     work = a.run / "benchmarks" / f"tasks_served_{a.model}_{a.engine}"
     work.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    t0 = time.perf_counter()
-    proc = serve(folder, a.engine, port, work / "server.log", a.eager)
-    ready_s = time.perf_counter() - t0
+    args = ["--slots", "8", "--max-model-len", "2048"] + (["--enforce-eager"] if a.eager and a.engine == "vllm" else [])
     rows, total, flipped = {}, 0, 0
-    try:
-        lm = LocalCompletionsAPI(base_url=f"http://127.0.0.1:{port}/v1/completions", model=folder.name,
+    with serving(folder, a.engine, args, work / "server.log", 900) as server:
+        lm = LocalCompletionsAPI(base_url=f"{server.url}/v1/completions", model=folder.name,
                                  tokenizer=str(folder), tokenizer_backend="huggingface", num_concurrent=a.concurrent,
                                  max_length=2048)
         for job in task_jobs(cfg):
@@ -97,9 +74,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{name:<12} {metric:<9} items {len(common):>4}  differ {diff:>3}  served "
                   f"{rows[name]['served']:.3f}  in-process {rows[name]['in_process']:.3f}  "
                   f"({rows[name]['time_s']:.0f} s)", flush=True)
-    finally:
-        proc.terminate()
-        rc = proc.wait(120)
+    ready_s, rc = server.ready_s, server.rc
     out = {"run": str(a.run), "model": a.model, "engine": a.engine, "eager": a.eager, "ready_s": round(ready_s, 1),
            "server_exit": rc, "lm_eval_model": "local-completions (LocalCompletionsAPI, token-id prompts)",
            "tasks": rows, "values": total, "differ": flipped,

@@ -2,6 +2,7 @@
 greedy output with `generate`'s, load-test it at each concurrency level, stop it by its pid."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,41 +56,28 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
     out/. The server is `compress serve --engine <engine>` in a subprocess; the options passed are those the engine
     applies (pipeline/serve/engines), so none is refused."""
     eng = engines.get(engine)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     opts = {"slots": max(cfg.concurrency), "max_queue": max(cfg.concurrency), "max_model_len": cfg.max_model_len,
             "queue_timeout_s": cfg.timeout_s, "threads": threads}
-    eager = ["--enforce-eager"] if engine == "vllm" and not cfg.compile else []
-    cmd = [sys.executable, "-m", "pipeline.app.cli", "serve", str(folder), "--port", str(port), "--device", device,
-           "--engine", engine, "--start-timeout-s", str(cfg.timeout_s), *eager]
+    args = ["--device", device, *(["--enforce-eager"] if engine == "vllm" and not cfg.compile else [])]
     for k, v in opts.items():
         if v is not None and k in eng.honours:
-            cmd += ["--" + k.replace("_", "-"), str(v)]
-    with open(out / "server.log", "wb") as log:
-        t0 = time.monotonic()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-        try:
-            health = _wait(url, proc, cfg.timeout_s + 30, out)
-            ready_s = time.monotonic() - t0
-            served = []
-            for p in prompts[:cfg.equality_prompts]:
-                body = {"model": folder.name, "prompt": p, "max_tokens": cfg.equality_tokens, "return_token_ids": True,
-                        "temperature": 0.0, **({"repeat_penalty": FIXED_LENGTH_GREEDY["repeat_penalty"]}
-                                               if engine == "llama.cpp" else {}),
-                        **({"add_special_tokens": False} if engine == "vllm" else {})}  # as generate's reference
-                choice = _post(url + "/v1/completions", body, cfg.timeout_s)["choices"][0]
-                served.append(choice.get("token_ids") if choice.get("token_ids") is not None else choice["text"])
-            levels = run(url, folder.name, cfg.concurrency, cfg.requests_per_level, cfg.max_tokens, cfg.prompt_words,
-                         pid=proc.pid, timeout_s=cfg.timeout_s, prompts=prompts)
-        finally:
-            proc.terminate()
-            try:
-                rc = proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = proc.wait()
+            args += ["--" + k.replace("_", "-"), str(v)]
+    with serving(folder, engine, args, out / "server.log", cfg.timeout_s) as server:
+        url = server.url
+        served = []
+        for p in prompts[:cfg.equality_prompts]:
+            body = {"model": folder.name, "prompt": p, "max_tokens": cfg.equality_tokens, "return_token_ids": True,
+                    "temperature": 0.0, **({"repeat_penalty": FIXED_LENGTH_GREEDY["repeat_penalty"]}
+                                           if engine == "llama.cpp" else {}),
+                    **({"add_special_tokens": False} if engine == "vllm" else {})}  # as generate's reference
+            choice = _post(url + "/v1/completions", body, cfg.timeout_s)["choices"][0]
+            served.append(choice.get("token_ids") if choice.get("token_ids") is not None else choice["text"])
+        levels = run(url, folder.name, cfg.concurrency, cfg.requests_per_level, cfg.max_tokens, cfg.prompt_words,
+                     pid=server.proc.pid, timeout_s=cfg.timeout_s, prompts=prompts)
+    rc, health, ready_s = server.rc, server.health, server.ready_s
     if rc != 0:
-        raise StageError(f"compress serve --engine {engine} exited {rc} during the load test: {_error_line(out)}")
+        raise StageError(f"compress serve --engine {engine} exited {rc} during the load test: "
+                         f"{_error_line(out / 'server.log')}")
     ids = all(isinstance(x, list) for x in served)
     compare = equality if ids else text_equality
     eq = compare(folder, prompts[:cfg.equality_prompts], served, cfg.equality_tokens, device)
@@ -99,8 +89,47 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
     return {**result, **_vllm_facts(out / "server.log", folder)} if engine == "vllm" else result
 
 
-def _error_line(out: Path) -> str:
-    return error_line((out / "server.log").read_text(errors="replace").splitlines())
+@dataclass
+class Serving:
+    """A running `compress serve` (see serving()): its URL, process, /health answer and seconds to ready; rc once
+    stopped."""
+
+    url: str
+    proc: subprocess.Popen
+    health: dict = field(default_factory=dict)
+    ready_s: float = 0.0
+    rc: int | None = None
+
+
+@contextlib.contextmanager
+def serving(folder: Path, engine: str, args: list[str], log_path: Path, timeout_s: float, *,
+            port: int | None = None, env: dict[str, str] | None = None) -> Iterator[Serving]:
+    """`compress serve FOLDER --engine ENGINE ARGS` on `port` (default: a free loopback port), its output in
+    log_path; yields once /health answers (Refused if it exits first, StageError if not healthy within timeout_s +
+    30 s); stopped by SIGTERM on leaving (SIGKILL after 60 s), its exit status in .rc. The benchmarks start their
+    servers through it too."""
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "pipeline.app.cli", "serve", str(folder), "--port", str(port), "--engine", engine,
+           "--start-timeout-s", str(timeout_s), *args]
+    with open(log_path, "wb") as log:
+        t0 = time.monotonic()
+        server = Serving(f"http://127.0.0.1:{port}",
+                         subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env or {**os.environ}))
+        try:
+            server.health = _wait(server.url, server.proc, timeout_s + 30, log_path)
+            server.ready_s = time.monotonic() - t0
+            yield server
+        finally:
+            server.proc.terminate()
+            try:
+                server.rc = server.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                server.proc.kill()
+                server.rc = server.proc.wait()
+
+
+def _error_line(log_path: Path) -> str:
+    return error_line(log_path.read_text(errors="replace").splitlines())
 
 
 def _vllm_facts(log: Path, folder: Path) -> dict:
@@ -122,14 +151,14 @@ def _vllm_facts(log: Path, folder: Path) -> dict:
     return out
 
 
-def _wait(url: str, proc: subprocess.Popen, timeout: float, out: Path) -> dict:
+def _wait(url: str, proc: subprocess.Popen, timeout: float, log_path: Path) -> dict:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if proc.poll() is not None:
-            tail = (out / "server.log").read_text(errors="replace")[-800:]
-            line = _error_line(out)
+            tail = log_path.read_text(errors="replace")[-800:]
+            line = _error_line(log_path)
             raise Refused(f"compress serve exited {proc.returncode} before it was healthy: {line} (log: "
-                          f"{out / 'server.log'}; its end: {tail[-300:]!r})", line)
+                          f"{log_path}; its end: {tail[-300:]!r})", line)
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 body = r.read()
@@ -140,7 +169,7 @@ def _wait(url: str, proc: subprocess.Popen, timeout: float, out: Path) -> dict:
             return json.loads(body) if body.strip() else {}
         except ValueError:
             return {}
-    raise StageError(f"compress serve was not healthy within {timeout:g} s (log: {out / 'server.log'})")
+    raise StageError(f"compress serve was not healthy within {timeout:g} s (log: {log_path})")
 
 
 def _generate(folder: Path, prompts: list[str], n: int, device: str):

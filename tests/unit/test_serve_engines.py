@@ -433,7 +433,7 @@ def test_the_serve_unit_reads_a_health_route_with_an_empty_body(tmp_path):
             def poll(self):
                 return None
 
-        assert _wait(f"http://127.0.0.1:{httpd.server_port}", Alive(), 10, tmp_path) == {}
+        assert _wait(f"http://127.0.0.1:{httpd.server_port}", Alive(), 10, tmp_path / "server.log") == {}
     finally:
         httpd.shutdown()
     assert engines.get("transformers").version()["transformers"]
