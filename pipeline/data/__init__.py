@@ -54,7 +54,7 @@ def shipped() -> Registry[DatasetRef]:
 
 def resolve(name: str, text_field: str = "text") -> DatasetRef:
     for fmt in PREFIXED_FORMATS:
-        if name.startswith(fmt.prefix):
+        if fmt.prefix and name.startswith(fmt.prefix):  # (every PREFIXED_FORMATS entry has one)
             return DatasetRef(name, None, fmt.name, text_field)
     p = Path(name).expanduser()
     if p.suffix in LOCAL_FORMATS:

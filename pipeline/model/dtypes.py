@@ -4,7 +4,7 @@ Torch-free at import (`compress check` reads DTYPE_NAMES); `torch_dtype` imports
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, overload
 
 # Names of the floating-point dtypes a model's weights may be loaded, computed or saved in.
 DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -27,7 +27,13 @@ def dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def config_dtype(config: dict, default: str = "float32") -> str:
+@overload
+def config_dtype(config: dict, default: str = "float32") -> str: ...
+@overload
+def config_dtype(config: dict, default: None) -> str | None: ...
+
+
+def config_dtype(config: dict, default: str | None = "float32") -> str | None:
     """The weights' dtype a config.json declares (`dtype`, or the older `torch_dtype`), or `default` when it
     declares none or one outside DTYPE_NAMES."""
     name = config.get("dtype") or config.get("torch_dtype")

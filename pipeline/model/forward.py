@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Any
 
 
 @functools.cache
-def _cache_name(forward_owner: type) -> str:
+def _cache_name(forward_owner: type[Any]) -> str:
     params = inspect.signature(forward_owner.forward).parameters
     if "cache" in params:
         return "cache"
@@ -25,6 +26,7 @@ def _cache_name(forward_owner: type) -> str:
                     "this transformers version is not supported")
 
 
-def cache_kwargs(model, cache) -> dict:
+def cache_kwargs(model: Any, cache: Any) -> dict:
     """{"cache": cache} or {"past_key_values": cache}, whichever `model`'s forward declares."""
-    return {_cache_name(type(model)): cache}
+    owner: type = type(model)  # declared `type`: mypy takes no type[X] for lru_cache's Hashable argument
+    return {_cache_name(owner): cache}

@@ -21,9 +21,13 @@ FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9:
               32: "BF16"}
 
 
+# a metadata value: a scalar or a string (arrays are skipped; their lengths are kept in array_lengths)
+Value = int | float | bool | str
+
+
 @dataclass
 class GGUFHeader:
-    metadata: dict[str, object] = field(default_factory=dict)
+    metadata: dict[str, Value] = field(default_factory=dict)
     array_lengths: dict[str, int] = field(default_factory=dict)
     tensors: dict[str, tuple[tuple[int, ...], str]] = field(default_factory=dict)
 
@@ -43,7 +47,7 @@ class GGUFHeader:
         return FILE_TYPES.get(int(ft), f"type {ft}") if ft is not None else "unknown"
 
 
-def _read(f: BinaryIO, fmt: str) -> object:
+def _read(f: BinaryIO, fmt: str) -> int | float | bool:
     size = struct.calcsize(fmt)
     data = f.read(size)
     if len(data) != size:
@@ -51,27 +55,34 @@ def _read(f: BinaryIO, fmt: str) -> object:
     return struct.unpack(fmt, data)[0]
 
 
+def _read_int(f: BinaryIO, fmt: str) -> int:
+    """An unsigned integer field (counts, lengths, type ids: fmt "<I" or "<Q")."""
+    value = _read(f, fmt)
+    assert isinstance(value, int)  # struct unpacks an integer format to an int
+    return value
+
+
 def _string(f: BinaryIO) -> str:
-    n = _read(f, "<Q")
+    n = _read_int(f, "<Q")
     return f.read(n).decode("utf-8", errors="replace")
 
 
 def _skip_value(f: BinaryIO, vtype: int) -> None:
     if vtype == _STRING:
-        f.seek(_read(f, "<Q"), 1)
+        f.seek(_read_int(f, "<Q"), 1)
     elif vtype in _SCALARS:
         f.seek(struct.calcsize(_SCALARS[vtype]), 1)
     else:
         raise ValueError(f"unknown GGUF value type {vtype}")
 
 
-def _value(f: BinaryIO, vtype: int, key: str, header: GGUFHeader) -> object:
+def _value(f: BinaryIO, vtype: int, key: str, header: GGUFHeader) -> Value | None:
     if vtype == _STRING:
         return _string(f)
     if vtype in _SCALARS:
         return _read(f, _SCALARS[vtype])
     if vtype == _ARRAY:
-        etype, count = _read(f, "<I"), _read(f, "<Q")
+        etype, count = _read_int(f, "<I"), _read_int(f, "<Q")
         header.array_lengths[key] = count
         if etype in _SCALARS:
             f.seek(struct.calcsize(_SCALARS[etype]) * count, 1)
@@ -87,19 +98,19 @@ def read_header(path: Path) -> GGUFHeader:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (bad magic)")
-        version = _read(f, "<I")
+        version = _read_int(f, "<I")
         if version < 2:
             raise ValueError(f"{path}: GGUF version {version} is not supported")
-        n_tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
+        n_tensors, n_kv = _read_int(f, "<Q"), _read_int(f, "<Q")
         for _ in range(n_kv):
             key = _string(f)
-            value = _value(f, _read(f, "<I"), key, header)
+            value = _value(f, _read_int(f, "<I"), key, header)
             if value is not None:
                 header.metadata[key] = value
         for _ in range(n_tensors):
             name = _string(f)
-            dims = tuple(_read(f, "<Q") for _ in range(_read(f, "<I")))
-            ttype = _read(f, "<I")
+            dims = tuple(_read_int(f, "<Q") for _ in range(_read_int(f, "<I")))
+            ttype = _read_int(f, "<I")
             _read(f, "<Q")  # data offset
             header.tensors[name] = (dims, GGML_TYPES.get(ttype, str(ttype)))
     return header

@@ -11,6 +11,7 @@ later stages write can land in a file shared with the source.
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -134,7 +135,7 @@ def gguf_to_safetensors(path: Path, out: Path, dtype: str) -> str | None:
 
     # the reader maps the file: the pages each tensor was read from leave the resident set as the writing goes on
     with MappedPagesTrimmed(path.parent, suffix=path.suffix):
-        write_safetensors(out, [(name, shape, (lambda t=t: produce(t))) for name, shape, t in entries], dtype)
+        write_safetensors(out, [(name, shape, functools.partial(produce, t)) for name, shape, t in entries], dtype)
     write_config(config, out, dtype, type(model).__name__)
     return None
 
@@ -176,7 +177,7 @@ def random_to_safetensors(config, out: Path, dtype: str, seed: int, trust_remote
         module.to_empty(device="meta", recurse=False)
         return t
 
-    write_safetensors(out, [(name, shape, (lambda n=name: produce(n))) for name, shape in entries], dtype)
+    write_safetensors(out, [(name, shape, functools.partial(produce, name)) for name, shape in entries], dtype)
     write_config(config, out, dtype, type(model).__name__)
 
 
@@ -235,7 +236,7 @@ def _write_shard(path: Path, shard: list, dtype: str) -> None:
                 if t.dtype != torch_dtype(dtype) or list(t.shape[1:]) != shape[1:] or (
                         isinstance(made, torch.Tensor) and list(t.shape) != shape):
                     raise StageError(f"{name}: produced {t.dtype} {list(t.shape)}, expected {dtype} {shape}")
-                f.write(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()))
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)  # the array's memoryview
                 written += t.numel() * t.element_size()
                 del t
             del made  # before the next tensor is made: one at a time

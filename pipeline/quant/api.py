@@ -22,7 +22,7 @@ from pipeline.quant.common import calibration_fingerprint, captured_output
 ENGINE_LOGGERS = ("logbar", "gptqmodel", "tokenicer", "transformers", "bitsandbytes", "optimum", "autoround")
 
 
-def quantize_variant(base_dir: Path, variant, calib_ids: torch.LongTensor | None, out_dir: Path,
+def quantize_variant(base_dir: Path, variant, calib_ids: torch.Tensor | None, out_dir: Path,
                      log: logging.Logger, seed: int, device: str | None = None, memory_limit: int | None = None) -> dict:
     """Quantize the HF checkpoint in base_dir as `variant` into out_dir (config, safetensors, tokenizer,
     generation config, the engine's log). Returns the manifest fields. Writes nothing outside out_dir

@@ -1,6 +1,7 @@
 """export: publishable folders — untouched checkpoint files (hard-linked) plus a model card."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -35,7 +36,7 @@ def units(recipe, validate_keys: list[str]) -> list[Unit]:
         # the model card shows the recipe (gates included): a change to it re-exports here, before publish,
         # instead of the end-of-run card refresh rewriting README.md behind the export manifest
         cfg = {"export": recipe.export.model_dump(), "entry": entry, "card_recipe": card_hash}
-        out.append(Unit(Export.key(name), cfg, lambda ctx, e=entry, s=src: run(ctx, recipe, e, s),
+        out.append(Unit(Export.key(name), cfg, functools.partial(run, recipe=recipe, entry=entry, src_key=src),
                         deps=[src] + validate_keys,
                         # its imports (the card renderer, the report schema) and a variant's method (its card text)
                         code=("stages/export.py",) + model_code(recipe, name)))
@@ -64,7 +65,9 @@ def run(ctx: UnitContext, recipe, entry: dict, src_key: str) -> dict:
     lock_text = (ctx.run_dir / "recipe.lock.toml").read_text()
     write_model_card(ctx.out, report, entry, recipe_excerpt(recipe, entry), lock_text)
     if entry["kind"] != "draft":  # the figures `compress serve --engine auto` picks an engine by
-        served = entry_data(report, entry).served
+        section = entry_data(report, entry)
+        assert isinstance(section, schema.ModelEntry)  # entry_data gives a DraftEntry for a draft only
+        served = section.served
         measured.write(ctx.out, None if served is None else {k: s.model_dump() for k, s in served.items()})
     files = {p.name: p.stat().st_size for p in ctx.out.iterdir() if p.is_file()}
     return {**entry, "folder": Export.key(entry["name"]), "files": files}

@@ -13,6 +13,12 @@ from typing import ClassVar
 from pipeline.base.stage_keys import DRAFT, VALIDATE, UnitKey, UnitKeyError, model_plan_key
 
 
+def _part(part: str | None) -> str:
+    """A key part the grammar requires for the key's kind (UnitKey refuses a key without it)."""
+    assert part is not None
+    return part
+
+
 class Stage:
     """A unit kind. Subclasses set `stage` (the key's first part) and, for validate's kinds, `measure`."""
 
@@ -62,7 +68,7 @@ class Named(Stage):
 
     @classmethod
     def name_of(cls, key: str | UnitKey) -> str:
-        return cls.parse(key).name
+        return _part(cls.parse(key).name)
 
 
 class Load(Single):
@@ -108,11 +114,11 @@ class Measure(Stage):
 
     @classmethod
     def model_of(cls, key: str | UnitKey) -> str:
-        return cls.parse(key).name
+        return _part(cls.parse(key).name)
 
     @classmethod
     def memory_keys(cls, key: UnitKey) -> tuple[str, ...]:
-        return (key.plan_key, model_plan_key(key.name))
+        return (key.plan_key, model_plan_key(_part(key.name)))
 
 
 class Quality(Measure):
@@ -152,7 +158,7 @@ class Serve(Measure):
 
     @classmethod
     def engine_of(cls, key: str | UnitKey) -> str:
-        return cls.parse(key).engine
+        return _part(cls.parse(key).engine)
 
 
 class Speculative(Measure):

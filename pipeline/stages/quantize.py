@@ -1,6 +1,7 @@
 """quantize: one resumable unit per [[quantize]] variant; weights only (evaluation is validate's job)."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 
@@ -26,7 +27,7 @@ def units(recipe) -> list[Unit]:
     for v in recipe.quantize:
         deps = [Load.key()] + ([Calibrate.key()] if needs_calibration(v) else [])
         out.append(Unit(Quantize.key(v.name), {"variant": v.model_dump(mode="json")},
-                        lambda ctx, v=v: run(ctx, v, limit), deps=deps, code=CODE + method_code(v)))
+                        functools.partial(run, variant=v, memory_limit=limit), deps=deps, code=CODE + method_code(v)))
     return out
 
 

@@ -2,6 +2,7 @@
 speed, and the speculative pair. Gates are applied by the runner after all units (pipeline/plan.py)."""
 from __future__ import annotations
 
+import functools
 import logging
 
 from pipeline import data
@@ -39,13 +40,13 @@ def units(recipe) -> list[Unit]:
         deps = [src] if name == "baseline" else [src, Quality.key("baseline")]
         cfg = {"perplexity": ppl.model_dump(), "smoke": v.smoke.model_dump(), "device": recipe.run.device,
                "data": eval_data}
-        out.append(Unit(Quality.key(name), cfg, lambda ctx, n=name, s=src: quality(ctx, recipe, n, s),
+        out.append(Unit(Quality.key(name), cfg, functools.partial(quality, recipe=recipe, name=name, src=src),
                         deps=deps, code=code))
         if v.speed.enabled and (v.speed.models == "all" or name in v.speed.models):
             speed_cfg = {"speed": v.speed.model_dump(), "device": recipe.run.device,
                          "max_memory_gb": recipe.run.max_memory_gb}  # over it, the model is not timed
             out.append(Unit(Speed.key(name), speed_cfg,
-                            lambda ctx, n=name, s=src: speed(ctx, recipe, n, s), deps=[src], code=code))
+                            functools.partial(speed, recipe=recipe, name=name, src=src), deps=[src], code=code))
         out += serve_units(recipe, name, src, formats.get(name), eval_data, code)
     out += task_units(recipe, models)
     if recipe.draft is not None:
@@ -68,7 +69,7 @@ def serve_units(recipe, name: str, src: str, fmt: str | None, eval_data, code: t
         config = {"serve": cfg.model_dump(exclude={"engines", "engine_models"}), "engine": engine,
                   "engine_version": engines.get(engine).version(), "device": recipe.run.device, "data": eval_data}
         out.append(Unit(Serve.key(name, engine), config,
-                        lambda ctx, n=name, s=src, e=engine, w=skipped: serve(ctx, recipe, n, s, e, w),
+                        functools.partial(serve, recipe=recipe, name=name, src=src, engine=engine, skipped=skipped),
                         deps=[src, Quality.key(name)], code=code))
     return out
 
@@ -88,7 +89,7 @@ def task_units(recipe, models: list[tuple[str, str]]) -> list[Unit]:
         if not cfg.scores(name):
             continue
         deps = [src] if name == "baseline" else [src, Tasks.key("baseline")]
-        out.append(Unit(Tasks.key(name), config, lambda ctx, n=name, s=src: tasks(ctx, recipe, n, s, jobs),
+        out.append(Unit(Tasks.key(name), config, functools.partial(tasks, recipe=recipe, name=name, src=src, jobs=jobs),
                         deps=deps, code=CODE + model_code(recipe, name)))
     return out
 
