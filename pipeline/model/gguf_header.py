@@ -72,6 +72,10 @@ def _skip_value(f: BinaryIO, vtype: int) -> None:
         f.seek(_read_int(f, "<Q"), 1)
     elif vtype in _SCALARS:
         f.seek(struct.calcsize(_SCALARS[vtype]), 1)
+    elif vtype == _ARRAY:  # arrays may nest (the format allows arrays of arrays)
+        etype, count = _read_int(f, "<I"), _read_int(f, "<Q")
+        for _ in range(count):
+            _skip_value(f, etype)
     else:
         raise ValueError(f"unknown GGUF value type {vtype}")
 

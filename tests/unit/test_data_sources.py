@@ -181,3 +181,24 @@ def test_dataset_formats_are_a_registry(tmp_path):
         data.rows(data.DatasetRef("e", tmp_path / "e.txt", "jsnl"))
     with pytest.raises(StageError, match="file missing"):  # the file is checked first, as before
         data.rows(data.DatasetRef("e", tmp_path / "missing.txt", "jsnl"))
+
+
+def test_gguf_header_skips_nested_arrays(tmp_path):
+    """The format allows arrays of arrays (gguf-py writes a list of lists so): skipped, their length recorded, and
+    the keys after them read."""
+    import numpy as np
+    from gguf import GGUFReader, GGUFWriter
+
+    path = tmp_path / "nested.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_array("test.nested", [[1, 2, 3], [4, 5], ["a", "bc"]])
+    w.add_block_count(2)
+    w.add_tensor("t", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = read_header(path)
+    assert ours.array_lengths["test.nested"] == 3
+    assert ours.metadata["llama.block_count"] == GGUFReader(path).fields["llama.block_count"].contents() == 2
+    assert ours.n_params == 32
