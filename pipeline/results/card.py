@@ -385,8 +385,11 @@ def served_note(data: ModelEntry, runtime: dict) -> str:
             top = max(s.levels, key=lambda lv: lv.concurrency)
             eq = s.equality
             greedy = f", greedy = generate {eq.identical}/{eq.prompts}" if eq and eq.prompts else ""
+            p = s.perplexity
+            ppl = (f", perplexity through it {p.value:.4f} ({p.ratio:.4f}x the in-process figure)"
+                   if p is not None and p.value is not None and p.ratio is not None else "")
             return (f"served here ({versions}, {_device(s)}): {top.output_tok_s:.1f} output tok/s at concurrency "
-                    f"{top.concurrency}, {top.errors} errors of {top.requests}{greedy}")
+                    f"{top.concurrency}, {top.errors} errors of {top.requests}{greedy}{ppl}")
     if "measured here" in str(runtime.get("note", "")):
         return "loaded and measured here (quality, speed), not served"
     return "expected from the library's documented support, not tried"

@@ -183,6 +183,16 @@ class Level(Measured):
     server_peak_rss_bytes: Real | None = None
 
 
+class ServedPerplexity(Measured):
+    """The quality stage's windows scored through the server (pipeline/stages/validate.py served_perplexity)."""
+    value: Real | None = None
+    tokens: Real | None = None
+    windows: Real | None = None
+    in_process: Real | None = None
+    ratio: Real | None = None
+    time_s: Real | None = None
+
+
 class Served(Measured):
     """One engine serving one model (pipeline/serve/measure.py), or {"engine", "skipped": why}."""
     engine: str | None = None
@@ -193,6 +203,7 @@ class Served(Measured):
     kernels: list[str] | None = None
     equality: Equality | None = None
     levels: list[Level] | None = None
+    perplexity: ServedPerplexity | None = None
 
     @property
     def engine_name(self) -> str:

@@ -77,6 +77,15 @@ def serving(report: Report) -> list[str]:
     header = ["model", "engine", "concurrency", "output tok/s", "× transformers", "req/s", "TTFT p50", "TTFT p99",
               "ITL p50", "ITL p99", "errors", "peak memory", "greedy = generate"]
     out = lines + (table(header, body) + [""] if body else [])
+    scored = [(name, s) for name, s in served_ if s.perplexity is not None and s.perplexity.value is not None]
+    if scored:
+        out += ["Perplexity through the server: the quality stage's evaluation windows (the same token ids) sent "
+                "to the server, scored from its prompt log-probabilities, beside the quality stage's in-process "
+                "figure for the same checkpoint (its kernels and precision against ours).", ""]
+        out += table(["model", "engine", "served perplexity", "in process", "served / in process", "tokens",
+                      "windows"],
+                     [[name, _engine(s), f"{p.value:.4f}", f"{p.in_process or 0:.4f}", f"{p.ratio:.4f}", num(p.tokens),
+                       num(p.windows)] for name, s in scored if (p := s.perplexity) is not None]) + [""]
     out += [f"- {name} ({s.given('engine', '?')}): skipped: {s.skipped}" for name, s in skipped]
     return out + ([""] if skipped else [])
 

