@@ -21,8 +21,8 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -36,7 +36,8 @@ VERSION = 2  # 2: kl-scaled (the probed candidates are part of the key)
 def fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool = True) -> torch.Tensor:
     """w [out, in] rounded to the GPTQ grid (GPTQModel's Quantizer with mse off): per output row and group of
     `group_size` input columns, maxq = 2^bits - 1; symmetric: scale = 2 max|w| / maxq, zero = (maxq + 1) / 2;
-    else scale = (max - min) / maxq, zero = round(-min / scale). Returns scale * (clamp(round(w / scale) + zero) - zero)."""
+    else scale = (max - min) / maxq, zero = round(-min / scale). Returns
+    scale * (clamp(round(w / scale) + zero) - zero)."""
     out_f, in_f = w.shape
     g = in_f if group_size <= 0 else group_size
     x = w.float().reshape(out_f, in_f // g, g)
@@ -123,10 +124,10 @@ def kl_table(model, ids: torch.Tensor, units: list[MixUnit], cands: list[tuple[i
         saved = [m.weight.data.clone() for m in mods]
         row = []
         for b, g in cands:
-            for m, w in zip(mods, saved):
+            for m, w in zip(mods, saved, strict=True):
                 m.weight.data.copy_(fake_quantize(w, b, g, sym))
             row.append(mean_kl(ref, _logits_from(model, layers, first, outputs, ids)))
-        for m, w in zip(mods, saved):
+        for m, w in zip(mods, saved, strict=True):
             m.weight.data.copy_(w)
         table.append(row)
         if progress is not None:
