@@ -6,6 +6,7 @@ user has not set.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from pathlib import Path
@@ -47,7 +48,5 @@ def release_freed_memory() -> None:
     """Blocks of MMAP_THRESHOLD_BYTES and more go back to the OS when freed (glibc mallopt M_MMAP_THRESHOLD; the
     variable MALLOC_MMAP_THRESHOLD_ does the same for child processes). A no-op without glibc."""
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: a no-op
         ctypes.CDLL("libc.so.6").mallopt(-3, MMAP_THRESHOLD_BYTES)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):  # pragma: no cover - not glibc
-        pass

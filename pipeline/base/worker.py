@@ -10,6 +10,7 @@ progress bars) to the console and that log, less the known-harmless library line
 from __future__ import annotations
 
 import codecs
+import contextlib
 import ctypes
 import importlib
 import json
@@ -29,10 +30,8 @@ from pipeline.base.memory import peak_rss_bytes
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a killed run kills its workers
-    except OSError:
-        pass
 
 
 class ChildTimeout(Exception):

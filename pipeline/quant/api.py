@@ -10,20 +10,21 @@ from pathlib import Path
 
 import torch
 
-from pipeline.model.compute import describe as describe_compute
 from pipeline.base.env import tame
 from pipeline.base.errors import StageError
 from pipeline.base.memory import PeakMemory
 from pipeline.budget.formulas import GiB, quantize_peak
-from pipeline.quant.registry import method_of
+from pipeline.model.compute import describe as describe_compute
 from pipeline.quant.common import calibration_fingerprint, captured_output
+from pipeline.quant.registry import method_of
 
 # library loggers whose lines go to the variant's log file rather than the console
 ENGINE_LOGGERS = ("logbar", "gptqmodel", "tokenicer", "transformers", "bitsandbytes", "optimum", "autoround")
 
 
 def quantize_variant(base_dir: Path, variant, calib_ids: torch.Tensor | None, out_dir: Path,
-                     log: logging.Logger, seed: int, device: str | None = None, memory_limit: int | None = None) -> dict:
+                     log: logging.Logger, seed: int, device: str | None = None,
+                     memory_limit: int | None = None) -> dict:
     """Quantize the HF checkpoint in base_dir as `variant` into out_dir (config, safetensors, tokenizer,
     generation config, the engine's log). Returns the manifest fields. Writes nothing outside out_dir
     except library caches (torch extensions, HF). memory_limit ([run] max_memory_gb in bytes): a method that can

@@ -18,7 +18,7 @@ them.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from gptqmodel.looper.awq_processor import AWQProcessor

@@ -46,7 +46,8 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
         own = method.load_own(folder, config, device)
         if own is not None:
             return own.eval()
-    with MappedPagesTrimmed(folder):  # pages of the mapped checkpoint are not the model's memory (pipeline/base/memory.py)
+    # pages of the mapped checkpoint are not the model's memory (pipeline/base/memory.py)
+    with MappedPagesTrimmed(folder):
         model = AutoModelForCausalLM.from_pretrained(folder, device_map=device, **kwargs)
     if method is not None:
         method.after_load(model)

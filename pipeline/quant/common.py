@@ -10,13 +10,14 @@ import re
 import shutil
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Callable, Iterator
+from typing import IO
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoModelForCausalLM
 from tqdm import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.model.dtypes import config_dtype
 from pipeline.quant.shapes import is_skipped
@@ -165,7 +166,8 @@ def quantized_in_blocks(out_dir: Path) -> list[list[str]]:
     names = set()
     for f in sorted(out_dir.glob("*.safetensors")):
         with safe_open(f, "pt") as st:
-            names |= {k.removesuffix(".qweight") for k in st.keys() if k.endswith(".qweight")}
+            names |= {k.removesuffix(".qweight")
+                      for k in st.keys() if k.endswith(".qweight")}  # noqa: SIM118 - safe_open is not iterable
     per_layer: dict[str, set[str]] = {}
     for n in names:
         m = re.match(r"^(.*\.\d+)\.(.+)$", n)

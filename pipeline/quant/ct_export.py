@@ -18,23 +18,28 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 import tempfile
+from pathlib import Path
 
 import torch
-from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
-from safetensors.torch import load_file
 from compressed_tensors.compressors import ModelCompressor
-from compressed_tensors.quantization import apply_quantization_config
-from transformers import AutoConfig, AutoModelForCausalLM
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+from compressed_tensors.quantization import (
+    QuantizationArgs,
+    QuantizationConfig,
+    QuantizationScheme,
+    apply_quantization_config,
+)
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
 
 CT_FORMAT = "pack-quantized"
 GPTQ_FILES = ("quantize_config.json",)  # the GPTQ folder's own metadata, not carried over
 
 
 def unpack_rows(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """GPTQ's int32 words -> one int64 per value, low bits first, along `dim` (0: qweight's rows, 1: qzeros' columns)."""
+    """GPTQ's int32 words -> one int64 per value, low bits first, along `dim` (0: qweight's rows, 1: qzeros'
+    columns)."""
     shifts = torch.arange(0, 32, bits, dtype=torch.int64)
     words = packed.to(torch.int64) & 0xFFFFFFFF
     if dim == 0:

@@ -10,13 +10,24 @@ embeddings left in 16 bits.
 """
 from __future__ import annotations
 
+from typing import TypedDict
+
 from pipeline.base.problem import Problem
 from pipeline.quant.method import LLAMA_CPP_ROW
 from pipeline.quant.shapes import Arch, quantized_linears
 
 CT = "compressed-tensors"
 CT_BITS = (4, 8)  # vLLM's compressed-tensors WNA16 schemes; compressed-tensors 0.20 packs 3-bit values across words
-MARLIN = {"group_sizes": (-1, 32, 64, 128), "min_k": 128, "min_n": 64}
+
+
+class MarlinLimits(TypedDict):
+    """What vLLM's Marlin kernel takes: group sizes, and in-features (k) / out-features (n) divisible by these."""
+    group_sizes: tuple[int, ...]
+    min_k: int
+    min_n: int
+
+
+MARLIN: MarlinLimits = {"group_sizes": (-1, 32, 64, 128), "min_k": 128, "min_n": 64}
 
 
 class CompressedTensorsLoad:

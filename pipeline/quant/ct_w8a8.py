@@ -25,7 +25,6 @@ from compressed_tensors.quantization import (
 from safetensors.torch import load_file, save_file
 
 from pipeline.quant import kv_fp8
-
 from pipeline.quant.w8a8_layers import W8A8Result
 
 # scheme -> (compressed-tensors preset, checkpoint format)
@@ -55,7 +54,7 @@ def write(result: W8A8Result, scheme: str, dtype: torch.dtype, out_dir: Path) ->
     ignore = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in quantized)
     qcfg = ct_config(scheme, ignore)
     apply_quantization_config(model, qcfg)
-    for name, (q, s) in result.weights.items():
+    for name, (_q, s) in result.weights.items():
         lin = model.get_submodule(name)
         lin.weight_scale = torch.nn.Parameter(s.to(dtype), requires_grad=False)
         if scheme == "int8-static":
@@ -78,7 +77,8 @@ def _verify(out_dir: Path, result: W8A8Result, scheme: str) -> None:
     want = torch.int8 if scheme.startswith("int8") else torch.float8_e4m3fn
     for name, (q, s) in result.weights.items():
         w = state[f"{name}.weight"]
-        if w.dtype != want or not torch.equal(w.float(), q) or not torch.equal(state[f"{name}.weight_scale"].float(), s):
+        if (w.dtype != want or not torch.equal(w.float(), q)
+                or not torch.equal(state[f"{name}.weight_scale"].float(), s)):
             raise RuntimeError(f"{name}: the compressed-tensors checkpoint does not hold the chosen {want} values "
                                "and scales")
         if scheme == "int8-static" and f"{name}.input_scale" not in state:

@@ -17,18 +17,19 @@ the file. Nothing here runs the model: validate measures the file the way a tran
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
 import json
 import re
 import shutil
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from hashlib import sha256
 from pathlib import Path
-from typing import IO, Any, Iterator
-import importlib.metadata
+from typing import IO, Any
 
-import torch
 import gguf
+import torch
 from safetensors import safe_open
 from tqdm import tqdm
 from transformers import AutoTokenizer
@@ -148,7 +149,7 @@ def _checkpoint_tensors(base_dir: Path) -> tuple[int, Iterator[tuple[str, torch.
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for f in files:
             with safe_open(f, framework="pt") as st:
-                for name in st.keys():
+                for name in st.keys():  # noqa: SIM118 - safe_open is not iterable
                     yield name, st.get_tensor(name).float()
 
     return total, tensors()
@@ -243,8 +244,10 @@ def _write_vocab(writer, base_dir: Path, vocab_size: int) -> tuple[str, bool]:
         hf_vocab = gguf.LlamaHfVocab(base_dir)
     except (FileNotFoundError, TypeError):
         hf_vocab = None
+    tokens: Sequence[str] | Sequence[bytes]  # bytes from gguf.LlamaHfVocab, str from _bpe_tokens
+    types: Sequence[gguf.TokenType]
     if hf_vocab is not None:
-        tokens, scores, types = zip(*hf_vocab.all_tokens())
+        tokens, scores, types = zip(*hf_vocab.all_tokens(), strict=True)
         pre, model = "default", "llama"
         writer.add_token_scores(list(scores))
         special = gguf.SpecialVocab(base_dir, n_vocab=len(tokens))
@@ -273,14 +276,16 @@ def pre_tokenizer(tok) -> str:
     return PRE_TOKENIZERS[chkhsh]
 
 
-def _bpe_tokens(tok, vocab_size: int) -> tuple[list[str], list[int]]:
+def _bpe_tokens(tok, vocab_size: int) -> tuple[list[str], list[gguf.TokenType]]:
     """TextModel.get_vocab_base: every id's token text and llama.cpp token type ([PAD<i>] for unused ids)."""
     vocab = tok.get_vocab()
     if max(vocab.values()) >= vocab_size:
-        raise ValueError(f"the tokenizer has ids up to {max(vocab.values())}, beyond the model's vocab_size {vocab_size}")
+        raise ValueError(f"the tokenizer has ids up to {max(vocab.values())}, beyond the model's vocab_size "
+                         f"{vocab_size}")
     reverse = {i: t for t, i in vocab.items()}
     added, decoder = tok.get_added_vocab(), tok.added_tokens_decoder
-    tokens, types = [], []
+    tokens: list[str] = []
+    types: list[gguf.TokenType] = []
     for i in range(vocab_size):
         token = reverse.get(i)
         if token is None:
@@ -303,15 +308,17 @@ def _bpe_tokens(tok, vocab_size: int) -> tuple[list[str], list[int]]:
 def _looks_special(token: str) -> bool:
     """TextModel.does_token_look_special."""
     return (token in ("<pad>", "<mask>", "<2mass>", "[@BOS@]") or (token.startswith("<|") and token.endswith("|>"))
-            or (token.startswith("<｜") and token.endswith("｜>")) or (token.startswith("<unused") and token.endswith(">")))
+            or (token.startswith("<｜") and token.endswith("｜>"))
+            or (token.startswith("<unused") and token.endswith(">")))
 
 
 def _adds_special_tokens(tok) -> dict[str, bool]:
     """Whether the HF tokenizer puts BOS before / EOS after a plain text."""
     with_special = tok("a")["input_ids"]
     plain = tok("a", add_special_tokens=False)["input_ids"]
-    return {"bos": tok.bos_token_id is not None and len(with_special) > len(plain) and with_special[0] == tok.bos_token_id,
-            "eos": tok.eos_token_id is not None and len(with_special) > len(plain) and with_special[-1] == tok.eos_token_id}
+    longer = len(with_special) > len(plain)
+    return {"bos": tok.bos_token_id is not None and longer and with_special[0] == tok.bos_token_id,
+            "eos": tok.eos_token_id is not None and longer and with_special[-1] == tok.eos_token_id}
 
 
 # ---------------------------------------------------------------- files

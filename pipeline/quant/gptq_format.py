@@ -5,25 +5,32 @@ variant says `format = "compressed-tensors"` (pipeline/quant/ct_format.py). Torc
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
+from pipeline.base.env import tame
 from pipeline.base.problem import Problem
-from pipeline.quant.ct_format import CT, LOAD, ct_bits_per_weight, ct_problems, ct_runtimes, ct_usage
+from pipeline.base.registry import load_work
+from pipeline.quant.ct_format import CT, LOAD, MarlinLimits, ct_bits_per_weight, ct_problems, ct_runtimes, ct_usage
 from pipeline.quant.method import LLAMA_CPP_ROW, bits_tags, grouped_bits
 from pipeline.quant.shapes import Arch, quantized_linears
-from pipeline.base.env import tame
-from pipeline.base.registry import load_work
 
 # GPTQModel 7.6 QuantizeConfig accepts these group sizes; its CPU/torch kernel (TorchLinear) takes them all.
 GPTQ_GROUP_SIZES = (-1, 16, 32, 64, 128, 256, 512, 1024)
-VLLM_MARLIN = {"bits": (4, 8), "group_sizes": (-1, 32, 64, 128), "min_k": 128, "min_n": 64}
+
+
+class GPTQMarlinLimits(MarlinLimits):
+    bits: tuple[int, ...]  # GPTQ's Marlin kernel also limits the bits
+
+
+VLLM_MARLIN: GPTQMarlinLimits = {"bits": (4, 8), "group_sizes": (-1, 32, 64, 128), "min_k": 128, "min_n": 64}
 
 
 class GPTQModelKernels:
     """Mixin of a method whose checkpoints transformers loads through GPTQModel's kernels."""
 
     repacked_on_cpu = True  # GPTQModel repacks the quantized linears for its CPU kernel at the first forward
-    load_module = "gptqmodel"
-    reload_work = "pipeline.quant.work.gptq_kernels"  # GPTQModel.load, for load_own
+    load_module: ClassVar[str | None] = "gptqmodel"
+    reload_work: ClassVar[str | None] = "pipeline.quant.work.gptq_kernels"  # GPTQModel.load, for load_own
 
     def before_load(self) -> None:
         tame()
@@ -34,6 +41,7 @@ class GPTQModelKernels:
         loads it; its HF model is returned."""
         if not per_module_formats(config.get("quantization_config") or {}):
             return None
+        assert self.reload_work is not None  # this mixin's, above
         return load_work(self.reload_work).load_own(folder, config, device)
 
 
@@ -49,8 +57,8 @@ class GPTQFormatMethod(GPTQModelKernels):
     format, or the same integers as compressed-tensors)."""
 
     checkpoint_format = "gptq"
-    bits = (2, 3, 4, 8)
-    group_sizes = GPTQ_GROUP_SIZES
+    bits: tuple[int, ...] = (2, 3, 4, 8)
+    group_sizes: ClassVar[tuple[int, ...]] = GPTQ_GROUP_SIZES
     hub_tag_names: tuple[str, ...] = ()  # the Hub tags before "<bits>-bit"
     made = ""  # how the card says the checkpoint was made, after "The checkpoint"
     made_by = ""  # the same, for a compressed-tensors checkpoint (no format named)
@@ -83,7 +91,7 @@ class GPTQModelDriven:
     modules take its session and save)."""
 
     engine = "gptqmodel"
-    engine_modules = ("pipeline.quant.gptqmodel_driver",)
+    engine_modules: ClassVar[tuple[str, ...]] = ("pipeline.quant.gptqmodel_driver",)
 
 
 def gptq_runtimes(variant, arch: Arch) -> list[dict]:

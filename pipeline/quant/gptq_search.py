@@ -14,7 +14,7 @@ tests/unit/test_quant.py checks the bytes for group-aware, act-order, asymmetric
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from gptqmodel.quantization.quantizer import Quantizer
 

@@ -83,16 +83,17 @@ def calibrate(model, calib_ids: torch.Tensor) -> dict[str, tuple[float, float]]:
     if not layers:
         raise ValueError("FP8 KV cache: the model has no attention module with a layer index (self_attn)")
     base = _use(model)
-    for m in layers.values():
-        m.compress_kv = {"k": 0.0, "v": 0.0}
+    seen = {n: {"k": 0.0, "v": 0.0} for n in layers}  # each layer's largest |key| and |value|, recorded by forward
+    for n, m in layers.items():
+        m.compress_kv = seen[n]  # type: ignore[assignment]  # torch types module attributes as Tensor | Module
     try:
         with torch.no_grad():
             for row in calib_ids:
                 model(row[None].to(model.device))
-        found = {n: (m.compress_kv["k"], m.compress_kv["v"]) for n, m in layers.items()}
+        found = {n: (kv["k"], kv["v"]) for n, kv in seen.items()}
     finally:
         for m in layers.values():
-            m.compress_kv = None
+            m.compress_kv = None  # type: ignore[assignment]  # (as above)
         _route(model, base)  # the model leaves as it came: its own attention, nothing saved of this
     if any(k <= 0 or v <= 0 for k, v in found.values()):
         raise ValueError("FP8 KV cache: a layer saw only zero keys or values on the calibration rows")
@@ -107,7 +108,8 @@ def install(model, scales: dict[str, tuple[float, float]]) -> None:
         raise ValueError(f"FP8 KV cache: no k/v scales for {', '.join(missing[:3])}")
     _use(model)
     for n, m in layers.items():
-        m.compress_kv = tuple(torch.tensor(s, dtype=torch.float32) for s in scales[n])
+        kv = tuple(torch.tensor(s, dtype=torch.float32) for s in scales[n])
+        m.compress_kv = kv  # type: ignore[assignment]  # torch types module attributes as Tensor | Module
 
 
 def tensors(scales: dict[str, tuple[float, float]], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
@@ -135,7 +137,7 @@ def read(folder: Path, config: dict | None = None) -> dict[str, tuple[float, flo
     v: dict[str, float] = {}
     for f in sorted(Path(folder).glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
-            for key in st.keys():
+            for key in st.keys():  # noqa: SIM118 - safe_open is not iterable
                 if key.endswith(".k_scale"):
                     k[key[: -len(".k_scale")]] = float(st.get_tensor(key).float())
                 elif key.endswith(".v_scale"):

@@ -37,17 +37,19 @@ LLAMA_CPP_ROW = {"runtime": "llama.cpp", "kernel": "none", "note": "reads GGUF o
 
 
 class QuantMethod:
-    name: ClassVar[str]
-    variant: ClassVar[type]  # the recipe's [[quantize]] model (pydantic) for this method
+    # name, variant, bits and note are instance attributes: one class may serve several methods (BnbMethod sets
+    # them per kind); every other declaration is the class's
+    name: str
+    variant: type  # the recipe's [[quantize]] model (pydantic) for this method
     engine: ClassVar[str]  # the library that does the work (its module name), recorded in the manifest
     engine_modules: ClassVar[tuple[str, ...]] = ()  # our modules that drive it, imported before it (api.py)
     checkpoint_format: ClassVar[str]  # config.json's quantization_config.quant_method, or "gguf"
-    bits: ClassVar[tuple[int, ...]]
+    bits: tuple[int, ...]
     group_sizes: ClassVar[tuple[int, ...]] = ()  # () = the method has no group size
     dtypes: ClassVar[tuple[str, ...]] = DTYPE_NAMES
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
     needs_calibration: ClassVar[bool] = False
-    note: ClassVar[str] = ""
+    note: str = ""
     offload: ClassVar[bool] = False  # quantize(..., offload=folder) streams the model from disk layer by layer
     # how quantizing holds the model, for the memory plan: "layerwise" (GPTQModel's layer-by-layer loop),
     # "while_loading" (quantized tensor by tensor as transformers loads it), "whole" (loaded whole, then quantized)
@@ -147,8 +149,9 @@ def missing_package(package: str, module: str, method: str) -> list[Problem]:
     """One problem naming the package a method needs when its module cannot be found ([] when it can)."""
     if importlib.util.find_spec(module) is not None:
         return []
-    return [Problem("method", "method-package-missing", f"method {method!r} needs the {package} package, which is not installed: pip install {package} "
-            f"(a dependency of compress: pip install -e .)")]
+    return [Problem("method", "method-package-missing",
+                    f"method {method!r} needs the {package} package, which is not installed: pip install {package} "
+                    f"(a dependency of compress: pip install -e .)")]
 
 
 def grouped_bits(variant) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -26,10 +26,10 @@ MB = 10**6
 class MixBudget(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    bits_per_weight: Optional[float] = Field(
+    bits_per_weight: float | None = Field(
         None, gt=0, description="average bits per weight of the quantized decoder linears as stored (scales, zero "
                                 "points and g_idx included: GPTQ w4g64 is 4.36 on SmolLM2)")
-    size_mb: Optional[float] = Field(
+    size_mb: float | None = Field(
         None, gt=0, description="the quantized decoder linears' bytes on disk, in MB (10^6 bytes); embeddings, norms "
                                 "and skipped modules are outside it")
 
@@ -42,13 +42,14 @@ class MixBudget(BaseModel):
 
 class MixConfig(BaseModel):
     """`[quantize.mix]`: choose bits and group size per allocation unit so that the predicted quality cost (the
-    measured sensitivity, summed) is smallest within the budget (an exact dynamic program, pipeline/quant/mix_alloc.py)."""
+    measured sensitivity, summed) is smallest within the budget (an exact dynamic program,
+    pipeline/quant/mix_alloc.py)."""
 
     model_config = ConfigDict(extra="forbid")
 
     budget: MixBudget = Field(description="the budget: { bits_per_weight = 4.0 } or { size_mb = 40 }")
     bits: list[int] = Field([2, 3, 4, 8], min_length=1, description="candidate bits")
-    group_sizes: Optional[list[int]] = Field(
+    group_sizes: list[int] | None = Field(
         None, min_length=1, description="candidate group sizes; None = the variant's group_size only")
     granularity: Granularity = Field(
         "block", description="allocation unit: 'block' (one decoder layer's attention, or its MLP: two units a "
@@ -127,9 +128,11 @@ def shape_problem(in_f: int, out_f: int, bits: int, group_size: int) -> str | No
     if group_size > 0 and in_f % group_size:
         return f"group_size {group_size} does not divide its {in_f} in-features"
     if in_f * bits % 32:
-        return f"{bits}-bit qweight packs {32 // bits if 32 % bits == 0 else '32/3'} values per int32 word along its {in_f} in-features"
+        return (f"{bits}-bit qweight packs {32 // bits if 32 % bits == 0 else '32/3'} values per int32 word along its "
+                f"{in_f} in-features")
     if out_f * bits % 32:
-        return f"{bits}-bit qzeros pack along its {out_f} out-features, which {bits} x {out_f} bits do not fill in int32 words"
+        return (f"{bits}-bit qzeros pack along its {out_f} out-features, which {bits} x {out_f} bits do not fill in "
+                "int32 words")
     return None
 
 
@@ -161,8 +164,9 @@ def check_mix(variant, arch: Arch, method_bits: tuple[int, ...], method_group_si
     mix: MixConfig = variant.mix
     problems: list[Problem] = []
     if variant.format != "gptq":
-        problems.append(Problem("format", "mix-needs-gptq-format", f"[quantize.mix] writes GPTQModel's per-module `dynamic` overrides, which only the GPTQ format "
-                        f"holds: set format = \"gptq\" (not {variant.format!r})"))
+        problems.append(Problem("format", "mix-needs-gptq-format",
+                                f"[quantize.mix] writes GPTQModel's per-module `dynamic` overrides, which only the "
+                                f"GPTQ format holds: set format = \"gptq\" (not {variant.format!r})"))
     bad_bits = [b for b in mix.bits if b not in method_bits]
     if bad_bits:
         problems.append(Problem("mix.bits", "mix-bits-unsupported",
@@ -200,7 +204,8 @@ def check_mix(variant, arch: Arch, method_bits: tuple[int, ...], method_group_si
         problems.append(Problem("mix.budget", "mix-budget-out-of-range",
                                 f"mix budget {_budget_text(mix.budget)} is outside what the candidates can spend on "
                                 f"this model's mixed linears: {bits_per_weight(lo, units):.3f} to "
-                                f"{bits_per_weight(hi, units):.3f} bits per weight ({lo / MB:.2f} to {hi / MB:.2f} MB)"))
+                                f"{bits_per_weight(hi, units):.3f} bits per weight ({lo / MB:.2f} to "
+                                f"{hi / MB:.2f} MB)"))
     return problems
 
 
@@ -214,7 +219,8 @@ def dynamic_overrides(units: list[MixUnit], choice: list[tuple[int, int]], layer
     from the base config's (bits, group_size). A per-row scale (group_size -1) turns GPTQModel's act_group_aware off
     for that unit: it orders columns within groups and GPTQModel refuses it without groups."""
     out = {}
-    for u, (b, g) in zip(units, choice):
+    for u, (b, g) in zip(units, choice, strict=True):
         if (b, g) != base:
-            out[f"+:{u.pattern(layers)}"] = {"bits": b, "group_size": g, **({"act_group_aware": False} if g == -1 else {})}
+            out[f"+:{u.pattern(layers)}"] = {"bits": b, "group_size": g,
+                                             **({"act_group_aware": False} if g == -1 else {})}
     return out

@@ -29,7 +29,7 @@ class Allocation:
 def allocate(cost: list[list[int]], value: list[list[float]], budget: int, max_cells: int = MAX_CELLS) -> Allocation:
     """The choice per unit that minimises the summed value within the budget (see the module docstring).
     ValueError when even the cheapest choice of every unit exceeds the budget."""
-    if not cost or len(cost) != len(value) or any(len(c) != len(v) or not c for c, v in zip(cost, value)):
+    if not cost or len(cost) != len(value) or any(len(c) != len(v) or not c for c, v in zip(cost, value, strict=True)):
         raise ValueError("cost and value need one non-empty, equally long candidate list per unit")
     cheapest = sum(min(c) for c in cost)
     if cheapest > budget:
@@ -40,9 +40,9 @@ def allocate(cost: list[list[int]], value: list[list[float]], budget: int, max_c
     cap = budget // unit
     dp = np.zeros(cap + 1)  # dp[b]: least summed value of the units so far within b cells
     picks = []
-    for c_u, v_u in zip(cost, value):
+    for c_u, v_u in zip(cost, value, strict=True):
         new, pick = np.full(cap + 1, np.inf), np.full(cap + 1, -1, dtype=np.int32)
-        for j, (c, v) in enumerate(zip(c_u, v_u)):
+        for j, (c, v) in enumerate(zip(c_u, v_u, strict=True)):
             w = -(-c // unit)
             if w > cap:
                 continue
@@ -60,5 +60,5 @@ def allocate(cost: list[list[int]], value: list[list[float]], budget: int, max_c
         choice.append(j)
         b -= -(-cost[u][j] // unit)
     choice.reverse()
-    return Allocation(choice, sum(c[j] for c, j in zip(cost, choice)),
-                      float(sum(v[j] for v, j in zip(value, choice))), unit, exact)
+    return Allocation(choice, sum(c[j] for c, j in zip(cost, choice, strict=True)),
+                      float(sum(v[j] for v, j in zip(value, choice, strict=True))), unit, exact)

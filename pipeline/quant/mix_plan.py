@@ -7,14 +7,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 from pipeline.base.errors import StageError
-from pipeline.quant.mix import (MixConfig, bits_per_weight, budget_bytes, dynamic_overrides, mix_units,
-                                unit_cost)
-from pipeline.quant.mix_alloc import allocate
 from pipeline.quant.methods.gptq import act_group_aware
+from pipeline.quant.mix import MixConfig, bits_per_weight, budget_bytes, dynamic_overrides, mix_units, unit_cost
+from pipeline.quant.mix_alloc import allocate
 from pipeline.quant.mix_sensitivity import Solver, measure
 from pipeline.quant.shapes import linear_shapes_from_config
 
@@ -67,7 +67,7 @@ def plan(base_dir: Path, variant, calib_ids, console: IO[str]) -> dict:
         "budget": {"bytes": budget, "bits_per_weight": round(bits_per_weight(budget, units), 4),
                    **mix.budget.model_dump(exclude_none=True)},
         "spent": {"bytes": a.cost, "bits_per_weight": round(bits_per_weight(a.cost, units), 4)},
-        "allocation": {u.name: {"bits": b, "group_size": g} for u, (b, g) in zip(units, choice)},
+        "allocation": {u.name: {"bits": b, "group_size": g} for u, (b, g) in zip(units, choice, strict=True)},
         "predicted": predicted, "predicted_uniform": uniform,
         "solver": {"kind": "dynamic program (multiple-choice knapsack)", "resolution_bytes": a.resolution_bytes,
                    "exact": a.exact},

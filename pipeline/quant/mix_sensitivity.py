@@ -27,15 +27,14 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
-from transformers import AutoModelForCausalLM
-
 from gptqmodel.quantization.config import QuantizeConfig
 from gptqmodel.quantization.gptq import GPTQ
+from transformers import AutoModelForCausalLM
 
 from pipeline.base.fileio import atomic_write_text
 from pipeline.quant.mix import MixUnit
@@ -46,7 +45,8 @@ VERSION = 3  # 2: kl-scaled (the probed candidates are part of the key); 3: the 
 def fake_quantize(w: torch.Tensor, bits: int, group_size: int, sym: bool = True) -> torch.Tensor:
     """w [out, in] rounded to the GPTQ grid (GPTQModel's Quantizer with mse off): per output row and group of
     `group_size` input columns, maxq = 2^bits - 1; symmetric: scale = 2 max|w| / maxq, zero = (maxq + 1) / 2;
-    else scale = (max - min) / maxq, zero = round(-min / scale). Returns scale * (clamp(round(w / scale) + zero) - zero)."""
+    else scale = (max - min) / maxq, zero = round(-min / scale).
+    Returns scale * (clamp(round(w / scale) + zero) - zero)."""
     out_f, in_f = w.shape
     g = in_f if group_size <= 0 else group_size
     x = w.float().reshape(out_f, in_f // g, g)

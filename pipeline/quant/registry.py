@@ -16,10 +16,10 @@ from typing import Annotated, Union
 from pydantic import BeforeValidator, Field
 
 from pipeline.base.problem import Problem
+from pipeline.base.registry import Registry
 from pipeline.quant.ct_format import LOAD as CT_LOAD
 from pipeline.quant.method import QuantMethod
 from pipeline.quant.shapes import Arch, module_names, quantized_linears, skip_pattern
-from pipeline.base.registry import Registry
 
 # the method files, in the order their variants appear in the recipe's union. Imported by name: a unit's code
 # identity names only the method file of the variant it concerns (pipeline/base/codehash.py PLUGINS)
@@ -86,8 +86,10 @@ def _known_method(value: object) -> object:
     return value
 
 
-QuantVariant = Annotated[
-    Union[tuple(_VARIANTS)],  # type: ignore[valid-type]
+# a union of the variants registered above: built at run time, so no static type (mypy's valid-type). Its `|` form
+# does not exist for a tuple (ruff's UP007 fix would leave the bare tuple, not a union)
+QuantVariant = Annotated[  # type: ignore[valid-type]
+    Union[tuple(_VARIANTS)],  # noqa: UP007 - a union of a run-time tuple
     Field(discriminator="method"),
     BeforeValidator(_known_method),
 ]

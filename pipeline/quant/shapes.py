@@ -41,7 +41,9 @@ def linear_shapes_from_config(config: dict) -> Arch:
     shapes = linear_shapes(config)
     if shapes is None:
         return Arch(**known)
-    return Arch(**known, shapes_known=True, layers=family_of(config).layers,
+    family = family_of(config)
+    assert family is not None  # linear_shapes answers only for a known family
+    return Arch(**known, shapes_known=True, layers=family.layers,
                 linear_in_features={k: v[0] for k, v in shapes.items()},
                 linear_out_features={k: v[1] for k, v in shapes.items()})
 

@@ -15,7 +15,7 @@ whose quantized group reproduces the float outputs best on calibration tokens.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -50,12 +50,14 @@ def fold(prev: torch.nn.Module, linears: Sequence[torch.nn.Linear], s: torch.Ten
     when prev is v_proj under grouped-query attention). prev: an RMSNorm (weight [c]) or a linear (weight [c, in])."""
     s_in = kv_expand(s, repeat, head_dim) if repeat > 1 else s
     w = prev.weight
+    assert isinstance(w, torch.Tensor)  # a parameter
     if w.dim() == 1:
         w.div_(s.to(w.dtype))
     else:
         w.div_(s.to(w.dtype).unsqueeze(1))
-        if getattr(prev, "bias", None) is not None:
-            prev.bias.div_(s.to(prev.bias.dtype))
+        bias = getattr(prev, "bias", None)
+        if bias is not None:
+            bias.div_(s.to(bias.dtype))
     for lin in linears:
         lin.weight.mul_(s_in.to(lin.weight.dtype).unsqueeze(0))
 

@@ -8,7 +8,7 @@ best settings measured, see benchmarks/README_quant.md); nothing else repeats th
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,7 +29,7 @@ class VariantBase(BaseModel):
 class Calibrated(BaseModel):
     """Shared by the methods that read the calibration rows."""
 
-    calibration_rows: Optional[int] = Field(
+    calibration_rows: int | None = Field(
         None, ge=1, description="use only the first N of the run's calibration rows (random windows, so a random "
                                 "subset; at most calibration.num_samples); None = all. For a method whose time "
                                 "grows with the calibration tokens, e.g. AWQ's scale search on a CPU")
@@ -41,8 +41,8 @@ class GPTQFormat(VariantBase):
     bits: int = Field(4, ge=1, le=16, description="2, 3, 4 or 8 (see capabilities)")
     group_size: int = Field(64, description="-1 = one scale per output channel; else columns per scale group")
     sym: bool = Field(True, description="symmetric (zero point fixed at the middle of the grid)")
-    dtype: Optional[Dtype] = Field(None, description="dtype the model runs in while quantizing; "
-                                                     "None = the loaded checkpoint's dtype")
+    dtype: Dtype | None = Field(None, description="dtype the model runs in while quantizing; "
+                                                  "None = the loaded checkpoint's dtype")
     format: Literal["gptq", "compressed-tensors"] = Field(
         "gptq", description="checkpoint format written: 'gptq' (qweight/qzeros/scales/g_idx, loaded through "
                             "GPTQModel) or 'compressed-tensors' (pack-quantized W4A16/W8A16 with the same integers, "

@@ -9,8 +9,10 @@ The maths are in pipeline/quant/w8a8_math.py and smoothquant.py; the model famil
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import IO, Callable, Sequence
+from typing import IO, TYPE_CHECKING
 
 import torch
 
@@ -19,6 +21,9 @@ from pipeline.quant import kv_fp8
 from pipeline.quant.shapes import is_skipped
 from pipeline.quant.smoothquant import fold, search_alpha
 from pipeline.quant.w8a8_math import FP8_MAX, INT8_ACT, fake_weight, gptq_channel, quant_act, rtn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SEARCH_TOKENS = 512  # calibration tokens per fold point the alpha search measures its error on (the first rows')
 BATCH = 8  # calibration rows per forward
@@ -39,7 +44,7 @@ class W8A8Plan:
 
 @dataclass
 class W8A8Result:
-    model: torch.nn.Module  # float32; each quantized linear holds q * s exactly
+    model: PreTrainedModel  # float32; each quantized linear holds q * s exactly
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # name -> (q, s [out, 1])
     input_scales: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [1] (static only)
     alphas: dict[str, float | None] = field(default_factory=dict)  # fold point -> alpha (None: not smoothed)
@@ -64,10 +69,8 @@ def layer_inputs(model, layers, calib_ids: torch.Tensor) -> list[tuple[torch.Ten
     handle = layers[0].register_forward_pre_hook(grab, with_kwargs=True)
     try:
         for i in range(0, calib_ids.shape[0], BATCH):
-            try:
+            with contextlib.suppress(_Stop):
                 model(calib_ids[i:i + BATCH], use_cache=False)
-            except _Stop:
-                pass
     finally:
         handle.remove()
     return seen
@@ -99,14 +102,16 @@ def quantize_model(model, family: Family, calib_ids: torch.Tensor | None, plan: 
     layers = model.get_submodule(family.layers)
     result = W8A8Result(model)
     needs_data = plan.rounding == "gptq" or plan.static or plan.alphas is not None
-    if needs_data and calib_ids is None:
-        raise ValueError("this W8A8 variant needs calibration rows (GPTQ, SmoothQuant or static scales)")
-    if plan.static and calib_ids.numel() < plan.min_static_tokens:
-        raise ValueError(f"static activation scales from {calib_ids.numel()} calibration tokens "
-                         f"({calib_ids.shape[0]} rows x {calib_ids.shape[1]}): the scheme needs at least "
-                         f"{plan.min_static_tokens}; raise calibration.num_samples or calibration_rows")
-    inputs = layer_inputs(model, layers, calib_ids) if needs_data else []
-    result.tokens = int(calib_ids.numel()) if needs_data else 0
+    inputs: list[tuple[torch.Tensor, dict]] = []
+    if needs_data:
+        if calib_ids is None:
+            raise ValueError("this W8A8 variant needs calibration rows (GPTQ, SmoothQuant or static scales)")
+        if plan.static and calib_ids.numel() < plan.min_static_tokens:
+            raise ValueError(f"static activation scales from {calib_ids.numel()} calibration tokens "
+                             f"({calib_ids.shape[0]} rows x {calib_ids.shape[1]}): the scheme needs at least "
+                             f"{plan.min_static_tokens}; raise calibration.num_samples or calibration_rows")
+        inputs = layer_inputs(model, layers, calib_ids)
+        result.tokens = int(calib_ids.numel())  # else W8A8Result's 0
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     repeat = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
@@ -124,7 +129,10 @@ def quantize_model(model, family: Family, calib_ids: torch.Tensor | None, plan: 
             result.weights[prefix + k] = (q, s)
         if needs_data:
             amax: dict[str, torch.Tensor] = {}
-            record = (lambda n, x: amax.__setitem__(n, torch.maximum(amax.get(n, torch.zeros(())), x.abs().amax())))
+
+            def record(n: str, x: torch.Tensor, amax: dict[str, torch.Tensor] = amax) -> None:
+                amax[n] = torch.maximum(amax.get(n, torch.zeros(())), x.abs().amax())
+
             inputs = run_layer(layer, inputs, linears, record if plan.static else None)
             qmax = INT8_ACT if plan.kind == "int8" else FP8_MAX
             for k, m in amax.items():
@@ -168,6 +176,7 @@ def _hessians(layer, linears, inputs) -> dict[str, torch.Tensor]:
 def _smooth(layer, prefix, linears, inputs, family: Family, plan: W8A8Plan, result: W8A8Result, repeat: int,
             head_dim: int) -> None:
     """Search and fold SmoothQuant's factors at each fold point whose linears are all quantized."""
+    assert plan.alphas is not None  # quantize_model smooths only with a grid
     points = [(prev, group) for prev, group in family.smooth if all(g in linears for g in group)]
     firsts = {group[0]: (prev, group) for prev, group in points}
     amax: dict[str, torch.Tensor] = {}

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 
-
 class Window(Protocol):
     """A window of pipeline/eval/perplexity.py (serve and eval are siblings: neither imports the other)."""
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import Field
 
@@ -32,7 +32,7 @@ class AutoRoundVariant(Calibrated, GPTQFormat):
     method: Literal["autoround"]
     iters: int = Field(200, ge=0, description="tuning steps per decoder block (auto-round's default 200; 0 = its "
                                               "optimized RTN)")
-    lr: Optional[float] = Field(None, gt=0, description="learning rate of the signed gradient steps; None = 1/iters")
+    lr: float | None = Field(None, gt=0, description="learning rate of the signed gradient steps; None = 1/iters")
     batch_size: int = Field(8, ge=1, description="calibration rows per tuning step (at most num_samples)")
     torch_compile: bool = Field(True, description="torch.compile auto-round's tuning step (its own option, on by "
                                                   "default on Linux): on a CPU it needs a C++ compiler (g++, or "

@@ -11,7 +11,7 @@ The work is pipeline/quant/work/awq.py.
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import Field
 
@@ -35,7 +35,7 @@ class AWQVariant(Calibrated, VariantBase):
     bits: int = Field(4, description="4 (the AWQ GEMM layout packs 4-bit values)")
     group_size: int = Field(64, description="-1 = one scale per output channel; else columns per scale group")
     zero_point: bool = Field(True, description="asymmetric grid with a zero point per group (AWQ's default)")
-    dtype: Optional[Literal["bfloat16", "float16"]] = Field(
+    dtype: Literal["bfloat16", "float16"] | None = Field(
         None, description="dtype the model runs in while quantizing; None = the checkpoint's if 16-bit, else "
                           "bfloat16 (GPTQModel's AWQ modules take no float32)")
 
@@ -66,7 +66,8 @@ class AWQMethod(GPTQModelKernels, QuantMethod):
         linears = quantized_linears(arch, variant.modules_to_skip) if arch.shapes_known else {}
         bad = [f"{k.split('.')[-1]} ({i}x{o})" for k, (i, o) in linears.items() if i % 128 or o % 64]
         if g not in VLLM_AWQ_MARLIN_GROUPS:
-            vllm = {"runtime": "vLLM (CUDA)", "kernel": "awq (GEMM)", "note": f"awq_marlin does not take group_size {g}"}
+            vllm = {"runtime": "vLLM (CUDA)", "kernel": "awq (GEMM)",
+                    "note": f"awq_marlin does not take group_size {g}"}
         elif bad:
             vllm = {"runtime": "vLLM (CUDA)", "kernel": "awq_marlin for some layers, awq GEMM for others",
                     "note": f"Marlin needs in-features divisible by 128 and out-features by 64; not {', '.join(bad)}"}
@@ -75,7 +76,8 @@ class AWQMethod(GPTQModelKernels, QuantMethod):
         return [
             {"runtime": "transformers (CPU)", "kernel": "GPTQModel TorchAtenAwqLinear (aten int4 matmul)",
              "note": "via GPTQModel's kernels (transformers' AWQ loader needs gptqmodel); measured here"},
-            {"runtime": "transformers (CUDA)", "kernel": "GPTQModel AWQ GEMM / Marlin", "note": "via GPTQModel's kernels"},
+            {"runtime": "transformers (CUDA)", "kernel": "GPTQModel AWQ GEMM / Marlin",
+             "note": "via GPTQModel's kernels"},
             {"runtime": "GPTQModel.load", "kernel": "CPU: AwqTorchLinear; CUDA: AWQ GEMM/Marlin", "note": ""},
             vllm,
             dict(LLAMA_CPP_ROW),

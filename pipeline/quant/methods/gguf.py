@@ -94,7 +94,8 @@ def gguf_runtimes(variant, arch: Arch) -> list[dict]:
     return [
         {"runtime": "llama.cpp", "kernel": f"{t} (CPU, CUDA, Metal, Vulkan)",
          "note": f"llama-cli / llama-server -m <file>.gguf{mixed}"},
-        {"runtime": "Ollama", "kernel": f"llama.cpp {t}", "note": "ollama run hf.co/<repo>, or a Modelfile FROM ./<file>.gguf"},
+        {"runtime": "Ollama", "kernel": f"llama.cpp {t}",
+         "note": "ollama run hf.co/<repo>, or a Modelfile FROM ./<file>.gguf"},
         {"runtime": "LM Studio", "kernel": f"llama.cpp {t}", "note": "loads the .gguf as it is"},
         {"runtime": "transformers", "kernel": "none: dequantizes every tensor on load (float32)",
          "note": "from_pretrained(repo, gguf_file=...); measured here this way"},

@@ -2,7 +2,7 @@
 pipeline/quant/work/gptq.py (GPTQModel's driver, shared with RTN and AWQ, is pipeline/quant/gptqmodel_driver.py)."""
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import Field
 
@@ -17,7 +17,7 @@ from pipeline.quant.variant import Calibrated, GPTQFormat
 class GPTQVariant(Calibrated, GPTQFormat):
     method: Literal["gptq"]
     desc_act: bool = Field(False, description="act-order: quantize columns by decreasing Hessian diagonal")
-    act_group_aware: Optional[bool] = Field(
+    act_group_aware: bool | None = Field(
         None, description="GPTQModel's group-aware reordering (GAR): act-order inside each group, g_idx stays "
                           "monotone (fast kernels). None = on where it applies (group_size > 0, desc_act off)")
     damp_percent: float = Field(0.05, gt=0, lt=1, description="Hessian dampening, fraction of its mean diagonal")
@@ -31,7 +31,7 @@ class GPTQVariant(Calibrated, GPTQFormat):
                                                            "correction term (GPTAQ's recommended 0.25); 0 = off")
     foem_beta: float = Field(0.0, ge=0, le=1, description="FOEM: first-order error compensation on top of GPTQ "
                                                          "(or GPTAQ when gptaq_alpha > 0), 0.1-0.25 typical; 0 = off")
-    mix: Optional[MixConfig] = Field(
+    mix: MixConfig | None = Field(
         None, description="mixed precision to a budget: bits and group size chosen per decoder block (or linear) from "
                           "measured sensitivity; bits/group_size above are then GPTQModel's base config only "
                           "(pipeline/quant/mix.py)")
@@ -66,7 +66,8 @@ class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
         if variant.mix is None:
             return super().runtimes(variant, arch)
         return [{"runtime": "transformers (CPU/CUDA)", "kernel": "none",
-                 "note": "its GPTQ loader (optimum) builds every linear with the base bits and refuses per-module bits"},
+                 "note": "its GPTQ loader (optimum) builds every linear with the base bits and refuses per-module "
+                         "bits"},
                 {"runtime": "GPTQModel.load", "kernel": "per module: TorchAtenLinear (4-bit) or TorchLinear (CPU); "
                  "Marlin or Triton/Torch (CUDA)", "note": "reads the `dynamic` overrides; what this run measures with"},
                 {"runtime": "vLLM (CUDA)", "kernel": "gptq / gptq_marlin per module",

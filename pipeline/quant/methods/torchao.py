@@ -13,9 +13,9 @@ names of the linears our own rule (shapes.is_skipped) skips.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
-from typing import Literal, Optional
 import types
+from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import Field
 
@@ -80,8 +80,8 @@ class TorchAoVariant(VariantBase):
                     "int8 activations, integer matmul) or int4-weight-only (CUDA only)")
     group_size: int = Field(-1, description="-1 = one scale per output channel (the int8 schemes); "
                                             "int4-weight-only takes 32, 64, 128 or 256")
-    dtype: Optional[Dtype] = Field(None, description="dtype the model is loaded and run in; None = the loaded "
-                                                     "checkpoint's (int4-weight-only needs bfloat16)")
+    dtype: Dtype | None = Field(None, description="dtype the model is loaded and run in; None = the loaded "
+                                                  "checkpoint's (int4-weight-only needs bfloat16)")
     act_mapping: Literal["asymmetric", "symmetric"] = Field(
         "asymmetric", description="int8-dynamic only: each token's activation grid, with a zero point (asymmetric) "
                                   "or centred on 0; on SmolLM2 (recipes/methods.toml) asymmetric measured a perplexity "
@@ -114,7 +114,8 @@ class TorchAoMethod(QuantMethod):
         if variant.group_size not in s.group_sizes:
             what = "-1 (one scale per output channel)" if s.group_sizes == (-1,) else ", ".join(map(str, s.group_sizes))
             problems.append(Problem("group_size", "torchao-group-size-unsupported",
-                                    f"group_size = {variant.group_size} is not supported by {label} (supported: {what})"))
+                                    f"group_size = {variant.group_size} is not supported by {label} "
+                                    f"(supported: {what})"))
         default_act = type(variant).model_fields["act_mapping"].default
         if variant.act_mapping != default_act and not s.activations:
             problems.append(Problem("act_mapping", "torchao-act-mapping-unused",
@@ -145,7 +146,7 @@ class TorchAoMethod(QuantMethod):
         return TORCHAO_SCHEMES[variant.scheme].bits + 0.25
 
     def hub_tags(self, params: dict) -> list[str]:
-        scheme = TORCHAO_SCHEMES.get(params.get("scheme"))
+        scheme = TORCHAO_SCHEMES.get(params.get("scheme", ""))
         return ["torchao", f"{scheme.bits}-bit", params["scheme"]] if scheme else ["torchao"]
 
     def card_usage(self, repo: str, params: dict, quantize: dict) -> list[str]:

@@ -17,7 +17,7 @@ pipeline/quant/work/w8a8.py over pipeline/quant/w8a8_layers.py; the maths w8a8_m
 """
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from pydantic import Field
 
@@ -55,9 +55,9 @@ class W8A8Variant(Calibrated, VariantBase):
     damp_percent: float = Field(0.01, gt=0, lt=1, description="GPTQ's Hessian dampening (rounding = 'gptq')")
     static_min_tokens: int = Field(4096, ge=1, description="int8-static: the fewest calibration tokens its per-tensor "
                                                            "activation maxima are taken from")
-    dtype: Optional[Dtype] = Field(None, description="dtype of the checkpoint's unquantized tensors and scales; "
-                                                     "None = the loaded checkpoint's")
-    kv_cache: Optional[Literal["fp8"]] = Field(
+    dtype: Dtype | None = Field(None, description="dtype of the checkpoint's unquantized tensors and scales; "
+                                                  "None = the loaded checkpoint's")
+    kv_cache: Literal["fp8"] | None = Field(
         None, description="'fp8': an FP8 KV cache (float8_e4m3fn keys and values, one calibrated scale per layer for "
                           "each, compressed-tensors' kv_cache_scheme; vLLM stores its cache in fp8 with them); the "
                           "quality stages read keys and values through float8 too (pipeline/quant/kv_fp8.py)")
@@ -118,9 +118,11 @@ class W8A8Method(QuantMethod):
     def check_calibration(self, variant, rows: int, seq_len: int) -> list[Problem]:
         if variant.scheme != "int8-static" or rows * seq_len >= variant.static_min_tokens:
             return []
-        return [Problem("calibration_rows", "static-scales-calibration-too-short", f"scheme = 'int8-static' takes its activation scales from the calibration tokens: {rows} rows x "
-                f"{seq_len} = {rows * seq_len} is fewer than static_min_tokens = {variant.static_min_tokens}; raise "
-                "calibration.num_samples (or calibration_rows) or use scheme = 'int8-dynamic'")]
+        return [Problem("calibration_rows", "static-scales-calibration-too-short",
+                        f"scheme = 'int8-static' takes its activation scales from the calibration tokens: {rows} rows "
+                        f"x {seq_len} = {rows * seq_len} is fewer than static_min_tokens = "
+                        f"{variant.static_min_tokens}; raise calibration.num_samples (or calibration_rows) or use "
+                        "scheme = 'int8-dynamic'")]
 
     def runtimes(self, variant, arch: Arch) -> list[dict]:
         rows = self._runtimes(variant)

@@ -11,8 +11,15 @@ from gptqmodel.quantization.config import AWQConfig
 
 from pipeline.quant.awq_clip import matmul_clip_search
 from pipeline.quant.common import base_dtype, finish_checkpoint, skipped_linears
-from pipeline.quant.gptqmodel_driver import (ENGINE, append_file, calibration_rows, common_kwargs, engine_version,
-                                             quantize_with, session)
+from pipeline.quant.gptqmodel_driver import (
+    ENGINE,
+    append_file,
+    calibration_rows,
+    common_kwargs,
+    engine_version,
+    quantize_with,
+    session,
+)
 from pipeline.quant.methods.awq import AWQ_DTYPES
 
 __all__ = ("quantize", "run_dtype", "save", "session")

@@ -1,5 +1,6 @@
 """torchao's work (pipeline/quant/methods/torchao.py): quantized while transformers loads the weights
-(TorchAoConfig), saved as safetensors; and the footprint of a reloaded model, which the method's reload hook installs."""
+(TorchAoConfig), saved as safetensors; and the footprint of a reloaded model, which the method's reload hook
+installs."""
 from __future__ import annotations
 
 import json
@@ -8,8 +9,13 @@ from typing import IO
 
 import torch
 import torchao
-from torchao.quantization import (Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig,
-                                  MappingType, PerRow)
+from torchao.quantization import (
+    Int4WeightOnlyConfig,
+    Int8DynamicActivationInt8WeightConfig,
+    Int8WeightOnlyConfig,
+    MappingType,
+    PerRow,
+)
 from transformers import AutoModelForCausalLM, TorchAoConfig
 
 from pipeline.base.fileio import canonical_safetensors

