@@ -15,7 +15,8 @@ def quality_args(model_dir: str | Path, out: str | Path, ppl_cfg, smoke_cfg, dev
     """The "quality" task's arguments. reference: the baseline's quality folder (KL, top-1, its exact tokens);
     memory_limit: [run] max_memory_gb in bytes (a plain checkpoint over it is offloaded; None: no limit)."""
     return {"model_dir": str(model_dir), "out": str(out), "perplexity": ppl_cfg.model_dump(),
-            "smoke": smoke_cfg.model_dump(), "device": device, "reference": None if reference is None else str(reference),
+            "smoke": smoke_cfg.model_dump(), "device": device,
+            "reference": None if reference is None else str(reference),
             "label": label if label is not None else Path(model_dir).name, "memory_limit": memory_limit}
 
 

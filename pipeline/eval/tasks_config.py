@@ -72,7 +72,8 @@ def task_problems(cfg: TasksConfig, variants: list[str]) -> list[Problem]:
             problems += _humaneval_problems(cfg)
             continue
         if name not in TASKS:
-            problems.append(Problem("validate.tasks.tasks", "task-unknown", f"[validate.tasks].tasks: {_unknown(name)}"))
+            problems.append(Problem("validate.tasks.tasks", "task-unknown",
+                                    f"[validate.tasks].tasks: {_unknown(name)}"))
             continue
         spec = TASKS.get(name)
         try:
