@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from pipeline.base.problem import Problem
-from pipeline.budget.formulas import GiB, RUNTIME_OVERHEAD, WORKER_OVERHEAD, quantize_bytes, speed_bytes, window_bytes
+from pipeline.budget.formulas import RUNTIME_OVERHEAD, WORKER_OVERHEAD, GiB, quantize_bytes, speed_bytes, window_bytes
 from pipeline.model.dtypes import dtype_bytes
 from pipeline.model.sources import link_problem
 from pipeline.quant.registry import method_of, reload_of
@@ -29,7 +29,8 @@ def machine_memory() -> int:
 def estimate_memory(recipe, info, plan, source) -> None:
     """Predicted peak RSS per stage (bytes, runtime included), keyed by the stage classes (pipeline/stages/kinds.py:
     "load", "quantize/<name>", "validate/<model>" for a model's measurements, "validate/<model>/speed", "draft"; each
-    unit's class says which of these figures it asks Ray for), and which of them stream weights from disk (plan.offload).
+    unit's class says which of these figures it asks Ray for), and which of them stream weights from disk
+    (plan.offload).
     A stage that can offload (GPTQ and RTN through GPTQModel, the plain baseline's perplexity through accelerate)
     does so when [run] max_memory_gb is set and the in-memory way would exceed it; the others must fit."""
     p = max(info.n_params, 1)

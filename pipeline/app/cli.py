@@ -71,8 +71,9 @@ class LazyGroup(click.Group):
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """click's command listing, each lazy command's short help made from its declared help, unimported."""
         names = self.list_commands(ctx)
-        commands = {n: super().get_command(ctx, n) for n in names if n not in self.lazy_commands}
-        names = [n for n in names if n in self.lazy_commands or (commands[n] is not None and not commands[n].hidden)]
+        group_command = super().get_command  # bound here: a bare super() fails inside a comprehension (Python < 3.12)
+        commands = {n: c for n in names if n not in self.lazy_commands and (c := group_command(ctx, n)) is not None}
+        names = [n for n in names if n in self.lazy_commands or (n in commands and not commands[n].hidden)]
         if not names:
             return
         limit = formatter.width - 6 - max(len(n) for n in names)

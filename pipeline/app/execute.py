@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.base.errors import StageError
-from pipeline.plan import Plan
 from pipeline.app.runner import RunLock
 from pipeline.base.env import tame
+from pipeline.base.errors import StageError
+from pipeline.plan import Plan
 
 
 def execute(recipe, recipe_path: Path, plan: Plan) -> int:

@@ -36,11 +36,13 @@ log = logging.getLogger("compress")
 def lock_text(recipe, vers: dict, device: str, run_id: str) -> str:
     src = parse(recipe.model.source, recipe.model.gguf_file)
     files = {}
-    for ds in sorted({recipe.calibration.dataset, recipe.validate_.perplexity.dataset}):  # a set: sort for a stable lock
+    # a set: sort for a stable lock
+    for ds in sorted({recipe.calibration.dataset, recipe.validate_.perplexity.dataset}):
         files[ds] = data.fingerprint(data.resolve(ds)) or "hf-cache"
     files.update(data_lock(recipe.validate_.tasks))  # [validate.tasks]: each data file read, by its pinned sha256
     lock = {"lock": {"run_id": run_id, "created": schema.now(), "versions": vers,
-                     "model_file": str(src.path), "model_sha256": sha256_file(src.path) if src.path.is_file() else "",
+                     "model_file": str(src.path),
+                     "model_sha256": sha256_file(src.path) if src.path is not None and src.path.is_file() else "",
                      "data_sha256": files, "device": device},
             "recipe": drop_none(recipe.dump())}
     return "# Resolved recipe + versions + hashes: rerun with `compress run recipe.lock.toml` is not needed;\n" \
@@ -184,7 +186,8 @@ def _record_publish(run_dir: Path, report: schema.Report, section: schema.Publis
     _render(run_dir)
 
 
-def finish(run_dir: Path, report: schema.Report, status: str, code: int, error: str | None = None) -> None:
+def finish(run_dir: Path, report: schema.Report, status: schema.RunStatus, code: int,
+           error: str | None = None) -> None:
     report.run.status, report.run.exit_code, report.run.finished = status, code, schema.now()
     if error is not None:
         report.run.error = error
@@ -192,7 +195,7 @@ def finish(run_dir: Path, report: schema.Report, status: str, code: int, error: 
     _render(run_dir)
 
 
-def _stopped(run_dir: Path, report: schema.Report, status: str, code: int, error: str) -> None:
+def _stopped(run_dir: Path, report: schema.Report, status: schema.RunStatus, code: int, error: str) -> None:
     """Record a run that did not finish; a second failure while writing that record is only logged."""
     try:
         finish(run_dir, report, status, code, error)

@@ -31,14 +31,24 @@ from pathlib import Path
 import ray
 from ray import exceptions as rex
 
-from pipeline.base.errors import CompressError, StageError
-from pipeline.app.ray_nodes import (NODE_RESOURCE, Admission, alive_nodes, cluster_device,  # noqa: F401 (API)
-                                     connect, exclusive, node_name, options_for, probe_nodes, refuse_unfit)
+from pipeline.app.ray_nodes import (  # noqa: F401 (API)
+    NODE_RESOURCE,
+    Admission,
+    alive_nodes,
+    cluster_device,
+    connect,
+    exclusive,
+    node_name,
+    options_for,
+    probe_nodes,
+    refuse_unfit,
+)
 from pipeline.app.ray_task import NodeNotAdmitted, attempts_of, unit_task
-from pipeline.results import schema
-from pipeline.base.unit import fault_point
 from pipeline.app.runner import read_manifest, verify_outputs
+from pipeline.base.errors import CompressError, StageError
 from pipeline.base.fileio import atomic_write_text
+from pipeline.base.unit import Unit, fault_point
+from pipeline.results import schema
 
 log = logging.getLogger("compress")
 
@@ -140,7 +150,8 @@ class RayExecutor:
 
     def run(self, units: list) -> None:
         """Every unit once its deps are recorded; up-to-date units are skipped here, as the local runner does."""
-        pending, running, shown = list(units), {}, None
+        pending, shown = list(units), None
+        running: dict[ray.ObjectRef, Unit] = {}
         while pending or running:
             self._admit()
             self._submit_ready(pending, running)
@@ -196,7 +207,7 @@ class RayExecutor:
             yield unit
 
     def _progress(self, running: dict, pending: list) -> str:
-        done = {}
+        done: dict[str, int] = {}
         for t in self.tasks.values():
             if "received" in t:
                 done[t["node"]] = done.get(t["node"], 0) + 1

@@ -23,11 +23,11 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pipeline.base.errors import RecipeError, StageError
 from pipeline.app.ray_task import PROBE_DIR, admitted_file, probe_task, version_mismatch
+from pipeline.base.errors import RecipeError, StageError
+from pipeline.base.fileio import atomic_write_text
 from pipeline.base.stage_keys import UnitKey
 from pipeline.stages.kinds import kind_of
-from pipeline.base.fileio import atomic_write_text
 
 log = logging.getLogger("compress")
 

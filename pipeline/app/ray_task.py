@@ -31,12 +31,12 @@ from pathlib import Path
 
 import ray
 
-from pipeline.base.errors import StageError
-from pipeline.plan import versions
 from pipeline.app.runner import Runner, read_manifest
 from pipeline.base.env import tame
-from pipeline.recipe import Recipe
+from pipeline.base.errors import StageError
 from pipeline.base.stage_keys import UnitKey
+from pipeline.plan import versions
+from pipeline.recipe import Recipe
 
 log = logging.getLogger("compress")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.base.codehash import code_hash  # what a unit's code is: the files its entry modules import
-from pipeline.base.fileio import sha256_file
 from pipeline.base.errors import CompressError, LockedError, StageError
+from pipeline.base.fileio import sha256_file
 from pipeline.base.memory import PeakMemory
 from pipeline.base.unit import MANIFEST, METRICS, Unit, UnitContext, fault_point
 from pipeline.results import merge, schema
@@ -64,7 +64,7 @@ class RunLock:
         self.path = run_dir / ".lock"
         self.fd: int | None = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -145,7 +145,8 @@ class Runner:
                     "time_s": round(time.perf_counter() - t0, 3),
                     # a unit that measures in a fresh worker process reports that process's peak
                     "peak_rss_bytes": max(mem.peak_bytes, int(metrics.get("worker_peak_rss_bytes") or 0)),
-                    "peak_rss_above_start_bytes": mem.above_start_bytes, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    "peak_rss_above_start_bytes": mem.above_start_bytes,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "outputs": outputs, "outputs_hash": canonical_hash(outputs), "metrics": metrics}
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, default=str))
         if final.exists():

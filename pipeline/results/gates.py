@@ -10,13 +10,15 @@ line, report.md, the model cards and the publish rule all ask it (through `faile
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 from pipeline.eval.config import GATE_SPECS, GatesConfig
-from pipeline.results.metrics import Served
+from pipeline.results.metrics import Level
 from pipeline.results.schema import DraftEntry, Gate, ModelEntry, Report
 
 Getter = Callable[[Report, ModelEntry, str], tuple[float | None, str]]
+DraftGetter = Callable[[Report, DraftEntry, str], tuple[float | None, str]]
 
 
 def blocks(g: Gate) -> bool:
@@ -76,7 +78,8 @@ def _plain(key: str) -> Getter:
 
 
 def _footprint_ratio(report: Report, e: ModelEntry, name: str) -> tuple[float | None, str]:
-    base = (report.baseline.footprint_bytes if report.baseline else None) or (report.model and report.model.footprint_bytes)
+    base = ((report.baseline.footprint_bytes if report.baseline else None)
+            or (report.model.footprint_bytes if report.model else None))
     return _ratio(e.footprint_bytes, base, f"variants.{name}.footprint_bytes / baseline's")
 
 
@@ -108,9 +111,9 @@ def _smoke_ok(report: Report, e: ModelEntry, name: str) -> tuple[float | None, s
     return (len(judged) - len(bad)) / len(judged), reason
 
 
-def _served(e: ModelEntry | None) -> dict[str, Served]:
-    """The engines a model was load-tested in: {engine: its serve record with levels}."""
-    return {k: v for k, v in ((e.served if e else None) or {}).items() if v.levels}
+def _served(e: ModelEntry | None) -> dict[str, list[Level]]:
+    """The engines a model was load-tested in: {engine: its serve record's levels}."""
+    return {k: v.levels for k, v in ((e.served if e else None) or {}).items() if v.levels}
 
 
 def _serve_tok_s_ratio(report: Report, e: ModelEntry, name: str) -> tuple[float | None, str]:
@@ -122,10 +125,10 @@ def _serve_tok_s_ratio(report: Report, e: ModelEntry, name: str) -> tuple[float 
     if not base:
         return None, "baseline.served is not in the report (is [validate.serve] enabled for the baseline?)"
     ratios = []
-    for engine, s in mine.items():
-        b = {lv.concurrency: lv.output_tok_s for lv in base[engine].levels} if engine in base else {}
-        ratios += [(lv.output_tok_s / b[lv.concurrency], lv.concurrency, engine) for lv in s.levels
-                   if b.get(lv.concurrency)]
+    for engine, levels in mine.items():
+        b = {lv.concurrency: lv.output_tok_s for lv in base[engine]} if engine in base else {}
+        ratios += [(lv.output_tok_s / den, lv.concurrency, engine) for lv in levels
+                   if lv.output_tok_s is not None and (den := b.get(lv.concurrency))]
     if not ratios:
         return None, "no engine and concurrency level load-tested for both the variant and the baseline"
     low, c, engine = min(ratios)
@@ -138,14 +141,17 @@ def _serve_error_rate(report: Report, e: ModelEntry, name: str) -> tuple[float |
     if not mine:
         return None, f"variants.{name}.served is not in the report (is [validate.serve] enabled for it?)"
     rates = []
-    for engine, s in mine.items():
-        total = sum(lv.requests for lv in s.levels)
-        rates.append(((sum(lv.errors for lv in s.levels) / total if total else 0.0), engine))
+    for engine, levels in mine.items():
+        counts = [(lv.errors, lv.requests) for lv in levels if lv.errors is not None and lv.requests is not None]
+        if len(counts) < len(levels):
+            return None, f"variants.{name}.served.{engine}: a level's errors or requests is not in the report"
+        total = sum(requests for _, requests in counts)
+        rates.append(((sum(errors for errors, _ in counts) / total if total else 0.0), engine))
     rate, engine = max(rates)
     return rate, f"highest in {engine}" if len(rates) > 1 else ""
 
 
-def _draft_metric(key: str, label: str) -> Getter:
+def _draft_metric(key: str, label: str) -> DraftGetter:
     def get(report: Report, draft: DraftEntry, mode: str) -> tuple[float | None, str]:
         row = (draft.speculative or {}).get(mode)
         value = row.given(key) if row is not None else None
@@ -156,8 +162,10 @@ def _draft_metric(key: str, label: str) -> Getter:
 
 
 # how a gate's value is read: GateSpec.read is "<reader>" or "<reader>:<arguments>" (pipeline/eval/config.py GATES).
-# Variant readers take (report, entry, name); draft readers (report, draft, speculative_mode).
-READERS: dict[str, Callable[..., Getter] | Getter] = {
+# Variant readers take (report, entry, name) (a Getter); draft readers (report, draft, speculative_mode) (a
+# DraftGetter); multi readers take (entry, name, bound, cfg) and give the records. "<reader>:<arguments>" names a
+# factory called with the arguments. The gate's spec (applies, multi) says which of these its reader is.
+READERS: dict[str, Callable[..., Any]] = {
     "ppl_ratio": _ppl_ratio,
     "field": _plain,
     "footprint_ratio": _footprint_ratio,
@@ -169,7 +177,8 @@ READERS: dict[str, Callable[..., Getter] | Getter] = {
 }
 
 
-def reader(gate: str) -> Getter:
+def reader(gate: str) -> Callable[..., Any]:
+    """The gate's reader: a Getter, a DraftGetter or a multi reader, as its spec says (see READERS)."""
     name, _, args = GATE_SPECS[gate].read.partition(":")
     return READERS[name](*args.split(":")) if args else READERS[name]
 
@@ -189,7 +198,7 @@ def _record(model: str, gate: str, value: float | None, bound: float, reason: st
 
 def evaluate_gates(report: Report, cfg: GatesConfig) -> list[Gate]:
     """Every configured gate for every model it applies to, in report order (variants, then draft)."""
-    out = []
+    out: list[Gate] = []
     random_init = bool(report.model and report.model.random_init)
     for name, e in report.variants.items():
         for gate, bound in cfg.bounds_for(name).items():
@@ -278,7 +287,8 @@ def gates_table(gates: list[Gate]) -> str:
         model = g.model + (f" (verifier {g.verifier})" if g.verifier else "")
         rows.append((model, g.gate, fmt_value(g.value), f"{g.op} {fmt_value(g.bound)}", gate_status(g), g.reason))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + ("  " + r[5] if r[5] else "") for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r[:5], widths, strict=True)) + ("  " + r[5] if r[5] else "")
+             for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.append(f"{len(gates)} gates: {gates_summary(gates)}")
     return "\n".join(line.rstrip() for line in lines)

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.base.stage_keys import UnitKey
-from pipeline.results.schema import (Calibration, DraftEntry, ExportEntry, ModelEntry, ModelInfo, Report,
-                                     StageEntry)
+from pipeline.results.metrics import Distill, Served, SpeculativeRow, Speed
+from pipeline.results.schema import Calibration, DraftEntry, ExportEntry, ModelEntry, ModelInfo, Report, StageEntry
 
 MODEL_KEYS = tuple(ModelInfo.model_fields)
 CALIBRATION_KEYS = tuple(Calibration.model_fields)
@@ -18,29 +18,36 @@ def record(report: Report, key: str, manifest: dict, skipped: bool) -> None:
     uk = UnitKey.parse(key)  # UnitKeyError before anything is written for a key outside the grammar
     report.stages[key] = StageEntry(status="skipped" if skipped else "done", time_s=manifest["time_s"],
                                     peak_rss_bytes=manifest["peak_rss_bytes"], dir=key)
-    metrics, name = manifest.get("metrics") or {}, uk.name
+    metrics = manifest.get("metrics") or {}
     if uk.stage == "load":
         report.model = ModelInfo(**{k: metrics.get(k) for k in MODEL_KEYS if metrics.get(k) is not None})
     elif uk.stage == "calibrate":
         report.calibration = Calibration(**{k: metrics.get(k) for k in CALIBRATION_KEYS})
-    elif uk.stage == "quantize":
-        _quantized(report, name, metrics, (manifest.get("config") or {}).get("variant") or {})
     elif uk.stage == "draft":
         _draft(report, metrics)
+    elif uk.measure == "speculative":
+        _speculative(report, metrics)
+    elif uk.name is not None:  # the grammar: every other key names its variant, model or export
+        _named(report, uk, uk.name, manifest, metrics)
+
+
+def _named(report: Report, uk: UnitKey, name: str, manifest: dict, metrics: dict) -> None:
+    """quantize/<variant>, validate/<model>/quality|speed|serve/<engine>|tasks and export/<name>."""
+    if uk.stage == "quantize":
+        _quantized(report, name, metrics, (manifest.get("config") or {}).get("variant") or {})
     elif uk.measure == "quality":
         _quality(report, name, metrics)
     elif uk.measure == "speed":
-        entry(report, name).speed = metrics
-    elif uk.measure == "serve":
+        entry(report, name).speed = Speed.model_validate(metrics)
+    elif uk.measure == "serve" and uk.engine is not None:  # the grammar: validate/<model>/serve/<engine>
         e = entry(report, name)
-        e.served = {**(e.served or {}), uk.engine: metrics}
-    elif uk.measure == "speculative":
-        _speculative(report, metrics)
+        e.served = {**(e.served or {}), uk.engine: Served.model_validate(metrics)}
     elif uk.measure == "tasks":
         e = entry(report, name)
         e.tasks, e.task_recovery = metrics.get("tasks"), metrics.get("recovery")
     elif uk.stage == "export":
-        report.exports[name] = ExportEntry(**{k: metrics.get(k) for k in ("kind", "name", "verifier", "folder", "files")},
+        report.exports[name] = ExportEntry(**{k: metrics.get(k)
+                                              for k in ("kind", "name", "verifier", "folder", "files")},
                                            outputs_hash=manifest.get("outputs_hash"), run_id=manifest.get("run_id"))
 
 
@@ -74,7 +81,7 @@ def _quality(report: Report, name: str, m: dict) -> None:
 
 def _draft(report: Report, m: dict) -> None:
     d = report.draft or DraftEntry()
-    d.verifier, d.checkpoint, d.distill = m.get("verifier"), "draft", m
+    d.verifier, d.checkpoint, d.distill = m.get("verifier"), "draft", Distill.model_validate(m)
     d.layers = m.get("layers")
     d.num_layers = len(m.get("layers") or [])
     d.vocab_size = m.get("draft_vocab_size")
@@ -84,7 +91,7 @@ def _draft(report: Report, m: dict) -> None:
 
 def _speculative(report: Report, m: dict) -> None:
     d = report.draft or DraftEntry()
-    d.speculative = speculative_modes(m)
+    d.speculative = {mode: SpeculativeRow.model_validate(row) for mode, row in speculative_modes(m).items()}
     d.speculative_detail = m
     report.draft = d
 

@@ -10,8 +10,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pydantic import (BaseModel, ConfigDict, PrivateAttr, SerializationInfo, SerializerFunctionWrapHandler,
-                      model_serializer, model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    PrivateAttr,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 Real = float | int  # a figure as its producer wrote it: an int stays an int, a float a float (report.json unchanged)
 

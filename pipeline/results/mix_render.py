@@ -17,8 +17,8 @@ def mix_of(entry: ModelEntry | None) -> dict | None:
 def predicted_kl(report: Report) -> list[tuple[str, float, float]]:
     """(model, predicted KL, measured KL) of every variant a mixed record predicts: the mixed variants (their summed
     sensitivities) and the uniform variants of a mixed record's method whose (bits, group_size) is one of its
-    candidates (the candidate's sensitivities summed over every unit). Predicted: RTN probe on calibration rows; measured: the
-    variant itself on the evaluation text."""
+    candidates (the candidate's sensitivities summed over every unit). Predicted: RTN probe on calibration rows;
+    measured: the variant itself on the evaluation text."""
     records = [(e.method, m) for e in report.variants.values() if (m := mix_of(e))]
     out = []
     for name, e in report.variants.items():
@@ -43,7 +43,7 @@ def pearson(xs: list[float], ys: list[float]) -> float | None:
     if n < 3:
         return None
     mx, my = sum(xs) / n, sum(ys) / n
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
     sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
     return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
 
@@ -72,17 +72,19 @@ def mix_lines(name: str, entry: ModelEntry, mix: dict) -> list[str]:
     sens_t = mix.get("sensitivity_time_s") or {}
     probe = mix.get("probe") or {}
     cached = " (read from the cache: same model, calibration and candidates)" if mix.get("sensitivity_cached") else ""
+    probed = ("; KL probed at " + probe["kl_probed"]
+              if probe.get("kl_probed", "every candidate") != "every candidate" else "")
     return [f"### {name}", "",
-            f"Budget {num(b['bits_per_weight'], 4)} bits per weight ({num(b['bytes'] / 1e6, 4)} MB of decoder linears); "
-            f"spent {num(s['bits_per_weight'], 4)} ({num(s['bytes'] / 1e6, 4)} MB); measured on the checkpoint: "
-            f"{num(entry.bits_per_weight, 4)}. Allocation by `{mix['estimator']}` sensitivity per {mix['granularity']}, "
-            f"{mix['solver']['kind']}, {'exact' if mix['solver']['exact'] else 'exact at a resolution of '}"
+            f"Budget {num(b['bits_per_weight'], 4)} bits per weight ({num(b['bytes'] / 1e6, 4)} MB of decoder "
+            f"linears); spent {num(s['bits_per_weight'], 4)} ({num(s['bytes'] / 1e6, 4)} MB); measured on the "
+            f"checkpoint: {num(entry.bits_per_weight, 4)}. Allocation by `{mix['estimator']}` sensitivity per "
+            f"{mix['granularity']}, {mix['solver']['kind']}, "
+            f"{'exact' if mix['solver']['exact'] else 'exact at a resolution of '}"
             f"{'' if mix['solver']['exact'] else str(mix['solver']['resolution_bytes']) + ' bytes'}.",
             f"Predicted KL (summed sensitivities, RTN probe on {probe.get('kl_rows')} calibration row(s)"
-            f"{'; KL probed at ' + probe['kl_probed'] if probe.get('kl_probed', 'every candidate') != 'every candidate' else ''}) "
-            f"{num(mix['predicted']['kl'])}; measured KL (this GPTQ checkpoint, evaluation text) {num(entry.kl)}. "
-            f"Sensitivity cost: KL probe {num(sens_t.get('kl'), 3)} s, Hessian estimator {num(sens_t.get('hessian'), 3)} s"
-            f"{cached}.", ""] + allocation_table(mix) + [""]
+            f"{probed}) {num(mix['predicted']['kl'])}; measured KL (this GPTQ checkpoint, evaluation text) "
+            f"{num(entry.kl)}. Sensitivity cost: KL probe {num(sens_t.get('kl'), 3)} s, Hessian estimator "
+            f"{num(sens_t.get('hessian'), 3)} s{cached}.", ""] + allocation_table(mix) + [""]
 
 
 def mix_section(report: Report) -> list[str]:
@@ -95,7 +97,8 @@ def mix_section(report: Report) -> list[str]:
         r = pearson([p for _, p, _ in rows], [k for _, _, k in rows])
         lines += table(["model", "predicted KL (calibration, RTN probe)", "measured KL"],
                        [[n, num(p), num(k)] for n, p, k in rows])
-        lines += ["", f"Pearson correlation of predicted and measured KL over these {len(rows)} models: {num(r, 3)}.", ""]
+        lines += ["", f"Pearson correlation of predicted and measured KL over these {len(rows)} models: "
+                      f"{num(r, 3)}.", ""]
     for name, e, m in mixed:
         lines += mix_lines(name, e, m)
     return lines

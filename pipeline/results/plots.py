@@ -8,13 +8,13 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from pipeline.base.fileio import atomic_path
 from pipeline.results.format import PLOTS
 from pipeline.results.metrics import Speed, Stat
 from pipeline.results.mix_render import allocation_grid, mix_of
 from pipeline.results.query import models
 from pipeline.results.schema import Report
 from pipeline.results.serve_table import CB, KV, PLAIN, SPEC, STATIC, TECHNIQUES_PLOT, technique_rows
-from pipeline.base.fileio import atomic_path
 
 _MIB = 2**20
 TASK_PLOT = "task_recovery_vs_bits.png"  # [validate.tasks] (drawn only when a variant has task recovery)
@@ -116,7 +116,7 @@ def decode_plot(report: Report):
     fig = _figure(3.2 + 1.1 * len(rows) * len(shown), 4.5)
     axes = fig.subplots(1, len(shown), squeeze=False)[0]
     names = [n for n, _ in rows]
-    for ax, batch in zip(axes, shown):
+    for ax, batch in zip(axes, shown, strict=True):
         med, lo, hi = [], [], []
         for _, s in rows:
             st = s.decode_at(batch) or Stat()
@@ -139,14 +139,15 @@ def decode_plot(report: Report):
 
 def acceptance_plot(report: Report):
     """Acceptance rate at each draft position (accepted / drafted), one line per sampling mode."""
-    spec = report.draft.speculative if report.draft else None
-    if spec is None:
+    draft = report.draft
+    spec = draft.speculative if draft else None
+    if draft is None or spec is None:
         return None
     series = []
     for mode, s in spec.items():
         acc, drafted = s.accepted_by_position, s.drafted_by_position
         if acc and drafted is not None and len(acc) == len(drafted):
-            rates = [a / d if d else float("nan") for a, d in zip(acc, drafted)]
+            rates = [a / d if d else float("nan") for a, d in zip(acc, drafted, strict=True)]
             series.append((mode, rates, s.alpha))
     if not series:
         return None
@@ -160,7 +161,6 @@ def acceptance_plot(report: Report):
     ax.set_ylim(0, 1.05)
     ax.set_xlabel("draft position (1 = first drafted token)")
     ax.set_ylabel("accepted / drafted at this position")
-    draft = report.draft
     ax.set_title(f"Draft acceptance by position: {draft.name} → {draft.verifier or '?'}\n"
                  + _subtitle(report), fontsize=10)
     ax.grid(alpha=0.3)
@@ -280,7 +280,7 @@ def mix_allocation_plot(report: Report):
     fig = _figure(width=3.2 + 2.6 * len(mixed), height=6.5)
     axes = fig.subplots(1, len(mixed), squeeze=False)[0]
     image = None
-    for ax, (name, mix) in zip(axes, mixed):
+    for ax, (name, mix) in zip(axes, mixed, strict=True):
         layers, cols = allocation_grid(mix)
         grid = [[(cell or {}).get("bits", float("nan")) for cell in row] for row in layers]
         image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=2, vmax=8, interpolation="nearest")

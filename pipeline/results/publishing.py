@@ -9,8 +9,9 @@
 """
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 from pipeline.base.errors import PublishError
 from pipeline.results.gates import blocking_by_model, failed_gates
@@ -45,9 +46,11 @@ def check_final(run_dir: Path, report: Report) -> None:
     run = report.run
     if run.status not in FINAL or not run.gates_evaluated:
         why = {"running": "still running, or killed before it finished",
-               "interrupted": "interrupted", "failed": f"failed: {run.error or 'see report.md'}"}.get(run.status, run.status)
+               "interrupted": "interrupted",
+               "failed": f"failed: {run.error or 'see report.md'}"}.get(run.status, run.status)
         raise PublishRefused(f"refusing to publish: run {run.id or '?'} in {run_dir} did not finish "
-                             f"(status {run.status}: {why}); rerun `compress run` until it completes. Nothing was pushed")
+                             f"(status {run.status}: {why}); rerun `compress run` until it completes. "
+                             "Nothing was pushed")
     lock_id = lock_run_id(run_dir)
     if not run.id or lock_id != run.id:
         raise PublishRefused(f"refusing to publish: report.json (run {run.id}) and {LOCK} (run {lock_id}) in "

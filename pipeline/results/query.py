@@ -21,7 +21,8 @@ def shown_params(p: Any, hide: tuple[str, ...] = ("name", "method")) -> dict:
     """A variant's settings worth showing (report table, model card): set, and not an optional feature left off."""
     if not isinstance(p, dict):
         return {}
-    return {k: v for k, v in p.items() if k not in hide and v is not None and not (k in OFF_VALUES and v == OFF_VALUES[k])}
+    return {k: v for k, v in p.items()
+            if k not in hide and v is not None and not (k in OFF_VALUES and v == OFF_VALUES[k])}
 
 
 def is_distilled(draft: DraftEntry | ModelEntry | None) -> bool:

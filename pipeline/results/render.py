@@ -8,18 +8,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pipeline.base.fileio import atomic_write_text
+from pipeline.results import schema
+from pipeline.results.card import render_cards
 from pipeline.results.format import FP_DISTILLED, num, size, speculative_label, spread, table
 from pipeline.results.gates import fmt_value, gate_status
 from pipeline.results.metrics import Smoke, SmokeOutput, Speed
 from pipeline.results.mix_render import mix_section
+from pipeline.results.plots import write_plots
 from pipeline.results.query import is_distilled, models, planned, shown_params
 from pipeline.results.schema import ModelEntry, ModelInfo, Report
 from pipeline.results.serve_table import serving, techniques_section
 from pipeline.results.tasks_render import tasks_section
-from pipeline.base.fileio import atomic_write_text
-from pipeline.results import schema
-from pipeline.results.card import render_cards
-from pipeline.results.plots import write_plots
 
 
 def baseline_label(report: Report) -> str:
@@ -41,7 +41,8 @@ def _header(report: Report) -> list[str]:
               f"{num(model.parameters)} parameters, {model.dtype or '?'}); "
               f"provenance: {model.provenance or 'as published'}; license: {model.license or 'unknown'}"]
     if model.random_init:
-        lines.append("- **the model is randomly initialised: quality figures are meaningless, only the plumbing is tested**")
+        lines.append("- **the model is randomly initialised: quality figures are meaningless, only the plumbing is "
+                     "tested**")
     if report.calibration is not None:
         calib = report.calibration.model_dump()
         shown = {k: v for k, v in calib.items() if isinstance(v, (str, int, float)) and not isinstance(v, bool)}
@@ -100,7 +101,7 @@ def _smoke(s: Smoke | None, base_failed: set) -> str:
     """ok, or FAILED with how many prompts failed and how many of those the baseline failed as well (the smoke
     gate does not count those against a variant), then the first failure's problem and text."""
     outputs = _outputs(s)
-    if not outputs:
+    if s is None or not outputs:
         return "–"
     bad = [o for o in outputs if _bad(o)]
     first = bad[0] if bad else outputs[0]
@@ -144,7 +145,8 @@ def _size(report: Report) -> list[str]:
 
 
 def _timed(report: Report) -> list[tuple[str, Speed]]:
-    timed = [(n, m.speed) for n, m in models(report) if m.speed is not None and "skipped" not in m.speed.model_fields_set]
+    timed = [(n, m.speed) for n, m in models(report)
+             if m.speed is not None and "skipped" not in m.speed.model_fields_set]
     if report.draft is not None and report.draft.speed is not None:
         timed.append((report.draft.name, report.draft.speed))
     return timed
@@ -242,7 +244,8 @@ def _stages(report: Report) -> list[str]:
              "estimate" + (f"; the limit ([run] max_memory_gb) is {size(limit)}." if limit else "."), ""])
     head = ["stage", "status", "time s", "peak RSS", "predicted", "measured/predicted"]
     if any(s.node for s in report.stages.values()):  # executor = "ray": the node that ran each unit
-        head, body = head + ["node"], [row + [s.node or "-"] for row, s in zip(body, report.stages.values())]
+        head, body = head + ["node"], [row + [s.node or "-"]
+                                       for row, s in zip(body, report.stages.values(), strict=True)]
     return lines + note + table(head, body) + [""]
 
 
@@ -257,8 +260,8 @@ def _exports(report: Report) -> list[str]:
 def render_markdown(report: Report, plots: list[str]) -> str:
     lines: list[str] = []
 
-    for section in (_header, _quality, tasks_section, mix_section, _size, _speed, _speculative, serving, techniques_section, _gates,
-                    _stages, _exports):
+    for section in (_header, _quality, tasks_section, mix_section, _size, _speed, _speculative, serving,
+                    techniques_section, _gates, _stages, _exports):
         lines += section(report)
     lines += ["## Plots", ""] + ([f"![{p}](plots/{p})" for p in plots] or ["No data to plot yet."])
     return "\n".join(lines) + "\n"

@@ -17,8 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipeline.base.errors import CompressError
 from pipeline.base.fileio import atomic_write_text
-from pipeline.results.metrics import (Distill, Offload, Perplexity, Served, Smoke, SpeculativeRow, Speed,
-                                      TaskScore)
+from pipeline.results.metrics import Distill, Offload, Perplexity, Served, Smoke, SpeculativeRow, Speed, TaskScore
 
 SCHEMA_VERSION = 2  # 2: a model's `serve` (one engine) became `served` ({engine: ...})
 REPORT = "report.json"

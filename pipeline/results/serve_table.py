@@ -8,9 +8,10 @@ by report.md's techniques table (`techniques_section`) and its plot (pipeline/re
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from pipeline.results.format import FP_DISTILLED, num, size, table
-from pipeline.results.metrics import Equality, Served, Speed, Stat
+from pipeline.results.metrics import Equality, Real, Served, Speed, Stat
 from pipeline.results.query import models
 from pipeline.results.schema import Report
 
@@ -45,7 +46,7 @@ def serving(report: Report) -> list[str]:
     skipped = [(n, s) for n, s in entries if s.skipped]
     if not served_ and not skipped:
         return []
-    engines = {}
+    engines: dict[str, dict[str, Any]] = {}
     for _, s in served_:
         engines.setdefault(str(s.given("engine", "?")), s.versions or {})
     lines = ["## Serving", "", "`compress serve` (" + "; ".join(
@@ -63,13 +64,14 @@ def serving(report: Report) -> list[str]:
                   "transformers generate on the dequantized file by text (different kernels: not expected to be "
                   "identical on every prompt); transformers rows are compared token for token.", ""]
     hf = {(name, lv.concurrency): lv.output_tok_s for name, s in served_ if _engine(s) == "transformers"
-          for lv in s.levels}
+          for lv in s.levels or []}
     body = []
     for name, s in served_:
         same = _same(s.equality)
-        for lv in s.levels:
+        for lv in s.levels or []:
             ref = hf.get((name, lv.concurrency))
-            ratio = f"{lv.output_tok_s / ref:.2f}" if ref and _engine(s) != "transformers" else "—"
+            ratio = (f"{lv.output_tok_s / ref:.2f}"
+                     if ref and lv.output_tok_s is not None and _engine(s) != "transformers" else "—")
             body.append([name, _engine(s), num(lv.concurrency), f"{lv.output_tok_s:.1f}", ratio,
                          f"{lv.requests_s:.2f}", _ms(lv.ttft_p50_s), _ms(lv.ttft_p99_s),
                          _ms(lv.itl_p50_s), _ms(lv.itl_p99_s), f"{lv.errors}/{lv.requests}",
@@ -99,7 +101,7 @@ class TechRow:
 
     model: str
     technique: str
-    n: int
+    n: Real
     tok_s: float | None
     p99_ms: float | None
     ttft_p99_ms: float | None

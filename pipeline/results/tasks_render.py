@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from huggingface_hub import EvalResult
 
+from pipeline.eval import humaneval
+from pipeline.eval.taskdata import TASKS
 from pipeline.results.format import num, table
 from pipeline.results.query import models
 from pipeline.results.schema import Report
-from pipeline.eval import humaneval
-from pipeline.eval.taskdata import TASKS
 
 
 def _interval(r: dict | None) -> str:

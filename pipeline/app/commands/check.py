@@ -8,7 +8,8 @@ import click
 
 from pipeline.app.commands import EPILOG, SET_HELP
 from pipeline.eval.tasks_config import HUMANEVAL
-from pipeline.plan import GiB, check as check_plan
+from pipeline.plan import GiB
+from pipeline.plan import check as check_plan
 from pipeline.publish.config import summary
 from pipeline.recipe import load_recipe
 from pipeline.serve import engines
@@ -69,6 +70,7 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
         click.echo(f"serve     {versions}" + (" (vLLM compiles: ~60-90 s more start-up per model)"
                                               if "vllm" in served and r.validate_.serve.compile else ""))
         for name, by in plan.serve_engines.items():
-            click.echo(f"            {name:<24}" + ", ".join(e if why is None else f"{e} skipped" for e, why in by.items()))
+            click.echo(f"            {name:<24}"
+                       + ", ".join(e if why is None else f"{e} skipped" for e, why in by.items()))
     for w in plan.warnings:
         click.echo(f"warning   {w}")

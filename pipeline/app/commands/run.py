@@ -44,12 +44,12 @@ def _print_summary(run_dir: Path, wall: float) -> None:
                    f"{(f'{guess / 2**20:.0f}' if guess else '-'):>11}", err=True)
     rows = ([("baseline", report.baseline)] if report.baseline else []) + list(report.variants.items())
     click.echo(f"\n{'model':<20}{'ppl':>10}{'ratio':>8}{'KL':>9}{'top1':>7}{'disk MiB':>10}", err=True)
-    for name, e in rows:
-        ppl = e.perplexity.value if e.perplexity else None
-        ratio = f"{e.ppl_ratio:.4f}" if e.ppl_ratio is not None else ("1.0000" if name == "baseline" and ppl else "-")
-        kl = f"{e.kl:.4f}" if e.kl is not None else "-"
-        top1 = f"{e.top1:.3f}" if e.top1 is not None else "-"
-        disk = f"{e.size_on_disk_bytes / 2**20:.0f}" if e.size_on_disk_bytes else "-"
+    for name, m in rows:
+        ppl = m.perplexity.value if m.perplexity else None
+        ratio = f"{m.ppl_ratio:.4f}" if m.ppl_ratio is not None else ("1.0000" if name == "baseline" and ppl else "-")
+        kl = f"{m.kl:.4f}" if m.kl is not None else "-"
+        top1 = f"{m.top1:.3f}" if m.top1 is not None else "-"
+        disk = f"{m.size_on_disk_bytes / 2**20:.0f}" if m.size_on_disk_bytes else "-"
         click.echo(f"{name:<20}{(f'{ppl:.3f}' if ppl else '-'):>10}{ratio:>8}{kl:>9}{top1:>7}{disk:>10}", err=True)
     click.echo(f"\nstatus {report.run.status} in {wall:.0f} s; gates: {gates_summary(report.gates)}; "
                f"report {run_dir / 'report.md'}", err=True)
