@@ -19,10 +19,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 import tomli_w
-import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 RAY = Path(sys.executable).parent / "ray"

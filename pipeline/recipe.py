@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import difflib
 import re
+import tomllib
 import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-import tomllib
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from pipeline.base.errors import RecipeError

@@ -19,11 +19,10 @@ import itertools
 import json
 import logging
 import re
+import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 from pipeline.app.execute import execute
 from pipeline.base.errors import CompressError, Interrupted, RecipeError

@@ -12,12 +12,11 @@
 from __future__ import annotations
 
 import json
+import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-
-import tomllib
 
 from pipeline.base.errors import RecipeError, StageError
 from pipeline.base.fileio import sha256_file

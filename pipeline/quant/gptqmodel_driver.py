@@ -68,9 +68,7 @@ def session(out_dir: Path) -> Iterator[None]:
     out_dir/gptqmodel.log), dynamo off for its torch kernel (locally: restored on exit)."""
     scratch = Path(tempfile.mkdtemp(prefix=".gptqmodel-", dir=out_dir))
     try:
-        # not a typing slip: contextlib.chdir is Python 3.11+ and requires-python says >=3.10 (mypy checks 3.10), so
-        # this line fails on 3.10. Left as it is by the #33 clean-up (behaviour unchanged) and reported
-        with contextlib.chdir(scratch), torch._dynamo.config.patch(disable=True):  # type: ignore[attr-defined]
+        with contextlib.chdir(scratch), torch._dynamo.config.patch(disable=True):
             yield
     finally:
         _collect_logs(scratch, out_dir / f"{ENGINE}.log")

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import copy
 import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
 import tomli_w
-import tomllib
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
 from pipeline.base.fileio import atomic_write_text

@@ -9,9 +9,8 @@
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import tomllib
+from pathlib import Path
 
 from pipeline.base.errors import PublishError
 from pipeline.results.gates import blocking_by_model, failed_gates

@@ -22,6 +22,10 @@ def _ms(v) -> str:
     return "—" if v is None else f"{v * 1000:.0f}"
 
 
+def _fixed(v, digits: int) -> str:
+    return "—" if v is None else f"{v:.{digits}f}"
+
+
 def _engine(s: Served) -> str:
     return str(s.given("engine", "?")).split(" ")[0]  # "transformers (continuous batching)" -> "transformers"
 
@@ -72,8 +76,8 @@ def serving(report: Report) -> list[str]:
             ref = hf.get((name, lv.concurrency))
             ratio = (f"{lv.output_tok_s / ref:.2f}"
                      if ref and lv.output_tok_s is not None and _engine(s) != "transformers" else "—")
-            body.append([name, _engine(s), num(lv.concurrency), f"{lv.output_tok_s:.1f}", ratio,
-                         f"{lv.requests_s:.2f}", _ms(lv.ttft_p50_s), _ms(lv.ttft_p99_s),
+            body.append([name, _engine(s), num(lv.concurrency), _fixed(lv.output_tok_s, 1), ratio,
+                         _fixed(lv.requests_s, 2), _ms(lv.ttft_p50_s), _ms(lv.ttft_p99_s),
                          _ms(lv.itl_p50_s), _ms(lv.itl_p99_s), f"{lv.errors}/{lv.requests}",
                          size(lv.server_peak_rss_bytes) if lv.server_peak_rss_bytes else "—", same])
     header = ["model", "engine", "concurrency", "output tok/s", "× transformers", "req/s", "TTFT p50", "TTFT p99",

@@ -34,7 +34,7 @@ class Admission:
         self.waiting += 1
         try:
             await asyncio.wait_for(self._sem.acquire(), self.timeout_s)
-        except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11; not a TimeoutError in 3.10
+        except TimeoutError:  # asyncio.wait_for's timeout (asyncio.TimeoutError is TimeoutError from Python 3.11)
             self.rejected += 1
             raise Busy(f"no slot within {self.timeout_s:g} s ({self.slots} slots busy)", "queue_timeout") from None
         finally:

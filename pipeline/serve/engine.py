@@ -96,7 +96,7 @@ class TransformersEngine:
             while True:
                 try:
                     out = await asyncio.wait_for(queue.get(), self.POLL_S)
-                except (TimeoutError, asyncio.TimeoutError):  # one class from Python 3.11; not in 3.10
+                except TimeoutError:  # asyncio.TimeoutError is TimeoutError from Python 3.11
                     if self.alive():
                         continue  # a long prefill, or a full batch: still coming
                     # nothing will come: end the request (cancelled and forgotten below), not hold its slot forever

@@ -128,7 +128,7 @@ async def one_request(session, url: str, body: dict, headers: dict, timeout_s: f
             if not done:
                 out["error"] = "the stream ended without [DONE]"
             out["tokens"] = out["tokens"] or chunks
-    except (TimeoutError, asyncio.TimeoutError):
+    except TimeoutError:
         out["error"] = f"no complete answer within {timeout_s:g} s"
     except Exception as e:  # connection reset, server gone
         out["error"] = f"{type(e).__name__}: {e}"

@@ -384,6 +384,9 @@ def test_serving_section_has_an_engine_per_row_a_ratio_and_the_skipped_line():
     assert "| baseline | continuous batching (vLLM) | 1 | 42 |" in md  # the techniques table
     assert "| baseline | vllm | 22.7349 | 22.7136 | 1.0009 | 6,141 | 3 |" in md  # perplexity through the server
     assert md.count("Perplexity through the server") == 1
+    partial = Report.model_validate({"run": RUN, "baseline": {"served": {"transformers": {
+        **hf, "levels": [{**LEVEL, "output_tok_s": None, "requests_s": None}]}}}})
+    assert "| baseline | transformers | 1 | — | — | — | 140 |" in render_markdown(partial, [])  # no crash on a gap
     only_skipped = Report.model_validate({"run": RUN, "variants": {"g": {"served": {"llama.cpp": {
         "engine": "llama.cpp", "skipped": MISSING}}}}})
     md = render_markdown(only_skipped, [])

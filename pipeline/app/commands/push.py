@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import json
 import logging
+import tomllib
 from pathlib import Path
 
 import click
-import tomllib
 
 from pipeline.app.commands import EPILOG
 from pipeline.app.runner import RunLock

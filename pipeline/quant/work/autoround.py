@@ -36,9 +36,7 @@ def session(out_dir: Path) -> Iterator[None]:
     """cwd in a scratch folder inside out_dir (auto-round writes relative paths), removed on exit."""
     scratch = Path(tempfile.mkdtemp(prefix=_SCRATCH, dir=out_dir))
     try:
-        # not a typing slip: contextlib.chdir is Python 3.11+ and requires-python says >=3.10 (mypy checks 3.10), so
-        # this line fails on 3.10. Left as it is by the #33 clean-up (behaviour unchanged) and reported
-        with contextlib.chdir(scratch):  # type: ignore[attr-defined]
+        with contextlib.chdir(scratch):
             yield
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
