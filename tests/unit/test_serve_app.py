@@ -280,27 +280,8 @@ def test_engine_stream_ends_when_the_generation_thread_has_stopped():
     assert eng._cb.output_router.result_handlers == {}
 
 
-class _AsyncioTimeout310(Exception):
-    """asyncio.TimeoutError as Python 3.10 defines it: not the builtin TimeoutError (the same class from 3.11)."""
-
-
-@pytest.fixture
-def asyncio_timeout_of_python_310(monkeypatch):
-    """asyncio.wait_for raising Python 3.10's asyncio.TimeoutError (requires-python is >= 3.10; this venv is 3.11)."""
-    wait_for = asyncio.wait_for
-
-    async def wait_for_310(aw, timeout):
-        try:
-            return await wait_for(aw, timeout)
-        except TimeoutError:
-            raise _AsyncioTimeout310 from None
-
-    monkeypatch.setattr(asyncio, "TimeoutError", _AsyncioTimeout310)
-    monkeypatch.setattr(asyncio, "wait_for", wait_for_310)
-
-
-def test_a_wait_past_queue_timeout_is_busy_on_python_310_too(asyncio_timeout_of_python_310):
-    """`except TimeoutError` alone let Python 3.10's asyncio.TimeoutError through: a 500, not a 503 queue_timeout."""
+def test_a_wait_past_queue_timeout_is_busy():
+    """asyncio.wait_for's timeout is a 503 queue_timeout, not a 500."""
     from pipeline.serve.admission import Admission, Busy
 
     adm = Admission(slots=1, max_queue=1, timeout_s=0.05)
@@ -315,9 +296,9 @@ def test_a_wait_past_queue_timeout_is_busy_on_python_310_too(asyncio_timeout_of_
     assert (adm.active, adm.waiting, adm.rejected) == (1, 0, 1)
 
 
-def test_engine_stream_outlives_poll_timeouts_on_python_310_too(asyncio_timeout_of_python_310):
-    """A request whose first output comes after several POLL_S waits (a long prefill) still gets it: on Python 3.10
-    each wait's asyncio.TimeoutError must be caught as a poll timeout, not end the stream."""
+def test_engine_stream_outlives_poll_timeouts():
+    """A request whose first output comes after several POLL_S waits (a long prefill) still gets it: each wait's
+    timeout is caught as a poll timeout, not the end of the stream."""
     class Slow(EagerManager):
         def add_request(self, ids, request_id, max_new_tokens, streaming, eos_token_id):
             threading.Timer(0.2, self._deliver, (_Out(request_id, [100], True),)).start()
