@@ -10,8 +10,8 @@ per weight, mixed's perplexity rise <= 0.8x uniform's; at 3.5 bits per weight, m
 (summed sensitivities) vs measured KL and their Pearson correlation.
 
 --additivity N: the sensitivities' additivity at the probe itself: N random allocations, plus each mixed variant's
-and every uniform one, applied as RTN weights (the probe's) to the base model; the measured KL on the probe's
-calibration rows vs the summed table entries. One forward pass per allocation.
+and every uniform one, applied with the probe's weights (RTN or GPTQ-solved) to the base model; the measured KL on
+the probe's calibration rows vs the summed table entries. One forward pass per allocation.
 
 --scaled-check N (estimator "kl-scaled"): N random (unit, candidate) pairs at a group size the probe did not run,
 probed now: the scaled estimate in the table vs the KL the probe measures.
@@ -165,12 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     pairs = predicted_kl(report)
     r = pearson([p for _, p, _ in pairs], [k for _, _, k in pairs])
-    print(f"predicted (calibration, RTN probe, summed) vs measured (GPTQ, evaluation text) KL over {len(pairs)} "
+    print(f"predicted (calibration probe, summed) vs measured (GPTQ, evaluation text) KL over {len(pairs)} "
           f"models: Pearson {r if r is None else round(r, 3)}")
     if args.additivity:
         got = additivity(args.run_dir, first_mix_record(report, args.run_dir), args.additivity)
         r = pearson([p for _, p, _ in got], [m for _, _, m in got])
-        print(f"additivity at the probe (RTN weights, the probe's calibration rows), {len(got)} allocations: "
+        print(f"additivity at the probe (its weights, its calibration rows), {len(got)} allocations: "
               f"Pearson {r if r is None else round(r, 3)}")
     if args.scaled_check:
         got = scaled_check(args.run_dir, first_mix_record(report, args.run_dir), args.scaled_check)

@@ -81,10 +81,16 @@ def mix_lines(name: str, entry: ModelEntry, mix: dict) -> list[str]:
             f"{mix['granularity']}, {mix['solver']['kind']}, "
             f"{'exact' if mix['solver']['exact'] else 'exact at a resolution of '}"
             f"{'' if mix['solver']['exact'] else str(mix['solver']['resolution_bytes']) + ' bytes'}.",
-            f"Predicted KL (summed sensitivities, RTN probe on {probe.get('kl_rows')} calibration row(s)"
+            f"Predicted KL (summed sensitivities, {probe_weights(probe)} probe on {probe.get('kl_rows')} calibration "
+            f"row(s)"
             f"{probed}) {num(mix['predicted']['kl'])}; measured KL (this GPTQ checkpoint, evaluation text) "
             f"{num(entry.kl)}. Sensitivity cost: KL probe {num(sens_t.get('kl'), 3)} s, Hessian estimator "
             f"{num(sens_t.get('hessian'), 3)} s{cached}.", ""] + allocation_table(mix) + [""]
+
+
+def probe_weights(probe: dict) -> str:
+    """How the record's probe quantized the weights (records before probe_weights: RTN)."""
+    return "GPTQ-solved" if (probe.get("solver") or {}).get("weights") == "gptq" else "RTN"
 
 
 def mix_section(report: Report) -> list[str]:
@@ -95,7 +101,7 @@ def mix_section(report: Report) -> list[str]:
     rows = predicted_kl(report)
     if rows:
         r = pearson([p for _, p, _ in rows], [k for _, _, k in rows])
-        lines += table(["model", "predicted KL (calibration, RTN probe)", "measured KL"],
+        lines += table(["model", "predicted KL (summed, calibration probe)", "measured KL"],
                        [[n, num(p), num(k)] for n, p, k in rows])
         lines += ["", f"Pearson correlation of predicted and measured KL over these {len(rows)} models: "
                       f"{num(r, 3)}.", ""]
