@@ -198,6 +198,7 @@ class ServedPerplexity(Measured):
     in_process: Real | None = None
     ratio: Real | None = None
     time_s: Real | None = None
+    skipped: str | None = None  # why it was not scored (a window longer than the model's context)
 
 
 class Served(Measured):

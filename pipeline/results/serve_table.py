@@ -92,6 +92,9 @@ def serving(report: Report) -> list[str]:
                       "windows"],
                      [[name, _engine(s), f"{p.value:.4f}", f"{p.in_process or 0:.4f}", f"{p.ratio:.4f}", num(p.tokens),
                        num(p.windows)] for name, s in scored if (p := s.perplexity) is not None]) + [""]
+    unscored = [f"- {name} ({_engine(s)}): perplexity through the server not scored: {p.skipped}"
+                for name, s in served_ if (p := s.perplexity) is not None and p.skipped]
+    out += unscored + ([""] if unscored else [])
     out += [f"- {name} ({s.given('engine', '?')}): skipped: {s.skipped}" for name, s in skipped]
     return out + ([""] if skipped else [])
 

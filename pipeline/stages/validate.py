@@ -186,10 +186,17 @@ def serve(ctx: UnitContext, recipe, name: str, src: str, engine: str, skipped: s
         return {"engine": engine, "skipped": skipped}
     engines.choose(folder.checkpoint_format, str(folder.path), engine, ctx.device)
     prompts = corpus_prompts(max(64, 2 * max(cfg.concurrency)), cfg.prompt_words, ppl.dataset)
-    score = None
+    score, unscored = None, None
     if engine == "vllm" and cfg.perplexity:  # the only engine here that returns prompt log-probabilities
-        score = functools.partial(served_perplexity, ctx=ctx, name=name, ppl_cfg=ppl, timeout_s=cfg.timeout_s)
-        cfg = cfg.model_copy(update={"max_model_len": max(cfg.max_model_len, ppl.seq_len + 8)})
+        context = model_context(folder.path)
+        if context is not None and ppl.seq_len + 1 > context:  # a window and the one token vLLM must generate
+            unscored = (f"a perplexity window of {ppl.seq_len} tokens and one generated token exceed the model's "
+                        f"context of {context} (max_position_embeddings)")
+            log.warning("serve %s: perplexity through the server not scored: %s", name, unscored)
+        else:
+            score = functools.partial(served_perplexity, ctx=ctx, name=name, ppl_cfg=ppl, timeout_s=cfg.timeout_s)
+            longest = max(cfg.max_model_len, ppl.seq_len + 8)
+            cfg = cfg.model_copy(update={"max_model_len": longest if context is None else min(longest, context)})
     try:
         result = measure(folder.path, cfg, prompts, ctx.out, recipe.run.threads, ctx.device, engine=engine,
                          score=score)
@@ -198,6 +205,8 @@ def serve(ctx: UnitContext, recipe, name: str, src: str, engine: str, skipped: s
             raise  # the engine the model is meant to be served by: the unit fails
         log.warning("serve %s: %s refused it: %s", name, engine, e)
         return {"engine": engine, "refused": e.line, "versions": engines.get(engine).version()}
+    if unscored is not None:
+        result["perplexity"] = {"skipped": unscored}
     eq = result["equality"]
     if eq.get("exact", True) and eq["prompts"] and eq["identical"] < eq["prompts"]:
         log.warning("serve %s: greedy output through the server differs from generate's on %d of %d prompts",
@@ -206,6 +215,15 @@ def serve(ctx: UnitContext, recipe, name: str, src: str, engine: str, skipped: s
         log.info("serve %s (%s): greedy output equals transformers' generate on %d of %d prompts "
                  "(different kernels: not expected to be identical)", name, engine, eq["identical"], eq["prompts"])
     return result
+
+
+def model_context(folder) -> int | None:
+    """The checkpoint's max_position_embeddings (config.json), or None where it does not say."""
+    try:
+        n = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return n if isinstance(n, int) and n > 0 else None
 
 
 SERVED_PPL_WARN = 0.01  # served / in-process perplexity further than this from 1: a warning (measured: 0.998-1.001)

@@ -384,6 +384,11 @@ def test_serving_section_has_an_engine_per_row_a_ratio_and_the_skipped_line():
     assert "| baseline | continuous batching (vLLM) | 1 | 42 |" in md  # the techniques table
     assert "| baseline | vllm | 22.7349 | 22.7136 | 1.0009 | 6,141 | 3 |" in md  # perplexity through the server
     assert md.count("Perplexity through the server") == 1
+    unscored = Report.model_validate({"run": RUN, "baseline": {"served": {"vllm": {
+        **vllm, "perplexity": {"skipped": "a perplexity window of 4096 tokens ..."}}}}})
+    md = render_markdown(unscored, [])
+    assert "- baseline (vllm): perplexity through the server not scored: a perplexity window of 4096" in md
+    assert "| served perplexity |" not in md
     partial = Report.model_validate({"run": RUN, "baseline": {"served": {"transformers": {
         **hf, "levels": [{**LEVEL, "output_tok_s": None, "requests_s": None}]}}}})
     assert "| baseline | transformers | 1 | — | — | — | 140 |" in render_markdown(partial, [])  # no crash on a gap
@@ -639,3 +644,34 @@ def test_a_variants_vllm_serve_unit_reads_the_baselines_evaluation_ids(tmp_path)
     assert set(w4.deps) == {"quantize/w4", "validate/w4/quality", "validate/baseline/quality"}
     assert w4.config["serve"]["perplexity"] is True
     assert set(units["validate/baseline/serve/vllm"].deps) == {"load", "validate/baseline/quality"}
+
+
+def test_a_window_longer_than_the_models_context_is_not_scored_and_says_why(tmp_path, monkeypatch):
+    """vLLM refuses a max_model_len past max_position_embeddings: the serve unit leaves the perplexity out, saying
+    why, and keeps the server's max_model_len within the context; otherwise it raises it to hold a window."""
+    import json
+    from types import SimpleNamespace
+
+    from pipeline.stages import validate
+
+    r = _recipe(tmp_path, 'validate.serve.engines=["vllm"]', "validate.perplexity.seq_len=1024")
+    folder = tmp_path / "quantize" / "w4"
+    folder.mkdir(parents=True)
+    seen = {}
+
+    def fake_measure(path, cfg, prompts, out, threads, device, engine, score):
+        seen["max_model_len"], seen["score"] = cfg.max_model_len, score
+        return {"engine": engine, "equality": {"prompts": 0, "identical": 0}, "levels": []}
+
+    monkeypatch.setattr(validate, "measure", fake_measure)
+    monkeypatch.setattr(validate, "inspect", lambda p: SimpleNamespace(path=p, checkpoint_format="gptq",
+                                                                        format="gptq"))
+    monkeypatch.setattr(validate.engines, "choose", lambda *a: None)
+    ctx = SimpleNamespace(dep=lambda key: folder, out=tmp_path / "out", device="cpu")
+    for context, scored, longest in [(1024, False, 512), (1030, True, 1030), (8192, True, 1032)]:
+        (folder / "config.json").write_text(json.dumps({"max_position_embeddings": context}))
+        got = validate.serve(ctx, r, "w4", "quantize/w4", "vllm", None)
+        assert (seen["score"] is not None) is scored and seen["max_model_len"] == longest, context
+        if not scored:
+            assert got["perplexity"] == {"skipped": "a perplexity window of 1024 tokens and one generated token "
+                                                    "exceed the model's context of 1024 (max_position_embeddings)"}
