@@ -46,10 +46,12 @@ def floors(table: list[dict]) -> list[str]:
     by = {r["name"]: r for r in table}
     lines = []
     w4, w3 = by.get("gptq-w4g64"), by.get("gptq-w3g64")
-    m4, m35 = by.get("mixed-4.36"), by.get("mixed-3.5")
-    if w4 and m4 and w4["ppl_ratio"] and m4["ppl_ratio"]:
+    m35 = by.get("mixed-3.5")
+    for name, m4 in by.items():  # mixed-4.36 and its variants (mixed-4.36-r3: another probe)
+        if not name.startswith("mixed-4.36") or not (w4 and w4["ppl_ratio"] and m4["ppl_ratio"]):
+            continue
         rise = (m4["ppl_ratio"] - 1) / (w4["ppl_ratio"] - 1)
-        lines.append(f"floor 1: mixed-4.36 perplexity rise / uniform w4g64's = {rise:.3f} (<= 0.8 wanted): "
+        lines.append(f"floor 1: {name} perplexity rise / uniform w4g64's = {rise:.3f} (<= 0.8 wanted): "
                      f"{'met' if rise <= 0.8 else 'MISSED'}")
     if w3 and m35 and w3["ppl_ratio"] and m35["ppl_ratio"]:
         lines.append(f"floor 2: mixed-3.5 ppl ratio {m35['ppl_ratio']:.4f} vs uniform w3g64 {w3['ppl_ratio']:.4f}: "
