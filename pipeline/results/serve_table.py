@@ -90,8 +90,8 @@ def serving(report: Report) -> list[str]:
                 "figure for the same checkpoint (its kernels and precision against ours).", ""]
         out += table(["model", "engine", "served perplexity", "in process", "served / in process", "tokens",
                       "windows"],
-                     [[name, _engine(s), f"{p.value:.4f}", f"{p.in_process or 0:.4f}", f"{p.ratio:.4f}", num(p.tokens),
-                       num(p.windows)] for name, s in scored if (p := s.perplexity) is not None]) + [""]
+                     [[name, _engine(s), _fixed(p.value, 4), _fixed(p.in_process, 4), _fixed(p.ratio, 4),
+                       num(p.tokens), num(p.windows)] for name, s in scored if (p := s.perplexity) is not None]) + [""]
     unscored = [f"- {name} ({_engine(s)}): perplexity through the server not scored: {p.skipped}"
                 for name, s in served_ if (p := s.perplexity) is not None and p.skipped]
     out += unscored + ([""] if unscored else [])
