@@ -89,7 +89,7 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
               "server_exit": rc, "ready_s": round(ready_s, 1), "equality": eq, "levels": levels,
               **({"compiled": cfg.compile} if engine == "vllm" else {}),
               **({"perplexity": scored} if scored is not None else {})}
-    return {**result, **_vllm_facts(out / "server.log", folder)} if engine == "vllm" else result
+    return {**result, **vllm_facts(out / "server.log", folder)} if engine == "vllm" else result
 
 
 @dataclass
@@ -135,7 +135,7 @@ def _error_line(log_path: Path) -> str:
     return error_line(log_path.read_text(errors="replace").splitlines())
 
 
-def _vllm_facts(log: Path, folder: Path) -> dict:
+def vllm_facts(log: Path, folder: Path) -> dict:
     """What vLLM's log says it ran: the precision (`dtype=torch.bfloat16` in its engine's start line) and the linear
     kernels it chose ("Using CPUWNA16LinearKernel for ..."); and whether its CPU kernel multiplied 4-bit weights with
     int8-quantized activations: vLLM 0.32 does for 4-bit GPTQ/AWQ in bfloat16 on a CPU with AMX unless

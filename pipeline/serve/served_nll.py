@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from pipeline.base.errors import StageError
 
 
 class Window(Protocol):
@@ -64,3 +67,18 @@ def served_nll(url: str, model: str, ids: list[int], windows: Sequence[Window], 
         if progress is not None:
             progress(1)
     return ServedNLL(total, count)
+
+
+def served_vs_in_process(url: str, model: str, ids: list[int], windows: Sequence[Window], in_process: dict,
+                         label: str, timeout_s: float = 600, progress: Callable[[int], None] | None = None) -> dict:
+    """The windows scored through the server beside the quality stage's figure for the same ids and windows
+    (in_process: its perplexity record, {"value", "tokens", ...}): {"value", "nll", "tokens", "windows",
+    "in_process", "ratio", "time_s"}. StageError when the two scored different token counts."""
+    t0 = time.perf_counter()
+    got = served_nll(url, model, ids, windows, timeout_s, progress)
+    if got.tokens != in_process["tokens"]:
+        raise StageError(f"serve {label}: the server scored {got.tokens} tokens, the quality stage "
+                         f"{in_process['tokens']}")
+    return {"value": got.perplexity, "nll": got.nll, "tokens": got.tokens, "windows": len(windows),
+            "in_process": in_process["value"], "ratio": got.perplexity / in_process["value"],
+            "time_s": round(time.perf_counter() - t0, 1)}

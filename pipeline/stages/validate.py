@@ -5,13 +5,11 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import time
 
 from safetensors.torch import load_file
 from tqdm import tqdm
 
 from pipeline import data
-from pipeline.base.errors import StageError
 from pipeline.base.fileio import atomic_write_json
 from pipeline.base.unit import Unit, UnitContext
 from pipeline.base.worker import run_task
@@ -26,7 +24,7 @@ from pipeline.serve.config import engine_plan, model_format
 from pipeline.serve.folder import inspect
 from pipeline.serve.loadtest import corpus_prompts
 from pipeline.serve.measure import Refused, measure
-from pipeline.serve.served_nll import served_nll
+from pipeline.serve.served_nll import served_vs_in_process
 from pipeline.stages.draft import verifier_code, verifier_key
 from pipeline.stages.kinds import Draft, Load, Quality, Quantize, Serve, Speculative, Speed, Tasks
 
@@ -188,7 +186,7 @@ def serve(ctx: UnitContext, recipe, name: str, src: str, engine: str, skipped: s
     prompts = corpus_prompts(max(64, 2 * max(cfg.concurrency)), cfg.prompt_words, ppl.dataset)
     score, unscored = None, None
     if engine == "vllm" and cfg.perplexity:  # the only engine here that returns prompt log-probabilities
-        context = model_context(folder.path)
+        context = folder.context  # max_position_embeddings (pipeline/serve/folder.py)
         if context is not None and ppl.seq_len + 1 > context:  # a window and the one token vLLM must generate
             unscored = (f"a perplexity window of {ppl.seq_len} tokens and one generated token exceed the model's "
                         f"context of {context} (max_position_embeddings)")
@@ -217,15 +215,6 @@ def serve(ctx: UnitContext, recipe, name: str, src: str, engine: str, skipped: s
     return result
 
 
-def model_context(folder) -> int | None:
-    """The checkpoint's max_position_embeddings (config.json), or None where it does not say."""
-    try:
-        n = json.loads((folder / "config.json").read_text()).get("max_position_embeddings")
-    except (OSError, ValueError):
-        return None
-    return n if isinstance(n, int) and n > 0 else None
-
-
 SERVED_PPL_WARN = 0.01  # served / in-process perplexity further than this from 1: a warning (measured: 0.998-1.001)
 
 
@@ -235,14 +224,9 @@ def served_perplexity(url: str, model: str, ctx: UnitContext, name: str, ppl_cfg
     ids = load_file(ctx.dep(Quality.key("baseline")) / EVAL_IDS)["input_ids"].tolist()
     mine = json.loads((ctx.dep(Quality.key(name)) / "metrics.json").read_text())["perplexity"]
     windows = make_windows(len(ids), ppl_cfg.seq_len, ppl_cfg.stride, ppl_cfg.max_windows)
-    t0 = time.perf_counter()
     with tqdm(total=len(windows), desc=f"served perplexity {name}", unit="win", leave=False) as bar:
-        got = served_nll(url, model, ids, windows, timeout_s, progress=bar.update)
-    if got.tokens != mine["tokens"]:
-        raise StageError(f"serve {name}: the server scored {got.tokens} tokens, the quality stage {mine['tokens']}")
-    ratio = got.perplexity / mine["value"]
-    (log.warning if abs(ratio - 1) > SERVED_PPL_WARN else log.info)(
-        "serve %s: perplexity through the server %.4f, in process %.4f (x%.4f, %d windows)", name, got.perplexity,
-        mine["value"], ratio, len(windows))
-    return {"value": got.perplexity, "nll": got.nll, "tokens": got.tokens, "windows": len(windows),
-            "in_process": mine["value"], "ratio": ratio, "time_s": round(time.perf_counter() - t0, 1)}
+        got = served_vs_in_process(url, model, ids, windows, mine, name, timeout_s, bar.update)
+    (log.warning if abs(got["ratio"] - 1) > SERVED_PPL_WARN else log.info)(
+        "serve %s: perplexity through the server %.4f, in process %.4f (x%.4f, %d windows)", name, got["value"],
+        got["in_process"], got["ratio"], len(windows))
+    return got

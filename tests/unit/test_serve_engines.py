@@ -663,9 +663,9 @@ def test_a_window_longer_than_the_models_context_is_not_scored_and_says_why(tmp_
         seen["max_model_len"], seen["score"] = cfg.max_model_len, score
         return {"engine": engine, "equality": {"prompts": 0, "identical": 0}, "levels": []}
 
+    (folder / "model.safetensors").write_bytes(b"")  # enough for serve/folder.py's inspect, which reads the context
+    (folder / "tokenizer.json").write_text("{}")
     monkeypatch.setattr(validate, "measure", fake_measure)
-    monkeypatch.setattr(validate, "inspect", lambda p: SimpleNamespace(path=p, checkpoint_format="gptq",
-                                                                        format="gptq"))
     monkeypatch.setattr(validate.engines, "choose", lambda *a: None)
     ctx = SimpleNamespace(dep=lambda key: folder, out=tmp_path / "out", device="cpu")
     for context, scored, longest in [(1024, False, 512), (1030, True, 1030), (8192, True, 1032)]:
