@@ -81,14 +81,14 @@ def mix_lines(name: str, entry: ModelEntry, mix: dict) -> list[str]:
             f"{mix['granularity']}, {mix['solver']['kind']}, "
             f"{'exact' if mix['solver']['exact'] else 'exact at a resolution of '}"
             f"{'' if mix['solver']['exact'] else str(mix['solver']['resolution_bytes']) + ' bytes'}.",
-            f"Predicted KL (summed sensitivities, {probe_weights(probe)} probe on {probe.get('kl_rows')} calibration "
-            f"row(s)"
+            f"Predicted KL (summed sensitivities, {probe_weights_label(probe)} probe on {probe.get('kl_rows')} "
+            f"calibration row(s)"
             f"{probed}) {num(mix['predicted']['kl'])}; measured KL (this GPTQ checkpoint, evaluation text) "
             f"{num(entry.kl)}. Sensitivity cost: KL probe {num(sens_t.get('kl'), 3)} s, Hessian estimator "
             f"{num(sens_t.get('hessian'), 3)} s{cached}.", ""] + allocation_table(mix) + [""]
 
 
-def probe_weights(probe: dict) -> str:
+def probe_weights_label(probe: dict) -> str:
     """How the record's probe quantized the weights (records before probe_weights: RTN)."""
     return "GPTQ-solved" if (probe.get("solver") or {}).get("weights") == "gptq" else "RTN"
 
