@@ -13,6 +13,10 @@ scale or zero point differs.
 compressed-tensors' signed grid is the GPTQ grid shifted by 2**(bits-1): q_ct = q - 2**(bits-1), and for an
 asymmetric grid zp_ct = z - 2**(bits-1); (q_ct - zp_ct) * s = (q - z) * s. pack-quantized stores no g_idx, so an
 act-order checkpoint (g_idx not column // group_size) is refused.
+
+A mixed-precision GPTQ checkpoint ([quantize.mix]: GPTQModel's per-module `dynamic` overrides) becomes one config
+group per (bits, group size), each targeting its linears by name; which setting a linear has is read with GPTQModel's
+own `dynamic_get`, the rule its loader follows.
 """
 from __future__ import annotations
 
@@ -78,13 +82,51 @@ def dequantized(q: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, dtype: t
     return (q - zz).to(dtype) * ss
 
 
-def scheme(bits: int, group_size: int, sym: bool, ignore: list[str]):
-    """compressed-tensors' own config: int weights only (A16), group or channel strategy, static."""
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym, dynamic=False,
+Setting = tuple[int, int]  # (bits, group_size; -1 = one scale per row)
+
+
+def weight_args(bits: int, group_size: int, sym: bool) -> QuantizationArgs:
+    """compressed-tensors' int weights only (A16), group or channel strategy, static."""
+    return QuantizationArgs(num_bits=bits, type="int", symmetric=sym, dynamic=False,
                             strategy="channel" if group_size == -1 else "group",
                             group_size=None if group_size == -1 else group_size)
-    return QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)},
+
+
+def scheme(bits: int, group_size: int, sym: bool, ignore: list[str]):
+    """compressed-tensors' own config for a uniform checkpoint: every Linear not ignored at (bits, group_size)."""
+    return QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"],
+                                                                           weights=weight_args(bits, group_size, sym))},
                               ignore=ignore, format=CT_FORMAT, quantization_status="initialized")
+
+
+def mixed_scheme(settings: dict[str, Setting], sym: bool, ignore: list[str]):
+    """One config group per setting, targeting its linears by their full names (no two groups match one linear);
+    groups ordered by bits, then group size."""
+    by: dict[Setting, list[str]] = {}
+    for name, setting in settings.items():
+        by.setdefault(setting, []).append(name)
+    groups = {f"group_{i}": QuantizationScheme(targets=sorted(by[st]), weights=weight_args(*st, sym))
+              for i, st in enumerate(sorted(by))}
+    return QuantizationConfig(config_groups=groups, ignore=ignore, format=CT_FORMAT,
+                              quantization_status="initialized")
+
+
+def linear_settings(qc: dict, names: list[str]) -> dict[str, Setting]:
+    """Each quantized linear's (bits, group_size): the config's, or its `dynamic` override as GPTQModel resolves it."""
+    base = (int(qc["bits"]), int(qc["group_size"]))
+    dynamic = qc.get("dynamic") or None
+    if dynamic is None:
+        return dict.fromkeys(names, base)
+    from gptqmodel.quantization.config import dynamic_get  # late: GPTQModel's import is heavy; mixes only
+
+    out = {}
+    for name in names:
+        over = dynamic_get(dynamic, name)
+        if over is False:
+            raise ValueError(f"{name} has quantized tensors but the checkpoint's `dynamic` excludes it")
+        over = over or {}
+        out[name] = (int(over.get("bits", base[0])), int(over.get("group_size", base[1])))
+    return out
 
 
 def _gptq_linears(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
@@ -112,13 +154,12 @@ def convert(gptq_dir: Path, out_dir: Path) -> dict:
         raise ValueError(f"{gptq_dir} is not a GPTQ checkpoint (quant_method {qc.get('quant_method')!r})")
     if qc.get("desc_act"):
         raise ValueError("desc_act = true: compressed-tensors' pack-quantized format stores no g_idx (act-order)")
-    bits, group_size = int(qc["bits"]), int(qc["group_size"])
     v1 = qc.get("checkpoint_format", "gptq") == "gptq"
     state = _read_state(gptq_dir)
     linears = _gptq_linears(state)
-    ints = {name: gptq_integers(t, bits, group_size, v1) for name, t in linears.items()}
-    mid = 1 << (bits - 1)
-    sym = all(bool((z == mid).all()) for _, z, _ in ints.values())
+    settings = linear_settings(qc, sorted(linears))
+    ints = {name: gptq_integers(t, *settings[name], v1) for name, t in linears.items()}
+    sym = all(bool((z == 1 << (settings[n][0] - 1)).all()) for n, (_, z, _) in ints.items())
     if qc.get("sym", True) and not sym:
         raise ValueError("sym = true but some zero points are not the grid's middle")
 
@@ -135,7 +176,8 @@ def convert(gptq_dir: Path, out_dir: Path) -> dict:
         lin.weight = torch.nn.Parameter(torch.empty(lin.weight.shape, dtype=torch.float32), requires_grad=False)
     quantized = set(linears)
     ignore = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in quantized)
-    qcfg = scheme(bits, group_size, sym, ignore)
+    qcfg = (mixed_scheme(settings, sym, ignore) if qc.get("dynamic")
+            else scheme(*settings[next(iter(settings))], sym, ignore))
     apply_quantization_config(model, qcfg)
     missing, unexpected = model.load_state_dict(plain, strict=False)
     if unexpected:
@@ -146,6 +188,7 @@ def convert(gptq_dir: Path, out_dir: Path) -> dict:
             lin.weight.copy_(dequantized(q, z, s, torch.float32))
             lin.weight_scale = torch.nn.Parameter(s.clone(), requires_grad=False)
             if not sym:
+                mid = 1 << (settings[name][0] - 1)
                 lin.weight_zero_point = torch.nn.Parameter((z - mid).to(torch.int8), requires_grad=False)
     model.tie_weights()
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=CT_FORMAT)
@@ -153,15 +196,16 @@ def convert(gptq_dir: Path, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     compressor.update_config(str(out_dir))
-    _verify(out_dir, ints, bits, sym)
+    _verify(out_dir, ints, {n: b for n, (b, _) in settings.items()}, sym)
     return json.loads((out_dir / "config.json").read_text())["quantization_config"]
 
 
-def _verify(out_dir: Path, ints: dict, bits: int, sym: bool) -> None:
+def _verify(out_dir: Path, ints: dict, bits_of: dict[str, int], sym: bool) -> None:
     """Unpack what compressed-tensors wrote (its own unpacker) and compare with the GPTQ integers, scales and zeros."""
     state = _read_state(out_dir)
-    mid = 1 << (bits - 1)
     for name, (q, z, s) in ints.items():
+        bits = bits_of[name]
+        mid = 1 << (bits - 1)
         got = unpack_from_int32(state[f"{name}.weight_packed"], bits, tuple(q.shape)).to(torch.int64)
         ok = torch.equal(got, q - mid) and torch.equal(state[f"{name}.weight_scale"], s)
         if ok and not sym:

@@ -6,7 +6,11 @@ The cost of a module is counted as the GPTQ checkpoint stores it (GPTQModel's pa
     qweight  in * bits / 8 * out bytes      qzeros  groups * out * bits / 8 bytes
     scales   groups * out * 2 bytes (fp16)  g_idx   in * 4 bytes           groups = in / group_size (1 for -1)
 so a budget in bits per weight means what pipeline/eval/bits.py measures on the written checkpoint (GPTQ w4g64 on
-SmolLM2: 4.36, not 4.5 or 4.0). Skipped modules (`modules_to_skip`) are outside the budget and outside the mix.
+SmolLM2: 4.36, not 4.5 or 4.0). With format = "compressed-tensors" (the same integers, pack-quantized) a linear
+stores no g_idx, and zero points only on an asymmetric grid:
+    weight_packed  in * bits / 8 * out bytes   weight_scale  groups * out * 2   weight_shape  16 (two int64)
+    weight_zero_point  groups * out * bits / 8 (asymmetric only)
+(w4g64 symmetric: 4.25 bits per weight). Skipped modules (`modules_to_skip`) are outside the budget and outside the mix.
 """
 from __future__ import annotations
 
@@ -17,9 +21,15 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.base.problem import Problem
+from pipeline.quant.ct_format import CT, CT_BITS
 from pipeline.quant.shapes import Arch, is_skipped, module_names
 
-Granularity = Literal["block", "module"]
+Granularity = Literal["block", "fused", "module"]
+# the linears an engine runs as one matmul (vLLM's packed_modules_mapping: qkv_proj, gate_up_proj), which must share
+# a setting there; granularity 'fused' makes each such set one unit and every other linear its own
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+         "up_proj": "gate_up_proj"}
+MIX_FORMATS = ("gptq", CT)
 MB = 10**6
 
 
@@ -53,7 +63,9 @@ class MixConfig(BaseModel):
         None, min_length=1, description="candidate group sizes; None = the variant's group_size only")
     granularity: Granularity = Field(
         "block", description="allocation unit: 'block' (one decoder layer's attention, or its MLP: two units a "
-                             "layer) or 'module' (every linear; ~3.5x the sensitivity probe's forward passes)")
+                             "layer), 'fused' (what engines run as one matmul shares a setting: q/k/v, gate/up; "
+                             "o_proj and down_proj alone: four units a Llama layer, and what vLLM needs of a mix) "
+                             "or 'module' (every linear; ~3.5x the sensitivity probe's forward passes)")
     estimator: Literal["kl", "kl-scaled", "hessian"] = Field(
         "kl", description="the sensitivity the allocation minimises: 'kl' (output KL on the calibration rows with "
                           "that unit alone quantized, RTN weights; one probe per unit and candidate), 'kl-scaled' "
@@ -104,6 +116,17 @@ class MixUnit:
         return rf"^(?:.*\.)?{re.escape(tail)}\.(?:{names})$"
 
 
+def unit_kind(kind: str, granularity: Granularity) -> str:
+    """The unit a linear ('self_attn.q_proj' within its layer) belongs to: 'self_attn', 'self_attn.qkv_proj' or
+    itself."""
+    if granularity == "module":
+        return kind
+    block, _, leaf = kind.rpartition(".")
+    if granularity == "fused":
+        return f"{block}.{FUSED.get(leaf, leaf)}" if block else FUSED.get(leaf, leaf)
+    return kind.split(".", 1)[0]
+
+
 def mix_units(arch: Arch, modules_to_skip: list[str], granularity: Granularity) -> list[MixUnit]:
     """The allocation units of a model's decoder linears (lm_head and skipped modules are not in the mix)."""
     prefix, tail = arch.layers + ".", arch.layers.rpartition(".")[2]
@@ -112,15 +135,37 @@ def mix_units(arch: Arch, modules_to_skip: list[str], granularity: Granularity) 
         if not full.startswith(prefix) or is_skipped(full, modules_to_skip):
             continue
         layer, kind = full[len(prefix):].split(".", 1)
-        key = f"{tail}.{layer}.{kind if granularity == 'module' else kind.split('.', 1)[0]}"
+        key = f"{tail}.{layer}.{unit_kind(kind, granularity)}"
         groups.setdefault(key, []).append((full, arch.linear_in_features[kind], arch.linear_out_features[kind]))
     return [MixUnit(k, tuple(v)) for k, v in groups.items()]
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How the checkpoint stores a quantized linear (the module docstring): its format, and for compressed-tensors
+    whether zero points are stored (an asymmetric grid)."""
+
+    format: str = "gptq"
+    sym: bool = True
+
+    @classmethod
+    def of(cls, variant) -> Layout:
+        return cls(getattr(variant, "format", "gptq"), bool(getattr(variant, "sym", True)))
+
+    def module_bytes(self, in_f: int, out_f: int, bits: int, group_size: int) -> int:
+        groups = in_f // group_size if group_size > 0 else 1
+        values, scales = in_f * out_f * bits // 8, groups * out_f * 2
+        if self.format == "compressed-tensors":
+            return values + scales + 16 + (0 if self.sym else groups * out_f * bits // 8)
+        return values + groups * out_f * bits // 8 + scales + in_f * 4
+
+
+GPTQ_LAYOUT = Layout()
+
+
 def module_bytes(in_f: int, out_f: int, bits: int, group_size: int) -> int:
     """Bytes of one linear in the GPTQ format (see the module docstring)."""
-    groups = in_f // group_size if group_size > 0 else 1
-    return in_f * out_f * bits // 8 + groups * out_f * bits // 8 + groups * out_f * 2 + in_f * 4
+    return GPTQ_LAYOUT.module_bytes(in_f, out_f, bits, group_size)
 
 
 def shape_problem(in_f: int, out_f: int, bits: int, group_size: int) -> str | None:
@@ -136,8 +181,8 @@ def shape_problem(in_f: int, out_f: int, bits: int, group_size: int) -> str | No
     return None
 
 
-def unit_cost(unit: MixUnit, bits: int, group_size: int) -> int:
-    return sum(module_bytes(i, o, bits, group_size) for _, i, o in unit.modules)
+def unit_cost(unit: MixUnit, bits: int, group_size: int, layout: Layout = GPTQ_LAYOUT) -> int:
+    return sum(layout.module_bytes(i, o, bits, group_size) for _, i, o in unit.modules)
 
 
 def budget_bytes(budget: MixBudget, units: list[MixUnit]) -> int:
@@ -152,9 +197,10 @@ def bits_per_weight(nbytes: int, units: list[MixUnit]) -> float:
     return 8 * nbytes / sum(u.weights for u in units)
 
 
-def achievable(units: list[MixUnit], cands: list[tuple[int, int]]) -> tuple[int, int]:
+def achievable(units: list[MixUnit], cands: list[tuple[int, int]], layout: Layout = GPTQ_LAYOUT
+               ) -> tuple[int, int]:
     """(cheapest, dearest) total bytes over the units."""
-    costs = [[unit_cost(u, b, g) for b, g in cands] for u in units]
+    costs = [[unit_cost(u, b, g, layout) for b, g in cands] for u in units]
     return sum(min(c) for c in costs), sum(max(c) for c in costs)
 
 
@@ -163,15 +209,18 @@ def check_mix(variant, arch: Arch, method_bits: tuple[int, ...], method_group_si
     candidates some linears' shapes cannot take (named), a budget outside the achievable range (stated)."""
     mix: MixConfig = variant.mix
     problems: list[Problem] = []
-    if variant.format != "gptq":
-        problems.append(Problem("format", "mix-needs-gptq-format",
-                                f"[quantize.mix] writes GPTQModel's per-module `dynamic` overrides, which only the "
-                                f"GPTQ format holds: set format = \"gptq\" (not {variant.format!r})"))
-    bad_bits = [b for b in mix.bits if b not in method_bits]
+    if variant.format not in MIX_FORMATS:
+        problems.append(Problem("format", "mix-format-unsupported",
+                                f"[quantize.mix] writes GPTQModel's per-module `dynamic` overrides (format = "
+                                f"\"gptq\") or one compressed-tensors config group per setting (format = "
+                                f"\"compressed-tensors\"), not format = {variant.format!r}"))
+    fmt_name, fmt_bits = (("compressed-tensors pack-quantized", CT_BITS) if variant.format == CT
+                          else ("GPTQ", method_bits))
+    bad_bits = [b for b in mix.bits if b not in fmt_bits]
     if bad_bits:
         problems.append(Problem("mix.bits", "mix-bits-unsupported",
-                                f"mix.bits {bad_bits} not supported (the GPTQ format takes "
-                                f"{', '.join(map(str, method_bits))})"))
+                                f"mix.bits {bad_bits} not supported (the {fmt_name} format takes "
+                                f"{', '.join(map(str, fmt_bits))})"))
     cands = mix.candidates(variant.group_size)
     bad_g = sorted({g for _, g in cands if g not in method_group_sizes})
     if bad_g:
@@ -198,7 +247,7 @@ def check_mix(variant, arch: Arch, method_bits: tuple[int, ...], method_group_si
                                     + ": drop it from mix.bits / mix.group_sizes"))
     if problems:
         return problems
-    lo, hi = achievable(units, cands)
+    lo, hi = achievable(units, cands, Layout.of(variant))
     want = budget_bytes(mix.budget, units)
     if not lo <= want <= hi:
         problems.append(Problem("mix.budget", "mix-budget-out-of-range",

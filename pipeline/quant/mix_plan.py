@@ -13,7 +13,7 @@ from typing import IO
 
 from pipeline.base.errors import StageError
 from pipeline.quant.methods.gptq import act_group_aware
-from pipeline.quant.mix import MixConfig, bits_per_weight, budget_bytes, dynamic_overrides, mix_units, unit_cost
+from pipeline.quant.mix import Layout, MixConfig, bits_per_weight, budget_bytes, dynamic_overrides, mix_units, unit_cost
 from pipeline.quant.mix_alloc import allocate
 from pipeline.quant.mix_sensitivity import Solver, measure
 from pipeline.quant.shapes import linear_shapes_from_config
@@ -50,7 +50,8 @@ def plan(base_dir: Path, variant, calib_ids, console: IO[str]) -> dict:
                     variant.desc_act)
     sens = measure(base_dir, calib_ids, units, cands, mix.probe_rows, mix.hessian_rows, solver, arch.layers,
                    _cache_dir.get(), say, mix.probe_group_size(variant.group_size))
-    cost = [[unit_cost(u, b, g) for b, g in cands] for u in units]
+    layout = Layout.of(variant)  # what the written checkpoint stores (format, zero points)
+    cost = [[unit_cost(u, b, g, layout) for b, g in cands] for u in units]
     budget = budget_bytes(mix.budget, units)
     try:
         a = allocate(cost, sens["hessian" if mix.estimator == "hessian" else "kl"], budget)

@@ -4,7 +4,15 @@ from __future__ import annotations
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from pipeline.quant.mix import achievable, bits_per_weight, dynamic_overrides, mix_units, module_bytes
+from pipeline.quant.mix import (
+    Layout,
+    achievable,
+    bits_per_weight,
+    dynamic_overrides,
+    mix_units,
+    module_bytes,
+    unit_cost,
+)
 from pipeline.quant.registry import QuantVariant, check_variant
 from pipeline.quant.shapes import linear_shapes_from_config
 from tests.problems import codes, keys, only
@@ -30,6 +38,18 @@ def test_units_are_one_attention_and_one_mlp_block_a_layer(smol):
     assert len(mix_units(smol, ["lm_head"], "module")) == 210
     # a skipped module is outside the mix
     assert len(mix_units(smol, ["lm_head", "mlp.down_proj"], "module")) == 180
+
+
+def test_fused_units_are_what_vllm_runs_as_one_matmul(smol):
+    """granularity 'fused': q/k/v one unit, gate/up one, o_proj and down_proj alone (vLLM's qkv_proj and gate_up_proj
+    need one setting for their shards)."""
+    units = mix_units(smol, ["lm_head"], "fused")
+    assert len(units) == 120
+    assert [u.name for u in units[:4]] == ["layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj",
+                                           "layers.0.mlp.gate_up_proj", "layers.0.mlp.down_proj"]
+    assert [n.rpartition(".")[2] for n, _, _ in units[0].modules] == ["q_proj", "k_proj", "v_proj"]
+    assert [n.rpartition(".")[2] for n, _, _ in units[2].modules] == ["gate_proj", "up_proj"]
+    assert sum(u.weights for u in units) == sum(u.weights for u in mix_units(smol, ["lm_head"], "module"))
 
 
 def test_uniform_w4g64_costs_what_the_checkpoint_measures(smol):
@@ -82,9 +102,24 @@ def test_a_candidate_a_module_cannot_take_is_named(smol):
     assert any("3-bit" in p.message and "(592x592)" in p.message for p in problems), problems
 
 
-def test_mix_needs_the_gptq_format(smol):
+def test_a_compressed_tensors_mix_takes_4_and_8_bits_and_costs_no_g_idx(smol):
+    """format = "compressed-tensors": pack-quantized holds 4 or 8 bits (vLLM's WNA16), and a linear stores no g_idx
+    and, symmetric, no zero points: uniform w4g64 is 4.25 bits per weight (weight_shape's 16 bytes aside)."""
     problems = check_variant(variant(format="compressed-tensors", mix={"budget": {"bits_per_weight": 4.0}}), smol, "cpu")
-    assert ("format", "mix-needs-gptq-format") in keys(problems)
+    assert keys(problems) == [("mix.bits", "mix-bits-unsupported")]
+    assert str(problems[0]) == ("mix: mix.bits [2, 3] not supported (the compressed-tensors pack-quantized format "
+                                "takes 4, 8)")
+    units = mix_units(smol, ["lm_head"], "block")
+    ct = Layout("compressed-tensors")
+    assert bits_per_weight(sum(unit_cost(u, 4, 64, ct) for u in units), units) == pytest.approx(4.25, abs=1e-3)
+    assert bits_per_weight(sum(unit_cost(u, 4, 64, Layout("compressed-tensors", sym=False)) for u in units),
+                           units) == pytest.approx(4.3125, abs=1e-3)
+    ok = variant(format="compressed-tensors", mix={"budget": {"bits_per_weight": 4.3}, "bits": [4, 8]})
+    assert check_variant(ok, smol, "cpu") == []
+    # the range is the compressed-tensors layout's (4.25 + weight_shape at the least), not the GPTQ layout's (4.36)
+    low = check_variant(variant(format="compressed-tensors", mix={"budget": {"bits_per_weight": 4.2}, "bits": [4, 8]}),
+                        smol, "cpu")
+    assert keys(low) == [("mix.budget", "mix-budget-out-of-range")] and "4.250 to 8.250" in low[0].message
 
 
 def test_a_mix_with_every_linear_skipped_has_nothing_to_mix(smol):
