@@ -110,9 +110,19 @@ class MixUnit:
         return sum(i * o for _, i, o in self.modules)
 
     def pattern(self, layers: str) -> str:
-        """GPTQModel `dynamic` regex matching exactly this unit's linears (by name suffix after the layers path)."""
+        """GPTQModel `dynamic` regex matching exactly this unit's linears (by name suffix after the layers path), and
+        the fused linears whose every shard is in the unit, by the name vLLM gives them (its GPTQ loader looks the
+        override up under 'layers.0.mlp.gate_up_proj', not the shards' names)."""
         tail = layers.rpartition(".")[2]
-        names = "|".join(re.escape(n[len(layers) + 1:]) for n, _, _ in self.modules)
+        suffixes = [n[len(layers) + 1:] for n, _, _ in self.modules]
+        have = set(suffixes)
+        for fused in dict.fromkeys(FUSED.values()):
+            shards = [s for s, f in FUSED.items() if f == fused]
+            for sfx in list(suffixes):
+                head, _, leaf = sfx.rpartition(".")
+                if leaf == shards[0] and all(f"{head}.{s}" in have for s in shards):
+                    suffixes.append(f"{head}.{fused}")
+        names = "|".join(re.escape(n) for n in suffixes)
         return rf"^(?:.*\.)?{re.escape(tail)}\.(?:{names})$"
 
 

@@ -141,6 +141,22 @@ def test_dynamic_overrides_match_exactly_the_unit_linears(smol):
     assert attn1.match("model.layers.1.self_attn.o_proj") and not attn1.match("model.layers.1.mlp.up_proj")
 
 
+def test_dynamic_overrides_name_the_fused_linears_vllm_looks_up(smol):
+    """vLLM builds q/k/v as one qkv_proj and gate/up as one gate_up_proj, and looks a `dynamic` override up under that
+    name: a unit holding every shard matches it too; a unit holding one shard does not (vLLM would refuse it)."""
+    import re
+
+    attn, mlp = (re.compile(u.pattern(smol.layers)) for u in mix_units(smol, ["lm_head"], "block")[:2])
+    assert attn.match("model.layers.0.self_attn.qkv_proj") and mlp.match("model.layers.0.mlp.gate_up_proj")
+    assert not attn.match("model.layers.0.mlp.gate_up_proj") and not mlp.match("model.layers.10.mlp.gate_up_proj")
+    fused = {u.name: re.compile(u.pattern(smol.layers)) for u in mix_units(smol, ["lm_head"], "fused")[:4]}
+    assert fused["layers.0.self_attn.qkv_proj"].match("model.layers.0.self_attn.qkv_proj")
+    assert fused["layers.0.mlp.gate_up_proj"].match("model.layers.0.mlp.gate_up_proj")
+    assert not fused["layers.0.mlp.down_proj"].match("model.layers.0.mlp.gate_up_proj")
+    gate = re.compile(mix_units(smol, ["lm_head"], "module")[4].pattern(smol.layers))
+    assert gate.match("model.layers.0.mlp.gate_proj") and not gate.match("model.layers.0.mlp.gate_up_proj")
+
+
 def test_a_per_row_scale_turns_act_group_aware_off_for_its_unit_only(smol):
     """GPTQModel refuses act_group_aware (on by default) without groups: a group_size -1 unit says so itself."""
     units = mix_units(smol, ["lm_head"], "module")[:3]

@@ -74,10 +74,12 @@ class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
                 {"runtime": "GPTQModel.load", "kernel": "per module: TorchAtenLinear (4-bit) or TorchLinear (CPU); "
                  "Marlin or Triton/Torch (CUDA)", "note": "reads the `dynamic` overrides; what this run measures with"},
                 {"runtime": "vLLM (CUDA)", "kernel": "gptq / gptq_marlin per module",
-                 "note": "vLLM documents GPTQModel's `dynamic` overrides; not served here"},
-                {"runtime": "vLLM (CPU, 0.32)", "kernel": "none",
-                 "note": "reads the overrides but its CPU GPTQ kernel takes symmetric 4-bit only: an 8-bit module is "
-                         "refused ('Marlin does not support weight_bits = uint8b128'), measured here"},
+                 "note": f"vLLM documents GPTQModel's `dynamic` overrides; {_fused_note(variant)}; not served here"},
+                {"runtime": "vLLM (CPU, 0.32)", "kernel": "CPUWNA16 per module",
+                 "note": "reads the overrides (under its fused names: qkv_proj, gate_up_proj, which the overrides "
+                         "match); its CPU kernel takes 4-bit only: a 4-bit mix of group sizes is served, an 8-bit "
+                         "module refused ('Marlin does not support weight_bits = uint8b128'), both measured here; "
+                         + _fused_note(variant)},
                 {"runtime": "llama.cpp", "kernel": "none", "note": "reads GGUF only"}]
 
     def bits_per_weight(self, variant) -> float:
@@ -85,12 +87,16 @@ class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
         return budget if budget is not None else super().bits_per_weight(variant)
 
 
+def _fused_note(variant) -> str:
+    if variant.mix.granularity != "module":
+        return f"q/k/v and gate/up share a setting (granularity {variant.mix.granularity!r})"
+    return ("granularity 'module' can give q/k/v or gate/up different settings, which vLLM refuses for its fused "
+            "qkv_proj/gate_up_proj: use granularity 'fused' or 'block' for vLLM")
+
+
 def ct_mix_runtimes(variant) -> list[dict]:
     """A mix written as compressed-tensors: one config group per setting, each naming its linears."""
-    fused = (f"q/k/v and gate/up share a setting (granularity {variant.mix.granularity!r})"
-             if variant.mix.granularity != "module"
-             else "granularity 'module' can give q/k/v or gate/up different settings, which vLLM refuses for its "
-                  "fused qkv_proj/gate_up_proj: use granularity 'fused' or 'block' for vLLM")
+    fused = _fused_note(variant)
     return [{"runtime": "transformers (CPU/CUDA)", "kernel": "compressed-tensors decompressor (dense matmul)",
              "note": "reads a config group per setting and decompresses each linear with its own bits and group "
                      "size at the first forward; what this run measures with"},
