@@ -65,7 +65,7 @@ def estimate_memory(recipe, info, plan, source) -> None:
         key = Quantize.key(v.name)
         c = method_of(v)
         if c.memory == "layerwise":
-            tokens = cal_tokens if c.needs_calibration else 0
+            tokens = cal_tokens if c.calibrates(v) else 0
             need = quantize_bytes(cfg, w, tokens, False, dtype_bytes(plan.dtype))
             if capped and c.offload and need > plan.memory_limit:
                 plan.offload[key] = True

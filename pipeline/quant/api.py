@@ -31,7 +31,8 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.Tensor | None, ou
     stream the model from disk does so when the plan predicts the in-memory way would exceed it."""
     c = method_of(variant)
     base_dir, out_dir = Path(base_dir).resolve(), Path(out_dir).resolve()  # engines may chdir
-    if c.needs_calibration and calib_ids is None:
+    calibrated = c.calibrates(variant)
+    if calibrated and calib_ids is None:
         raise StageError(f"variant {variant.name!r} ({c.name}) needs calibration ids; none were given")
     if calib_ids is not None and (calib_ids.dim() != 2 or calib_ids.dtype != torch.long):
         raise StageError(f"calibration ids must be a LongTensor [n_samples, seq_len], got "
@@ -61,7 +62,7 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.Tensor | None, ou
         try:
             with PeakMemory() as mem, impl.session(out_dir):
                 t0 = time.perf_counter()
-                calib = calib_ids if c.needs_calibration else None
+                calib = calib_ids if calibrated else None
                 model = (impl.quantize(base_dir, variant, calib, console, device) if offload is None else
                          impl.quantize(base_dir, variant, calib, console, device, offload=offload))
                 details = impl.save(model, base_dir, out_dir, variant)
@@ -78,7 +79,7 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.Tensor | None, ou
         "method": c.name, "params": variant.model_dump(mode="json"), **details, "device": device, "seed": seed,
         "compute": describe_compute(details.get("dtype"), device), "offloaded": offload is not None,
         "time_s": round(elapsed, 3), "peak_rss_above_baseline_bytes": mem.above_start_bytes,
-        "calibration": calibration_fingerprint(calib_ids) if c.needs_calibration else None,
+        "calibration": calibration_fingerprint(calib_ids) if calibrated else None,
         "log": log_name,
     }
 

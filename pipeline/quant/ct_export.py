@@ -34,6 +34,7 @@ from compressed_tensors.quantization import (
     QuantizationScheme,
     apply_quantization_config,
 )
+from gptqmodel.quantization.config import dynamic_get
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -117,8 +118,6 @@ def linear_settings(qc: dict, names: list[str]) -> dict[str, Setting]:
     dynamic = qc.get("dynamic") or None
     if dynamic is None:
         return dict.fromkeys(names, base)
-    from gptqmodel.quantization.config import dynamic_get  # late: GPTQModel's import is heavy; mixes only
-
     out = {}
     for name in names:
         over = dynamic_get(dynamic, name)

@@ -67,6 +67,7 @@ class Converted:
     tokenizer_pre: str
     chat_template: bool
     fallback_tensors: list[str] = field(default_factory=list)
+    mix: dict | None = None  # a [quantize.mix] allocation record (pipeline/quant/gguf_mix_plan.py)
 
 
 def file_name(base_dir: Path, gguf_type: str) -> str:
@@ -76,18 +77,21 @@ def file_name(base_dir: Path, gguf_type: str) -> str:
     return f"{name}-{gguf_type}.gguf"
 
 
-def convert(base_dir: Path, variant, config: dict, kquant: bool, permute_qk: bool, console: IO[str]) -> Converted:
+def convert(base_dir: Path, variant, config: dict, kquant: bool, permute_qk: bool, console: IO[str],
+            types: dict[str, str] | None = None) -> Converted:
     """The whole file in memory: metadata, tokenizer and every tensor in its GGUF type (float for K-quants,
     which llama.cpp quantizes in `write`). kquant: the type is made by llama.cpp's quantizer; permute_qk: the
-    architecture's Q/K rows are permuted as llama.cpp's LlamaModel does (pipeline/quant/methods/gguf.py)."""
+    architecture's Q/K rows are permuted as llama.cpp's LlamaModel does (pipeline/quant/methods/gguf.py);
+    types: {linear's full name: its GGUF type} over the variant's type (a [quantize.mix] allocation)."""
     dtype = base_dtype(base_dir)
     target = FLOAT_TYPES[dtype] if kquant else variant.type
     writer = gguf.GGUFWriter(None, config["model_type"])
-    fallbacks = _write_tensors(writer, base_dir, config, variant, target, FLOAT_TYPES[dtype], permute_qk, console)
+    fallbacks = _write_tensors(writer, base_dir, config, variant, target, FLOAT_TYPES[dtype], permute_qk, console,
+                               types or {})
     _write_metadata(writer, base_dir, target)
     _write_hparams(writer, config, target)
     pre, template = _write_vocab(writer, base_dir, config["vocab_size"])
-    return Converted(writer, file_name(base_dir, variant.type), dtype, pre, template, fallbacks)
+    return Converted(writer, file_name(base_dir, "mixed" if types else variant.type), dtype, pre, template, fallbacks)
 
 
 def write(conv: Converted, base_dir: Path, out_dir: Path, variant, kquant: bool) -> dict:
@@ -156,9 +160,10 @@ def _checkpoint_tensors(base_dir: Path) -> tuple[int, Iterator[tuple[str, torch.
 
 
 def _write_tensors(writer, base_dir: Path, config: dict, variant, target: str, float_type: str, permute_qk: bool,
-                   console: IO[str]) -> list[str]:
-    """Every checkpoint tensor under its GGUF name, permuted where llama.cpp permutes, in its GGUF type.
-    Returns the tensors written in F16 because their rows do not fit the type's blocks (allow_fallback)."""
+                   console: IO[str], types: dict[str, str]) -> list[str]:
+    """Every checkpoint tensor under its GGUF name, permuted where llama.cpp permutes, in its GGUF type (a linear
+    named in `types` in the type given there). Returns the tensors written in F16 because their rows do not fit the
+    type's blocks (allow_fallback)."""
     arch = getattr(gguf.MODEL_ARCH, config["model_type"].upper())
     names = gguf.get_tensor_name_map(arch, config["num_hidden_layers"])
     heads = config["num_attention_heads"]
@@ -181,7 +186,9 @@ def _write_tensors(writer, base_dir: Path, config: dict, variant, target: str, f
         module = name.rsplit(".", 1)[0]
         skipped = is_skipped(module, variant.modules_to_skip) or (
             tied_head_skipped and module == "model.embed_tokens")  # tied: the embedding is the lm_head
-        qtype = getattr(gguf.GGMLQuantizationType, tensor_type(new_name, data.dim(), skipped, target, float_type))
+        own = types.get(module) if name.endswith(".weight") else None
+        qtype = getattr(gguf.GGMLQuantizationType,
+                        own or tensor_type(new_name, data.dim(), skipped, target, float_type))
         try:
             blocks = gguf.quants.quantize(data.numpy(), qtype)
         except gguf.QuantError as e:
@@ -331,14 +338,20 @@ def _write(writer, path: Path) -> None:
     writer.close()
 
 
-def llama_quantize(src: Path, dst: Path, gguf_type: str, threads: int | None = None) -> None:
-    """llama.cpp's quantizer (what `llama-quantize src dst <type>` runs) through llama-cpp-python."""
+def llama_cpp_module(why: str):
+    """llama-cpp-python, imported on first use (the optional gguf-kquants / gguf-serve extras); RuntimeError saying
+    what needs it when it is not installed."""
     try:
         # late: the optional [gguf-kquants] extra; a missing one is the error below
         import llama_cpp
     except ImportError as e:
-        raise RuntimeError(f"type = {gguf_type!r} needs llama.cpp's quantizer: pip install -e '.[gguf-kquants]' "
-                           f"({e})") from e
+        raise RuntimeError(f"{why} needs llama.cpp (llama-cpp-python): pip install -e '.[gguf-kquants]' ({e})") from e
+    return llama_cpp
+
+
+def llama_quantize(src: Path, dst: Path, gguf_type: str, threads: int | None = None) -> None:
+    """llama.cpp's quantizer (what `llama-quantize src dst <type>` runs) through llama-cpp-python."""
+    llama_cpp = llama_cpp_module(f"type = {gguf_type!r}")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{gguf_type}")
     params.nthread = threads or torch.get_num_threads()

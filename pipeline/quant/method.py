@@ -48,7 +48,7 @@ class QuantMethod:
     group_sizes: ClassVar[tuple[int, ...]] = ()  # () = the method has no group size
     dtypes: ClassVar[tuple[str, ...]] = DTYPE_NAMES
     devices: ClassVar[tuple[str, ...]] = ("cpu", "cuda")
-    needs_calibration: ClassVar[bool] = False
+    needs_calibration: ClassVar[bool] = False  # every variant reads the calibration rows (else see calibrates)
     note: str = ""
     offload: ClassVar[bool] = False  # quantize(..., offload=folder) streams the model from disk layer by layer
     # how quantizing holds the model, for the memory plan: "layerwise" (GPTQModel's layer-by-layer loop),
@@ -77,6 +77,10 @@ class QuantMethod:
         """What holds the reload facts (before_load/after_load, load_module, repacked_on_cpu) of this variant's
         checkpoint: the method itself, or its export format's (pipeline/quant/ct_format.py)."""
         return self
+
+    def calibrates(self, variant) -> bool:
+        """Whether this variant reads the calibration rows (a method may need them for some variants only)."""
+        return self.needs_calibration
 
     def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         """This method's own rules beyond the declared bits/group sizes/dtypes/devices ([] = fine), each a Problem

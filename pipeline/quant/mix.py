@@ -29,7 +29,6 @@ Granularity = Literal["block", "fused", "module"]
 # a setting there; granularity 'fused' makes each such set one unit and every other linear its own
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
          "up_proj": "gate_up_proj"}
-MIX_FORMATS = ("gptq", CT)
 MB = 10**6
 
 
@@ -214,16 +213,24 @@ def achievable(units: list[MixUnit], cands: list[tuple[int, int]], layout: Layou
     return sum(min(c) for c in costs), sum(max(c) for c in costs)
 
 
+def nothing_to_mix() -> Problem:
+    return Problem("mix", "mix-nothing-to-mix",
+                   "[quantize.mix]: no decoder linear is left to mix (every one is in modules_to_skip)")
+
+
+def budget_out_of_range(budget: str, what: str, lo: int, hi: int, units: list[MixUnit]) -> Problem:
+    """A bytes budget outside [lo, hi], the range the candidates can spend, stated in bits per weight and MB."""
+    return Problem("mix.budget", "mix-budget-out-of-range",
+                   f"mix budget {budget} is outside what the {what} can spend on this model's mixed linears: "
+                   f"{bits_per_weight(lo, units):.3f} to {bits_per_weight(hi, units):.3f} bits per weight "
+                   f"({lo / MB:.2f} to {hi / MB:.2f} MB)")
+
+
 def check_mix(variant, arch: Arch, method_bits: tuple[int, ...], method_group_sizes: tuple[int, ...]) -> list[Problem]:
     """What makes a variant's [quantize.mix] impossible on this model ([] = fine): candidates the format does not take,
     candidates some linears' shapes cannot take (named), a budget outside the achievable range (stated)."""
     mix: MixConfig = variant.mix
     problems: list[Problem] = []
-    if variant.format not in MIX_FORMATS:
-        problems.append(Problem("format", "mix-format-unsupported",
-                                f"[quantize.mix] writes GPTQModel's per-module `dynamic` overrides (format = "
-                                f"\"gptq\") or one compressed-tensors config group per setting (format = "
-                                f"\"compressed-tensors\"), not format = {variant.format!r}"))
     fmt_name, fmt_bits = (("compressed-tensors pack-quantized", CT_BITS) if variant.format == CT
                           else ("GPTQ", method_bits))
     bad_bits = [b for b in mix.bits if b not in fmt_bits]
@@ -241,8 +248,7 @@ def check_mix(variant, arch: Arch, method_bits: tuple[int, ...], method_group_si
         return problems
     units = mix_units(arch, variant.modules_to_skip, mix.granularity)
     if not units:
-        return [Problem("mix", "mix-nothing-to-mix",
-                        "[quantize.mix]: no decoder linear is left to mix (every one is in modules_to_skip)")]
+        return [nothing_to_mix()]
     kinds: dict[str, tuple[int, int]] = {}
     for u in units:
         for full, i, o in u.modules:
@@ -260,11 +266,7 @@ def check_mix(variant, arch: Arch, method_bits: tuple[int, ...], method_group_si
     lo, hi = achievable(units, cands, Layout.of(variant))
     want = budget_bytes(mix.budget, units)
     if not lo <= want <= hi:
-        problems.append(Problem("mix.budget", "mix-budget-out-of-range",
-                                f"mix budget {_budget_text(mix.budget)} is outside what the candidates can spend on "
-                                f"this model's mixed linears: {bits_per_weight(lo, units):.3f} to "
-                                f"{bits_per_weight(hi, units):.3f} bits per weight ({lo / MB:.2f} to "
-                                f"{hi / MB:.2f} MB)"))
+        problems.append(budget_out_of_range(_budget_text(mix.budget), "candidates", lo, hi, units))
     return problems
 
 

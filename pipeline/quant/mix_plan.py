@@ -32,6 +32,11 @@ def cache_beside(out_dir: Path) -> Iterator[None]:
         _cache_dir.reset(token)
 
 
+def sensitivity_cache_dir() -> Path | None:
+    """Where the variant being quantized caches sensitivity tables (cache_beside), or None."""
+    return _cache_dir.get()
+
+
 def plan(base_dir: Path, variant, calib_ids, console: IO[str]) -> dict:
     """The allocation record of a variant with [quantize.mix] (see the module docstring); record["dynamic"] goes into
     GPTQModel's QuantizeConfig."""

@@ -96,7 +96,7 @@ QuantVariant = Annotated[  # type: ignore[valid-type]
 
 
 def needs_calibration(variant) -> bool:
-    return method_of(variant).needs_calibration
+    return method_of(variant).calibrates(variant)
 
 
 # ---------------------------------------------------------------- checks

@@ -27,10 +27,10 @@ def predicted_kl(report: Report) -> list[tuple[str, float, float]]:
             pred = m["predicted"]["kl"]
         else:
             p = e.params or {}
-            key = f"w{p.get('bits')}g{p.get('group_size')}"
+            key = str(p.get("type")) if e.method == "gguf" else f"w{p.get('bits')}g{p.get('group_size')}"
             same = [r for method, r in records if method == e.method and key in r.get("predicted_uniform", {})
-                    and p.get("modules_to_skip", ["lm_head"]) == ["lm_head"]]
-            if not same:
+                    and (e.method == "gguf" or p.get("modules_to_skip", ["lm_head"]) == ["lm_head"])]
+            if not same or (e.method == "gguf" and p.get("modules_to_skip")):
                 continue
             pred = same[0]["predicted_uniform"][key]["kl"]
         if e.kl is not None:
@@ -60,36 +60,58 @@ def allocation_grid(mix: dict) -> tuple[list[list[dict | None]], list[str]]:
     return [[cells.get(i, {}).get(c) for c in cols] for i in range(max(cells) + 1 if cells else 0)], cols
 
 
+def cell_label(cell: dict) -> str:
+    """A unit's setting: its llama.cpp type (a GGUF mix), else w<bits>g<group>."""
+    return cell["type"] if "type" in cell else f"w{cell['bits']}g{cell['group_size']}"
+
+
 def allocation_table(mix: dict) -> list[str]:
-    """Rows: decoder layers; columns: the units of a layer (self_attn, mlp, or each linear); cells: w<bits>g<group>."""
+    """Rows: decoder layers; columns: the units of a layer (self_attn, mlp, or each linear); cells: w<bits>g<group>
+    or the llama.cpp type."""
     rows, cols = allocation_grid(mix)
-    body = [[str(i)] + [f"w{c['bits']}g{c['group_size']}" if c else "–" for c in row] for i, row in enumerate(rows)]
+    body = [[str(i)] + [cell_label(c) if c else "–" for c in row] for i, row in enumerate(rows)]
     return table(["layer", *cols], body)
 
 
-def mix_lines(name: str, entry: ModelEntry, mix: dict) -> list[str]:
+def budget_line(entry: ModelEntry, mix: dict) -> str:
     b, s = mix["budget"], mix["spent"]
+    if "latency_ms_per_token" in b:
+        lat = mix.get("latency") or {}
+        per_type = ", ".join(f"{t} {num(ms, 4)}" for t, ms in (lat.get("ms") or {}).items())
+        return (f"Budget {num(b['latency_ms_per_token'], 4)} ms per token in {b.get('engine')} "
+                f"({lat.get('threads')} threads; each type's file measured: {per_type} ms per token, median of "
+                f"{len(lat.get('rounds') or [])} rounds of {lat.get('tokens')} tokens); predicted "
+                f"{num(s.get('latency_ms_per_token'), 4)} ms per token; {num(s['bits_per_weight'], 4)} bits per "
+                f"weight ({num(s['bytes'] / 1e6, 4)} MB of decoder linears); measured on the file: "
+                f"{num(entry.bits_per_weight, 4)}.")
+    return (f"Budget {num(b['bits_per_weight'], 4)} bits per weight ({num(b['bytes'] / 1e6, 4)} MB of decoder "
+            f"linears); spent {num(s['bits_per_weight'], 4)} ({num(s['bytes'] / 1e6, 4)} MB); measured on the "
+            f"checkpoint: {num(entry.bits_per_weight, 4)}.")
+
+
+def mix_lines(name: str, entry: ModelEntry, mix: dict) -> list[str]:
     sens_t = mix.get("sensitivity_time_s") or {}
     probe = mix.get("probe") or {}
     cached = " (read from the cache: same model, calibration and candidates)" if mix.get("sensitivity_cached") else ""
     probed = ("; KL probed at " + probe["kl_probed"]
               if probe.get("kl_probed", "every candidate") != "every candidate" else "")
+    unit = "ns per token" if mix["solver"].get("cost") == "ns per token" else "bytes"
     return [f"### {name}", "",
-            f"Budget {num(b['bits_per_weight'], 4)} bits per weight ({num(b['bytes'] / 1e6, 4)} MB of decoder "
-            f"linears); spent {num(s['bits_per_weight'], 4)} ({num(s['bytes'] / 1e6, 4)} MB); measured on the "
-            f"checkpoint: {num(entry.bits_per_weight, 4)}. Allocation by `{mix['estimator']}` sensitivity per "
+            f"{budget_line(entry, mix)} Allocation by `{mix['estimator']}` sensitivity per "
             f"{mix['granularity']}, {mix['solver']['kind']}, "
             f"{'exact' if mix['solver']['exact'] else 'exact at a resolution of '}"
-            f"{'' if mix['solver']['exact'] else str(mix['solver']['resolution_bytes']) + ' bytes'}.",
+            f"{'' if mix['solver']['exact'] else str(mix['solver']['resolution_bytes']) + ' ' + unit}.",
             f"Predicted KL (summed sensitivities, {probe_weights_label(probe)} probe on {probe.get('kl_rows')} "
             f"calibration row(s)"
-            f"{probed}) {num(mix['predicted']['kl'])}; measured KL (this GPTQ checkpoint, evaluation text) "
+            f"{probed}) {num(mix['predicted']['kl'])}; measured KL (this checkpoint, evaluation text) "
             f"{num(entry.kl)}. Sensitivity cost: KL probe {num(sens_t.get('kl'), 3)} s, Hessian estimator "
             f"{num(sens_t.get('hessian'), 3)} s{cached}.", ""] + allocation_table(mix) + [""]
 
 
 def probe_weights_label(probe: dict) -> str:
     """How the record's probe quantized the weights (records before probe_weights: RTN)."""
+    if "gguf" in str(probe.get("weights", "")):
+        return "llama.cpp-rounded"
     return "GPTQ-solved" if (probe.get("solver") or {}).get("weights") == "gptq" else "RTN"
 
 

@@ -280,19 +280,22 @@ def mix_allocation_plot(report: Report):
     fig = _figure(width=3.2 + 2.6 * len(mixed), height=6.5)
     axes = fig.subplots(1, len(mixed), squeeze=False)[0]
     image = None
+    top = max([8.0] + [float(a["bits"]) for _, m in mixed for a in m["allocation"].values()])
     for ax, (name, mix) in zip(axes, mixed, strict=True):
         layers, cols = allocation_grid(mix)
         grid = [[(cell or {}).get("bits", float("nan")) for cell in row] for row in layers]
-        image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=2, vmax=8, interpolation="nearest")
+        image = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=2, vmax=top, interpolation="nearest")
         for i, row in enumerate(layers):
             for j, cell in enumerate(row):
                 if cell:
-                    g = cell["group_size"]
-                    ax.text(j, i, "ch" if g == -1 else str(g), ha="center", va="center", fontsize=5, color="w")
+                    g = cell.get("group_size")
+                    text = cell["type"] if "type" in cell else "ch" if g == -1 else str(g)
+                    ax.text(j, i, text, ha="center", va="center", fontsize=5, color="w")
         ax.set_xticks(range(len(cols)), cols, rotation=60, ha="right", fontsize=7)
         ax.set_yticks(range(len(layers)), [str(i) for i in range(len(layers))], fontsize=6)
         ax.set_ylabel("decoder layer")
         ax.set_title(f"{name}: {mix['spent']['bits_per_weight']} bits per weight", fontsize=9)
     if image is not None:
-        fig.colorbar(image, ax=list(axes), label="bits (cell text: group size; ch = per channel)")
+        fig.colorbar(image, ax=list(axes), label="bits per weight (cell text: group size, ch = per channel; or the "
+                                                  "llama.cpp type)")
     return fig

@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field
 
 from pipeline.base.problem import Problem
+from pipeline.quant.gguf_mix import GGUFMix, check_gguf_mix
 from pipeline.quant.method import QuantMethod
 from pipeline.quant.shapes import Arch, is_skipped, quantized_linears
 from pipeline.quant.variant import SKIP_HELP, VariantBase
@@ -17,7 +18,9 @@ from pipeline.quant.variant import SKIP_HELP, VariantBase
 # config.json model_type -> whether llama.cpp permutes the Q/K rows (its LlamaModel does, Qwen2Model does not);
 # the llama.cpp architecture has the same name. transformers' GGUF loader reads both back.
 GGUF_ARCHS = {"llama": True, "qwen2": False}
-GGUF_WRITTEN_TYPES = {"F16": 1, "Q8_0": 32}  # written here by gguf's numpy quantizer: type -> values per block
+# written here by gguf's numpy quantizer (byte-identical to llama.cpp's: tests/unit/test_gguf_mix.py): type -> values
+# per block
+GGUF_WRITTEN_TYPES = {"F16": 1, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32}
 # Made by llama.cpp's own quantizer (llama_model_quantize, the gguf-kquants extra), in super-blocks of QK_K.
 GGUF_KQUANT_TYPES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K")
 GGUF_TYPES = (*GGUF_WRITTEN_TYPES, *GGUF_KQUANT_TYPES)
@@ -106,7 +109,8 @@ def gguf_runtimes(variant, arch: Arch) -> list[dict]:
 
 
 # bits per weight on disk of each file type, block scales included (the disk plan's estimate)
-GGUF_BITS = {"F16": 16.0, "Q8_0": 8.5, "Q6_K": 6.6, "Q5_K_M": 5.7, "Q5_K_S": 5.5, "Q4_K_M": 4.9, "Q4_K_S": 4.6,
+GGUF_BITS = {"F16": 16.0, "Q8_0": 8.5, "Q5_1": 6.0, "Q5_0": 5.5, "Q4_1": 5.0, "Q4_0": 4.5,
+             "Q6_K": 6.6, "Q5_K_M": 5.7, "Q5_K_S": 5.5, "Q4_K_M": 4.9, "Q4_K_S": 4.6,
              "Q3_K_L": 4.3, "Q3_K_M": 3.9, "Q3_K_S": 3.5, "Q2_K": 3.4}
 
 
@@ -116,13 +120,18 @@ class GGUFVariant(VariantBase):
 
     method: Literal["gguf"]
     type: Literal[GGUF_TYPES] = Field(  # type: ignore[valid-type]
-        "Q8_0", description="llama.cpp file type: Q8_0 (8-bit, blocks of 32) or F16, written here; K-quants "
-                            "(Q4_K_M, ...) are made by llama.cpp's quantizer (extra gguf-kquants)")
+        "Q8_0", description="llama.cpp file type: Q8_0 (8-bit, blocks of 32), Q5_1, Q5_0, Q4_1, Q4_0 (blocks of 32) "
+                            "or F16, written here; K-quants (Q4_K_M, ...) are made by llama.cpp's quantizer (extra "
+                            "gguf-kquants). With [quantize.mix]: the type of what is not mixed (the embedding)")
     modules_to_skip: list[str] = Field([], description=SKIP_HELP + "; written in the checkpoint's float type "
                                        "('lm_head' of a tied model keeps the embedding unquantized)")
     allow_fallback: bool = Field(False, description="accept tensors whose rows do not fit the type's blocks in a "
                                                     "fallback type (F16 for Q8_0, llama.cpp's for K-quants); off: "
                                                     "compress check refuses such a model")
+    mix: GGUFMix | None = Field(
+        None, description="mixed precision to a budget: a llama.cpp type per decoder linear (or block) from measured "
+                          "sensitivity, within bits per weight or a decode latency measured in llama.cpp "
+                          "(pipeline/quant/gguf_mix.py)")
 
 
 class GGUFMethod(QuantMethod):
@@ -136,13 +145,23 @@ class GGUFMethod(QuantMethod):
     note = "a GGUF file for llama.cpp, Ollama and LM Studio, converted from the baseline"
     work = "pipeline.quant.work.gguf"
 
+    def calibrates(self, variant) -> bool:
+        return variant.mix is not None  # the mix's sensitivity probe reads the calibration rows
+
     def check(self, variant, arch: Arch, device: str) -> list[Problem]:
-        return gguf_problems(variant, arch, device)
+        problems = gguf_problems(variant, arch, device)
+        if variant.mix is not None:
+            installed = importlib.util.find_spec("llama_cpp") is not None
+            problems += [p.within("", "mix: ") for p in check_gguf_mix(variant, arch, installed)]
+        return problems
 
     def runtimes(self, variant, arch: Arch) -> list[dict]:
         return gguf_runtimes(variant, arch)
 
     def bits_per_weight(self, variant) -> float:
+        if variant.mix is not None:
+            b = variant.mix.budget.bits_per_weight
+            return b if b is not None else max(GGUF_BITS[t] for t in variant.mix.types)
         return GGUF_BITS.get(variant.type, 8.5)
 
     def hub_tags(self, params: dict) -> list[str]:  # the Hub lists GGUF repos by the `gguf` tag and the file type
