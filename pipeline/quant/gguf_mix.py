@@ -42,11 +42,15 @@ class GGUFMixBudget(BaseModel):
     latency_ms_per_token: float | None = Field(
         None, gt=0, description="decode latency per generated token at concurrency 1, measured in `engine` on this "
                                 "machine (the file's whole forward: embeddings, attention and head included)")
+    latency_as: str | None = Field(
+        None, description="a latency budget set by measurement: no slower than the file with every mixed linear at "
+                          "this type (one of mix.types), measured in `engine` on this machine in the same rounds")
 
     @model_validator(mode="after")
     def _one(self):
-        if sum(x is not None for x in (self.bits_per_weight, self.size_mb, self.latency_ms_per_token)) != 1:
-            raise ValueError("give exactly one of bits_per_weight, size_mb or latency_ms_per_token")
+        given = (self.bits_per_weight, self.size_mb, self.latency_ms_per_token, self.latency_as)
+        if sum(x is not None for x in given) != 1:
+            raise ValueError("give exactly one of bits_per_weight, size_mb, latency_ms_per_token or latency_as")
         return self
 
     def text(self) -> str:
@@ -58,8 +62,9 @@ class GGUFMix(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    budget: GGUFMixBudget = Field(description="{ bits_per_weight = 6.0 }, { size_mb = 60 } or "
-                                              "{ latency_ms_per_token = 15 } (with engine = 'llama.cpp')")
+    budget: GGUFMixBudget = Field(description="{ bits_per_weight = 6.0 }, { size_mb = 60 }, "
+                                              "{ latency_ms_per_token = 15 } or { latency_as = 'Q5_0' } (the last "
+                                              "two with engine = 'llama.cpp')")
     types: list[str] = Field(["Q4_0", "Q8_0"], min_length=1,
                              description=f"candidate llama.cpp types: {', '.join(GGUF_MIX_TYPES)}")
     engine: Literal["llama.cpp"] | None = Field(
@@ -83,11 +88,14 @@ class GGUFMix(BaseModel):
             raise ValueError(f"unknown types {bad}: candidates are {', '.join(GGUF_MIX_TYPES)}")
         if len(set(self.types)) != len(self.types):
             raise ValueError(f"types {self.types} name one type twice")
+        if self.budget.latency_as is not None and self.budget.latency_as not in self.types:
+            raise ValueError(f"budget latency_as = {self.budget.latency_as!r} is measured among the candidates: add "
+                             f"it to types ({self.types})")
         return self
 
     @property
     def latency(self) -> bool:
-        return self.budget.latency_ms_per_token is not None
+        return self.budget.latency_ms_per_token is not None or self.budget.latency_as is not None
 
 
 def type_bits(gguf_type: str) -> float:

@@ -46,7 +46,7 @@ from pipeline.quant.mix_sensitivity import KLProbe, hessian_row, input_hessians
 from pipeline.quant.shapes import linear_shapes_from_config
 
 VERSION = 1
-NS = 1_000_000  # latency costs are integers for the allocation: nanoseconds per token
+CELLS = 100_000  # latency costs are integers for the allocation: the types' measured range in this many cells
 PROMPT = "The history of the city begins with a small settlement on the river, where"
 
 
@@ -171,17 +171,20 @@ def plan(base_dir: Path, variant, calib_ids: torch.Tensor, console: IO[str]) -> 
     sens = sensitivity(base_dir, calib_ids, units, mix.types, mix.probe_rows, arch.layers, sensitivity_cache_dir(), say)
     weights = sum(u.weights for u in units)
     size = [[unit_bytes(u, t) for t in mix.types] for u in units]
-    latency = None
+    latency, budget_ms, fastest, cell = None, None, 0.0, 0.0
     if mix.latency:
         latency = type_latencies(base_dir, variant, config, units, mix, say)
         ms = latency["ms"]
         fastest = min(ms.values())
-        cost = [[round(NS * u.weights / weights * (ms[t] - fastest)) for t in mix.types] for u in units]
-        assert mix.budget.latency_ms_per_token is not None
-        budget = round(NS * (mix.budget.latency_ms_per_token - fastest))
         slowest = max(ms.values())
-        if not fastest <= mix.budget.latency_ms_per_token <= slowest:
-            raise StageError(f"quantize {variant.name}: mix budget {mix.budget.latency_ms_per_token} ms per token is "
+        cell = max(slowest - fastest, 1e-9) / CELLS  # ms per token a DP cell stands for
+        # floored: the uniform files' own sums stay within their own figures (a budget equal to one is met by it)
+        cost = [[int(u.weights / weights * (ms[t] - fastest) / cell) for t in mix.types] for u in units]
+        budget_ms = ms[mix.budget.latency_as] if mix.budget.latency_as else mix.budget.latency_ms_per_token
+        assert budget_ms is not None
+        budget = int((budget_ms - fastest) / cell + 1e-6)
+        if not fastest <= budget_ms <= slowest:
+            raise StageError(f"quantize {variant.name}: mix budget {budget_ms} ms per token is "
                              f"outside what the types measure in llama.cpp here: {fastest:.2f} (all "
                              f"{min(ms, key=lambda k: ms[k])}) to {slowest:.2f} ms per token "
                              f"({', '.join(f'{t} {v:.2f}' for t, v in ms.items())})")
@@ -198,16 +201,16 @@ def plan(base_dir: Path, variant, calib_ids: torch.Tensor, console: IO[str]) -> 
     spent_bytes = sum(size[u][j] for u, j in enumerate(a.choice))
     spent = {"bytes": spent_bytes, "bits_per_weight": round(8 * spent_bytes / weights, 4)}
     if latency is not None:
-        spent["latency_ms_per_token"] = round(min(latency["ms"].values()) + a.cost / NS, 3)
+        spent["latency_ms_per_token"] = round(fastest + a.cost * cell, 3)
     say(f"allocation: {spent['bits_per_weight']:.3f} bits per weight"
-        + (f", predicted {spent['latency_ms_per_token']:.2f} ms per token of "
-           f"{mix.budget.latency_ms_per_token} budgeted" if latency is not None else
+        + (f", predicted {spent['latency_ms_per_token']:.2f} ms per token of {budget_ms:.2f} budgeted"
+           if latency is not None else
            f" of {8 * budget / weights:.3f} budgeted"))
     return {
         "kind": "gguf", "granularity": mix.granularity, "estimator": "kl", "candidates": mix.types,
         "budget": {**mix.budget.model_dump(exclude_none=True),
                    **({"bytes": budget, "bits_per_weight": round(8 * budget / weights, 4)} if latency is None
-                      else {"engine": mix.engine})},
+                      else {"engine": mix.engine, "latency_ms_per_token": budget_ms})},
         "spent": spent,
         "latency": latency,
         "allocation": {u.name: {"type": t, "bits": type_bits(t)} for u, t in zip(units, choice, strict=True)},
@@ -215,7 +218,8 @@ def plan(base_dir: Path, variant, calib_ids: torch.Tensor, console: IO[str]) -> 
         "predicted_uniform": {t: {k: sum(row[j] for row in sens[k]) for k in ("kl", "hessian")}
                               for j, t in enumerate(mix.types)},
         "solver": {"kind": "dynamic program (multiple-choice knapsack)", "resolution_bytes": a.resolution_bytes,
-                   "exact": a.exact, "cost": "ns per token" if latency is not None else "bytes"},
+                   "exact": a.exact,
+                   "cost": f"latency cells of {cell:.3g} ms per token" if latency is not None else "bytes"},
         "sensitivity": {k: sens[k] for k in ("key", "units", "kl", "hessian", "probe", "time_s", "cached")},
         "types": overrides(units, choice),
     }

@@ -78,15 +78,35 @@ def budget_line(entry: ModelEntry, mix: dict) -> str:
     if "latency_ms_per_token" in b:
         lat = mix.get("latency") or {}
         per_type = ", ".join(f"{t} {num(ms, 4)}" for t, ms in (lat.get("ms") or {}).items())
-        return (f"Budget {num(b['latency_ms_per_token'], 4)} ms per token in {b.get('engine')} "
+        as_type = f" (the {b['latency_as']} file's)" if b.get("latency_as") else ""
+        return (f"Budget {num(b['latency_ms_per_token'], 4)} ms per token{as_type} in {b.get('engine')} "
                 f"({lat.get('threads')} threads; each type's file measured: {per_type} ms per token, median of "
                 f"{len(lat.get('rounds') or [])} rounds of {lat.get('tokens')} tokens); predicted "
-                f"{num(s.get('latency_ms_per_token'), 4)} ms per token; {num(s['bits_per_weight'], 4)} bits per "
-                f"weight ({num(s['bytes'] / 1e6, 4)} MB of decoder linears); measured on the file: "
-                f"{num(entry.bits_per_weight, 4)}.")
+                f"{num(s.get('latency_ms_per_token'), 4)} ms per token; {served_latency(entry, b)} "
+                f"{num(s['bits_per_weight'], 4)} bits per weight ({num(s['bytes'] / 1e6, 4)} MB of decoder linears); "
+                f"measured on the file: {num(entry.bits_per_weight, 4)}.")
     return (f"Budget {num(b['bits_per_weight'], 4)} bits per weight ({num(b['bytes'] / 1e6, 4)} MB of decoder "
             f"linears); spent {num(s['bits_per_weight'], 4)} ({num(s['bytes'] / 1e6, 4)} MB); measured on the "
             f"checkpoint: {num(entry.bits_per_weight, 4)}.")
+
+
+def served_itl_ms(entry: ModelEntry, engine: str) -> float | None:
+    """Median time between tokens at concurrency 1 when the serve stage served this model in `engine`, in ms."""
+    for s in (entry.served or {}).values():
+        if s.engine_name == engine.split(" ")[0] and s.levels:
+            one = [lv.itl_p50_s for lv in s.levels if lv.concurrency == 1 and lv.itl_p50_s is not None]
+            if one and one[0] is not None:
+                return 1000 * float(one[0])
+    return None
+
+
+def served_latency(entry: ModelEntry, budget: dict) -> str:
+    ms = served_itl_ms(entry, str(budget.get("engine") or ""))
+    if ms is None:
+        return "not served in it by this run;"
+    over = ms / budget["latency_ms_per_token"] - 1
+    verdict = "within the budget" if over <= 0 else f"{100 * over:.1f} % over the budget"
+    return f"served there (the serve stage, concurrency 1): {num(ms, 4)} ms between tokens, {verdict};"
 
 
 def mix_lines(name: str, entry: ModelEntry, mix: dict) -> list[str]:
@@ -95,7 +115,7 @@ def mix_lines(name: str, entry: ModelEntry, mix: dict) -> list[str]:
     cached = " (read from the cache: same model, calibration and candidates)" if mix.get("sensitivity_cached") else ""
     probed = ("; KL probed at " + probe["kl_probed"]
               if probe.get("kl_probed", "every candidate") != "every candidate" else "")
-    unit = "ns per token" if mix["solver"].get("cost") == "ns per token" else "bytes"
+    unit = "cells" if str(mix["solver"].get("cost", "")).startswith("latency") else "bytes"
     return [f"### {name}", "",
             f"{budget_line(entry, mix)} Allocation by `{mix['estimator']}` sensitivity per "
             f"{mix['granularity']}, {mix['solver']['kind']}, "

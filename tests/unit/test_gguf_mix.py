@@ -173,6 +173,23 @@ def test_a_latency_budget_spends_measured_differences(base, tmp_path, monkeypatc
     with pytest.raises(StageError, match=re.escape("10.00 (all Q4_0) to 14.00 ms per token")):
         quantize_variant(base, variant({**mix, "budget": {"latency_ms_per_token": 9.0}}, modules_to_skip=[]),
                          CALIB, tmp_path / "low", logging.getLogger("t"), 0)
+    # "as fast as the uniform Q8_0 file": its measured figure is the budget, and every unit can afford Q8_0
+    same = quantize_variant(base, variant({**mix, "budget": {"latency_as": "Q8_0"}}, modules_to_skip=[]), CALIB,
+                            tmp_path / "as", logging.getLogger("t"), 0)["mix"]
+    assert same["budget"] == {"latency_as": "Q8_0", "engine": "llama.cpp", "latency_ms_per_token": 14.0}
+    assert {a["type"] for a in same["allocation"].values()} == {"Q8_0"}
+    with pytest.raises(ValidationError, match="add it to types"):
+        variant({**mix, "budget": {"latency_as": "Q5_0"}})
+    # the report says what the serve stage measured against the budget
+    from pipeline.results.mix_render import mix_lines
+    from pipeline.results.schema import ModelEntry
+
+    served = {"llama.cpp": {"engine": "llama.cpp (llama-cpp-python server: one request at a time)",
+                            "levels": [{"concurrency": 1, "itl_p50_s": 0.0131}, {"concurrency": 4, "itl_p50_s": 0.1}]}}
+    text = "\n".join(mix_lines("lat", ModelEntry(method="gguf", quantize={"mix": m["mix"]}, served=served,
+                                                  bits_per_weight=6.0), m["mix"]))
+    assert "Budget 12.5 ms per token in llama.cpp" in text and "13.1 ms between tokens, 4.8 % over the budget" in text
+    assert "| layer |" in text and "Q8_0" in text
 
 
 @pytest.mark.skipif(not HAS_LLAMA_CPP, reason=NO_LLAMA_CPP)
