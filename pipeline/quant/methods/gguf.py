@@ -89,10 +89,10 @@ def _gguf_block_problems(variant, arch: Arch) -> list[Problem]:
 
 
 def gguf_runtimes(variant, arch: Arch) -> list[dict]:
-    t = variant.type
+    t = variant.type if variant.mix is None else f"per tensor ({'/'.join(variant.mix.types)}; rest {variant.type})"
     bad = {} if not arch.shapes_known else {
         k: n for k, n in _gguf_rows(variant, arch).items()
-        if n % (QK_K if t in GGUF_KQUANT_TYPES else GGUF_WRITTEN_TYPES[t])}
+        if n % (QK_K if variant.type in GGUF_KQUANT_TYPES else GGUF_WRITTEN_TYPES[variant.type])}
     mixed = f"; rows of {', '.join(bad)} do not fit its blocks: written in a fallback type" if bad else ""
     return [
         {"runtime": "llama.cpp", "kernel": f"{t} (CPU, CUDA, Metal, Vulkan)",
