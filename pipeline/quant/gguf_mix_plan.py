@@ -18,7 +18,7 @@ moves every file's figure alike within a round). Unit u at type t costs weights(
 from __future__ import annotations
 
 import gc
-import hashlib
+import importlib.metadata
 import io
 import json
 import os
@@ -42,12 +42,16 @@ from pipeline.quant.methods.gguf import GGUF_ARCHS
 from pipeline.quant.mix import MixUnit, mix_units
 from pipeline.quant.mix_alloc import allocate
 from pipeline.quant.mix_plan import sensitivity_cache_dir
-from pipeline.quant.mix_sensitivity import KLProbe, hessian_row, input_hessians
+from pipeline.quant.mix_sensitivity import KLProbe, cached_table, hessian_row, input_hessians, table_key
 from pipeline.quant.shapes import linear_shapes_from_config
 
 VERSION = 1
 CELLS = 100_000  # latency costs are integers for the allocation: the types' measured range in this many cells
 PROMPT = "The history of the city begins with a small settlement on the river, where"
+
+
+def gguf_version() -> str:
+    return importlib.metadata.version("gguf")
 
 
 def gguf_round(w: torch.Tensor, gguf_type: str) -> torch.Tensor:
@@ -61,20 +65,12 @@ def gguf_round(w: torch.Tensor, gguf_type: str) -> torch.Tensor:
 def sensitivity(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], types: list[str], probe_rows: int,
                 layers_path: str, cache_dir: Path | None, log: Callable[[str], None]) -> dict:
     """{"kl": [unit][type], "hessian": [unit][type], "time_s", "key", "cached"}."""
-    h = hashlib.sha256()
-    manifest = base_dir / "manifest.json"
-    h.update(json.dumps(json.loads(manifest.read_text()).get("outputs"), sort_keys=True).encode()
-             if manifest.is_file() else b"".join(f.read_bytes() for f in sorted(base_dir.glob("*.safetensors"))))
-    h.update(calib_ids.to(torch.int64).contiguous().numpy().tobytes())
-    h.update(json.dumps(["gguf", VERSION, gguf.__version__ if hasattr(gguf, "__version__") else "",
-                         [(u.name, u.modules) for u in units], types, probe_rows]).encode())
-    key = h.hexdigest()[:32]
+    key = table_key(base_dir, calib_ids, ["gguf", VERSION, gguf_version(), [(u.name, u.modules) for u in units],
+                                          types, probe_rows])
     path = cache_dir / f"gguf-{key}.json" if cache_dir is not None else None
-    if path is not None and path.is_file():
-        found = json.loads(path.read_text())
-        if found.get("key") == key:
-            log(f"sensitivity: cached table {path.name} (same model, calibration and types)")
-            return {**found, "cached": True}
+    cached = cached_table(path, key, log, "same model, calibration and types")
+    if cached is not None:
+        return cached
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     t0 = time.perf_counter()
     hess, tokens = input_hessians(model, calib_ids[:probe_rows], [n for u in units for n, _, _ in u.modules])

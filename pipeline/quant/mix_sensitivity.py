@@ -257,8 +257,9 @@ def hessian_row(model, hess: dict[str, torch.Tensor], tokens: int, u: MixUnit, c
     return row
 
 
-def cache_key(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], cands: list[tuple[int, int]],
-              rows: tuple[int, int], solver: Solver, probe_group_size: int | None = None) -> str:
+def table_key(base_dir: Path, calib_ids: torch.Tensor, parts: list) -> str:
+    """A sensitivity table's identity: the base model's files (their sha256 in the load stage's manifest, else the
+    bytes), the calibration ids, and `parts` (what else the table depends on, JSON)."""
     h = hashlib.sha256()
     manifest = base_dir / "manifest.json"
     if manifest.is_file():
@@ -267,9 +268,26 @@ def cache_key(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], can
         for f in sorted(base_dir.glob("*.safetensors")):
             h.update(f.read_bytes())
     h.update(calib_ids.to(torch.int64).contiguous().numpy().tobytes())
-    h.update(json.dumps([VERSION, [(u.name, u.modules) for u in units], cands, rows, solver.key(),
-                         probe_group_size]).encode())
+    h.update(json.dumps(parts).encode())
     return h.hexdigest()[:32]
+
+
+def cached_table(path: Path | None, key: str, log: Callable[[str], None], same: str) -> dict | None:
+    """The table cached at `path` when it carries `key` (a table from another model or calibration set is never
+    read), marked cached; else None."""
+    if path is None or not path.is_file():
+        return None
+    found = json.loads(path.read_text())
+    if found.get("key") != key:
+        return None
+    log(f"sensitivity: cached table {path.name} ({same})")
+    return {**found, "cached": True}
+
+
+def cache_key(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], cands: list[tuple[int, int]],
+              rows: tuple[int, int], solver: Solver, probe_group_size: int | None = None) -> str:
+    return table_key(base_dir, calib_ids, [VERSION, [(u.name, u.modules) for u in units], cands, rows, solver.key(),
+                                           probe_group_size])
 
 
 def scale_by_hessian(probed: list[list[float]], hess: list[list[float]], cands: list[tuple[int, int]],
@@ -297,11 +315,9 @@ def measure(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], cands
         raise ValueError(f"kl-scaled: every candidate bits needs a candidate at group_size {probe_group_size}")
     key = cache_key(base_dir, calib_ids, units, cands, (probe_rows, hessian_rows), solver, probe_group_size)
     path = cache_dir / f"{key}.json" if cache_dir is not None else None
-    if path is not None and path.is_file():
-        found = json.loads(path.read_text())
-        if found.get("key") == key:
-            log(f"sensitivity: cached table {path.name} (same model, calibration, candidates and probe weights)")
-            return {**found, "cached": True}
+    cached = cached_table(path, key, log, "same model, calibration, candidates and probe weights")
+    if cached is not None:
+        return cached
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     probed = cands if probe_group_size is None else [c for c in cands if c[1] == probe_group_size]
     solving = "GPTQ solves" if solver.weights == "gptq" else "RTN"
