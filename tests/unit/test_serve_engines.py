@@ -675,3 +675,24 @@ def test_a_window_longer_than_the_models_context_is_not_scored_and_says_why(tmp_
         if not scored:
             assert got["perplexity"] == {"skipped": "a perplexity window of 1024 tokens and one generated token "
                                                     "exceed the model's context of 1024 (max_position_embeddings)"}
+
+
+def test_a_vllm_refusal_quotes_the_workers_root_cause_not_the_engines_summary():
+    """vLLM logs a worker's exception through its log records ("(Worker pid=..) ERROR <date> [file:line] ...") and
+    then ends with a RuntimeError that says only that the engine failed: the refusal quotes the worker's reason, with
+    the reasons a message ending in a colon lists (a real vLLM CPU 0.32 log, an 8-bit module of a mix)."""
+    from pipeline.serve.engines.base import error_line
+
+    head = "(Worker pid=29912) ERROR 12-05 02:26:47 [multiproc_executor.py:953]"
+    log = [f"{head} Traceback (most recent call last):",
+           f'{head}   File "vllm/v1/executor/multiproc_executor.py", line 920, in worker_main',
+           f"{head} ValueError: Failed to find a kernel that can implement the WNA16 linear layer. Reasons: ",
+           f"{head}  Dynamic4bitLinearKernel cannot implement due to: Unsupported quant type uint8b128",
+           f"{head}  CPUWNA16LinearKernel cannot implement due to: Quant type (uint8b128) not supported by CPUWNA16",
+           "(EngineCore pid=29901) INFO 12-05 02:26:47 [multiproc_executor.py:479] [shutdown] Executor: waiting",
+           "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"]
+    assert error_line(log) == ("ValueError: Failed to find a kernel that can implement the WNA16 linear layer. "
+                               "Reasons: Dynamic4bitLinearKernel cannot implement due to: Unsupported quant type "
+                               "uint8b128; CPUWNA16LinearKernel cannot implement due to: Quant type (uint8b128) not "
+                               "supported by CPUWNA16")
+    assert error_line(log[-1:]).startswith("RuntimeError: Engine core initialization failed")

@@ -91,18 +91,29 @@ def describe(fmt: str) -> str:
 
 
 _PREFIX = re.compile(r"^\((?:\w+) pid=\d+\)\s*")  # vLLM's "(APIServer pid=12) " before each line of its processes
+# vLLM's log-record head: "ERROR 12-05 02:26:47 [multiproc_executor.py:953] " (a worker's traceback comes through it)
+_RECORD = re.compile(r"^(?:DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d \[[^\]]+\]\s*")
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception)\b.*")
 
 
-def error_line(lines: list[str], limit: int = 300) -> str:
+def error_line(lines: list[str], limit: int = 500) -> str:
     """The first exception a server's log shows ("ValueError: ...", with the reason a pydantic ValidationError gives
-    on its next lines), else its first line of our own "error: ...", else its last line: what a refusal quotes."""
-    plain = [_PREFIX.sub("", ln).strip() for ln in lines]
+    on its next lines, or the reasons a message ending in a colon lists), else its first line of our own
+    "error: ...", else its last line: what a refusal quotes. A worker process's exception counts where vLLM logs it
+    (the engine's own "RuntimeError: Engine core initialization failed" that follows says only that it failed)."""
+    plain = [_RECORD.sub("", _PREFIX.sub("", ln)).strip() for ln in lines]
     plain = [ln for ln in plain if ln]
     for i, ln in enumerate(plain):
         if _EXCEPTION.match(ln):
             if "validation error" in ln and i + 1 < len(plain):
                 ln += " " + plain[i + 1]
+            elif ln.endswith(":"):  # "... Reasons:" and one reason a line
+                more = []
+                for nxt in plain[i + 1:i + 6]:
+                    if _EXCEPTION.match(nxt) or nxt.startswith(("Traceback", "File ", "[")):
+                        break
+                    more.append(nxt)
+                ln += " " + "; ".join(more)
             return ln[:limit]
     ours = [ln for ln in plain if ln.startswith("error:")]
     return (ours[0] if ours else plain[-1] if plain else "(no output)")[:limit]
