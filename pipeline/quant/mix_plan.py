@@ -51,8 +51,8 @@ def plan(base_dir: Path, variant, calib_ids, console: IO[str]) -> dict:
         console.write(f"{variant.name}: {line}\n")
         console.flush()
 
-    solver = Solver(mix.probe_weights, variant.sym, variant.damp_percent, variant.mse, act_group_aware(variant),
-                    variant.desc_act)
+    solver = (Solver(mix.probe_weights, variant.sym, variant.damp_percent, variant.mse, act_group_aware(variant),
+                     variant.desc_act) if mix.probe_weights == "gptq" else Solver("rtn", variant.sym))
     sens = measure(base_dir, calib_ids, units, cands, mix.probe_rows, mix.hessian_rows, solver, arch.layers,
                    _cache_dir.get(), say, mix.probe_group_size(variant.group_size))
     layout = Layout.of(variant)  # what the written checkpoint stores (format, zero points)

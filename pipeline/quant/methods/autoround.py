@@ -18,6 +18,7 @@ from pydantic import Field
 from pipeline.base.problem import Problem
 from pipeline.quant.gptq_format import GPTQFormatMethod, lm_head_rule
 from pipeline.quant.method import QuantMethod, missing_package
+from pipeline.quant.mix import MixConfig, check_mix
 from pipeline.quant.shapes import Arch
 from pipeline.quant.variant import Calibrated, GPTQFormat
 
@@ -39,6 +40,11 @@ class AutoRoundVariant(Calibrated, GPTQFormat):
                                                   "$CXX); a SmolLM2 block of 200 one-row steps: 11.5 s against 32 s "
                                                   "eager on 2 cores. Compiled kernels round differently, so the "
                                                   "bytes differ from false")
+    mix: MixConfig | None = Field(
+        None, description="mixed precision to a budget, as for GPTQ (pipeline/quant/mix.py): bits and group size per "
+                          "decoder block (or linear) from measured sensitivity (probe_weights 'rtn'), passed to "
+                          "auto-round as its layer_config; the checkpoint carries them as GPTQModel `dynamic` "
+                          "overrides (auto-round's own export)")
 
 
 class AutoRoundMethod(GPTQFormatMethod, QuantMethod):
@@ -54,6 +60,10 @@ class AutoRoundMethod(GPTQFormatMethod, QuantMethod):
             "through auto-round; GPTQ checkpoint format")
     work = "pipeline.quant.work.autoround"
 
+    def bits_per_weight(self, variant) -> float:
+        budget = variant.mix.budget.bits_per_weight if variant.mix is not None else None
+        return budget if budget is not None else super().bits_per_weight(variant)
+
     def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         problems = missing_package(AUTOROUND_PIN, "auto_round", "autoround") + lm_head_rule(variant, "AutoRound")
         problems += super().check(variant, arch, device)  # the checkpoint format's rules (gptq_format.py)
@@ -61,6 +71,12 @@ class AutoRoundMethod(GPTQFormatMethod, QuantMethod):
             problems.append(Problem("sym", "autoround-asymmetric-8-bit",
                                     "bits = 8 with sym = false: auto-round refuses to export asymmetric 8-bit in the "
                                     "GPTQ format; set sym = true"))
+        if variant.mix is not None:
+            problems += [p.within("", "mix: ") for p in check_mix(variant, arch, self.bits, self.group_sizes)]
+            if variant.mix.probe_weights != "rtn":
+                problems.append(Problem("mix.probe_weights", "autoround-mix-probe",
+                                        "probe_weights = 'gptq' solves GPTQ's rounding, which AutoRound does not "
+                                        "write: set probe_weights = 'rtn' (the grid AutoRound's tuning starts from)"))
         if variant.torch_compile and device == "cpu" and cpp_compiler() is None:
             problems.append(Problem("torch_compile", "autoround-no-cpp-compiler",
                                     "torch_compile = true: torch.compile on a CPU builds C++ kernels, and no C++ "
