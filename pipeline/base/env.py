@@ -19,6 +19,12 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
+def llama_cpp_threads(threads: int | None) -> int:
+    """The threads llama.cpp runs with unless told: half the cores, its server's own default. The serve stage's
+    llama.cpp server and a GGUF mix's latency measurement both use it, so a budget is measured as it is served."""
+    return threads or max(1, (os.cpu_count() or 2) // 2)
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
 

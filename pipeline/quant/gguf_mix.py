@@ -30,7 +30,6 @@ from pipeline.quant.shapes import Arch
 # type -> (values per block, bytes per block)
 GGUF_MIX_TYPES: dict[str, tuple[int, int]] = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22),
                                               "Q5_1": (32, 24), "Q8_0": (32, 34), "F16": (1, 2)}
-LLAMA_CPP = "llama.cpp"
 
 
 class GGUFMixBudget(BaseModel):

@@ -21,7 +21,6 @@ import gc
 import importlib.metadata
 import io
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM
 
+from pipeline.base.env import llama_cpp_threads
 from pipeline.base.errors import StageError
 from pipeline.base.fileio import atomic_write_text
 from pipeline.quant.gguf_export import _write, convert, llama_cpp_module
@@ -99,11 +99,6 @@ def sensitivity(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], t
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps(found))
     return {**found, "cached": False}
-
-
-def llama_cpp_threads(threads: int | None) -> int:
-    """The threads the llama.cpp server uses unless told (pipeline/serve/work/llamacpp.py: half the cores)."""
-    return threads or max(1, (os.cpu_count() or 2) // 2)
 
 
 def decode_ms(llm, tokens: int) -> float:

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from llama_cpp.server.app import authenticate, create_app
 from llama_cpp.server.settings import ModelSettings, ServerSettings
 
+from pipeline.base.env import llama_cpp_threads
 from pipeline.base.errors import RecipeError
 from pipeline.serve import drain as draining
 from pipeline.serve.auth import bearer_check
@@ -30,7 +31,7 @@ def settings(gguf: Path, model_name: str, host: str, port: int, key: str | None,
     """(ServerSettings, ModelSettings) for llama_cpp.server.app.create_app: greedy-serving defaults, no
     interruption of streams, the key and the bind of `compress serve`."""
     server = ServerSettings(host=host, port=port, api_key=key, interrupt_requests=False, _env_prefix=ENV_PREFIX)
-    n_threads = threads or max(1, (os.cpu_count() or 2) // 2)  # its own default: half the cores
+    n_threads = llama_cpp_threads(threads)
     model = ModelSettings(model=str(gguf), model_alias=model_name, n_ctx=n_ctx, n_threads=n_threads,
                           n_threads_batch=n_threads, logits_all=False, verbose=False, _env_prefix=ENV_PREFIX)
     return server, model
