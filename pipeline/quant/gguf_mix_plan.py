@@ -78,8 +78,12 @@ def sensitivity(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], t
     spent = {"hessian": 0.0, "kl": time.perf_counter() - t0}
     cands = [(j, 0) for j in range(len(types))]  # the probe's candidates are indices into types
 
+    rounded: dict[tuple[str, int], torch.Tensor] = {}  # one unit's roundings, for both estimators
+
     def weights(name: str, w: torch.Tensor, j: int, _unused: int) -> torch.Tensor:
-        return gguf_round(w, types[j])
+        if (name, j) not in rounded:
+            rounded[(name, j)] = gguf_round(w, types[j])
+        return rounded[(name, j)]
 
     kl, hessian = [], []
     for k, u in enumerate(units):
@@ -87,6 +91,7 @@ def sensitivity(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], t
         hessian.append(hessian_row(model, hess, tokens, u, cands, weights))
         t1 = time.perf_counter()
         kl.append(probe.row(u, cands, weights))
+        rounded.clear()
         spent["hessian"] += t1 - t
         spent["kl"] += time.perf_counter() - t1
         if (k + 1) % 10 == 0 or k + 1 == len(units):
