@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -36,13 +36,16 @@ class Targets:
 
     @staticmethod
     def cat(parts: list[Targets]) -> Targets:
-        return Targets(*(torch.cat([getattr(p, f) for p in parts]) for f in ("ids", "logprobs", "top_ids", "rest")))
+        return Targets(*(torch.cat([getattr(p, f) for p in parts]) for f in TARGET_FIELDS))
 
     def to(self, device) -> Targets:
-        return Targets(*(getattr(self, f).to(device) for f in ("ids", "logprobs", "top_ids", "rest")))
+        return Targets(*(getattr(self, f).to(device) for f in TARGET_FIELDS))
 
     def row(self, i: int) -> Targets:
-        return Targets(self.ids[i:i + 1], self.logprobs[i:i + 1], self.top_ids[i:i + 1], self.rest[i:i + 1])
+        return Targets(*(getattr(self, f)[i:i + 1] for f in TARGET_FIELDS))
+
+
+TARGET_FIELDS = tuple(f.name for f in fields(Targets))   # ("ids", "logprobs", "top_ids", "rest"): the store's names
 
 
 def topk_targets(ids: torch.Tensor, logits: torch.Tensor, k: int, temperature: float) -> Targets:
@@ -93,7 +96,7 @@ def generate_with_targets(teacher, prompts: torch.Tensor, new_tokens: int, k: in
         seq = torch.cat([seq, nxt], 1)
         logits = forward(nxt)
         parts.append(topk_targets(nxt, logits, k, temperature))
-    return Targets(seq.cpu(), *(torch.cat([getattr(p, f) for p in parts], 1) for f in ("logprobs", "top_ids", "rest")))
+    return Targets(seq.cpu(), *(torch.cat([getattr(p, f) for p in parts], 1) for f in TARGET_FIELDS[1:]))
 
 
 def token_windows(tokenizer, texts: list[str], seq_len: int, max_windows: int | None = None) -> torch.Tensor:
@@ -122,7 +125,7 @@ class TargetStore:
             for f in sorted(self.folder.glob("*.pt")):
                 blob = torch.load(f, weights_only=True)
                 for i, key in enumerate(blob["keys"]):
-                    self.records[key] = Targets(*(blob[n][i:i + 1] for n in ("ids", "logprobs", "top_ids", "rest")))
+                    self.records[key] = Targets(*(blob[n][i:i + 1] for n in TARGET_FIELDS))
 
     def __contains__(self, key: str) -> bool:
         return key in self.records
@@ -138,8 +141,7 @@ class TargetStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         name = hashlib.sha1("|".join(keys).encode()).hexdigest()[:16]
         with atomic_path(self.folder / f"{name}.pt") as tmp:
-            torch.save({"keys": keys, "ids": targets.ids, "logprobs": targets.logprobs,
-                        "top_ids": targets.top_ids, "rest": targets.rest}, tmp)
+            torch.save({"keys": keys, **{f: getattr(targets, f) for f in TARGET_FIELDS}}, tmp)
 
 
 def fingerprint(**parts) -> str:
