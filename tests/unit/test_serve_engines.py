@@ -316,6 +316,19 @@ def test_vllm_binds_every_core_unless_threads_says_otherwise(tmp_path, monkeypat
     assert vllm_engine.command(exp, _opts(), None)[1]["VLLM_CPU_OMP_THREADS_BIND"] == "0-2"
     assert vllm_engine.command(exp, _opts(threads=1), None)[1]["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert "VLLM_CPU_OMP_THREADS_BIND" not in vllm_engine.command(exp, _opts(device="cuda"), None)[1]
+    assert vllm_engine.command(exp, _opts(threads=8), None)[1]["VLLM_CPU_OMP_THREADS_BIND"] == "0-2"  # the set's 3
+
+
+def test_vllm_binds_the_affinity_sets_own_core_ids(tmp_path, monkeypatch, fake_vllm):
+    """A container pinned to cores 4, 5 and 9 has no core 0: vLLM is given those ids, in its list syntax, which its
+    own parser (vllm.utils.cpu_resource_utils.parse_id_list, "5,2-4") reads back as the same set."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {9, 4, 5})
+    exp = ExportFolder(_hf_folder(tmp_path / "w4"), "hf", "gptq", None, 128)
+    assert vllm_engine.command(exp, _opts(), None)[1]["VLLM_CPU_OMP_THREADS_BIND"] == "4-5,9"
+    assert vllm_engine.command(exp, _opts(threads=1), None)[1]["VLLM_CPU_OMP_THREADS_BIND"] == "4"
+    assert vllm_engine.cpu_id_list([0, 1, 2, 6, 8, 9]) == "0-2,6,8-9"
 
 
 def test_vllm_gets_the_key_from_the_environment_never_its_command_line(tmp_path, monkeypatch, fake_vllm):

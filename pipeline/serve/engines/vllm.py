@@ -131,13 +131,31 @@ def command(exp, opts: ServeOptions, missing: str | None) -> tuple[list[str], di
         # unset --threads: every core, as transformers uses. vLLM's own default on 2 cores computes on core 0 and
         # keeps core 1 for its busy-polling scheduler: 0.94x transformers at concurrency 16 in the default run of
         # 4 Dec; bound to both, 1.73x (benchmarks/results/serve_engines_cpu, benchmarks/serve_engines.py)
-        n = opts.threads or len(os.sched_getaffinity(0))
-        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{n - 1}" if n > 1 else "0"
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_id_list(bound_cpus(opts.threads))
     if opts.device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = opts.device.split(":", 1)[1]
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
     return cmd, env
+
+
+def bound_cpus(threads: int | None) -> list[int]:
+    """The CPUs vLLM's worker binds: this process's affinity set (its own ids: a container pinned to cores 4-5 has no
+    core 0), the first `threads` of them when --threads is given (never more than the set holds)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[:threads] if threads else cpus
+
+
+def cpu_id_list(ids: list[int]) -> str:
+    """vLLM's CPU list syntax (vllm.utils.cpu_resource_utils.parse_id_list reads "5,2-4"), consecutive ids as
+    ranges: [0, 1, 2, 6] -> "0-2,6"."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def kv_cache_bytes(folder: Path, slots: int, length: int) -> int | None:
