@@ -74,6 +74,10 @@ def estimate_memory(recipe, info, plan, source) -> None:
             need = RUNTIME_OVERHEAD + int((p - vocab * h) * variant_bits(v) / 8) + embed + 4 * h * max(inter, h)
         else:  # loaded whole, then quantized or searched
             need = RUNTIME_OVERHEAD + 2 * w + cal_tokens * h * 4 * 4
+        mix = getattr(v, "mix", None)
+        if mix is not None:  # the sensitivity table is measured first, in the same process (unless cached)
+            need = max(need, sensitivity_bytes(cfg, p, cal.seq_len, getattr(mix, "hessian_rows", mix.probe_rows),
+                                               mix.probe_rows))
         plan.memory[key] = need
     win = window_bytes(cfg, ppl.seq_len)
     need = WORKER_OVERHEAD + w + win
@@ -111,6 +115,21 @@ def estimate_memory(recipe, info, plan, source) -> None:
         else:
             # the verifier in its dtype; the draft (at most the verifier) and its gradients train in float32
             plan.memory[Draft.key()] = RUNTIME_OVERHEAD + w + 2 * 4 * p + dd.batch_size * dd.seq_len * vocab * 4 * 6
+
+
+def sensitivity_bytes(config: dict, n_params: int, seq_len: int, hessian_rows: int, probe_rows: int) -> int:
+    """Peak of a [quantize.mix] sensitivity table (pipeline/quant/mix_sensitivity.py, gguf_mix_plan.py): the model in
+    float32; every decoder layer's output on the Hessian and the probe rows (UnitHessians, KLProbe); one unit's
+    Hessians in float32 (at most an MLP block's: two hidden x hidden and one intermediate x intermediate); the probe's
+    reference log-probabilities and one forward's logits and log-softmax over the vocabulary."""
+    h = config.get("hidden_size") or 0
+    inter = config.get("intermediate_size") or 4 * h
+    vocab = config.get("vocab_size") or 0
+    layers = max(config.get("num_hidden_layers") or 1, 1)
+    kept = layers * (hessian_rows + probe_rows) * seq_len * h * 4
+    unit = 4 * (2 * h * h + inter * inter)
+    probe = 3 * probe_rows * seq_len * vocab * 4
+    return RUNTIME_OVERHEAD + 4 * n_params + kept + unit + probe
 
 
 def variant_bits(variant) -> float:

@@ -42,7 +42,7 @@ from pipeline.quant.methods.gguf import GGUF_ARCHS
 from pipeline.quant.mix import MixUnit, mix_units
 from pipeline.quant.mix_alloc import allocate
 from pipeline.quant.mix_plan import sensitivity_cache_dir
-from pipeline.quant.mix_sensitivity import KLProbe, cached_table, hessian_row, input_hessians, table_key
+from pipeline.quant.mix_sensitivity import KLProbe, UnitHessians, cached_table, hessian_row, table_key
 from pipeline.quant.shapes import linear_shapes_from_config
 
 VERSION = 1
@@ -73,7 +73,7 @@ def sensitivity(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], t
         return cached
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     t0 = time.perf_counter()
-    hess, tokens = input_hessians(model, calib_ids[:probe_rows], [n for u in units for n, _, _ in u.modules])
+    hessians = UnitHessians(model, calib_ids[:probe_rows], layers_path)
     probe = KLProbe(model, calib_ids[:probe_rows], layers_path)
     spent = {"hessian": 0.0, "kl": time.perf_counter() - t0}
     cands = [(j, 0) for j in range(len(types))]  # the probe's candidates are indices into types
@@ -88,7 +88,7 @@ def sensitivity(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], t
     kl, hessian = [], []
     for k, u in enumerate(units):
         t = time.perf_counter()
-        hessian.append(hessian_row(model, hess, tokens, u, cands, weights))
+        hessian.append(hessian_row(model, hessians.of(u), hessians.tokens, u, cands, weights))
         t1 = time.perf_counter()
         kl.append(probe.row(u, cands, weights))
         rounded.clear()

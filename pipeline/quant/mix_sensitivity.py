@@ -28,6 +28,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -155,35 +156,49 @@ class _Replay(torch.nn.Module):
 
 
 def _layer_outputs(layers, model, ids: torch.Tensor) -> list[list]:
-    """[layer][row] output of each decoder layer on each row of ids (unquantized model)."""
+    """[layer][row] output of each decoder layer on each row of ids (unquantized model; the base model is run, not
+    the vocabulary head, which no layer's output depends on)."""
     outs: list[list] = [[] for _ in layers]
     handles = [layer.register_forward_hook(lambda _m, _i, o, k=k: outs[k].append(o)) for k, layer in enumerate(layers)]
     try:
-        _logits(model, ids)
+        with torch.no_grad():
+            for row in ids:
+                model.base_model(row[None])
     finally:
         for h in handles:
             h.remove()
     return outs
 
 
-def _logits_from(model, layers, first: int, outputs: list[list], ids: torch.Tensor) -> torch.Tensor:
-    """Logits with decoder layers [0, first) replayed from `outputs` (see _Replay)."""
+@contextmanager
+def _replayed(layers, first: int, outputs: list[list]):
+    """Decoder layers [0, first) replaced by one _Replay of `outputs` (set its .row before each row's forward);
+    None when first is 0 (nothing to replay)."""
     if first == 0:
-        return _logits(model, ids)
+        yield None
+        return
     saved = [layers[j] for j in range(first)]
     replay = _Replay(outputs[first - 1])
     for j in range(first):
         layers[j] = replay
     try:
+        yield replay
+    finally:
+        for j, layer in enumerate(saved):
+            layers[j] = layer
+
+
+def _logits_from(model, layers, first: int, outputs: list[list], ids: torch.Tensor) -> torch.Tensor:
+    """Logits with decoder layers [0, first) replayed from `outputs` (see _Replay)."""
+    with _replayed(layers, first, outputs) as replay:
+        if replay is None:
+            return _logits(model, ids)
         rows = []
         with torch.no_grad():
             for r, row in enumerate(ids):
                 replay.row = r
                 rows.append(model(row[None]).logits[0].float())
         return torch.cat(rows)
-    finally:
-        for j, layer in enumerate(saved):
-            layers[j] = layer
 
 
 class KLProbe:
@@ -222,17 +237,19 @@ def kl_table(model, ids: torch.Tensor, units: list[MixUnit], cands: list[tuple[i
     return [probe.row(u, cands, weights) for u in units]
 
 
+def _add_xtx(hess: dict[str, torch.Tensor], name: str):
+    """A forward hook adding the linear's input X^T X (float32) to hess[name]."""
+    def add(_mod, inputs, _out):
+        x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
+        hess[name] = hess.get(name, 0) + x.T @ x
+    return add
+
+
 def input_hessians(model, ids: torch.Tensor, names: list[str]) -> tuple[dict[str, torch.Tensor], int]:
-    """({linear: X^T X summed over the tokens of ids}, tokens): one forward pass with hooks."""
+    """({linear: X^T X summed over the tokens of ids}, tokens): one forward pass with hooks. Every named linear's
+    Hessian is held at once; the sensitivity table takes them a unit at a time instead (UnitHessians)."""
     hess: dict[str, torch.Tensor] = {}
-
-    def hook(name):
-        def add(_mod, inputs, _out):
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
-            hess[name] = hess.get(name, 0) + x.T @ x
-        return add
-
-    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
+    handles = [model.get_submodule(n).register_forward_hook(_add_xtx(hess, n)) for n in names]
     try:
         with torch.no_grad():
             for row in ids:
@@ -241,6 +258,46 @@ def input_hessians(model, ids: torch.Tensor, names: list[str]) -> tuple[dict[str
         for h in handles:
             h.remove()
     return hess, int(ids.numel())
+
+
+class _Stop(Exception):
+    """Raised after the last decoder layer a unit's Hessians need: the layers after it are not run."""
+
+
+class UnitHessians:
+    """input_hessians for one unit's linears at a time, equal to its figures to the bit: the decoder layers' outputs
+    on `ids` are kept once (rows x tokens x hidden a layer), and a unit's X^T X come from running only the unit's own
+    layers on them (the layers before replayed, as the KL probe does; the ones after never run). Memory: those hidden
+    states and one unit's Hessians, where every linear's at once is in_features^2 x 4 bytes each (Qwen2.5-1.5B: its 28
+    down_proj Hessians alone are 9 GB in float32)."""
+
+    def __init__(self, model, ids: torch.Tensor, layers_path: str):
+        self.model, self.ids, self.prefix = model, ids, layers_path + "."
+        self.layers = model.get_submodule(layers_path)
+        self.outputs = _layer_outputs(self.layers, model, ids)
+        self.tokens = int(ids.numel())
+
+    def of(self, u: MixUnit) -> dict[str, torch.Tensor]:
+        """{linear: X^T X summed over the rows' tokens} for u's linears."""
+        at = [int(name[len(self.prefix):].split(".", 1)[0]) for name, _, _ in u.modules]
+        hess: dict[str, torch.Tensor] = {}
+
+        def stop(_m, _i, _o):
+            raise _Stop
+
+        handles = [self.model.get_submodule(n).register_forward_hook(_add_xtx(hess, n)) for n, _, _ in u.modules]
+        handles.append(self.layers[max(at)].register_forward_hook(stop))
+        try:
+            with _replayed(self.layers, min(at), self.outputs) as replay, torch.no_grad():
+                for r, row in enumerate(self.ids):
+                    if replay is not None:
+                        replay.row = r
+                    with suppress(_Stop):
+                        self.model.base_model(row[None])
+        finally:
+            for h in handles:
+                h.remove()
+        return hess
 
 
 def hessian_row(model, hess: dict[str, torch.Tensor], tokens: int, u: MixUnit, cands: list[tuple[int, int]],
@@ -322,16 +379,19 @@ def measure(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], cands
     probed = cands if probe_group_size is None else [c for c in cands if c[1] == probe_group_size]
     solving = "GPTQ solves" if solver.weights == "gptq" else "RTN"
     t0 = time.perf_counter()
-    hess, tokens = input_hessians(model, calib_ids[:hessian_rows], [n for u in units for n, _, _ in u.modules])
+    hessians = UnitHessians(model, calib_ids[:hessian_rows], layers_path)
     t1 = time.perf_counter()
     probe = KLProbe(model, calib_ids[:probe_rows], layers_path)
+    hess: dict[str, torch.Tensor] = {}  # the current unit's (Weights reads them for GPTQ's solve)
     weights = Weights(solver, hess, set(probed))
     spent = {"hessian": t1 - t0, "kl": time.perf_counter() - t1}
     hessian: list[list[float]] = []
     kl: list[list[float]] = []
-    for k, u in enumerate(units):  # unit by unit: GPTQ's solves for the probe are kept for one unit at a time
+    for k, u in enumerate(units):  # unit by unit: its Hessians, and GPTQ's solves for the probe, held for it alone
         t = time.perf_counter()
-        hessian.append(hessian_row(model, hess, tokens, u, cands, weights))
+        hess.clear()
+        hess.update(hessians.of(u))
+        hessian.append(hessian_row(model, hess, hessians.tokens, u, cands, weights))
         t1 = time.perf_counter()
         kl.append(probe.row(u, probed, weights))
         weights.forget(u)
@@ -340,7 +400,7 @@ def measure(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], cands
         if (k + 1) % 10 == 0 or k + 1 == len(units):
             log(f"sensitivity: {k + 1}/{len(units)} units ({solving}; {len(cands)} candidates' Hessian error, "
                 f"KL probed at {len(probed)}) {spent['hessian'] + spent['kl']:.0f} s")
-    del weights, probe
+    del weights, probe, hessians, hess
     if probe_group_size is not None:
         kl = scale_by_hessian(kl, hessian, cands, probe_group_size)
     log(f"sensitivity: Hessian table in {spent['hessian']:.1f} s, KL table in {spent['kl']:.1f} s "

