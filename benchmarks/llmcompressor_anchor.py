@@ -35,6 +35,7 @@ SCHEMES = {
     "fp8-dynamic": (16, "w8a8-fp8"),
     "w8a8-kv": (16, None),
     "gptq-w4a16-g64": (64, "gptq-w4g64-ct"),
+    "gptq-w4a16-g64-mse": (64, "gptq-w4g64-ct"),
 }
 
 
@@ -63,8 +64,10 @@ def compare(args) -> None:
     ours = json.loads(args.ours.read_text()) if args.ours else {}
     args.out.mkdir(parents=True, exist_ok=True)
     folders = args.folders or Path(tempfile.mkdtemp(prefix="llmc-"))
-    rows = []
-    for scheme in args.schemes.split(","):
+    result = args.out / "llmcompressor.json"
+    schemes = args.schemes.split(",")
+    rows = [r for r in json.loads(result.read_text())["rows"] if r["scheme"] not in schemes] if result.exists() else []
+    for scheme in schemes:
         n, ours_row = SCHEMES[scheme]
         folder = folders / scheme
         t0 = time.perf_counter()
@@ -88,7 +91,7 @@ def compare(args) -> None:
               f"oneshot {rec['oneshot_s']:.0f} s" + (f" | compress {ours_row} ratio {row['compress']['ppl_ratio']:.4f}"
                                                      f" KL {row['compress']['kl']:.4f}" if "compress" in row else ""),
               flush=True)
-        (args.out / "llmcompressor.json").write_text(json.dumps(
+        result.write_text(json.dumps(
             {"run": str(run), "baseline_perplexity": ppl["value"], "windows": ppl["windows"], "window": ppl["window"],
              "ours": str(args.ours) if args.ours else None, "rows": rows}, indent=2) + "\n")
 

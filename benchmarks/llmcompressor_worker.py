@@ -12,6 +12,7 @@ dataset of input_ids, so both tools see the same tokens. Schemes (llm-compressor
   w8a8-kv         QuantizationModifier W8A8 with an FP8 KV cache (kv_cache_scheme, calibrated k/v scales)
   fp8-dynamic     QuantizationModifier FP8_DYNAMIC
   gptq-w4a16-g64  GPTQModifier W4A16 with group size 64 (SmolLM2's 576 in-features do not tile by 128)
+  gptq-w4a16-g64-mse  the same with its "mse" observer (a grid search of each group's scale, as GPTQModel's mse)
 Writes OUT (save_compressed) and OUT/llmcompressor_run.json (scheme, versions, seconds).
 """
 from __future__ import annotations
@@ -44,9 +45,10 @@ def recipe(scheme: str, alpha: float):
         return [QuantizationModifier(targets="Linear", scheme="W8A8", ignore=ignore, kv_cache_scheme=KV_FP8)]
     if scheme == "fp8-dynamic":
         return [QuantizationModifier(targets="Linear", scheme="FP8_DYNAMIC", ignore=ignore)]
-    if scheme == "gptq-w4a16-g64":
+    if scheme in ("gptq-w4a16-g64", "gptq-w4a16-g64-mse"):
+        observer = {"observer": "mse"} if scheme.endswith("-mse") else {}
         w4 = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
-            num_bits=4, type="int", symmetric=True, strategy="group", group_size=64))
+            num_bits=4, type="int", symmetric=True, strategy="group", group_size=64, **observer))
         return [GPTQModifier(config_groups={"group_0": w4}, ignore=ignore)]
     raise SystemExit(f"unknown scheme {scheme!r}")
 
