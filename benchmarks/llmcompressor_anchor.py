@@ -120,7 +120,7 @@ def main() -> None:
     c.add_argument("run", type=Path)
     c.add_argument("--venv", type=Path, required=True, help="llm-compressor's environment")
     c.add_argument("--out", type=Path, required=True)
-    c.add_argument("--schemes", default="w8a8,sq-w8a8,sq-gptq-w8a8,fp8-dynamic,gptq-w4a16-g64")
+    c.add_argument("--schemes", default="w8a8,sq-w8a8,sq-gptq-w8a8,fp8-dynamic,gptq-w4a16-g64,gptq-w4a16-g64-mse")
     c.add_argument("--ours", type=Path, help="compress's figures on the same run's windows (w8a8_summary.py output)")
     c.add_argument("--folders", type=Path, help="keep llm-compressor's folders here (default: a temporary folder)")
     f = sub.add_parser("fixture")

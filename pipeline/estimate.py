@@ -76,7 +76,7 @@ def estimate_memory(recipe, info, plan, source) -> None:
             need = RUNTIME_OVERHEAD + 2 * w + cal_tokens * h * 4 * 4
         mix = getattr(v, "mix", None)
         if mix is not None:  # the sensitivity table is measured first, in the same process (unless cached)
-            need = max(need, sensitivity_bytes(cfg, p, cal.seq_len, getattr(mix, "hessian_rows", mix.probe_rows),
+            need = max(need, sensitivity_bytes(cfg, p, w, cal.seq_len, getattr(mix, "hessian_rows", mix.probe_rows),
                                                mix.probe_rows))
         plan.memory[key] = need
     win = window_bytes(cfg, ppl.seq_len)
@@ -117,11 +117,14 @@ def estimate_memory(recipe, info, plan, source) -> None:
             plan.memory[Draft.key()] = RUNTIME_OVERHEAD + w + 2 * 4 * p + dd.batch_size * dd.seq_len * vocab * 4 * 6
 
 
-def sensitivity_bytes(config: dict, n_params: int, seq_len: int, hessian_rows: int, probe_rows: int) -> int:
-    """Peak of a [quantize.mix] sensitivity table (pipeline/quant/mix_sensitivity.py, gguf_mix_plan.py): the model in
-    float32; every decoder layer's output on the Hessian and the probe rows (UnitHessians, KLProbe); one unit's
+def sensitivity_bytes(config: dict, n_params: int, checkpoint_bytes: int, seq_len: int, hessian_rows: int,
+                      probe_rows: int) -> int:
+    """Peak of a [quantize.mix] sensitivity table (pipeline/quant/mix_sensitivity.py, gguf_mix_plan.py), the larger of
+    its two phases. Loading: the model converted to float32 beside the checkpoint's mapped pages. Measuring: the model
+    in float32; every decoder layer's output on the Hessian and the probe rows (UnitHessians, KLProbe); one unit's
     Hessians in float32 (at most an MLP block's: two hidden x hidden and one intermediate x intermediate); the probe's
-    reference log-probabilities and one forward's logits and log-softmax over the vocabulary."""
+    reference log-probabilities and one forward's logits and log-softmax over the vocabulary. Measured on
+    Qwen2.5-Coder-1.5B (bfloat16 checkpoint, 16 + 1 rows of 256): 10.51 GiB, at the load (benchmarks/README_mix.md)."""
     h = config.get("hidden_size") or 0
     inter = config.get("intermediate_size") or 4 * h
     vocab = config.get("vocab_size") or 0
@@ -129,7 +132,7 @@ def sensitivity_bytes(config: dict, n_params: int, seq_len: int, hessian_rows: i
     kept = layers * (hessian_rows + probe_rows) * seq_len * h * 4
     unit = 4 * (2 * h * h + inter * inter)
     probe = 3 * probe_rows * seq_len * vocab * 4
-    return RUNTIME_OVERHEAD + 4 * n_params + kept + unit + probe
+    return RUNTIME_OVERHEAD + 4 * n_params + max(checkpoint_bytes, kept + unit + probe)
 
 
 def variant_bits(variant) -> float:
