@@ -320,8 +320,8 @@ def test_vllm_binds_every_core_unless_threads_says_otherwise(tmp_path, monkeypat
 
 
 def test_vllm_binds_the_affinity_sets_own_core_ids(tmp_path, monkeypatch, fake_vllm):
-    """A container pinned to cores 4, 5 and 9 has no core 0: vLLM is given those ids, in its list syntax, which its
-    own parser (vllm.utils.cpu_resource_utils.parse_id_list, "5,2-4") reads back as the same set."""
+    """A container pinned to cores 4, 5 and 9 has no core 0: vLLM is given those ids, in the list syntax its parser
+    reads (vllm.utils.cpu_resource_utils.parse_id_list: "5,2-4" is 2, 3, 4, 5)."""
     import os
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {9, 4, 5})
