@@ -1,11 +1,11 @@
-"""A finished GPTQ export rewritten as compressed-tensors (pipeline/quant/ct_export.py), and the perplexity of both on
+"""A finished GPTQ or AWQ export rewritten as compressed-tensors (pipeline/quant/ct_export.py), and the perplexity of both on
 the same WikiText-2 windows (GPTQ protocol), two ways each:
 
   reload: as `compress eval` and validate load them (pipeline/quant/checkpoint.py): the GPTQ folder through
           GPTQModel's CPU kernel, the compressed-tensors one through transformers, decompressed to dense weights in
           the model's dtype at the first forward;
-  exact:  both as float32 models holding the dequantized weights (q - z) * s computed in float32 (the GPTQ folder's
-          qweight/qzeros/scales unpacked; compressed-tensors' decompressor through transformers with float32
+  exact:  both as float32 models holding the dequantized weights (q - z) * s computed in float32 (the GPTQ or AWQ
+          folder's qweight/qzeros/scales unpacked; compressed-tensors' decompressor through transformers with float32
           scales), which must agree to the bit.
 
     PYTHONPATH=$PWD python -m benchmarks.ct_export --gptq /tmp/fresh/artifacts/default/export/gptq-w4g64 \\
@@ -45,26 +45,23 @@ def ppl(model, ids: torch.Tensor, seq_len: int, max_windows: int) -> dict:
 
 
 def exact_gptq(folder: Path):
-    """A float32 model whose quantized linears hold (q - z) * s from the GPTQ folder's qweight/qzeros/scales in
-    float32 (its float16 scales exactly; GPTQModel's loader would round them to the model's bfloat16)."""
+    """A float32 model whose quantized linears hold (q - z) * s from the GPTQ or AWQ folder's qweight/qzeros/scales
+    in float32 (its float16/bfloat16 scales exactly; GPTQModel's loader would round float16 ones to bfloat16)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pipeline.quant.ct_export import dequantized, gptq_integers
+    from pipeline.quant.ct_export import dequantized_weights
 
-    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
     cfg = AutoConfig.from_pretrained(folder)
     del cfg.quantization_config
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     state = {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
-    mods = {k.removesuffix(".qweight") for k in state if k.endswith(".qweight")}
-    plain = {k: v.float() for k, v in state.items() if k.rpartition(".")[0] not in mods}
+    weights = dequantized_weights(folder, torch.float32)
+    plain = {k: v.float() for k, v in state.items() if k.rpartition(".")[0] not in weights}
     model.load_state_dict(plain, strict=False)
     with torch.no_grad():
-        for mod in mods:
-            t = {leaf: state[f"{mod}.{leaf}"] for leaf in ("qweight", "qzeros", "scales", "g_idx")}
-            q, z, s = gptq_integers(t, qc["bits"], qc["group_size"], qc.get("checkpoint_format", "gptq") == "gptq")
-            model.get_submodule(mod).weight.copy_(dequantized(q, z, s, torch.float32))
+        for mod, w in weights.items():
+            model.get_submodule(mod).weight.copy_(w)
     model.tie_weights()
     return model.eval()
 
@@ -72,12 +69,15 @@ def exact_gptq(folder: Path):
 def exact_ct(folder: Path):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    from pipeline.quant.ct_export import packed_zero_points_on_meta
+
+    with packed_zero_points_on_meta():  # an asymmetric (AWQ) folder's zero points (pipeline/quant/ct_format.py)
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--gptq", type=Path, required=True)
+    ap.add_argument("--gptq", type=Path, required=True, help="the GPTQ or AWQ folder")
     ap.add_argument("--ct", type=Path, required=True, help="written from --gptq when it does not exist")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--max-windows", type=int, default=3)

@@ -1,12 +1,15 @@
-"""A GPTQ-format checkpoint rewritten as a compressed-tensors `pack-quantized` checkpoint (W4A16 / W8A16): the same
-integers, scales and group size, not a re-quantization.
+"""A GPTQ- or AWQ-format checkpoint rewritten as a compressed-tensors `pack-quantized` checkpoint (W4A16 / W8A16):
+the same integers, scales and group size, not a re-quantization.
 
-The GPTQ folder's qweight/qzeros/scales/g_idx are unpacked here (`gptq_integers`); the compressed-tensors side is
+The GPTQ folder's qweight/qzeros/scales/g_idx are unpacked here (`gptq_integers`), an AWQ GEMM folder's
+qweight/qzeros/scales with GPTQModel's own AWQ unpacker (`awq_integers`: values packed along the output features,
+interleaved in AWQ's order, zero points stored as they are); the compressed-tensors side is
 written by compressed-tensors itself: a `QuantizationConfig` of one `QuantizationScheme` (int weights, group or
 channel strategy, symmetric when the GPTQ zero points all sit at the middle of the grid) is applied to the model,
 each quantized linear gets the GPTQ scales as its `weight_scale` (their dtype kept: float16 from GPTQModel) and the
 exactly dequantized weight (q - z) * s in float32, and `ModelCompressor.compress_model` quantizes and packs it. In
-float32 that product and the quotient compressed-tensors takes are exact (an 11-bit scale times an 8-bit integer),
+float32 that product and the quotient compressed-tensors takes are exact (an 11-bit float16 or 8-bit bfloat16 scale
+times an integer of at most 9 bits),
 so its rounding returns the GPTQ integers; `convert` unpacks what it wrote and refuses to finish if any integer,
 scale or zero point differs.
 
@@ -21,12 +24,16 @@ own `dynamic_get`, the rule its loader follows.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from compressed_tensors.compressors import ModelCompressor
+from compressed_tensors.compressors.pack_quantized.base import PACK_ZP_STRATS, PackedQuantizationCompressor
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
 from compressed_tensors.quantization import (
     QuantizationArgs,
@@ -34,6 +41,7 @@ from compressed_tensors.quantization import (
     QuantizationScheme,
     apply_quantization_config,
 )
+from gptqmodel.quantization.awq.utils.packing_utils import reverse_awq_order, unpack_awq
 from gptqmodel.quantization.config import dynamic_get
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -73,6 +81,22 @@ def gptq_integers(t: dict[str, torch.Tensor], bits: int, group_size: int, v1: bo
         raise ValueError(f"{groups} scale groups for {in_f} in-features and group_size {group_size}")
     if int(z.min()) < 0 or int(z.max()) >= 1 << bits:
         raise ValueError(f"zero points outside the {bits}-bit grid ({int(z.min())}..{int(z.max())})")
+    return q, z, t["scales"].t().contiguous()
+
+
+def awq_integers(t: dict[str, torch.Tensor], bits: int, group_size: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One AWQ GEMM linear's (q [out, in], z [out, groups], scales [out, groups]): qweight [in, out * bits / 32] and
+    qzeros [groups, out * bits / 32] unpacked and put back in column order by GPTQModel's AWQ helpers."""
+    if bits != 4:
+        raise ValueError(f"{bits}-bit AWQ: the GEMM layout converted here is 4-bit")
+    in_f, out_f = t["qweight"].shape[0], t["scales"].shape[1]
+    iw, iz = unpack_awq(t["qweight"], t["qzeros"], bits, out_f)
+    iw, iz = reverse_awq_order(iw, iz, bits)
+    g = in_f if group_size == -1 else group_size
+    if t["scales"].shape[0] != in_f // g or iz.shape[0] != in_f // g:
+        raise ValueError(f"{t['scales'].shape[0]} scale groups for {in_f} in-features and group_size {group_size}")
+    q, z = iw.to(torch.int64).t().contiguous(), iz.to(torch.int64).t().contiguous()
     return q, z, t["scales"].t().contiguous()
 
 
@@ -128,7 +152,7 @@ def linear_settings(qc: dict, names: list[str]) -> dict[str, Setting]:
     return out
 
 
-def _gptq_linears(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+def _packed_linears(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
     out: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in state.items():
         mod, _, leaf = k.rpartition(".")
@@ -144,25 +168,47 @@ def _read_state(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def convert(gptq_dir: Path, out_dir: Path) -> dict:
-    """Write the compressed-tensors checkpoint of the GPTQ folder gptq_dir into out_dir (weights and config.json;
-    the caller copies the tokenizer and finishes the config). Returns config.json's quantization_config."""
-    config = json.loads((gptq_dir / "config.json").read_text())
+Ints = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (q [out, in], z [out, groups], scales [out, groups])
+
+
+def read_integers(folder: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Setting], dict[str, Ints]]:
+    """A GPTQ or AWQ folder's quantization_config, its tensors, and each quantized linear's setting and integers
+    (in the unsigned grid, zero points as stored by AWQ / restored from GPTQ's v1 offset)."""
+    config = json.loads((folder / "config.json").read_text())
     qc = config["quantization_config"]
-    if qc.get("quant_method") != "gptq":
-        raise ValueError(f"{gptq_dir} is not a GPTQ checkpoint (quant_method {qc.get('quant_method')!r})")
+    method = qc.get("quant_method")
+    if method not in ("gptq", "awq"):
+        raise ValueError(f"{folder} is not a GPTQ or AWQ checkpoint (quant_method {method!r})")
     if qc.get("desc_act"):
         raise ValueError("desc_act = true: compressed-tensors' pack-quantized format stores no g_idx (act-order)")
+    if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
+        raise ValueError(f"AWQ version {qc.get('version')!r}: only the GEMM layout converts")
     v1 = qc.get("checkpoint_format", "gptq") == "gptq"
-    state = _read_state(gptq_dir)
-    linears = _gptq_linears(state)
+    state = _read_state(folder)
+    linears = _packed_linears(state)
     settings = linear_settings(qc, sorted(linears))
-    ints = {name: gptq_integers(t, *settings[name], v1) for name, t in linears.items()}
+    ints = {name: (gptq_integers(t, *settings[name], v1) if method == "gptq" else awq_integers(t, *settings[name]))
+            for name, t in linears.items()}
+    return qc, state, settings, ints
+
+
+def dequantized_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Each quantized linear of a GPTQ or AWQ folder as (q - z) * s in `dtype` (None: its scales' dtype)."""
+    _, _, _, ints = read_integers(folder)
+    return {name: dequantized(q, z, s, dtype or s.dtype) for name, (q, z, s) in ints.items()}
+
+
+def convert(gptq_dir: Path, out_dir: Path) -> dict:
+    """Write the compressed-tensors checkpoint of the GPTQ or AWQ folder gptq_dir into out_dir (weights and
+    config.json; the caller copies the tokenizer and finishes the config). Returns config.json's
+    quantization_config."""
+    qc, state, settings, ints = read_integers(gptq_dir)
+    quantized = set(ints)
     sym = all(bool((z == 1 << (settings[n][0] - 1)).all()) for n, (_, z, _) in ints.items())
-    if qc.get("sym", True) and not sym:
+    if qc.get("sym", not qc.get("zero_point", False)) and not sym:  # (AWQ's config says zero_point)
         raise ValueError("sym = true but some zero points are not the grid's middle")
 
-    plain = {k: v for k, v in state.items() if k.rpartition(".")[0] not in linears}
+    plain = {k: v for k, v in state.items() if k.rpartition(".")[0] not in quantized}
     cfg = AutoConfig.from_pretrained(gptq_dir)
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
@@ -170,10 +216,9 @@ def convert(gptq_dir: Path, out_dir: Path) -> dict:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     model.to_empty(device="cpu")
-    for name in linears:  # float32 while compressed-tensors derives the integers (exact, see above)
+    for name in quantized:  # float32 while compressed-tensors derives the integers (exact, see above)
         lin = model.get_submodule(name)
         lin.weight = torch.nn.Parameter(torch.empty(lin.weight.shape, dtype=torch.float32), requires_grad=False)
-    quantized = set(linears)
     ignore = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in quantized)
     qcfg = (mixed_scheme(settings, sym, ignore) if qc.get("dynamic")
             else scheme(*settings[next(iter(settings))], sym, ignore))
@@ -247,3 +292,28 @@ def rewrite_in_place(folder: Path) -> dict:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return qc
+
+
+@contextmanager
+def packed_zero_points_on_meta() -> Iterator[None]:
+    """compressed-tensors 0.20 compresses transformers' meta-device model (before the weights load) without packing
+    an asymmetric grid's zero points: the place made for weight_zero_point is [out, groups] while the checkpoint
+    (written by the same library) holds it packed, [ceil(out * bits / 32), groups], and the load stops with a
+    size mismatch. Within this block the meta branch gives the packed shape, as the real branch does; the
+    decompression at the first forward unpacks it (its own code). Weight-only asymmetric checkpoints only
+    (pipeline/quant/ct_format.py asks)."""
+    plain = PackedQuantizationCompressor.__dict__["compress"]
+
+    def compress(cls, state_dict, scheme):
+        out = plain.__func__(cls, state_dict, scheme)
+        zp, w = state_dict.get("weight_zero_point"), scheme.weights
+        if zp is not None and zp.device.type == "meta" and not w.symmetric and w.strategy in PACK_ZP_STRATS:
+            rows = math.ceil(zp.shape[0] * w.num_bits / 32)
+            out["weight_zero_point"] = torch.empty((rows, *zp.shape[1:]), dtype=torch.int32, device="meta")
+        return out
+
+    PackedQuantizationCompressor.compress = classmethod(compress)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        PackedQuantizationCompressor.compress = plain  # type: ignore[method-assign]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import TypedDict
 
+from pipeline.base.memory import MappedPagesTrimmed
 from pipeline.base.problem import Problem
 from pipeline.quant.method import LLAMA_CPP_ROW
 from pipeline.quant.shapes import Arch, quantized_linears
@@ -33,7 +34,13 @@ MARLIN: MarlinLimits = {"group_sizes": (-1, 32, 64, 128), "min_k": 128, "min_n":
 class CompressedTensorsLoad:
     """How a compressed-tensors checkpoint loads back (the reload facts pipeline/quant/registry.py `by_format`
     returns): transformers' own compressed-tensors quantizer applies the config, keeps the packed tensors, and
-    decompresses the whole model to dense weights in its dtype at the first forward (no int4 kernel on CPU)."""
+    decompresses the whole model to dense weights in its dtype at the first forward (no int4 kernel on CPU).
+
+    A checkpoint with an asymmetric pack-quantized group (AWQ's zero points, sym = false) loads the same way inside
+    `packed_zero_points_on_meta` (pipeline/quant/ct_export.py): compressed-tensors 0.20 compresses transformers'
+    meta-device model without packing the zero points, so the checkpoint's packed weight_zero_point does not fit
+    the place made for it and the load stops with a size mismatch. (transformers' `dequantize=True` loads it too,
+    but decompresses in the scales' dtype: float16 products in a float32 model, not the exact weights.)"""
 
     name = CT
     checkpoint_format = CT
@@ -48,7 +55,21 @@ class CompressedTensorsLoad:
         pass
 
     def load_own(self, folder, config: dict, device: str):
-        return None  # transformers' compressed-tensors quantizer loads it (pipeline/quant/checkpoint.py)
+        if not packed_zero_points(config.get("quantization_config") or {}):
+            return None  # transformers' compressed-tensors quantizer loads it (pipeline/quant/checkpoint.py)
+        from transformers import AutoModelForCausalLM  # (this module is torch-free)
+
+        from pipeline.quant.ct_export import packed_zero_points_on_meta
+
+        with MappedPagesTrimmed(folder), packed_zero_points_on_meta():
+            return AutoModelForCausalLM.from_pretrained(folder, device_map=device)
+
+
+def packed_zero_points(qc: dict) -> bool:
+    """A pack-quantized config with an asymmetric weight group (its zero points packed)."""
+    groups = (qc.get("config_groups") or {}).values()
+    return qc.get("format") == "pack-quantized" and any(
+        not (g.get("weights") or {}).get("symmetric", True) for g in groups)
 
 
 LOAD = CompressedTensorsLoad()

@@ -1,6 +1,6 @@
-"""format = "compressed-tensors" on the GPTQ-family variants: the same integers, scales and group size as the GPTQ
-format (unpacked both ways, compared bit for bit), the folder reloads through transformers (decompressed at the first
-forward), and `compress check` refuses what pack-quantized cannot hold."""
+"""format = "compressed-tensors" on the GPTQ-family and AWQ variants: the same integers, scales, zero points and group
+size as the GPTQ or AWQ format (unpacked both ways, compared bit for bit), the folder reloads through transformers
+(decompressed at the first forward), and `compress check` refuses what pack-quantized cannot hold."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import torch
 from pydantic import TypeAdapter
 
 from pipeline.base.env import tame
-from pipeline.quant.ct_export import dequantized, gptq_integers
+from pipeline.quant.ct_export import awq_integers, dequantized_weights
 from pipeline.quant.registry import QuantVariant, check_variant, reload_of, runtimes, variant_format
 from pipeline.quant.shapes import linear_shapes_from_config
 from tests.problems import keys, only
@@ -27,11 +27,20 @@ PROBE = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed
 ROOT = Path(__file__).resolve().parents[2]
 SMOL = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
         "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
-CASES = {  # name: recipe fields (each quantized twice: format "gptq" and "compressed-tensors")
+CASES = {  # name: recipe fields (each quantized twice: its own format, "gptq" or "awq", and "compressed-tensors")
     "gptq-w4g32": {"method": "gptq", "bits": 4, "group_size": 32},
     "rtn-w4g32-asym": {"method": "rtn", "bits": 4, "group_size": 32, "sym": False},
     "rtn-w8-channel": {"method": "rtn", "bits": 8, "group_size": -1},
+    "awq-w4g32": {"method": "awq", "group_size": 32},  # asymmetric (AWQ's zero points), bfloat16
 }
+
+
+def own_format(fields: dict) -> str:
+    return "awq" if fields["method"] == "awq" else "gptq"
+
+
+def symmetric(fields: dict) -> bool:
+    return fields.get("sym", fields["method"] != "awq")
 
 
 def variant(**kw):
@@ -48,7 +57,7 @@ def folders(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     out = {}
     for name, fields in CASES.items():
         pair = []
-        for fmt in ("gptq", "compressed-tensors"):
+        for fmt in (own_format(fields), "compressed-tensors"):
             v = variant(name=name, format=fmt, **fields)
             quantize_variant(tiny, v, CALIB, root / f"{name}-{fmt}", log, seed=0)
             pair.append(root / f"{name}-{fmt}")
@@ -63,15 +72,8 @@ def _state(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def gptq_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Dequantized weights of a GPTQ folder from its qweight/qzeros/scales, in `dtype` (None: the scales')."""
-    qc = json.loads((folder / "config.json").read_text())["quantization_config"]
-    state, out = _state(folder), {}
-    for key in [k for k in state if k.endswith(".qweight")]:
-        mod = key.removesuffix(".qweight")
-        t = {leaf: state[f"{mod}.{leaf}"] for leaf in ("qweight", "qzeros", "scales", "g_idx")}
-        q, z, s = gptq_integers(t, qc["bits"], qc["group_size"], qc.get("checkpoint_format", "gptq") == "gptq")
-        out[mod] = dequantized(q, z, s, dtype or s.dtype)
-    return out
+    """Dequantized weights of a GPTQ or AWQ folder from its qweight/qzeros/scales, in `dtype` (None: the scales')."""
+    return dequantized_weights(folder, dtype)
 
 
 def ct_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -97,7 +99,7 @@ def test_compressed_tensors_holds_the_gptq_weights_bit_for_bit(folders, name):
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
     (group,) = qc["config_groups"].values()
     w = group["weights"]
-    assert (w["num_bits"], w["symmetric"], w["type"]) == (fields["bits"], fields.get("sym", True), "int")
+    assert (w["num_bits"], w["symmetric"], w["type"]) == (fields.get("bits", 4), symmetric(fields), "int")
     assert w["group_size"] == (None if fields["group_size"] == -1 else fields["group_size"])
     assert qc["ignore"] == ["lm_head"]
     assert not (ct / "quantize_config.json").exists() and not list(ct.glob(".ct-*"))
@@ -108,6 +110,25 @@ def test_compressed_tensors_holds_the_gptq_weights_bit_for_bit(folders, name):
     plain_a = {k: v for k, v in _state(gptq).items() if k.rpartition(".")[0] not in a}
     plain_b = {k: v for k, v in _state(ct).items() if k.rpartition(".")[0] not in b}
     assert plain_a.keys() == plain_b.keys() and all(torch.equal(plain_a[k], plain_b[k]) for k in plain_a)
+
+
+def test_awq_gemm_layout_unpacks_to_the_integers_gptqmodel_packed():
+    """GPTQModel's own AWQ packer (values along the output features in AWQ's interleaved order) and our reader:
+    the integers, zero points and scales come back in [out, in] / [out, groups] column order."""
+    from gptqmodel.quantization.awq.utils.packing_utils import pack_awq
+
+    gen = torch.Generator().manual_seed(2)
+    in_f, out_f, g = 96, 40, 32
+    q = torch.randint(0, 16, (in_f, out_f), generator=gen, dtype=torch.int32)
+    z = torch.randint(0, 16, (in_f // g, out_f), generator=gen, dtype=torch.int32)
+    scales = torch.rand(in_f // g, out_f, generator=gen).to(torch.bfloat16)
+    qweight, qzeros = pack_awq(q, z, 4)
+    assert qweight.shape == (in_f, out_f // 8) and qzeros.shape == (in_f // g, out_f // 8)
+    got_q, got_z, got_s = awq_integers({"qweight": qweight, "qzeros": qzeros, "scales": scales}, 4, g)
+    assert torch.equal(got_q, q.t().to(torch.int64)) and torch.equal(got_z, z.t().to(torch.int64))
+    assert torch.equal(got_s, scales.t())
+    with pytest.raises(ValueError, match="scale groups"):
+        awq_integers({"qweight": qweight, "qzeros": qzeros, "scales": scales}, 4, 16)
 
 
 RELOAD = r"""
@@ -127,29 +148,52 @@ print(json.dumps({"before": before, "after": after}))
 """
 
 
-def test_reloads_through_transformers_decompressed_and_matches_the_gptq_weights(folders, tmp_path):
+@pytest.mark.parametrize("name", ["gptq-w4g32", "rtn-w4g32-asym", "awq-w4g32"])
+def test_reloads_through_transformers_decompressed_and_matches_the_source_weights(folders, tmp_path, name):
     """Our stages' loader (pipeline/quant/checkpoint.py) on the folder: transformers' compressed-tensors quantizer
-    keeps the packed tensors and decompresses them to dense weights at the first forward; the logits are those of
-    the GPTQ folder's weights dequantized exactly."""
+    keeps the packed tensors (an asymmetric grid's packed zero points too: compressed-tensors 0.20 needs help to place
+    them, pipeline/quant/ct_format.py) and decompresses them to dense weights at the first forward; the logits are
+    those of the GPTQ or AWQ folder's weights dequantized exactly, beside its other tensors (AWQ folds its scales
+    into the norms)."""
     from transformers import AutoModelForCausalLM
 
-    gptq, ct = folders["gptq-w4g32"]
+    src, ct = folders[name]
+    dtype = torch.bfloat16 if CASES[name]["method"] == "awq" else torch.float32  # (AWQ runs in bfloat16)
     r = subprocess.run([sys.executable, "-c", RELOAD, json.dumps(PROBE.tolist()), str(ct), str(tmp_path / "l.pt")],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     seen = json.loads(r.stdout.strip().splitlines()[-1])
-    assert seen["before"] == ["weight_packed", "weight_scale", "weight_shape"]
+    zp = [] if symmetric(CASES[name]) else ["weight_zero_point"]
+    assert seen["before"] == ["weight_packed", "weight_scale", "weight_shape", *zp]
     after = seen["after"]  # decompressed: a dense weight in the model's dtype, the packed values gone
-    assert after["model.layers.0.self_attn.q_proj.weight"] == "torch.float32"
+    assert after["model.layers.0.self_attn.q_proj.weight"] == str(dtype)
     assert "model.layers.0.self_attn.q_proj.weight_packed" not in after
-    cfg = json.loads((gptq / "config.json").read_text())
-    cfg.pop("quantization_config")
-    dense = AutoModelForCausalLM.from_pretrained(ct.parent / "tiny", dtype=torch.float32)
-    with torch.no_grad():
-        for mod, w in gptq_weights(gptq, torch.float32).items():  # the loader's scales are in the model's dtype
-            dense.get_submodule(mod).weight.copy_(w)
-        want = dense(PROBE).logits.float()
+    dense = AutoModelForCausalLM.from_pretrained(ct.parent / "tiny", dtype=dtype)
+    weights = gptq_weights(src, dtype)  # the loader's scales are in the model's dtype
+    plain = {k: v for k, v in _state(src).items() if k.rpartition(".")[0] not in weights}
+    _, unexpected = dense.load_state_dict(plain, strict=False)
+    assert not unexpected
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the reload did: one summation order
+    try:
+        with torch.no_grad():
+            for mod, w in weights.items():
+                dense.get_submodule(mod).weight.copy_(w)
+            want = dense(PROBE).logits.float()
+    finally:
+        torch.set_num_threads(threads)
     assert torch.equal(torch.load(tmp_path / "l.pt"), want)
+
+
+def test_without_the_fix_compressed_tensors_cannot_place_packed_zero_points(folders):
+    """Why ct_format's loader wraps an asymmetric folder (pipeline/quant/ct_export.py packed_zero_points_on_meta):
+    transformers + compressed-tensors 0.20 alone refuse the folder compressed-tensors itself wrote. When this starts
+    passing the load, the wrapper can go."""
+    from transformers import AutoModelForCausalLM
+
+    _, ct = folders["awq-w4g32"]
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):  # its report names weight_zero_point
+        AutoModelForCausalLM.from_pretrained(ct)
 
 
 def test_recipe_default_format_is_unchanged():
@@ -196,3 +240,23 @@ def test_runtime_rows_name_the_compressed_tensors_kernels():
     assert "decompress" in rows["transformers (CPU)"]["kernel"]
     assert "W4A16" in rows["vLLM (CPU)"]["kernel"] and "W4A16" in rows["vLLM (CUDA)"]["kernel"]
     assert "576" in rows["vLLM (CUDA)"]["note"]  # Marlin wants in-features divisible by 128
+
+
+def test_awq_in_compressed_tensors_is_checked_planned_and_tagged_as_compressed_tensors():
+    from pipeline.quant.registry import method_of
+
+    smol = linear_shapes_from_config(SMOL)
+    v = variant(name="awq-ct", method="awq", format="compressed-tensors")
+    assert variant_format(v) == "compressed-tensors" and reload_of(v).load_module == "compressed_tensors"
+    assert variant_format(variant(name="awq", method="awq")) == "awq"
+    assert check_variant(v, smol, "cpu") == []
+    assert keys(check_variant(variant(name="awq-ct", method="awq", format="compressed-tensors", modules_to_skip=[]),
+                              smol, "cpu")) == [("modules_to_skip", "ct-lm-head-not-skipped")]
+    m = method_of(v)
+    assert m.bits_per_weight(v) == 4 + (16 + 4) / 64  # packed values, a 16-bit scale and a packed zero point
+    rows = {r["runtime"]: r for r in runtimes(v, smol)}
+    assert "W4A16" in rows["vLLM (CPU)"]["kernel"] and "W4A16" in rows["vLLM (CUDA)"]["kernel"]
+    assert "GPTQ format" in rows["GPTQModel.load"]["note"]  # GPTQModel does not read compressed-tensors
+    params = {"bits": 4, "format": "compressed-tensors"}
+    assert m.hub_tags(params)[-1] == "compressed-tensors"
+    assert "compressed-tensors" in m.card_usage("me/x", params, {})[0]

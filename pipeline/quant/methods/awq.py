@@ -7,7 +7,9 @@ CUDA-only and refuses a CPU run); the checkpoint is the same GEMM layout either 
 (through GPTQModel's kernels), vLLM and GPTQModel load. GPTQModel's AWQ packer builds float16/bfloat16 modules only,
 so a float32 checkpoint is quantized in bfloat16. The driver, session, logs and checkpoint finishing are GPTQModel's
 (pipeline/quant/gptqmodel_driver.py); the clipping search runs as matrix products (pipeline/quant/awq_clip.py).
-The work is pipeline/quant/work/awq.py.
+With `format = "compressed-tensors"` the same integers, scales and zero points are rewritten as a compressed-tensors
+pack-quantized W4A16 checkpoint (asymmetric, zero points packed; pipeline/quant/ct_export.py), the format vLLM
+reads natively. The work is pipeline/quant/work/awq.py.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Literal
 from pydantic import Field
 
 from pipeline.base.problem import Problem
+from pipeline.quant.ct_format import CT, LOAD, ct_bits_per_weight, ct_problems, ct_runtimes, ct_usage
 from pipeline.quant.gptq_format import GPTQModelKernels, lm_head_rule
 from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod, bits_tags, grouped_bits, missing_package
 from pipeline.quant.shapes import Arch, quantized_linears
@@ -38,6 +41,16 @@ class AWQVariant(Calibrated, VariantBase):
     dtype: Literal["bfloat16", "float16"] | None = Field(
         None, description="dtype the model runs in while quantizing; None = the checkpoint's if 16-bit, else "
                           "bfloat16 (GPTQModel's AWQ modules take no float32)")
+    format: Literal["awq", "compressed-tensors"] = Field(
+        "awq", description="checkpoint format written: 'awq' (the GEMM layout, loaded through GPTQModel's AWQ "
+                           "kernels) or 'compressed-tensors' (pack-quantized W4A16 with the same integers, scales "
+                           "and zero points, loaded by transformers' and vLLM's own compressed-tensors code; "
+                           "lm_head skipped)")
+
+    @property
+    def sym(self) -> bool:
+        """The grid's symmetry in the GPTQ family's terms (what the compressed-tensors rules read)."""
+        return not self.zero_point
 
 
 class AWQMethod(GPTQModelKernels, QuantMethod):
@@ -54,14 +67,24 @@ class AWQMethod(GPTQModelKernels, QuantMethod):
     memory = "layerwise"
     half_only = True
     work = "pipeline.quant.work.awq"
+    made_by = " (AWQ, through GPTQModel)"
+
+    def format_of(self, variant) -> str:
+        return variant.format
+
+    def reload_of(self, variant):
+        return LOAD if variant.format == CT else self
 
     def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         # (dtype: the generic check refuses float32 with AWQ_DTYPES)
         # (GPTQModel's own clipping search asserts out-features in multiples of 64; ours, pipeline/quant/awq_clip.py,
         # takes any)
-        return missing_package("gptqmodel", "gptqmodel", "awq") + lm_head_rule(variant, "AWQ")
+        problems = missing_package("gptqmodel", "gptqmodel", "awq")
+        return problems + (ct_problems(variant, arch) if variant.format == CT else lm_head_rule(variant, "AWQ"))
 
     def runtimes(self, variant, arch: Arch) -> list[dict]:
+        if variant.format == CT:
+            return ct_runtimes(variant, arch)
         g = variant.group_size
         linears = quantized_linears(arch, variant.modules_to_skip) if arch.shapes_known else {}
         bad = [f"{k.split('.')[-1]} ({i}x{o})" for k, (i, o) in linears.items() if i % 128 or o % 64]
@@ -84,12 +107,15 @@ class AWQMethod(GPTQModelKernels, QuantMethod):
         ]
 
     def bits_per_weight(self, variant) -> float:
-        return grouped_bits(variant)
+        return ct_bits_per_weight(variant) if variant.format == CT else grouped_bits(variant)
 
     def hub_tags(self, params: dict) -> list[str]:
-        return bits_tags(params, "awq")  # the Hub's AWQ filter is the `awq` tag
+        tags = bits_tags(params, "awq")  # the Hub's AWQ filter is the `awq` tag
+        return [*tags, CT] if params.get("format") == CT else tags
 
     def card_usage(self, repo: str, params: dict, quantize: dict) -> list[str]:
+        if params.get("format") == CT:
+            return ct_usage(repo, self.made_by)
         return ["The checkpoint is in the AWQ GEMM format (`quant_method: \"awq\"` in config.json). transformers "
                 "loads it through GPTQModel's AWQ kernels (`pip install gptqmodel`). Directly:", "",
                 "```python", "from gptqmodel import GPTQModel", f'model = GPTQModel.load("{repo}")', "```", "",

@@ -1,5 +1,6 @@
 """AWQ's work (pipeline/quant/methods/awq.py): GPTQModel's AWQConfig through the shared driver, with the clipping
-search as matrix products (pipeline/quant/awq_clip.py)."""
+search as matrix products (pipeline/quant/awq_clip.py); `format = "compressed-tensors"` rewrites the saved GEMM
+checkpoint in place (pipeline/quant/ct_export.py)."""
 from __future__ import annotations
 
 import json
@@ -10,6 +11,7 @@ from gptqmodel import BACKEND
 from gptqmodel.quantization.config import AWQConfig
 
 from pipeline.quant.awq_clip import matmul_clip_search
+from pipeline.quant.ct_export import rewrite_in_place
 from pipeline.quant.common import base_dtype, finish_checkpoint, skipped_linears
 from pipeline.quant.gptqmodel_driver import (
     ENGINE,
@@ -38,11 +40,14 @@ def save(model, base_dir: Path, out_dir: Path, variant) -> dict:
     append_file(out_dir / "quant_log.csv", out_dir / f"{ENGINE}.log")
     qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
     skipped = skipped_linears(base_dir, variant.modules_to_skip)
-    if skipped:  # transformers' AWQ loader ignores GPTQModel's `dynamic` skips; it honours this list
+    extra = {}
+    if variant.format == "compressed-tensors":  # the same integers, rewritten (ct_export.py)
+        extra["awq_config"], qc = qc, rewrite_in_place(out_dir)
+    elif skipped:  # transformers' AWQ loader ignores GPTQModel's `dynamic` skips; it honours this list
         qc["modules_to_not_convert"] = skipped
     dtype = run_dtype(variant, base_dir)
     finish_checkpoint(base_dir, out_dir, qc, dtype)
-    return {"engine": ENGINE, "engine_version": engine_version(), "engine_config": qc, "dtype": dtype}
+    return {"engine": ENGINE, "engine_version": engine_version(), "engine_config": qc, "dtype": dtype, **extra}
 
 
 def run_dtype(variant, base_dir: Path) -> str:
