@@ -1,5 +1,5 @@
-"""A finished GPTQ or AWQ export rewritten as compressed-tensors (pipeline/quant/ct_export.py), and the perplexity of both on
-the same WikiText-2 windows (GPTQ protocol), two ways each:
+"""A finished GPTQ or AWQ export rewritten as compressed-tensors (pipeline/quant/ct_export.py), and the perplexity
+of both on the same WikiText-2 windows (GPTQ protocol), two ways each:
 
   reload: as `compress eval` and validate load them (pipeline/quant/checkpoint.py): the GPTQ folder through
           GPTQModel's CPU kernel, the compressed-tensors one through transformers, decompressed to dense weights in

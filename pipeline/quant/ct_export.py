@@ -312,8 +312,8 @@ def packed_zero_points_on_meta() -> Iterator[None]:
             out["weight_zero_point"] = torch.empty((rows, *zp.shape[1:]), dtype=torch.int32, device="meta")
         return out
 
-    PackedQuantizationCompressor.compress = classmethod(compress)  # type: ignore[method-assign,assignment]
+    PackedQuantizationCompressor.compress = classmethod(compress)
     try:
         yield
     finally:
-        PackedQuantizationCompressor.compress = plain  # type: ignore[method-assign]
+        PackedQuantizationCompressor.compress = plain

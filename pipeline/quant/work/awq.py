@@ -11,8 +11,8 @@ from gptqmodel import BACKEND
 from gptqmodel.quantization.config import AWQConfig
 
 from pipeline.quant.awq_clip import matmul_clip_search
-from pipeline.quant.ct_export import rewrite_in_place
 from pipeline.quant.common import base_dtype, finish_checkpoint, skipped_linears
+from pipeline.quant.ct_export import rewrite_in_place
 from pipeline.quant.gptqmodel_driver import (
     ENGINE,
     append_file,
