@@ -2,7 +2,8 @@
 group sizes is served with 0 errors in both formats (GPTQ with GPTQModel's `dynamic` overrides, which vLLM looks up
 under its fused names qkv_proj/gate_up_proj; compressed-tensors with a config group per setting), and a mix with an
 8-bit module is refused by the CPU kernel, saying so. The tiny random Llama, eager mode (~40 s a start on 2 cores).
-Skipped, saying so, where .venv-vllm is not set up."""
+Skipped, saying so, where .venv-vllm is not set up. On an AVX2-only CPU vLLM's CPU build has no weight-only kernel
+(pipeline/serve/engines/vllm.py): the serving tests are skipped there, saying so, and the refusal is tested instead."""
 from __future__ import annotations
 
 import json
@@ -17,12 +18,15 @@ from pydantic import TypeAdapter
 from pipeline.quant.registry import QuantVariant
 from pipeline.serve.config import ServeConfig
 from pipeline.serve.engines import get
+from pipeline.serve.engines.vllm import wna16_missing
 from pipeline.serve.measure import Refused
 from tests.serve_helpers import tiny_export
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(get("vllm").missing() is not None,
                                                    reason=f"vllm engine: {get('vllm').missing()}")]
 PROMPTS = [f"word{i} " * 12 for i in range(16)]
+NO_WNA16 = wna16_missing("weight-only checkpoints")
+needs_wna16 = pytest.mark.skipif(NO_WNA16 is not None, reason=f"this CPU: {NO_WNA16}")
 CFG = ServeConfig(enabled=True, concurrency=[1, 4], requests_per_level=4, max_tokens=8, equality_prompts=2,
                   equality_tokens=8, max_model_len=128, compile=False, timeout_s=300)
 
@@ -44,6 +48,7 @@ def mixed_export(tmp_path: Path, fmt: str, bits: list[int], bpw: float) -> tuple
     return out, allocation
 
 
+@needs_wna16
 @pytest.mark.parametrize("fmt,bpw", [("gptq", 4.8), ("compressed-tensors", 4.4)])
 def test_vllm_cpu_serves_a_4_bit_mix_of_group_sizes(tmp_path: Path, fmt: str, bpw: float):
     from pipeline.serve.measure import measure
@@ -60,6 +65,7 @@ def test_vllm_cpu_serves_a_4_bit_mix_of_group_sizes(tmp_path: Path, fmt: str, bp
         assert qc["dynamic"] and any("gate_up_proj" in k or "qkv_proj" in k for k in qc["dynamic"])
 
 
+@needs_wna16
 def test_vllm_cpu_refuses_a_mix_with_an_8_bit_module(tmp_path: Path):
     from pipeline.serve.measure import measure
 
@@ -70,3 +76,16 @@ def test_vllm_cpu_refuses_a_mix_with_an_8_bit_module(tmp_path: Path):
         measure(out, CFG, PROMPTS, tmp_path / "m", threads=1, engine="vllm")
     log = (tmp_path / "m" / "server.log").read_text(errors="replace")
     assert "Quant type (uint8b128) not supported by CPUWNA16" in log
+
+
+@pytest.mark.skipif(NO_WNA16 is None, reason="this CPU has AVX-512: vLLM's CPU build serves weight-only checkpoints")
+def test_on_an_avx2_cpu_a_weight_only_checkpoint_is_refused_before_vllm_starts(tmp_path: Path):
+    """`compress serve --engine vllm` exits 2 naming the CPU's ISA, instead of a server that answers every request
+    with HTTP 500; the plan (compress check) refuses gptq/awq the same way (tests/unit/test_serve_engines.py)."""
+    from pipeline.serve.measure import measure
+
+    out, _ = mixed_export(tmp_path, "compressed-tensors", [4], 4.4)
+    (tmp_path / "m").mkdir()
+    with pytest.raises(Refused, match="AVX2 without AVX-512"):
+        measure(out, CFG, PROMPTS, tmp_path / "m", threads=1, engine="vllm")
+    assert "vllm.entrypoints" not in (tmp_path / "m" / "server.log").read_text(errors="replace")

