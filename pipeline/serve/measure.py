@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -44,10 +45,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _post(url: str, body: dict, timeout: float) -> dict:
+def _post(url: str, body: dict, timeout: float, log: Path | None = None) -> dict:
+    """POST a JSON body; an HTTP error is a StageError with the server's answer and, from its log, the first error
+    line (a bare "HTTP Error 500" says nothing: vLLM's engine fails a request with the reason in its own log)."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        answer = " ".join(e.read().decode(errors="replace").split())[:300]
+        said = f"; its log: {_error_line(log)} (log: {log})" if log is not None and log.is_file() else ""
+        raise StageError(f"the server answered HTTP {e.code} to {url}: {answer or e.reason}{said}") from None
 
 
 def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | None, device: str = "cpu",
@@ -71,7 +79,7 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
                     "temperature": 0.0, **({"repeat_penalty": FIXED_LENGTH_GREEDY["repeat_penalty"]}
                                            if engine == "llama.cpp" else {}),
                     **({"add_special_tokens": False} if engine == "vllm" else {})}  # as generate's reference
-            choice = _post(url + "/v1/completions", body, cfg.timeout_s)["choices"][0]
+            choice = _post(url + "/v1/completions", body, cfg.timeout_s, out / "server.log")["choices"][0]
             served.append(choice.get("token_ids") if choice.get("token_ids") is not None else choice["text"])
         levels = run(url, folder.name, cfg.concurrency, cfg.requests_per_level, cfg.max_tokens, cfg.prompt_words,
                      pid=server.proc.pid, timeout_s=cfg.timeout_s, prompts=prompts)

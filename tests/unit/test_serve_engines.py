@@ -468,6 +468,40 @@ def test_the_serve_unit_reads_a_health_route_with_an_empty_body(tmp_path):
     assert engines.get("transformers").version()["transformers"]
 
 
+def test_a_request_the_server_fails_is_an_error_quoting_its_answer_and_its_log(tmp_path):
+    """vLLM on an AVX2 CPU answered every request of the serve unit with HTTP 500 and the stage said only "HTTP
+    Error 500": now the server's answer and the first error line of its log are in the message."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from pipeline.serve.measure import _post
+
+    class Fails(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = b'{"error": {"message": "EngineCore encountered an issue. See stack trace for the root cause."}}'
+            self.send_response(500)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    log = tmp_path / "server.log"
+    log.write_text("INFO starting\n(Worker pid=7) ERROR 12-05 08:07:28 [multiproc_executor.py:1063] AttributeError: "
+                   "'_OpNamespace' '_C' object has no attribute 'cpu_gemm_wna16'\n")
+    httpd = HTTPServer(("127.0.0.1", 0), Fails)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(StageError) as e:
+            _post(f"http://127.0.0.1:{httpd.server_port}/v1/completions", {"prompt": "x"}, 10, log)
+    finally:
+        httpd.shutdown()
+    msg = str(e.value)
+    assert "HTTP 500" in msg and "EngineCore encountered an issue" in msg
+    assert "no attribute 'cpu_gemm_wna16'" in msg and str(log) in msg
+
+
 def _served(engine, rates, errors=0, device="cpu"):
     return {"engine": engine, "versions": {engine: "1"}, "device": device, "equality": {"prompts": 3, "identical": 2},
             "levels": [{"concurrency": c, "requests": 4, "completed": 4, "errors": errors, "output_tok_s": r}
