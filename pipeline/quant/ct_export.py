@@ -46,6 +46,8 @@ from gptqmodel.quantization.config import dynamic_get
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from pipeline.base.memory import MappedPagesTrimmed
+
 CT_FORMAT = "pack-quantized"
 GPTQ_FILES = ("quantize_config.json",)  # the GPTQ folder's own metadata, not carried over
 
@@ -317,3 +319,10 @@ def packed_zero_points_on_meta() -> Iterator[None]:
         yield
     finally:
         PackedQuantizationCompressor.compress = plain
+
+
+def load_own(folder: Path, device: str):
+    """A compressed-tensors folder with packed zero points, loaded the way transformers loads any (decompressed at
+    the first forward), the zero points placed (pipeline/quant/ct_format.py CompressedTensorsLoad)."""
+    with MappedPagesTrimmed(folder), packed_zero_points_on_meta():
+        return AutoModelForCausalLM.from_pretrained(folder, device_map=device)

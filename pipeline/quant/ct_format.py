@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import TypedDict
 
-from pipeline.base.memory import MappedPagesTrimmed
 from pipeline.base.problem import Problem
+from pipeline.base.registry import load_work
 from pipeline.quant.method import LLAMA_CPP_ROW
 from pipeline.quant.shapes import Arch, quantized_linears
 
@@ -54,15 +54,12 @@ class CompressedTensorsLoad:
     def after_load(self, model) -> None:
         pass
 
+    reload_work = "pipeline.quant.ct_export"  # its torch side (load_own)
+
     def load_own(self, folder, config: dict, device: str):
         if not packed_zero_points(config.get("quantization_config") or {}):
             return None  # transformers' compressed-tensors quantizer loads it (pipeline/quant/checkpoint.py)
-        from transformers import AutoModelForCausalLM  # (this module is torch-free)
-
-        from pipeline.quant.ct_export import packed_zero_points_on_meta
-
-        with MappedPagesTrimmed(folder), packed_zero_points_on_meta():
-            return AutoModelForCausalLM.from_pretrained(folder, device_map=device)
+        return load_work(self.reload_work).load_own(folder, device)
 
 
 def packed_zero_points(qc: dict) -> bool:
