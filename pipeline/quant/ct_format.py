@@ -47,14 +47,13 @@ class CompressedTensorsLoad:
     load_module = "compressed_tensors"
     repacked_on_cpu = False
     decompressed_on_load = True  # in memory it is the dense model once it has run
+    reload_work = "pipeline.quant.ct_export"  # its torch side (load_own)
 
     def before_load(self) -> None:
         pass
 
     def after_load(self, model) -> None:
         pass
-
-    reload_work = "pipeline.quant.ct_export"  # its torch side (load_own)
 
     def load_own(self, folder, config: dict, device: str):
         if not packed_zero_points(config.get("quantization_config") or {}):
