@@ -468,6 +468,14 @@ def test_the_serve_unit_reads_a_health_route_with_an_empty_body(tmp_path):
     assert engines.get("transformers").version()["transformers"]
 
 
+def _reply(handler, status: int, body: bytes) -> None:
+    """A fake server's answer: status, length, body."""
+    handler.send_response(status)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 def test_a_request_the_server_fails_is_an_error_quoting_its_answer_and_its_log(tmp_path):
     """vLLM on an AVX2 CPU answered every request of the serve unit with HTTP 500 and the stage said only "HTTP
     Error 500": now the server's answer and the first error line of its log are in the message."""
@@ -478,11 +486,8 @@ def test_a_request_the_server_fails_is_an_error_quoting_its_answer_and_its_log(t
 
     class Fails(BaseHTTPRequestHandler):
         def do_POST(self):
-            body = b'{"error": {"message": "EngineCore encountered an issue. See stack trace for the root cause."}}'
-            self.send_response(500)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            _reply(self, 500, b'{"error": {"message": "EngineCore encountered an issue. See stack trace for the root '
+                              b'cause."}}')
 
         def log_message(self, *args):
             pass
@@ -647,11 +652,7 @@ def test_served_perplexity_scores_the_quality_windows_through_the_server(tmp_pat
             seen.append(body["prompt"])
             assert body["prompt_logprobs"] == 0 and body["max_tokens"] == 1
             lp = [None] + [{str(t): {"logprob": -0.5}} for t in body["prompt"][1:]]
-            out = json.dumps({"choices": [{"text": "x", "prompt_logprobs": lp}]}).encode()
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(out)))
-            self.end_headers()
-            self.wfile.write(out)
+            _reply(self, 200, json.dumps({"choices": [{"text": "x", "prompt_logprobs": lp}]}).encode())
 
         def log_message(self, *args):
             pass
