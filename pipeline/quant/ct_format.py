@@ -123,7 +123,8 @@ def ct_runtimes(variant, arch: Arch) -> list[dict]:
         {"runtime": "transformers (CUDA)", "kernel": "compressed-tensors decompressor (dense matmul)",
          "note": "as on CPU (transformers keeps only FP8 schemes compressed)"},
         {"runtime": "vLLM (CPU)", "kernel": f"compressed-tensors {w} (vLLM's CPU WNA16 kernel)",
-         "note": "x86 CPU build; see benchmarks/README_quant.md for what was measured"},
+         "note": "x86 CPU build on AVX-512 CPUs (its AVX2 build has no weight-only kernel); see "
+                 "benchmarks/README_quant.md for what was measured"},
         cuda,
         {"runtime": "GPTQModel.load", "kernel": "none", "note": "reads the GPTQ format: set format = 'gptq'"},
         dict(LLAMA_CPP_ROW),

@@ -142,7 +142,8 @@ class W8A8Method(QuantMethod):
              "int8 matmul); measured here"},
             {"runtime": "transformers (CUDA)", "kernel": "as on CPU", "note": "not measured here"},
             {"runtime": "vLLM (CPU)", "kernel": "compressed-tensors W8A8 int8 (oneDNN int8 GEMM, x86)",
-             "note": "vLLM's documented x86 CPU support; served here when [validate.serve] asks for it"},
+             "note": "vLLM's documented x86 CPU support; served here when [validate.serve] asks for it"
+                     + ("; its FP8 KV cache needs an AVX-512 or AMX CPU" if variant.kv_cache == "fp8" else "")},
             {"runtime": "vLLM (CUDA)", "kernel": "compressed-tensors W8A8 int8 (CUTLASS scaled_mm, sm75+)",
              "note": "expected (not run here)"},
             {"runtime": "GPTQModel.load", "kernel": "none", "note": "reads GPTQ checkpoints only"},
