@@ -34,6 +34,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from pipeline.estimate import sensitivity_bytes
+    from pipeline.model.dtypes import config_dtype, dtype_bytes
     from pipeline.plan import GiB
     from pipeline.quant.mix import mix_units
     from pipeline.quant.mix_sensitivity import KLProbe, Solver, UnitHessians, Weights, hessian_row
@@ -71,7 +72,9 @@ def main() -> None:
         rows.append({"unit": u.name, "hessian_equal": h == table["hessian"][k], "kl_equal": kl == table["kl"][k],
                      "hessian_s": round(m - s, 2), "kl_s": round(time.perf_counter() - m, 2)})
         print(rows[-1], flush=True)
-    predicted = sensitivity_bytes(config, n_params, int(calib.shape[1]), probe["hessian_rows"], probe["kl_rows"])
+    checkpoint = dtype_bytes(config_dtype(config)) * n_params  # the load folder's weights, as the plan counts them
+    predicted = sensitivity_bytes(config, n_params, checkpoint, int(calib.shape[1]), probe["hessian_rows"],
+                                  probe["kl_rows"])
     out = {"run": str(args.run), "variant": args.variant, "table_key": table["key"], "units_checked": rows,
            "all_equal": all(r["hessian_equal"] and r["kl_equal"] for r in rows),
            "load_s": round(t1 - t0, 1), "layer_outputs_s": round(t2 - t1, 1), "probe_reference_s": round(t3 - t2, 1),
