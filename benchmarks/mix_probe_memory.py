@@ -56,7 +56,7 @@ def main() -> None:
     t1 = time.perf_counter()
     hessians = UnitHessians(model, calib[: probe["hessian_rows"]], "model.layers")
     t2 = time.perf_counter()
-    kl_probe = KLProbe(model, calib[: probe["kl_rows"]], "model.layers")
+    kl_probe = KLProbe(model, calib[: probe["kl_rows"]], "model.layers", hessians.on(calib[: probe["kl_rows"]]))
     hess: dict = {}
     weights = Weights(Solver(**probe["solver"]), hess, set(cands))
     t3 = time.perf_counter()

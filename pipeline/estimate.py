@@ -121,7 +121,8 @@ def sensitivity_bytes(config: dict, n_params: int, checkpoint_bytes: int, seq_le
                       probe_rows: int) -> int:
     """Peak of a [quantize.mix] sensitivity table (pipeline/quant/mix_sensitivity.py, gguf_mix_plan.py), the larger of
     its two phases. Loading: the model converted to float32 beside the checkpoint's mapped pages. Measuring: the model
-    in float32; every decoder layer's output on the Hessian and the probe rows (UnitHessians, KLProbe); one unit's
+    in float32; every decoder layer's output on the Hessian and the probe rows (UnitHessians, KLProbe: counted apart,
+    an upper bound, since the probe's rows are the first Hessian rows and share their outputs); one unit's
     Hessians in float32 (at most an MLP block's: two hidden x hidden and one intermediate x intermediate); the probe's
     reference log-probabilities and one forward's logits and log-softmax over the vocabulary. Measured on
     Qwen2.5-Coder-1.5B (bfloat16 checkpoint, 16 + 1 rows of 256): 10.51 GiB, at the load (benchmarks/README_mix.md)."""

@@ -74,7 +74,7 @@ def sensitivity(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], t
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     t0 = time.perf_counter()
     hessians = UnitHessians(model, calib_ids[:probe_rows], layers_path)
-    probe = KLProbe(model, calib_ids[:probe_rows], layers_path)
+    probe = KLProbe(model, calib_ids[:probe_rows], layers_path, hessians.on(calib_ids[:probe_rows]))
     spent = {"hessian": 0.0, "kl": time.perf_counter() - t0}
     cands = [(j, 0) for j in range(len(types))]  # the probe's candidates are indices into types
 

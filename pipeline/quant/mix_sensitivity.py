@@ -206,10 +206,11 @@ class KLProbe:
     log-probabilities are computed once; row() measures one unit. The decoder layers before a unit's first linear are
     not recomputed (their outputs are replayed)."""
 
-    def __init__(self, model, ids: torch.Tensor, layers_path: str):
+    def __init__(self, model, ids: torch.Tensor, layers_path: str, outputs: list[list] | None = None):
+        """outputs: the decoder layers' outputs on ids when already computed (UnitHessians.on(ids)), else run."""
         self.model, self.ids, self.prefix = model, ids, layers_path + "."
         self.layers = model.get_submodule(layers_path)
-        self.outputs = _layer_outputs(self.layers, model, ids)
+        self.outputs = outputs if outputs is not None else _layer_outputs(self.layers, model, ids)
         self.ref = torch.log_softmax(_logits(model, ids), -1)
 
     def row(self, u: MixUnit, cands: list[tuple[int, int]],
@@ -276,6 +277,12 @@ class UnitHessians:
         self.layers = model.get_submodule(layers_path)
         self.outputs = _layer_outputs(self.layers, model, ids)
         self.tokens = int(ids.numel())
+
+    def on(self, ids: torch.Tensor) -> list[list] | None:
+        """The kept layer outputs for `ids` when they are the first rows of this object's ids (the KL probe's rows
+        are: both take the calibration's first rows), else None: one forward pass and one copy for both."""
+        n = len(ids)
+        return [o[:n] for o in self.outputs] if n <= len(self.ids) and torch.equal(ids, self.ids[:n]) else None
 
     def of(self, u: MixUnit) -> dict[str, torch.Tensor]:
         """{linear: X^T X summed over the rows' tokens} for u's linears."""
@@ -381,7 +388,7 @@ def measure(base_dir: Path, calib_ids: torch.Tensor, units: list[MixUnit], cands
     t0 = time.perf_counter()
     hessians = UnitHessians(model, calib_ids[:hessian_rows], layers_path)
     t1 = time.perf_counter()
-    probe = KLProbe(model, calib_ids[:probe_rows], layers_path)
+    probe = KLProbe(model, calib_ids[:probe_rows], layers_path, hessians.on(calib_ids[:probe_rows]))
     hess: dict[str, torch.Tensor] = {}  # the current unit's (Weights reads them for GPTQ's solve)
     weights = Weights(solver, hess, set(probed))
     spent = {"hessian": t1 - t0, "kl": time.perf_counter() - t1}
