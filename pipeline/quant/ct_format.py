@@ -1,5 +1,6 @@
-"""The compressed-tensors export format of the GPTQ-family variants (`format = "compressed-tensors"` on gptq, rtn and
-autoround): what `compress check` asks of it, its runtime rows, its card text, and how its checkpoints load back.
+"""The compressed-tensors export format of the GPTQ-family and AWQ variants (`format = "compressed-tensors"` on gptq,
+rtn, autoround and awq): what `compress check` asks of it, its runtime rows, its card text, how its checkpoints load
+back, and the mixin through which those methods answer for it (CompressedTensorsOption).
 Torch-free; the work is pipeline/quant/ct_export.py.
 
 A pack-quantized checkpoint holds, per linear, the int4/int8 values packed in int32 (`weight_packed`), one scale
@@ -69,6 +70,51 @@ def packed_zero_points(qc: dict) -> bool:
 
 
 LOAD = CompressedTensorsLoad()
+
+
+class CompressedTensorsOption:
+    """Mixin of a method whose variants choose their checkpoint `format`: its own, or "compressed-tensors" (the same
+    integers rewritten, pipeline/quant/ct_export.py). Every format-dependent answer is compressed-tensors' for such
+    a variant and the method's own (`own_*`) otherwise; the method defines the own_* answers."""
+
+    made_by = ""  # how the card says a compressed-tensors checkpoint was made, after "The checkpoint"
+
+    def format_of(self, variant) -> str:
+        return variant.format
+
+    def reload_of(self, variant):
+        return LOAD if variant.format == CT else self
+
+    def check(self, variant, arch: Arch, device: str) -> list[Problem]:
+        return ct_problems(variant, arch) if variant.format == CT else self.own_check(variant, arch, device)
+
+    def runtimes(self, variant, arch: Arch) -> list[dict]:
+        return ct_runtimes(variant, arch) if variant.format == CT else self.own_runtimes(variant, arch)
+
+    def bits_per_weight(self, variant) -> float:
+        return ct_bits_per_weight(variant) if variant.format == CT else self.own_bits_per_weight(variant)
+
+    def hub_tags(self, params: dict) -> list[str]:
+        tags = self.own_hub_tags(params)
+        return [*tags, CT] if params.get("format") == CT else tags
+
+    def card_usage(self, repo: str, params: dict, quantize: dict) -> list[str]:
+        return ct_usage(repo, self.made_by) if params.get("format") == CT else self.own_card_usage(repo, params)
+
+    def own_check(self, variant, arch: Arch, device: str) -> list[Problem]:
+        return []
+
+    def own_runtimes(self, variant, arch: Arch) -> list[dict]:
+        raise NotImplementedError
+
+    def own_bits_per_weight(self, variant) -> float:
+        raise NotImplementedError
+
+    def own_hub_tags(self, params: dict) -> list[str]:
+        raise NotImplementedError
+
+    def own_card_usage(self, repo: str, params: dict) -> list[str]:
+        raise NotImplementedError
 
 
 def ct_problems(variant, arch: Arch) -> list[Problem]:

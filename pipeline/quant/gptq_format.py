@@ -10,7 +10,7 @@ from typing import ClassVar
 from pipeline.base.env import tame
 from pipeline.base.problem import Problem
 from pipeline.base.registry import load_work
-from pipeline.quant.ct_format import CT, LOAD, MarlinLimits, ct_bits_per_weight, ct_problems, ct_runtimes, ct_usage
+from pipeline.quant.ct_format import CompressedTensorsOption, MarlinLimits
 from pipeline.quant.method import LLAMA_CPP_ROW, bits_tags, grouped_bits
 from pipeline.quant.shapes import Arch, quantized_linears
 
@@ -51,39 +51,28 @@ def per_module_formats(qc: dict) -> bool:
                if str(k).startswith("+:") or not str(k).startswith("-:"))
 
 
-class GPTQFormatMethod(GPTQModelKernels):
+class GPTQFormatMethod(CompressedTensorsOption, GPTQModelKernels):
     """Mixin of the methods that write the GPTQ checkpoint format (GPTQ, RTN, AutoRound): its bits, group sizes,
-    runtimes, bits on disk, Hub tags and card usage; each of them answers for the variant's `format` (the GPTQ
-    format, or the same integers as compressed-tensors)."""
+    runtimes, bits on disk, Hub tags and card usage; a variant may ask for the same integers as compressed-tensors
+    instead (CompressedTensorsOption answers for that format)."""
 
     checkpoint_format = "gptq"
     bits: tuple[int, ...] = (2, 3, 4, 8)
     group_sizes: ClassVar[tuple[int, ...]] = GPTQ_GROUP_SIZES
     hub_tag_names: tuple[str, ...] = ()  # the Hub tags before "<bits>-bit"
     made = ""  # how the card says the checkpoint was made, after "The checkpoint"
-    made_by = ""  # the same, for a compressed-tensors checkpoint (no format named)
 
-    def format_of(self, variant) -> str:
-        return variant.format
+    def own_runtimes(self, variant, arch: Arch) -> list[dict]:
+        return gptq_runtimes(variant, arch)
 
-    def reload_of(self, variant):
-        return LOAD if variant.format == CT else self
+    def own_bits_per_weight(self, variant) -> float:
+        return grouped_bits(variant)
 
-    def check(self, variant, arch: Arch, device: str) -> list[Problem]:
-        return ct_problems(variant, arch) if variant.format == CT else []
+    def own_hub_tags(self, params: dict) -> list[str]:
+        return bits_tags(params, *self.hub_tag_names)
 
-    def runtimes(self, variant, arch: Arch) -> list[dict]:
-        return ct_runtimes(variant, arch) if variant.format == CT else gptq_runtimes(variant, arch)
-
-    def bits_per_weight(self, variant) -> float:
-        return ct_bits_per_weight(variant) if variant.format == CT else grouped_bits(variant)
-
-    def hub_tags(self, params: dict) -> list[str]:
-        tags = bits_tags(params, *self.hub_tag_names)
-        return [*tags, CT] if params.get("format") == CT else tags
-
-    def card_usage(self, repo: str, params: dict, quantize: dict) -> list[str]:
-        return ct_usage(repo, self.made_by) if params.get("format") == CT else gptq_usage(repo, self.made)
+    def own_card_usage(self, repo: str, params: dict) -> list[str]:
+        return gptq_usage(repo, self.made)
 
 
 class GPTQModelDriven:

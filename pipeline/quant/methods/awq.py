@@ -18,7 +18,7 @@ from typing import Literal
 from pydantic import Field
 
 from pipeline.base.problem import Problem
-from pipeline.quant.ct_format import CT, LOAD, ct_bits_per_weight, ct_problems, ct_runtimes, ct_usage
+from pipeline.quant.ct_format import CompressedTensorsOption
 from pipeline.quant.gptq_format import GPTQModelKernels, lm_head_rule
 from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod, bits_tags, grouped_bits, missing_package
 from pipeline.quant.shapes import Arch, quantized_linears
@@ -53,7 +53,7 @@ class AWQVariant(Calibrated, VariantBase):
         return not self.zero_point
 
 
-class AWQMethod(GPTQModelKernels, QuantMethod):
+class AWQMethod(CompressedTensorsOption, GPTQModelKernels, QuantMethod):
     name = "awq"
     variant = AWQVariant
     engine = "gptqmodel"
@@ -69,22 +69,16 @@ class AWQMethod(GPTQModelKernels, QuantMethod):
     work = "pipeline.quant.work.awq"
     made_by = " (AWQ, through GPTQModel)"
 
-    def format_of(self, variant) -> str:
-        return variant.format
-
-    def reload_of(self, variant):
-        return LOAD if variant.format == CT else self
-
     def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         # (dtype: the generic check refuses float32 with AWQ_DTYPES)
         # (GPTQModel's own clipping search asserts out-features in multiples of 64; ours, pipeline/quant/awq_clip.py,
         # takes any)
-        problems = missing_package("gptqmodel", "gptqmodel", "awq")
-        return problems + (ct_problems(variant, arch) if variant.format == CT else lm_head_rule(variant, "AWQ"))
+        return missing_package("gptqmodel", "gptqmodel", "awq") + super().check(variant, arch, device)
 
-    def runtimes(self, variant, arch: Arch) -> list[dict]:
-        if variant.format == CT:
-            return ct_runtimes(variant, arch)
+    def own_check(self, variant, arch: Arch, device: str) -> list[Problem]:
+        return lm_head_rule(variant, "AWQ")
+
+    def own_runtimes(self, variant, arch: Arch) -> list[dict]:
         g = variant.group_size
         linears = quantized_linears(arch, variant.modules_to_skip) if arch.shapes_known else {}
         bad = [f"{k.split('.')[-1]} ({i}x{o})" for k, (i, o) in linears.items() if i % 128 or o % 64]
@@ -106,16 +100,13 @@ class AWQMethod(GPTQModelKernels, QuantMethod):
             dict(LLAMA_CPP_ROW),
         ]
 
-    def bits_per_weight(self, variant) -> float:
-        return ct_bits_per_weight(variant) if variant.format == CT else grouped_bits(variant)
+    def own_bits_per_weight(self, variant) -> float:
+        return grouped_bits(variant)
 
-    def hub_tags(self, params: dict) -> list[str]:
-        tags = bits_tags(params, "awq")  # the Hub's AWQ filter is the `awq` tag
-        return [*tags, CT] if params.get("format") == CT else tags
+    def own_hub_tags(self, params: dict) -> list[str]:
+        return bits_tags(params, "awq")  # the Hub's AWQ filter is the `awq` tag
 
-    def card_usage(self, repo: str, params: dict, quantize: dict) -> list[str]:
-        if params.get("format") == CT:
-            return ct_usage(repo, self.made_by)
+    def own_card_usage(self, repo: str, params: dict) -> list[str]:
         return ["The checkpoint is in the AWQ GEMM format (`quant_method: \"awq\"` in config.json). transformers "
                 "loads it through GPTQModel's AWQ kernels (`pip install gptqmodel`). Directly:", "",
                 "```python", "from gptqmodel import GPTQModel", f'model = GPTQModel.load("{repo}")', "```", "",
