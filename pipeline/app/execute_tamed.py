@@ -90,6 +90,7 @@ def execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None =
                 run_units(head, 1, total)
                 apply_gates(report, recipe, run_dir)
                 run_units(exports, len(head) + 1, total)
+            runner.raise_failures()  # exit 4 after every unit that could run has run and been reported
 
             code = GateFailure.exit_code if failed_gates(report) else 0
             finish(run_dir, report, "gates_failed" if code else "complete", code)
@@ -104,6 +105,9 @@ def execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None =
                              f"({e.filename or 'no file name'})")
             _stopped(run_dir, report, "failed", err.exit_code, str(err))
             raise err from None
+        except Exception as e:  # a bug (exit 1): the report still says the run failed, with the error line
+            _stopped(run_dir, report, "failed", CompressError.exit_code, f"internal error: {type(e).__name__}: {e}")
+            raise
     if recipe.publish is not None:
         code = publish_in_run(run_dir, recipe, report, code)
     return code
@@ -138,7 +142,7 @@ def unit_executor(recipe, runner: Runner, run_dir: Path, plan: Plan | None, unit
     def local(batch: list[Unit], first: int, total: int) -> None:
         for i, unit in enumerate(batch, first):
             log.info("stage %d/%d: %s", i, total, unit.key)
-            runner.run_unit(unit)
+            runner.run_or_record(unit)
 
     yield local
 

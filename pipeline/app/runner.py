@@ -95,6 +95,37 @@ class Runner:
         self.report = report or schema.new_report(run_id=self.run_id, name=Path(run_dir).name, recipe="",
                                                   device=device, seed=seed, versions=versions)
         self.manifests: dict[str, dict] = {}
+        self.failed: dict[str, str] = {}  # unit key -> its error line (failed or blocked units)
+
+    def run_or_record(self, unit: Unit) -> dict | None:
+        """run_unit, except that a unit failure (StageError: the unit raised) is recorded in the report and the run
+        goes on with the units that do not depend on it; a unit whose upstream failed is recorded as blocked. One
+        variant's failure does not hide the others' figures; `raise_failures` ends the run with exit 4 after them.
+        Interrupts, locks and recipe errors still stop the run at once."""
+        upstream = next((d for d in unit.deps if d in self.failed), None)
+        if upstream is not None:
+            self._record_failure(unit, "blocked", f"not run: upstream unit {upstream} failed")
+            return None
+        try:
+            return self.run_unit(unit)
+        except StageError as e:
+            log.error("[%s] failed: %s (the run goes on with the units that do not depend on it)", unit.key, e)
+            self._record_failure(unit, "failed", str(e))
+            return None
+
+    def raise_failures(self) -> None:
+        """The run's exit 4 when any unit failed, naming each one that failed (not those it blocked)."""
+        failed = {k: self.report.stages[k].error for k in self.failed if self.report.stages[k].status == "failed"}
+        if failed:
+            lines = "; ".join(f"{k}: {e}" for k, e in failed.items())
+            blocked = len(self.failed) - len(failed)
+            raise StageError(f"{len(failed)} unit(s) failed ({blocked} more not run because of them): {lines}")
+
+    def _record_failure(self, unit: Unit, status: str, error: str) -> None:
+        self.failed[unit.key] = error
+        self.report.stages[unit.key] = schema.StageEntry(status=status, time_s=0.0, peak_rss_bytes=0, dir="",
+                                                          error=error)
+        schema.save(self.report, self.run_dir)
 
     def inputs_hash(self, unit: Unit) -> str:
         missing = [d for d in unit.deps if d not in self.manifests]

