@@ -14,8 +14,8 @@ from pipeline.budget.formulas import GiB
 from pipeline.estimate import estimate_disk, estimate_memory
 from pipeline.eval.config import GATE_SPECS, gate_path, gate_problems, speed_problems
 from pipeline.eval.tasks_config import task_problems
+from pipeline.model.architecture import missing
 from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
-from pipeline.model.families import unknown_family
 from pipeline.model.sources import ModelInfo, describe, parse
 from pipeline.quant.registry import check_variant, method_of, needs_calibration, runtimes, variant_format
 from pipeline.quant.shapes import Arch, linear_shapes_from_config
@@ -211,8 +211,9 @@ def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[Problem]:
     arch = arch_of(info)
     device = plan.device
     problems = []
-    if not arch.shapes_known and arch.model_type:
-        plan.warnings.append(unknown_family(arch.model_type))
+    line = missing(arch.architecture) if arch.architecture is not None and arch.model_type else None
+    if line is not None:
+        plan.warnings.append(line)
     for i, v in enumerate(recipe.quantize):
         found = check_variant(v, arch, device)
         rows = getattr(v, "calibration_rows", None)

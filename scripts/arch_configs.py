@@ -38,7 +38,8 @@ def build(model_type: str, extra: dict) -> dict:
     from transformers import AutoConfig
 
     kw = {**COMMON, **(MOE if model_type in MOE_TYPES else {}), **extra}
-    cfg = AutoConfig.for_model(model_type, **kw)
+    known = AutoConfig.for_model(model_type).to_dict()  # only the fields its config class has: no stray keys
+    cfg = AutoConfig.for_model(model_type, **{k: v for k, v in kw.items() if k in known})
     d = cfg.to_dict()
     d.pop("transformers_version", None)
     d.pop("dtype", None)

@@ -9,13 +9,13 @@ from pathlib import Path
 import gguf
 
 from pipeline.model.models import single_gguf
-from pipeline.quant.shapes import linear_shapes_from_config, module_names
+from pipeline.quant.shapes import linear_shapes_from_config, module_kinds
 
 
 def linear_bits_per_weight(folder: Path) -> float | None:
     """Bits per weight of the decoder blocks' linear layers as stored (quantized values, scales, zero points,
     g_idx, and skipped layers at their float size): 8 x their bytes / their weights. None when the layer
-    shapes are not known (not a Llama-family config) or nothing matched."""
+    shapes are not known (no architecture definition) or nothing matched."""
     folder = Path(folder)
     gguf_file = single_gguf(folder)
     if gguf_file is not None:
@@ -28,7 +28,7 @@ def linear_bits_per_weight(folder: Path) -> float | None:
     if not arch.shapes_known:
         return None
     prefix = arch.layers + "."
-    inner = {n: n[len(prefix):].split(".", 1)[1] for n in module_names(arch) if n.startswith(prefix)}
+    inner = {n: k for n, k in module_kinds(arch) if n.startswith(prefix)}  # routed experts counted one by one
     shapes = {n: (arch.linear_in_features[k], arch.linear_out_features[k]) for n, k in inner.items()}
     stored = {n: 0 for n in shapes}
     for name, nbytes in _safetensors_sizes(folder):

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.base.problem import Problem
 from pipeline.quant.ct_format import CT, CT_BITS
-from pipeline.quant.shapes import Arch, is_skipped, module_names
+from pipeline.quant.shapes import Arch, is_skipped, module_kinds
 
 Granularity = Literal["block", "fused", "module"]
 # the linears an engine runs as one matmul (vLLM's packed_modules_mapping: qkv_proj, gate_up_proj), which must share
@@ -140,10 +140,10 @@ def mix_units(arch: Arch, modules_to_skip: list[str], granularity: Granularity) 
     """The allocation units of a model's decoder linears (lm_head and skipped modules are not in the mix)."""
     prefix, tail = arch.layers + ".", arch.layers.rpartition(".")[2]
     groups: dict[str, list[tuple[str, int, int]]] = {}
-    for full in module_names(arch):
+    for full, kind in module_kinds(arch):
         if not full.startswith(prefix) or is_skipped(full, modules_to_skip):
             continue
-        layer, kind = full[len(prefix):].split(".", 1)
+        layer = full[len(prefix):].split(".", 1)[0]
         key = f"{tail}.{layer}.{unit_kind(kind, granularity)}"
         groups.setdefault(key, []).append((full, arch.linear_in_features[kind], arch.linear_out_features[kind]))
     return [MixUnit(k, tuple(v)) for k, v in groups.items()]

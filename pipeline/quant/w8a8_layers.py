@@ -4,8 +4,11 @@ implementations use): the calibration rows' inputs to layer 0 are captured once;
 inputs), and run once more to give the next layer its inputs: inputs produced by the already-quantized layers
 before it. Static activation scales are the max |x| of each linear's input in that last pass.
 
-The maths are in pipeline/quant/w8a8_math.py and smoothquant.py; the model family's fold points are data
-(pipeline/model/families.py `smooth`).
+The maths are in pipeline/quant/w8a8_math.py and smoothquant.py. The layers and linears come from the architecture
+source (pipeline/model/architecture.py); SmoothQuant's fold points are found on the model itself (`fold_points`: a
+norm whose output is, to the bit, the input of a group of linears, and v_proj before o_proj), and each fold is
+verified: the layer's output must be unchanged by it, else it is undone and recorded as not foldable (Gemma's
+norms scale by 1 + weight, OLMo 2's normalise a block's output: neither divides out).
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import IO, TYPE_CHECKING
 
 import torch
 
-from pipeline.model.families import Family
+from pipeline.model.architecture import EXPERT, Architecture
 from pipeline.quant import kv_fp8
 from pipeline.quant.shapes import is_skipped
 from pipeline.quant.smoothquant import fold, search_alpha
@@ -96,10 +99,13 @@ def run_layer(layer, inputs, linears: dict[str, torch.nn.Linear] | None = None,
 
 
 @torch.no_grad()
-def quantize_model(model, family: Family, calib_ids: torch.Tensor | None, plan: W8A8Plan,
+def quantize_model(model, arch: Architecture, calib_ids: torch.Tensor | None, plan: W8A8Plan,
                    console: IO[str] | None = None) -> W8A8Result:
     """Smooth, round and (static) calibrate every linear of `model` (float32) that modules_to_skip does not name."""
-    layers = model.get_submodule(family.layers)
+    if arch.experts is not None:
+        raise ValueError(f"W8A8 quantizes nn.Linear modules; {arch.model_type}'s routed experts are fused 3D "
+                         "parameters in transformers 5 (refused by compress check)")
+    layers = model.get_submodule(arch.layers)
     result = W8A8Result(model)
     needs_data = plan.rounding == "gptq" or plan.static or plan.alphas is not None
     inputs: list[tuple[torch.Tensor, dict]] = []
@@ -116,11 +122,11 @@ def quantize_model(model, family: Family, calib_ids: torch.Tensor | None, plan: 
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     repeat = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     for i, layer in enumerate(layers):
-        prefix = f"{family.layers}.{i}."
-        linears = {k: layer.get_submodule(k) for k in family.linears if k != family.head
-                   and not is_skipped(prefix + k, plan.modules_to_skip)}
+        prefix = f"{arch.layers}.{i}."
+        linears = {k: layer.get_submodule(k) for k in arch.layer_linears(i)
+                   if EXPERT not in k.split(".") and not is_skipped(prefix + k, plan.modules_to_skip)}
         if plan.alphas is not None:
-            _smooth(layer, prefix, linears, inputs, family, plan, result, repeat, head_dim)
+            _smooth(layer, prefix, linears, inputs, arch, plan, result, repeat, head_dim)
         hessians = _hessians(layer, linears, inputs) if plan.rounding == "gptq" else {}
         for k, lin in linears.items():
             q, s = (gptq_channel(lin.weight, hessians[k], plan.dtype, plan.damp) if k in hessians
@@ -173,11 +179,45 @@ def _hessians(layer, linears, inputs) -> dict[str, torch.Tensor]:
     return hs
 
 
-def _smooth(layer, prefix, linears, inputs, family: Family, plan: W8A8Plan, result: W8A8Result, repeat: int,
+def fold_points(layer, linears: dict[str, torch.nn.Linear], norms: tuple[str, ...], batch
+                ) -> list[tuple[str, tuple[str, ...]]]:
+    """SmoothQuant's fold points of one layer, found on one batch: (norm, the linears whose input is that norm's
+    output, to the bit), and (v_proj, (o_proj,)) where the attention has both. Only quantized linears count."""
+    outs: dict[str, torch.Tensor] = {}
+    handles = [layer.get_submodule(n).register_forward_hook(
+        lambda _m, _a, o, n=n: outs.__setitem__(n, (o[0] if isinstance(o, tuple) else o).detach()))
+        for n in norms]
+    ins: dict[str, torch.Tensor] = {}
+    try:
+        run_layer(layer, [batch], linears, lambda n, x: ins.__setitem__(n, x))
+    finally:
+        for h in handles:
+            h.remove()
+    points = []
+    for norm, y in outs.items():
+        flat = y.reshape(-1, y.shape[-1])
+        group = tuple(k for k, x in ins.items() if x.shape == flat.shape and torch.equal(x, flat))
+        if group:
+            points.append((norm, group))
+    for v, o in (("self_attn.v_proj", "self_attn.o_proj"),):
+        if v in linears and o in linears:
+            points.append((v, (o,)))
+    return points
+
+
+def _layer_out(layer, batch) -> torch.Tensor:
+    return run_layer(layer, [batch])[0][0]
+
+
+def _smooth(layer, prefix, linears, inputs, arch: Architecture, plan: W8A8Plan, result: W8A8Result, repeat: int,
             head_dim: int) -> None:
-    """Search and fold SmoothQuant's factors at each fold point whose linears are all quantized."""
+    """Search and fold SmoothQuant's factors at each fold point whose linears are all quantized; a fold that
+    changes the layer's output (a norm that does not scale by its weight, a non-linear step between v and o) is
+    undone and recorded with alpha None and the error 'fold changes the output'."""
     assert plan.alphas is not None  # quantize_model smooths only with a grid
-    points = [(prev, group) for prev, group in family.smooth if all(g in linears for g in group)]
+    if not inputs:
+        return
+    points = fold_points(layer, linears, arch.norms, inputs[0])
     firsts = {group[0]: (prev, group) for prev, group in points}
     amax: dict[str, torch.Tensor] = {}
     sample: dict[str, list[torch.Tensor]] = {k: [] for k in firsts}
@@ -205,4 +245,14 @@ def _smooth(layer, prefix, linears, inputs, family: Family, plan: W8A8Plan, resu
         where = prefix + prev
         result.alphas[where], result.errors[where] = alpha, errors
         if s is not None:
-            fold(layer.get_submodule(prev), [linears[g] for g in group], s, repeat if kv else 1, head_dim)
+            mods = [layer.get_submodule(prev), *(linears[g] for g in group)]
+            saved = [{n: t.detach().clone() for n, t in m.named_parameters(recurse=False)} for m in mods]
+            before = _layer_out(layer, inputs[0])
+            fold(mods[0], mods[1:], s, repeat if kv else 1, head_dim)
+            after = _layer_out(layer, inputs[0])
+            if not torch.allclose(after, before, rtol=1e-3, atol=1e-4 * float(before.abs().max())):
+                for m, params in zip(mods, saved, strict=True):
+                    for n, t in params.items():
+                        getattr(m, n).copy_(t)
+                result.alphas[where] = None
+                result.errors[where] = {**errors, "fold changes the output": 1.0}

@@ -134,8 +134,8 @@ def test_config_and_capabilities_import_without_torch():
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
-def test_families_are_data_and_an_unknown_one_is_named():
-    from pipeline.model.families import BY_MODEL_TYPE, unknown_family
+def test_architectures_are_data_and_an_unknown_one_is_named():
+    from pipeline.model.architecture import missing
     from pipeline.quant.shapes import linear_shapes_from_config, module_names
 
     cfg = {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -144,10 +144,10 @@ def test_families_are_data_and_an_unknown_one_is_named():
     assert arch.shapes_known and arch.layers == "model.layers"
     assert arch.linear_in_features["self_attn.k_proj"] == 64 and arch.linear_out_features["self_attn.k_proj"] == 32
     assert module_names(arch)[0] == "model.layers.0.self_attn.q_proj" and module_names(arch)[-1] == "lm_head"
-    assert "qwen2" in BY_MODEL_TYPE
-    unknown = linear_shapes_from_config({**cfg, "model_type": "phi3"})
+    assert arch.architecture.definition.startswith("gptqmodel: definitions/qwen2.py")
+    unknown = linear_shapes_from_config({**cfg, "model_type": "nosuchmodel"})
     assert not unknown.shapes_known
-    assert "'phi3' is not in pipeline/model/families.py" in unknown_family("phi3")
+    assert "model_type 'nosuchmodel' has no architecture definition" in missing(unknown.architecture)
 
 
 def test_methods_of_one_checkpoint_format_share_their_load_facts():

@@ -14,7 +14,7 @@ from pydantic import TypeAdapter
 
 from pipeline.base.env import tame
 from pipeline.base.errors import StageError
-from pipeline.model.families import LLAMA
+from pipeline.model.architecture import architecture_of
 from pipeline.quant.registry import QuantVariant, check_variant, method_of, reload_of, runtimes, variant_format
 from pipeline.quant.shapes import linear_shapes_from_config
 from pipeline.quant.smoothquant import fold, kv_reduce, search_alpha, smooth_factors
@@ -82,6 +82,25 @@ def _norm_inputs(model, ids) -> dict[str, torch.Tensor]:
     return {"logits": logits, **{f"x{i}": x for i, x in seen.items()}}
 
 
+LLAMA_SMOOTH = (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+                ("self_attn.v_proj", ("self_attn.o_proj",)))
+
+
+def test_fold_points_are_found_on_the_model_itself(tiny):
+    """A Llama layer's fold points, found by comparing each norm's output with each linear's input to the bit."""
+    from transformers import AutoModelForCausalLM
+
+    from pipeline.quant.w8a8_layers import fold_points, layer_inputs
+
+    m = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    arch = architecture_of(m.config.to_dict())
+    layer = m.model.layers[0]
+    linears = {k: layer.get_submodule(k) for k in arch.layer_linears(0)}
+    batch = layer_inputs(m, m.model.layers, CALIB[:2])[0]
+    assert tuple(fold_points(layer, linears, arch.norms, batch)) == LLAMA_SMOOTH
+
+
 def test_smoothing_folded_into_the_norms_and_v_proj_leaves_the_float_model_unchanged(tiny):
     m = outlier_model(tiny)
     before = _norm_inputs(m, PROBE)
@@ -89,7 +108,7 @@ def test_smoothing_folded_into_the_norms_and_v_proj_leaves_the_float_model_uncha
     repeat, hd = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     for i, layer in enumerate(m.model.layers):
         x = before[f"x{i}"]
-        for prev, group in LLAMA.smooth:
+        for prev, group in LLAMA_SMOOTH:
             lins = [layer.get_submodule(g) for g in group]
             kv = prev == "self_attn.v_proj"
             act = x.abs().amax(0) if prev == "input_layernorm" else torch.rand(lins[0].in_features) + 0.5
@@ -269,7 +288,7 @@ def test_linears_fed_the_same_input_share_one_hessian_and_the_others_get_their_o
     m = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     layer = m.model.layers[0]
     inputs = layer_inputs(m, m.model.layers, CALIB[:4])
-    linears = {k: layer.get_submodule(k) for k in LLAMA.linears if k != "lm_head"}
+    linears = {k: layer.get_submodule(k) for k in architecture_of(m.config.to_dict()).layer_linears(0)}
     hs = _hessians(layer, linears, inputs)
     assert hs["self_attn.q_proj"] is hs["self_attn.k_proj"] is hs["self_attn.v_proj"]
     assert hs["mlp.gate_proj"] is hs["mlp.up_proj"]

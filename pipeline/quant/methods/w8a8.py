@@ -100,11 +100,12 @@ class W8A8Method(QuantMethod):
         if variant.smoothquant and not arch.shapes_known:
             p.append(Problem("smoothquant", "smoothquant-unknown-family",
                              f"smoothquant = true on model_type {arch.model_type!r}: its fold points (norms before "
-                             "q/k/v and gate/up) are unknown (pipeline/model/families.py); set smoothquant = false"))
+                             "q/k/v and gate/up) are unknown (no architecture definition: "
+                             "pipeline/model/architecture.py); set smoothquant = false"))
         if variant.kv_cache and not arch.shapes_known:
             p.append(Problem("kv_cache", "kv-fp8-unknown-family",
                              f"kv_cache = 'fp8' on model_type {arch.model_type!r}: its attention layers (self_attn) "
-                             "are unknown (pipeline/model/families.py); drop kv_cache"))
+                             "are unknown (no architecture definition: pipeline/model/architecture.py); drop kv_cache"))
         if arch.shapes_known:
             linears = quantized_linears(arch, variant.modules_to_skip)
             bad_tiles = [f"{k} ({i}x{o})" for k, (i, o) in linears.items() if i % TILE or o % TILE]

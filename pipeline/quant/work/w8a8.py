@@ -10,8 +10,8 @@ import compressed_tensors
 import torch
 from transformers import AutoModelForCausalLM
 
+from pipeline.model.architecture import architecture_of
 from pipeline.model.dtypes import torch_dtype
-from pipeline.model.families import family_of
 from pipeline.quant.common import base_dtype, finish_checkpoint
 from pipeline.quant.ct_w8a8 import write
 from pipeline.quant.methods.w8a8 import KV_MEASURED, MEASURED, W8A8Method
@@ -19,9 +19,10 @@ from pipeline.quant.w8a8_layers import W8A8Plan, quantize_model
 
 
 def quantize(base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
-    family = family_of(json.loads((base_dir / "config.json").read_text()))
-    if family is None:
-        raise ValueError(f"{base_dir}: model family not in pipeline/model/families.py; W8A8 needs its layers")
+    arch = architecture_of(json.loads((base_dir / "config.json").read_text()))
+    if not arch.known:  # refused by compress check (pipeline/quant/arch_support.py)
+        raise ValueError(f"{base_dir}: model_type {arch.model_type!r} has no architecture definition; W8A8 needs "
+                         "its layers")
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     plan = W8A8Plan(kind=variant.scheme.split("-")[0], rounding=variant.rounding,
                     static=variant.scheme == "int8-static",
@@ -29,7 +30,7 @@ def quantize(base_dir: Path, variant, calib_ids, console: IO[str], device: str, 
                     modules_to_skip=variant.modules_to_skip,
                     dtype=torch_dtype(variant.dtype or base_dtype(base_dir)), damp=variant.damp_percent,
                     min_static_tokens=variant.static_min_tokens, kv_cache=variant.kv_cache == "fp8")
-    return quantize_model(model, family, calib_ids, plan, console)
+    return quantize_model(model, arch, calib_ids, plan, console)
 
 
 def save(result, base_dir: Path, out_dir: Path, variant) -> dict:
