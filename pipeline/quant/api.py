@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import shutil
 import tempfile
@@ -14,8 +15,10 @@ from pipeline.base.env import tame
 from pipeline.base.errors import StageError
 from pipeline.base.memory import PeakMemory
 from pipeline.budget.formulas import GiB, quantize_peak
+from pipeline.model.architecture import architecture_of
 from pipeline.model.compute import describe as describe_compute
 from pipeline.quant.common import calibration_fingerprint, captured_output
+from pipeline.quant.experts import count_experts, experts_problem
 from pipeline.quant.registry import method_of
 
 # library loggers whose lines go to the variant's log file rather than the console
@@ -75,6 +78,15 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.Tensor | None, ou
             if offload is not None:
                 shutil.rmtree(offload, ignore_errors=True)
     log.info("quantize %s: done in %.1f s, peak memory +%.0f MiB", variant.name, elapsed, mem.above_start_bytes / 2**20)
+    experts = details.get("experts") or count_experts(out_dir, architecture_of(
+        json.loads((base_dir / "config.json").read_text())))
+    if experts is not None and c.checkpoint_format != "gguf":  # a GGUF file counts its own (its work module)
+        problem = experts_problem(experts)
+        if problem is not None:
+            raise StageError(f"quantize {variant.name}: {problem}")
+        log.info("quantize %s: %d/%d routed expert linears stored quantized", variant.name, experts["quantized"],
+                 experts["declared"])
+        details["experts"] = experts
     return {
         "method": c.name, "params": variant.model_dump(mode="json"), **details, "device": device, "seed": seed,
         "compute": describe_compute(details.get("dtype"), device), "offloaded": offload is not None,

@@ -81,6 +81,7 @@ class GPTQModelDriven:
 
     engine = "gptqmodel"
     engine_modules: ClassVar[tuple[str, ...]] = ("pipeline.quant.gptqmodel_driver",)
+    needs_definition: ClassVar[str] = "gptqmodel"  # GPTQModel quantizes what its definition for the model_type lists
 
 
 def gptq_runtimes(variant, arch: Arch) -> list[dict]:

@@ -58,6 +58,12 @@ class QuantMethod:
     repacked_on_cpu: ClassVar[bool] = False  # its CPU kernel repacks the quantized linears at the first forward
     load_module: ClassVar[str | None] = None  # the library transformers calls to load the checkpoint (imported first)
     hub_library: ClassVar[str | None] = None  # the card's library_name when it is not transformers
+    # what it needs of an architecture (pipeline/quant/arch_support.py, applied by compress check): "gptqmodel" (a
+    # GPTQModel definition for the model_type), "architecture" (ours: pipeline/model/architecture.py) or
+    # "transformers" (any model transformers builds)
+    needs_definition: ClassVar[str] = "transformers"
+    # architecture trait (arch_support.TRAITS) -> why this method cannot take a model that has it (measured)
+    arch_limit_reasons: ClassVar[dict[str, str]] = {}
     work: ClassVar[str]  # the dotted path of the module that does the work (session/quantize/save): load_work()
     reload_work: ClassVar[str | None] = None  # the module a reload hook calls for its torch side, if any
 
@@ -86,6 +92,10 @@ class QuantMethod:
         """This method's own rules beyond the declared bits/group sizes/dtypes/devices ([] = fine), each a Problem
         whose path names a field of the variant ("group_size"; "" = the variant as a whole)."""
         return []
+
+    def arch_limits(self, variant) -> dict[str, str]:
+        """The architecture traits this variant cannot take, with why (a variant's format may add its own)."""
+        return self.arch_limit_reasons
 
     def check_calibration(self, variant, rows: int, seq_len: int) -> list[Problem]:
         """Rules on the calibration set this variant reads (rows x seq_len tokens) ([] = fine)."""

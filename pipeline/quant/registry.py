@@ -17,6 +17,7 @@ from pydantic import BeforeValidator, Field
 
 from pipeline.base.problem import Problem
 from pipeline.base.registry import Registry
+from pipeline.quant.arch_support import arch_problems
 from pipeline.quant.ct_format import LOAD as CT_LOAD
 from pipeline.quant.method import QuantMethod
 from pipeline.quant.shapes import Arch, module_names, quantized_linears, skip_pattern
@@ -119,6 +120,7 @@ def check_variant(variant, arch: Arch, device: str) -> list[Problem]:
     if bits is not None and bits not in c.bits:
         problems.append(Problem("bits", "bits-unsupported", f"bits = {bits} is not supported by {c.name} "
                                                             f"(supported: {', '.join(map(str, c.bits))})"))
+    problems += arch_problems(c, variant, arch)
     problems += c.check(variant, arch, device)
     if arch.shapes_known:
         problems += _check_skips(variant, arch)

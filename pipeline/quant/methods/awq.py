@@ -57,6 +57,7 @@ class AWQMethod(CompressedTensorsOption, GPTQModelKernels, QuantMethod):
     name = "awq"
     variant = AWQVariant
     engine = "gptqmodel"
+    needs_definition = "gptqmodel"
     engine_modules = (DRIVER,)
     checkpoint_format = "awq"
     bits = (4,)

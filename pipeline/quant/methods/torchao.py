@@ -92,6 +92,8 @@ class TorchAoMethod(QuantMethod):
     name = "torchao"
     variant = TorchAoVariant
     engine = ENGINE
+    arch_limit_reasons = {"moe": "torchao's quantize_ swaps nn.Linear weights only, so the routed experts would stay "
+                                 "16-bit"}
     checkpoint_format = "torchao"
     bits = (4, 8)
     group_sizes = (-1, *TORCHAO_GROUP_SIZES)

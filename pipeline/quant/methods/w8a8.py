@@ -67,6 +67,9 @@ class W8A8Method(QuantMethod):
     name = "w8a8"
     variant = W8A8Variant
     engine = "compressed_tensors"
+    needs_definition = "architecture"  # its layer loop reads the decoder layers and linears
+    arch_limit_reasons = {"moe": "its layer loop quantizes nn.Linear modules (compressed-tensors' linear schemes), so "
+                                 "the routed experts would stay 16-bit"}
     engine_modules = ("pipeline.quant.w8a8_layers", "pipeline.quant.ct_w8a8")
     checkpoint_format = CT
     bits = (8,)
