@@ -2,7 +2,6 @@
 import json
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import save_file
 
