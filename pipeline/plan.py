@@ -14,7 +14,7 @@ from pipeline.budget.formulas import GiB
 from pipeline.estimate import estimate_disk, estimate_memory
 from pipeline.eval.config import GATE_SPECS, gate_path, gate_problems, speed_problems
 from pipeline.eval.tasks_config import task_problems
-from pipeline.model.architecture import missing
+from pipeline.model.architecture import missing, transformers_model_types
 from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
 from pipeline.model.sources import ModelInfo, describe, parse
 from pipeline.quant.registry import check_variant, method_of, needs_calibration, runtimes, variant_format
@@ -82,6 +82,7 @@ def check(recipe) -> Plan:
     problems += _check_device(recipe, plan)
     plan.dtype = resolve_dtype(recipe.model.dtype, source.source_kind, info.dtype, plan.device)
     problems += _check_data(recipe)
+    problems += _check_model_type(recipe, info)
     problems += _check_quantized_source(recipe, info)
     problems += _check_variants(recipe, info, plan)
     problems += _check_draft(recipe, info, plan)
@@ -106,6 +107,30 @@ def check(recipe) -> Plan:
     if problems:
         raise RecipeError("the recipe cannot run:\n" + "\n".join(f"  - {p}" for p in problems), problems=problems)
     return plan
+
+
+def _check_model_type(recipe, info) -> list[Problem]:
+    """A model transformers can build: its model_type known to this transformers, or its own code allowed."""
+    config = info.config or {}
+    mt = str(config.get("model_type") or "")
+    if config.get("auto_map") and not recipe.model.trust_remote_code:
+        return [Problem("model.trust_remote_code", "remote-code-not-trusted",
+                        f"[model].source {recipe.model.source!r} ships its own model code (config.json auto_map: "
+                        f"{', '.join(sorted(config['auto_map']))}), which runs only with [model] trust_remote_code = "
+                        "true: read that code first, then set it")]
+    if mt and not config.get("auto_map") and mt not in transformers_model_types():
+        return [Problem("model.source", "model-type-unknown",
+                        f"model_type {mt!r} is not known to transformers {_version('transformers')} (its "
+                        "models/auto mappings): upgrade transformers, or give a checkpoint with its own code "
+                        "(auto_map) and [model] trust_remote_code = true")]
+    return []
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 def _check_quantized_source(recipe, info) -> list[Problem]:

@@ -154,9 +154,8 @@ class Architecture:
 
 
 def _gptqmodel_dir() -> Path | None:
-    spec = importlib.util.find_spec("gptqmodel")  # the top-level package only: nothing of it is imported
-    locations = spec.submodule_search_locations if spec is not None else None
-    return Path(next(iter(locations))) / "models" if locations else None
+    root = _package_dir("gptqmodel")  # the top-level package's folder only: nothing of it is imported
+    return root / "models" if root is not None else None
 
 
 @dataclass
@@ -208,6 +207,34 @@ def _attr(classes: dict[str, _ClassDef], name: str, attr: str) -> object:
             return classes[c].attrs[attr]
         todo += list(classes[c].bases)
     return None
+
+
+def _package_dir(name: str) -> Path | None:
+    spec = importlib.util.find_spec(name)
+    locations = spec.submodule_search_locations if spec is not None else None
+    return Path(next(iter(locations))) if locations else None
+
+
+@cache
+def transformers_model_types() -> frozenset[str]:
+    """The config.json model_types this transformers knows (its auto mappings' ("type", "XConfig") pairs), read with
+    ast: importing transformers' auto classes imports torch."""
+    root = _package_dir("transformers")
+    out: set[str] = set()
+    for rel in ("models/auto/auto_mappings.py", "models/auto/configuration_auto.py"):
+        path = root / rel if root is not None else None
+        if path is None or not path.is_file():
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Tuple) and len(node.elts) == 2 and all(
+                    isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+                key, value = (e.value for e in node.elts)  # type: ignore[attr-defined]
+                if value.endswith("Config"):
+                    out.add(key)
+            elif isinstance(node, ast.Dict):
+                out |= {str(k.value) for k, v in zip(node.keys, node.values, strict=True) if isinstance(k, ast.Constant)
+                        and isinstance(v, ast.Constant) and str(v.value).endswith("Config")}
+    return frozenset(out)
 
 
 # ---------------------------------------------------------------- the tree -> Architecture

@@ -62,6 +62,6 @@ def arch_problems(method, variant, arch: Arch) -> list[Problem]:
                         f"method {name!r} needs the decoder's layers and linears, and model_type {mt!r} has no "
                         "architecture definition (GPTQModel's or pipeline/model/architecture.py LOCAL)")]
     limits = method.arch_limits(variant)
-    return [Problem("method", f"architecture-{trait.replace('_', '-')}",
+    return [Problem("method", "architecture-unsupported",
                     f"method {name!r} cannot take {mt} ({TRAITS[trait]}): {limits[trait]}")
             for trait in sorted(traits(a)) if trait in limits]

