@@ -189,3 +189,37 @@ def test_cost_model_and_break_even():
     assert break_even_alpha(6.0, 4) is None  # costs more than gamma + 1 tokens: never pays
     assert repetition_rate([1, 2, 3, 4] * 4, n=4) == pytest.approx(1 - 4 / 13)
     assert repetition_rate(list(range(20))) == 0.0
+
+
+MOE_TYPES = ("qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3")
+
+
+def tiny_moe(model_type: str, seed: int):
+    """A tiny random MoE verifier from the architecture matrix's config (tests/fixtures/arch), vocabulary 64."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "arch" / f"{model_type}.json").read_text())
+    d.update(vocab_size=64, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)  # peaked distributions, as tiny_llama's sharpness
+    return model
+
+
+@pytest.mark.parametrize("model_type", MOE_TYPES)
+def test_greedy_speculative_equals_plain_greedy_with_an_moe_verifier(model_type):
+    """The exact decoder with a Mixture-of-Experts verifier: routing is per token, so verifying gamma drafted tokens
+    in one forward must give the tokens plain greedy decoding gives, for every MoE layout of the matrix."""
+    target, draft = tiny_moe(model_type, 0), tiny_llama(1, layers=1, sharpness=3.0)
+    for seed in range(2):
+        prompt = torch.randint(3, 64, (1, 5 + 3 * seed), generator=torch.Generator().manual_seed(seed))
+        spec, stats = speculative_generate(target, draft, prompt, 16, gamma=4)
+        plain, _ = autoregressive_generate(target, prompt, 16)
+        assert spec.tolist() == plain.tolist()
+        assert stats.new_tokens == 16 and stats.target_forwards < 16 + 1
+    _, same = speculative_generate(target, target, prompt, 16, gamma=4)
+    assert same.alpha == 1.0, "the MoE verifier as its own draft accepts every token"
