@@ -12,9 +12,9 @@ from pipeline.base.gpu_probe import GpuInfo, probe
 from pipeline.base.problem import Problem
 from pipeline.budget.formulas import GiB
 from pipeline.estimate import estimate_disk, estimate_memory
-from pipeline.eval.config import GATE_SPECS, gate_path, gate_problems, speed_problems
+from pipeline.eval.config import GATE_SPECS, gate_path, gate_problems, moe_gate_problems, speed_problems
 from pipeline.eval.tasks_config import task_problems
-from pipeline.model.architecture import missing, transformers_model_types
+from pipeline.model.architecture import missing, model_class, transformers_model_types
 from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
 from pipeline.model.sources import ModelInfo, describe, parse
 from pipeline.quant.registry import check_variant, method_of, needs_calibration, runtimes, variant_format
@@ -87,6 +87,7 @@ def check(recipe) -> Plan:
     problems += _check_variants(recipe, info, plan)
     problems += _check_draft(recipe, info, plan)
     problems += _check_gates(recipe, random_init=source.random_init)
+    problems += _check_moe_calibration(recipe, info)
     problems += _check_tasks(recipe, plan)
     problems += _check_serve(recipe, plan)
     estimate_memory(recipe, info, plan, source)
@@ -323,6 +324,28 @@ def _check_gates(recipe, random_init: bool) -> list[Problem]:
             + speed_problems(v.speed, variants, draft))
 
 
+def _check_moe_calibration(recipe, info: ModelInfo) -> list[Problem]:
+    """Expert coverage (pipeline/eval/coverage.py): min_expert_tokens and moe_all_experts need a Mixture-of-Experts
+    model; moe_all_experts is GPTQModel's MoE routing, so only the methods it runs (gptq, awq) take it."""
+    a = arch_of(info).architecture
+    moe, mt = bool(a is not None and a.is_moe), str(info.config.get("model_type") or "?")
+    problems = moe_gate_problems(recipe.validate_.gates, [q.name for q in recipe.quantize], mt, moe)
+    for i, v in enumerate(recipe.quantize):
+        if not getattr(v, "moe_all_experts", False):
+            continue
+        engine = getattr(method_of(v), "engine", None)
+        if not moe:
+            why = f"model_type {mt!r} is not a Mixture-of-Experts model (no experts to route)"
+        elif engine != "gptqmodel":
+            why = (f"method {v.method!r} ({engine}) has no all-expert calibration option; it is GPTQModel's MoE "
+                   "routing (ExpertsRoutingOverride), taken by gptq and awq")
+        else:
+            continue
+        problems.append(Problem(f"quantize[{i}].moe_all_experts", "moe-all-experts-unsupported",
+                                f"quantize.{i} ({v.name}): moe_all_experts = true: {why}; drop it"))
+    return problems
+
+
 def _check_tasks(recipe, plan: Plan) -> list[Problem]:
     """[validate.tasks] (pipeline/eval/tasks_config.py): problems are returned, notes become warnings."""
     found = task_problems(recipe.validate_.tasks, [q.name for q in recipe.quantize])
@@ -338,7 +361,7 @@ def _check_serve(recipe, plan: Plan) -> list[Problem]:
         return []
     models: list[tuple[str, str | None] | tuple[str, str | None, str | None]] = [("baseline", None)]
     models += [(q.name, q.method, variant_format(q)) for q in recipe.quantize]
-    problems, plan.serve_engines = serve_plan(cfg, models, plan.device)
+    problems, plan.serve_engines = serve_plan(cfg, models, plan.device, model_class(plan.model.config or {}))
     plan.warnings += [f"{Serve.key(n, e)}: skipped: {why}" for n, by in plan.serve_engines.items()
                       for e, why in by.items() if why is not None]
     plan.serve_skipped = {n: "; ".join(f"{e}: {w}" for e, w in by.items()) for n, by in plan.serve_engines.items()

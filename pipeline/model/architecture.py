@@ -237,6 +237,31 @@ def transformers_model_types() -> frozenset[str]:
     return frozenset(out)
 
 
+@cache
+def causal_lm_classes() -> dict[str, str]:
+    """model_type -> the class transformers' AutoModelForCausalLM builds for it (its MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    read with ast): what config.json's `architectures` names, and what serving engines register."""
+    root = _package_dir("transformers")
+    path = root / "models/auto/modeling_auto.py" if root is not None else None
+    if path is None or not path.is_file():
+        return {}
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"
+                                                for t in node.targets):
+            pairs = [e for e in ast.walk(node.value) if isinstance(e, ast.Tuple) and len(e.elts) == 2]
+            return {str(a.value): str(b.value) for a, b in (p.elts for p in pairs)
+                    if isinstance(a, ast.Constant) and isinstance(b, ast.Constant)}
+    return {}
+
+
+def model_class(config: dict) -> str | None:
+    """The model class a config.json names (`architectures`), else the one transformers builds for its model_type."""
+    named = config.get("architectures")
+    if isinstance(named, list) and named:
+        return str(named[0])
+    return causal_lm_classes().get(str(config.get("model_type") or ""))
+
+
 # ---------------------------------------------------------------- the tree -> Architecture
 
 

@@ -96,3 +96,21 @@ def test_rtn_passes_check_on_the_matrix_architectures(tmp_path, model_type):
     plan = check(recipe(tmp_path, f"config:{ARCH / f'{model_type}.json'}", variant("r", "rtn", bits=4, group_size=32)))
     assert plan.variants[0]["method"] == "rtn"
     assert not [w for w in plan.warnings if "no architecture definition" in w]
+
+
+def test_vllm_refuses_a_model_class_its_registry_lacks(tmp_path):
+    """vLLM's registry (read from .venv-vllm without starting it) names every class it serves; a class outside it is
+    skipped (engines = "all") with vLLM's line, and every matrix architecture is in it."""
+    from pipeline.model.architecture import model_class
+    from pipeline.serve.engines import engines_for
+    from pipeline.serve.engines.vllm import python, registered_architectures
+
+    known = registered_architectures(python())
+    if not known:
+        pytest.skip("vLLM's environment (.venv-vllm) is not built here")
+    import json
+    for p in sorted(ARCH.glob("*.json")):
+        assert model_class(json.loads(p.read_text())) in known, p.stem
+    why = engines_for("unquantized", "cpu", "NoSuchForCausalLM")
+    assert "has no model class NoSuchForCausalLM in its registry" in why["vllm"]
+    assert why["transformers"] is None

@@ -74,6 +74,11 @@ class Engine:
                     + (f" (it serves {', '.join(describe(f) for f in served)})" if served else ""))
         return self.missing()
 
+    def refuses_architecture(self, model_class: str | None) -> str | None:
+        """Why it cannot serve a model of this class (config.json's `architectures`), or None (by default every
+        class transformers builds)."""
+        return None
+
     def unhonoured(self, opts: ServeOptions) -> list[str]:
         """The options the user set that this engine does not apply (refused by `compress serve`, never dropped)."""
         return [o for o in OPTIONS if o in opts.explicit and o not in self.honours]

@@ -21,7 +21,9 @@ vLLM's CUDA build on a GPU machine). What `compress serve --engine vllm` does ar
 """
 from __future__ import annotations
 
+import ast
 import collections
+import functools
 import json
 import logging
 import os
@@ -104,6 +106,14 @@ class VLLM(Engine):
             return wna16_missing(describe(fmt))
         return why
 
+    def refuses_architecture(self, model_class: str | None) -> str | None:
+        known = registered_architectures(python())
+        if model_class is None or not known or model_class in known:
+            return None
+        dist = distribution(python())
+        return (f"vLLM ({' '.join(dist) if dist else 'not installed'}) has no model class {model_class} in its "
+                "registry (vllm/model_executor/models/registry.py)")
+
     def version(self) -> dict[str, str]:
         dist = distribution(python())
         return {dist[0]: dist[1]} if dist else {}
@@ -112,6 +122,23 @@ class VLLM(Engine):
         sock.close()  # checked free; vLLM binds it itself
         cmd, env = command(exp, opts, self.missing())
         return Supervisor(cmd, env, exp.path.name, opts).run()
+
+
+@functools.cache
+def registered_architectures(py: Path) -> frozenset[str]:
+    """The text-generation model classes vLLM beside interpreter `py` registers (its models/registry.py
+    _TEXT_GENERATION_MODELS and _TRANSFORMERS_SUPPORTED_MODELS keys, read with ast: nothing started); empty when
+    there is no vLLM there."""
+    out: set[str] = set()
+    for path in sorted(py.parent.parent.glob("lib/python*/site-packages/vllm/model_executor/models/registry.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if not isinstance(node, ast.Assign | ast.AnnAssign) or not isinstance(node.value, ast.Dict):
+                continue
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            if isinstance(target, ast.Name) and target.id in ("_TEXT_GENERATION_MODELS",
+                                                              "_TRANSFORMERS_SUPPORTED_MODELS"):
+                out |= {str(k.value) for k in node.value.keys if isinstance(k, ast.Constant)}
+    return frozenset(out)
 
 
 def cpu_flags() -> set[str] | None:
