@@ -114,3 +114,10 @@ def test_vllm_refuses_a_model_class_its_registry_lacks(tmp_path):
     why = engines_for("unquantized", "cpu", "NoSuchForCausalLM")
     assert "has no model class NoSuchForCausalLM in its registry" in why["vllm"]
     assert why["transformers"] is None
+
+
+def test_a_mixed_precision_variant_is_refused_on_moe(tmp_path):
+    mix = variant("m", "gptq", bits=4, group_size=32) + "[quantize.mix]\nbits = [4, 8]\n[quantize.mix.budget]\nbits_per_weight = 5.0\n"
+    p = refused(recipe(tmp_path, f"config:{ARCH / 'qwen3_moe.json'}", mix))
+    assert ("quantize[0].method", "architecture-unsupported") in keys(p)
+    assert "[quantize.mix] measures each unit's sensitivity" in next(x.message for x in p if x.code == "architecture-unsupported")
