@@ -63,8 +63,8 @@ def arch_problems(method, variant, arch: Arch) -> list[Problem]:
                         "architecture definition (GPTQModel's or pipeline/model/architecture.py LOCAL)")]
     limits = dict(method.arch_limits(variant))
     if getattr(variant, "mix", None) is not None:
-        limits.setdefault("moe", "[quantize.mix] measures each unit's sensitivity by running and rounding its nn.Linear "
-                                 "modules; routed experts are fused 3D parameters, so they have no units yet")
+        limits.setdefault("moe", "[quantize.mix] measures each unit's sensitivity by running and rounding its "
+                                 "nn.Linear modules; routed experts are fused 3D parameters, so they have no units yet")
     return [Problem("method", "architecture-unsupported",
                     f"method {name!r} cannot take {mt} ({TRAITS[trait]}): {limits[trait]}")
             for trait in sorted(traits(a)) if trait in limits]
