@@ -54,6 +54,12 @@ def init_draft_from_layers(verifier: PreTrainedModel, layers: list[int], untie_h
     cfg.num_hidden_layers = len(layers)
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = [cfg.layer_types[i] for i in layers]
+    # MoE configs that name their dense layers by index or count (Qwen3-MoE's mlp_only_layers, DeepSeek's
+    # first_k_dense_replace): renumbered, so each kept layer keeps its dense or sparse MLP
+    if getattr(cfg, "mlp_only_layers", None):
+        cfg.mlp_only_layers = [layers.index(i) for i in cfg.mlp_only_layers if i in layers]
+    if isinstance(getattr(cfg, "first_k_dense_replace", None), int):
+        cfg.first_k_dense_replace = sum(1 for i in layers if i < cfg.first_k_dense_replace)
     if untie_head:
         cfg.tie_word_embeddings = False
     state = {}

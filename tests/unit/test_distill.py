@@ -419,3 +419,26 @@ def test_draft_stage_compares_a_draft_distilled_against_the_full_precision_model
     exported = export_stage.checkpoint_files(run_dir / "draft")
     assert "config.json" in {p.name for p in exported}
     assert all(p.parent == run_dir / "draft" and p.is_file() for p in exported), "comparison drafts are not exported"
+
+
+@pytest.mark.parametrize("model_type,extra,keep,dense", [
+    ("deepseek_v3", {"num_hidden_layers": 3, "first_k_dense_replace": 1}, [0, 2], [0]),  # a dense layer, a sparse one
+    ("deepseek_v3", {"num_hidden_layers": 3, "first_k_dense_replace": 1}, [2], []),
+    ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}, [1, 2], [0]),
+])
+def test_an_moe_draft_keeps_each_layers_dense_or_sparse_mlp(model_type, extra, keep, dense):
+    """Layers picked from an MoE verifier keep their own MLP kind: the config's dense-layer fields are renumbered, so
+    every copied weight has a place (init_draft_from_layers is strict) and the draft runs."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "arch" / f"{model_type}.json").read_text())
+    d.update(vocab_size=64, **extra)
+    torch.manual_seed(0)
+    verifier = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d)).eval()
+    draft = init_draft_from_layers(verifier, keep)
+    kinds = ["experts" in dict(layer.mlp.named_children()) for layer in draft.model.layers]
+    assert [i for i, sparse in enumerate(kinds) if not sparse] == dense
+    assert torch.isfinite(draft(torch.randint(0, 64, (1, 8))).logits).all()
