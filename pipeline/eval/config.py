@@ -124,6 +124,8 @@ class GateSpec:
     needs_tasks: bool = False  # needs [validate.tasks] scores of the model and the baseline
     # its reader returns several records (one per task and/or the average) instead of one value
     multi: bool = False
+    # judges calibrated variants of a Mixture-of-Experts model only: `compress check` refuses it on a dense model
+    moe_only: bool = False
 
     @property
     def op(self) -> str:
@@ -153,6 +155,11 @@ GATES: tuple[GateSpec, ...] = (
              "served output tok/s / baseline's at the same concurrency (lowest level ratio)", {"gt": 0}),
     GateSpec("max_serve_error_rate", "serve_error_rate", "variant", "serve_error_rate",
              "share of load-test requests that failed through the server", {"ge": 0, "le": 1}),
+    GateSpec("min_expert_tokens", "expert_tokens", "variant", "expert_tokens",
+             "Mixture-of-Experts models: the fewest calibration tokens routed to any expert of any MoE layer (counted "
+             "through the baseline; a variant with moe_all_experts: every calibration token it reads); judges the "
+             "variants that calibrate, and the failure names each layer's starved experts", {"ge": 0}, multi=True,
+             moe_only=True),
 )
 GATE_SPECS: dict[str, GateSpec] = {g.name: g for g in GATES}
 # gate -> (metric it reads, which models it applies to): the table's short form
@@ -239,6 +246,21 @@ def gate_problems(gates: GatesConfig, speed: SpeedConfig | None, variants: list[
     problems += _task_gate_problems(gates, tasks, variants)
     by_message = {p.message: p for p in reversed(problems)}  # one per message: the first found
     return sorted(by_message.values(), key=str)
+
+
+def moe_gate_problems(gates: GatesConfig, variants: list[str], model_type: str, moe: bool) -> list[Problem]:
+    """A gate on Mixture-of-Experts routing (min_expert_tokens) set for a variant of a dense model: refused, naming
+    the model type (it has no experts to count)."""
+    if moe:
+        return []
+    out = []
+    for v in variants:
+        for gate in (g for g in gates.bounds_for(v) if GATE_SPECS[g].moe_only):
+            out.append(Problem(gate_path(gates, v, gate), "moe-gate-on-dense-model",
+                               f"[validate.gates].{gate} counts the calibration tokens routed to each expert, but "
+                               f"model_type {model_type or '?'!r} is not a Mixture-of-Experts model (no experts); "
+                               f"drop {gate}"))
+    return sorted({p.message: p for p in out}.values(), key=str)
 
 
 def _task_gate_problems(gates: GatesConfig, tasks, variants: list[str]) -> list[Problem]:

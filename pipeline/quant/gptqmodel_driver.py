@@ -10,6 +10,7 @@ its console output is captured by the caller; our own bar counts layers via its 
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
 import shutil
@@ -23,8 +24,10 @@ import torch
 from gptqmodel import GPTQModel
 from gptqmodel.nn_modules.qlinear import BaseQuantLinear
 from gptqmodel.nn_modules.qlinear.torch import TorchLinear
+from gptqmodel.quantization.config import ExpertsRoutingOverride, MoEConfig
 from gptqmodel.utils.model import convert_gptq_v1_to_v2_format
 
+from pipeline.base.errors import StageError
 from pipeline.model.compute import float32_matmuls
 from pipeline.model.dtypes import torch_dtype
 from pipeline.quant.common import LayerProgress, base_dtype, finish_checkpoint, quantized_in_blocks
@@ -54,7 +57,19 @@ def common_kwargs(variant, sym: bool | None = None) -> dict:
         "dynamic": {f"-:{skip_pattern(e)}": {} for e in skips} or None,
         # keep everything in memory: no random temp path in the saved config, no disk traffic
         "offload_to_disk": False,
+        **moe_routing(variant),
     }
+
+
+def moe_routing(variant) -> dict:
+    """A variant's `moe_all_experts` as GPTQModel's MoE routing: every expert of a Mixture-of-Experts layer is
+    calibrated on every token (its routers' top-k raised to the expert count while GPTQModel captures a layer's
+    inputs; the replay that feeds the next layer keeps the model's own routing). Not ExpertsRoutingBypass: it needs
+    `moe_lifecycle_hooks` in GPTQModel's definition, and on gpt_oss and granitemoe (none) it does nothing but log a
+    warning. Absent when off, so a dense or routed variant's config is unchanged."""
+    if not getattr(variant, "moe_all_experts", False):
+        return {}
+    return {"moe": MoEConfig(routing=ExpertsRoutingOverride(num_experts_per_tok="all"))}
 
 
 def calibration_rows(calib_ids: torch.Tensor) -> list[dict]:
@@ -101,6 +116,8 @@ def quantize_with(base_dir: Path, qcfg, calibration: list[dict] | None, console:
 def save(model, base_dir: Path, out_dir: Path, variant) -> dict:
     model.save(str(out_dir.resolve()))
     scrub_offload(out_dir)
+    if getattr(variant, "moe_all_experts", False):
+        check_all_experts(out_dir / "quant_log.csv")
     # per-module loss table with wall times: into the log, so the checkpoint itself is reproducible
     append_file(out_dir / "quant_log.csv", out_dir / f"{ENGINE}.log")
     qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
@@ -112,6 +129,24 @@ def save(model, base_dir: Path, out_dir: Path, variant) -> dict:
     dtype = variant.dtype or base_dtype(base_dir)
     finish_checkpoint(base_dir, out_dir, qc, dtype)
     return {"engine": ENGINE, "engine_version": engine_version(), "engine_config": qc, "dtype": dtype, **extra}
+
+
+def check_all_experts(quant_log: Path) -> None:
+    """moe_all_experts: every expert module GPTQModel quantized saw as many calibration tokens ("samples" in its
+    quant_log.csv) as the layer's busiest module (its attention); a StageError naming the first one that did not,
+    rather than a routed calibration reported as all-expert."""
+    if not quant_log.is_file():
+        return
+    rows = list(csv.DictReader(quant_log.read_text().splitlines()))
+    most: dict[str, int] = {}
+    for r in rows:
+        most[r["layer"]] = max(most.get(r["layer"], 0), int(r["samples"]))
+    short = [r for r in rows if ".experts." in r["module"] and int(r["samples"]) < most[r["layer"]]]
+    if short:
+        r = short[0]
+        raise StageError(f"moe_all_experts: GPTQModel calibrated layer {r['layer']} {r['module']} on {r['samples']} "
+                         f"of {most[r['layer']]} tokens ({len(short)} expert module(s) short): its routing override "
+                         "did not reach this architecture's routers")
 
 
 def scrub_offload(out_dir: Path) -> None:

@@ -33,6 +33,11 @@ class Calibrated(BaseModel):
         None, ge=1, description="use only the first N of the run's calibration rows (random windows, so a random "
                                 "subset; at most calibration.num_samples); None = all. For a method whose time "
                                 "grows with the calibration tokens, e.g. AWQ's scale search on a CPU")
+    moe_all_experts: bool = Field(
+        False, description="Mixture-of-Experts models: calibrate every expert on every calibration token instead of "
+                           "the tokens its router sends it (GPTQModel's MoEConfig(ExpertsRoutingOverride('all')); "
+                           "each layer's output still follows the model's own routing); gptq and awq only. The "
+                           "min_expert_tokens gate then counts every token for every expert")
 
 
 class GPTQFormat(VariantBase):

@@ -23,6 +23,7 @@ from pipeline.base.fileio import atomic_write_text
 from pipeline.base.public import local_name, public, public_text, public_tree
 from pipeline.model.sources import packaged_upstream
 from pipeline.quant.registry import METHODS
+from pipeline.results.coverage_render import coverage_line
 from pipeline.results.format import num, size, speculative_label
 from pipeline.results.gates import blocks, gate_status
 from pipeline.results.metrics import Perplexity, Served
@@ -202,6 +203,9 @@ def _results(report: Report, entry: dict) -> list[str]:
                      f"| {num(1.0 if name == 'baseline' else m.ppl_ratio)} | {num(m.kl)} | {num(m.top1)} "
                      f"| {size(m.size_on_disk_bytes)} | {num(m.bits_per_weight, 3)} "
                      f"| {size(m.footprint_bytes)} | {num(m.speed.decode_tokens_per_s_b1 if m.speed else None, 3)} |")
+    coverage = coverage_line(report, rows[-1][1]) if entry["kind"] == "variant" else None
+    if coverage:
+        lines += ["", coverage[0].upper() + coverage[1:] + "."]
     if entry["kind"] == "draft":
         lines += ["", "| sampling | acceptance α | tokens per verifier forward | speed-up |", "|---|---|---|---|"]
         draft = _draft(report)

@@ -13,7 +13,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from pipeline.eval.config import GATE_SPECS, GatesConfig
+from pipeline.quant.registry import METHODS
 from pipeline.results.metrics import Level
 from pipeline.results.schema import DraftEntry, Gate, ModelEntry, Report
 
@@ -163,8 +166,8 @@ def _draft_metric(key: str, label: str) -> DraftGetter:
 
 # how a gate's value is read: GateSpec.read is "<reader>" or "<reader>:<arguments>" (pipeline/eval/config.py GATES).
 # Variant readers take (report, entry, name) (a Getter); draft readers (report, draft, speculative_mode) (a
-# DraftGetter); multi readers take (entry, name, bound, cfg) and give the records. "<reader>:<arguments>" names a
-# factory called with the arguments. The gate's spec (applies, multi) says which of these its reader is.
+# DraftGetter); multi readers take (report, entry, name, bound, cfg) and give the records. "<reader>:<arguments>"
+# names a factory called with the arguments. The gate's spec (applies, multi) says which of these its reader is.
 READERS: dict[str, Callable[..., Any]] = {
     "ppl_ratio": _ppl_ratio,
     "field": _plain,
@@ -205,8 +208,10 @@ def evaluate_gates(report: Report, cfg: GatesConfig) -> list[Gate]:
             spec = GATE_SPECS[gate]
             if spec.skip_random_init and (random_init or not bound):
                 continue  # random weights produce noise by construction; 0 turns the gate off
-            if spec.multi:  # several records (task_recovery: per task and/or the average)
-                out += reader(gate)(e, name, bound, cfg)
+            if spec.moe_only and not calibrates(e):
+                continue  # expert coverage is about the calibration rows: a variant that reads none is not judged
+            if spec.multi:  # several records (task_recovery: per task and/or the average), or a bound-aware one
+                out += reader(gate)(report, e, name, bound, cfg)
                 continue
             if spec.applies == "variant":
                 value, reason = reader(gate)(report, e, name)
@@ -266,7 +271,50 @@ def _recovery_reason(task: str, r: dict, value: float | None, cfg: GatesConfig) 
     return reason
 
 
-READERS["task_recovery"] = task_recovery_gates  # a multi reader: (entry, name, bound, cfg) -> records
+READERS["task_recovery"] = lambda report, e, name, bound, cfg: task_recovery_gates(e, name, bound, cfg)
+
+
+def calibrates(e: ModelEntry) -> bool:
+    """Whether a variant read the calibration rows, as its method answers for its recorded settings."""
+    params = e.params or {}
+    if params.get("method") not in METHODS:
+        return True  # not a method this compress knows: judged, never skipped unseen
+    method = METHODS.get(params["method"])
+    try:
+        return method.calibrates(TypeAdapter(method.variant).validate_python(params))
+    except ValidationError:
+        return method.needs_calibration
+
+
+def expert_tokens_gate(report: Report, e: ModelEntry, name: str, bound: float, cfg: GatesConfig) -> list[Gate]:
+    """min_expert_tokens: the fewest calibration tokens any expert of any MoE layer got (report.calibration's
+    expert_coverage, through the baseline), naming each layer's experts below the bound; a variant calibrated with
+    moe_all_experts gave every expert every calibration token it read."""
+    warn = "min_expert_tokens" in cfg.warn_only
+    cal = report.calibration
+    cov = cal.expert_coverage if cal else None
+    if cal is None or cov is None:
+        return [_record(name, "min_expert_tokens", None, bound, "calibration.expert_coverage is not in the report (did "
+                        "calibrate run on this Mixture-of-Experts model?)", warn)]
+    params = e.params or {}
+    rows = cal.num_samples or 0
+    used = min(params.get("calibration_rows") or rows, rows)
+    if params.get("moe_all_experts"):
+        tokens = used * (cal.seq_len or 0)
+        return [_record(name, "min_expert_tokens", float(tokens), bound,
+                        f"moe_all_experts: every expert of the {len(cov.layers)} MoE layer(s) calibrated on all "
+                        f"{tokens} calibration tokens (routed, the fewest would be {cov.least()})", warn)]
+    starved = cov.starved(bound)
+    reason = "; ".join(f"layer {layer}: expert{'s' if len(ex) > 1 else ''} {', '.join(map(str, ex))} got "
+                       f"{', '.join(str(cov.counts[cov.layers.index(layer)][x]) for x in ex)} token(s)"
+                       for layer, ex in starved)
+    if used < rows:
+        reason += (("; " if reason else "") + f"counted over all {rows} calibration rows; this variant reads the "
+                   f"first {used} (calibration_rows), so its experts saw at most these counts")
+    return [_record(name, "min_expert_tokens", float(cov.least()), bound, reason, warn)]
+
+
+READERS["expert_tokens"] = expert_tokens_gate
 
 
 # ---------------------------------------------------------------- console

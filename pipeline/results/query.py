@@ -14,7 +14,7 @@ def models(report: Report) -> list[tuple[str, ModelEntry]]:
     return rows + list(report.variants.items())
 
 
-OFF_VALUES = {"gptaq_alpha": 0, "foem_beta": 0}  # optional GPTQ refinements: shown only when on
+OFF_VALUES = {"gptaq_alpha": 0, "foem_beta": 0, "moe_all_experts": False}  # optional features: shown only when on
 
 
 def shown_params(p: Any, hide: tuple[str, ...] = ("name", "method")) -> dict:

@@ -11,6 +11,7 @@ from typing import Any
 from pipeline.base.fileio import atomic_write_text
 from pipeline.results import schema
 from pipeline.results.card import render_cards
+from pipeline.results.coverage_render import coverage_section
 from pipeline.results.format import FP_DISTILLED, num, size, speculative_label, spread, table
 from pipeline.results.gates import fmt_value, gate_status
 from pipeline.results.metrics import Smoke, SmokeOutput, Speed
@@ -271,8 +272,8 @@ def _exports(report: Report) -> list[str]:
 def render_markdown(report: Report, plots: list[str]) -> str:
     lines: list[str] = []
 
-    for section in (_header, _quality, tasks_section, mix_section, _size, _speed, _speculative, serving,
-                    techniques_section, _gates, _stages, _exports):
+    for section in (_header, _quality, tasks_section, mix_section, coverage_section, _size, _speed, _speculative,
+                    serving, techniques_section, _gates, _stages, _exports):
         lines += section(report)
     lines += ["## Plots", ""] + ([f"![{p}](plots/{p})" for p in plots] or ["No data to plot yet."])
     return "\n".join(lines) + "\n"

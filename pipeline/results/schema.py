@@ -62,6 +62,29 @@ class ModelInfo(_Section):
     config: dict[str, Any] = {}
 
 
+class ExpertCoverage(_Section):
+    """Calibration tokens routed to each expert of each Mixture-of-Experts layer (pipeline/eval/coverage.py), counted
+    on the run's calibration rows through the baseline model, reading the expert indices each MoE block chose. A
+    token counts once for each of its top_k experts: a layer's counts sum to tokens x top_k. GPTQ routes each token
+    through the already-quantized attention of its layer and the quantized layers before it, so the counts its
+    experts saw can differ from these by a few tokens (measured on a random qwen3_moe: 22 of 1,024 in layer 0)."""
+    tokens: int  # calibration tokens run through the model (rows x seq_len)
+    num_experts: int
+    top_k: int
+    layers: list[int]  # the decoder layer index of each MoE layer
+    counts: list[list[int]]  # counts[j][e]: tokens routed to expert e of decoder layer layers[j]
+
+    def least(self) -> int:
+        """The fewest tokens any expert of any MoE layer got."""
+        return min((min(row) for row in self.counts if row), default=0)
+
+    def starved(self, bound: float) -> list[tuple[int, list[int]]]:
+        """[(decoder layer, its experts that got fewer than `bound` tokens)] for every layer with any."""
+        out = [(layer, [e for e, n in enumerate(row) if n < bound])
+               for layer, row in zip(self.layers, self.counts, strict=True)]
+        return [(layer, experts) for layer, experts in out if experts]
+
+
 class Calibration(_Section):
     dataset: str | None = None
     documents_available: int | None = None
@@ -70,6 +93,7 @@ class Calibration(_Section):
     tokens: int | None = None
     sampling: str | None = None
     chat_template: bool | None = None
+    expert_coverage: ExpertCoverage | None = None  # MoE models only: tokens per (MoE layer, expert)
 
 
 class ModelEntry(_Section):
