@@ -23,6 +23,7 @@ from pipeline.base.errors import StageError
 from pipeline.model.models import single_gguf
 from pipeline.quant.checkpoint import load_checkpoint
 from pipeline.serve import engines
+from pipeline.serve.server import KEY_ENV
 from pipeline.serve.engines.base import error_line
 from pipeline.serve.loadtest import FIXED_LENGTH_GREEDY, run
 
@@ -120,12 +121,14 @@ def serving(folder: Path, engine: str, args: list[str], log_path: Path, timeout_
     30 s); stopped by SIGTERM on leaving (SIGKILL after 60 s), its exit status in .rc. The benchmarks start their
     servers through it too."""
     port = port or free_port()
+    if env is None:  # a private loopback server for this process's own clients: the user's serving key
+        env = {k: v for k, v in os.environ.items() if k != KEY_ENV}  # (COMPRESS_API_KEY) is not its key
     cmd = [sys.executable, "-m", "pipeline.app.cli", "serve", str(folder), "--port", str(port), "--engine", engine,
            "--start-timeout-s", str(timeout_s), *args]
     with open(log_path, "wb") as log:
         t0 = time.monotonic()
         server = Serving(f"http://127.0.0.1:{port}",
-                         subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env or {**os.environ}))
+                         subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env))
         try:
             server.health = _wait(server.url, server.proc, timeout_s + 30, log_path)
             server.ready_s = time.monotonic() - t0
