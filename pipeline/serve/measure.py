@@ -23,9 +23,9 @@ from pipeline.base.errors import StageError
 from pipeline.model.models import single_gguf
 from pipeline.quant.checkpoint import load_checkpoint
 from pipeline.serve import engines
-from pipeline.serve.server import KEY_ENV
 from pipeline.serve.engines.base import error_line
 from pipeline.serve.loadtest import FIXED_LENGTH_GREEDY, run
+from pipeline.serve.server import KEY_ENV
 
 # what the `compress serve` subprocess runs, named so the serve unit's identity covers it (pipeline/base/codehash.py);
 # the CLI that parses its arguments is harness, followed by no unit
