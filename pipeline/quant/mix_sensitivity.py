@@ -25,6 +25,7 @@ candidates, the probe rows and this file's version: a table from another model o
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import time
 from collections.abc import Callable
@@ -323,7 +324,8 @@ def hessian_row(model, hess: dict[str, torch.Tensor], tokens: int, u: MixUnit, c
 
 def table_key(base_dir: Path, calib_ids: torch.Tensor, parts: list) -> str:
     """A sensitivity table's identity: the base model's files (their sha256 in the load stage's manifest, else the
-    bytes), the calibration ids, and `parts` (what else the table depends on, JSON)."""
+    bytes), the calibration ids with their shape (64 x 256 and 32 x 512 are the same bytes, not the same rows), the
+    versions of the libraries that compute it, and `parts` (what else the table depends on, JSON)."""
     h = hashlib.sha256()
     manifest = base_dir / "manifest.json"
     if manifest.is_file():
@@ -331,9 +333,22 @@ def table_key(base_dir: Path, calib_ids: torch.Tensor, parts: list) -> str:
     else:
         for f in sorted(base_dir.glob("*.safetensors")):
             h.update(f.read_bytes())
+    h.update(json.dumps(list(calib_ids.shape)).encode())
     h.update(calib_ids.to(torch.int64).contiguous().numpy().tobytes())
+    h.update(json.dumps(_library_versions()).encode())
     h.update(json.dumps(parts).encode())
     return h.hexdigest()[:32]
+
+
+def _library_versions() -> dict[str, str]:
+    """The versions a table's figures depend on: the model code (transformers), the maths (torch), the quantizers."""
+    out = {}
+    for pkg in ("torch", "transformers", "gptqmodel", "gguf", "auto-round"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg] = ""
+    return out
 
 
 def cached_table(path: Path | None, key: str, log: Callable[[str], None], same: str) -> dict | None:

@@ -211,6 +211,9 @@ def test_kl_scaled_probes_one_group_size_and_scales_the_others_by_their_hessian_
     assert "scaled by the Hessian error ratio" in scaled["probe"]["kl_probed"]
     k = (tiny, CALIB, units, cands, (2, 4), Solver())
     assert cache_key(*k) != cache_key(*k, 64)
+    # the same calibration bytes in another shape are other rows: another table (#42)
+    reshaped = CALIB.reshape(CALIB.shape[0] // 2, -1) if CALIB.shape[0] % 2 == 0 else CALIB.reshape(1, -1)
+    assert cache_key(tiny, reshaped, *k[2:]) != cache_key(*k)
 
 
 def test_gptq_probe_weights_are_the_checkpoints_where_no_error_feeds_back(tiny, tmp_path):
