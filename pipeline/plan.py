@@ -17,7 +17,7 @@ from pipeline.eval.tasks_config import task_problems
 from pipeline.model.architecture import missing, model_class, transformers_model_types
 from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
 from pipeline.model.sources import ModelInfo, describe, parse
-from pipeline.quant.registry import check_variant, method_of, needs_calibration, runtimes, variant_format
+from pipeline.quant.registry import check_variant, method_of, needs_calibration, runtimes, serve_needs, variant_format
 from pipeline.quant.shapes import Arch, linear_shapes_from_config
 from pipeline.serve.config import serve_plan
 from pipeline.stages.kinds import Calibrate, Draft, Export, Load, Quality, Quantize, Serve
@@ -361,7 +361,8 @@ def _check_serve(recipe, plan: Plan) -> list[Problem]:
         return []
     models: list[tuple[str, str | None] | tuple[str, str | None, str | None]] = [("baseline", None)]
     models += [(q.name, q.method, variant_format(q)) for q in recipe.quantize]
-    problems, plan.serve_engines = serve_plan(cfg, models, plan.device, model_class(plan.model.config or {}))
+    problems, plan.serve_engines = serve_plan(cfg, models, plan.device, model_class(plan.model.config or {}),
+                                              {q.name: serve_needs(q) for q in recipe.quantize})
     plan.warnings += [f"{Serve.key(n, e)}: skipped: {why}" for n, by in plan.serve_engines.items()
                       for e, why in by.items() if why is not None]
     plan.serve_skipped = {n: "; ".join(f"{e}: {w}" for e, w in by.items()) for n, by in plan.serve_engines.items()

@@ -85,6 +85,9 @@ class CompressedTensorsOption:
     def reload_of(self, variant):
         return LOAD if variant.format == CT else self
 
+    def serve_needs(self, variant) -> tuple[str, ...]:
+        return ("wna16",) if variant.format == CT else ()  # the same integer weights, activations in 16 bits
+
     def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         return ct_problems(variant, arch) if variant.format == CT else self.own_check(variant, arch, device)
 

@@ -84,6 +84,11 @@ class QuantMethod:
         checkpoint: the method itself, or its export format's (pipeline/quant/ct_format.py)."""
         return self
 
+    def serve_needs(self, variant) -> tuple[str, ...]:
+        """What serving this variant's checkpoint needs of an engine beyond reading its format (an engine may refuse
+        it where check can tell: "wna16" a weight-only integer kernel, "fp8_kv" an FP8 KV cache)."""
+        return ()
+
     def calibrates(self, variant) -> bool:
         """Whether this variant reads the calibration rows (a method may need them for some variants only)."""
         return self.needs_calibration

@@ -60,6 +60,11 @@ def variant_format(variant) -> str:
     return method_of(variant).format_of(variant)
 
 
+def serve_needs(variant) -> tuple[str, ...]:
+    """What serving a variant's checkpoint needs of an engine beyond its format (QuantMethod.serve_needs)."""
+    return method_of(variant).serve_needs(variant)
+
+
 def reload_of(variant):
     """The reload facts of a variant's checkpoint (repacked_on_cpu, load_module, ...): its method's or its format's."""
     return method_of(variant).reload_of(variant)

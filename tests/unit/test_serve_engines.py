@@ -780,5 +780,17 @@ def test_on_an_avx2_cpu_vllm_refuses_weight_only_checkpoints_naming_the_isa(tmp_
     (w8a8 / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(RecipeError, match="FP8 KV cache.*AVX-512 or AMX"):  # vLLM: NotImplementedError at start-up
         vllm_engine.command(ExportFolder(w8a8, "hf", "compressed-tensors", None, 128), _opts(), None)
+    # the plan sees it too (#42): a compressed-tensors variant of a weight-only method, or W8A8 with an FP8 KV cache,
+    # declares what it needs (QuantMethod.serve_needs); vLLM refuses it at check on this CPU, not at serve time
+    from pipeline.quant.registry import QuantVariant, serve_needs
+    from pydantic import TypeAdapter
+    v = lambda **f: TypeAdapter(QuantVariant).validate_python(f)  # noqa: E731
+    assert serve_needs(v(name="c", method="gptq", bits=4, group_size=64, format="compressed-tensors")) == ("wna16",)
+    assert serve_needs(v(name="k", method="w8a8", kv_cache="fp8")) == ("fp8_kv",)
+    assert serve_needs(v(name="g", method="gptq", bits=4, group_size=64)) == ()
+    assert "compressed-tensors W4A16/W8A16 checkpoint" in engine.refuses_needs(("wna16",), "cpu")
+    assert "FP8 KV cache" in engine.refuses_needs(("fp8_kv",), "cpu")
+    assert engine.refuses_needs(("wna16",), "cuda") is None and engine.refuses_needs((), "cpu") is None
     monkeypatch.setattr(vllm_engine, "cpu_flags", lambda: None)  # not an x86 flag list (or unreadable): not asked
     assert engine.refuses("gptq", "cpu") is None
+    assert engine.refuses_needs(("wna16", "fp8_kv"), "cpu") is None

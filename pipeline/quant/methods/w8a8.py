@@ -86,6 +86,9 @@ class W8A8Method(QuantMethod):
     def reload_of(self, variant):
         return LOAD
 
+    def serve_needs(self, variant) -> tuple[str, ...]:
+        return ("fp8_kv",) if variant.kv_cache == "fp8" else ()
+
     def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         p: list[Problem] = []
         if "lm_head" not in variant.modules_to_skip:

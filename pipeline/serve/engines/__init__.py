@@ -32,12 +32,13 @@ def checkpoint_format(fmt: str, quant_method: str | None) -> str:
     return "gguf" if fmt == "gguf" else (str(quant_method).lower() if quant_method else UNQUANTIZED)
 
 
-def engines_for(fmt: str, device: str, model_class: str | None = None) -> dict[str, str | None]:
-    """engine -> None if it can serve a checkpoint of this format (and model class: config.json's `architectures`)
-    on this device here, else why not (read by `compress serve` from the folder and by `compress check` from the
-    recipe, before any folder exists)."""
-    return {name: ENGINES.get(name).refuses(fmt, device) or ENGINES.get(name).refuses_architecture(model_class)
-            for name in NAMES}
+def engines_for(fmt: str, device: str, model_class: str | None = None,
+                needs: tuple[str, ...] = ()) -> dict[str, str | None]:
+    """engine -> None if it can serve a checkpoint of this format (model class: config.json's `architectures`;
+    needs: QuantMethod.serve_needs) on this device here, else why not (read by `compress serve` from the folder and
+    by `compress check` from the recipe, before any folder exists)."""
+    return {name: ENGINES.get(name).refuses(fmt, device) or ENGINES.get(name).refuses_needs(needs, device)
+            or ENGINES.get(name).refuses_architecture(model_class) for name in NAMES}
 
 
 def default_engine(fmt: str) -> str:

@@ -74,6 +74,11 @@ class Engine:
                     + (f" (it serves {', '.join(describe(f) for f in served)})" if served else ""))
         return self.missing()
 
+    def refuses_needs(self, needs: tuple[str, ...], device: str) -> str | None:
+        """Why it cannot serve a checkpoint that needs these (QuantMethod.serve_needs: "wna16", "fp8_kv") on this
+        device, or None."""
+        return None
+
     def refuses_architecture(self, model_class: str | None) -> str | None:
         """Why it cannot serve a model of this class (config.json's `architectures`), or None (by default every
         class transformers builds)."""

@@ -106,6 +106,12 @@ class VLLM(Engine):
             return wna16_missing(describe(fmt))
         return why
 
+    def refuses_needs(self, needs: tuple[str, ...], device: str) -> str | None:
+        if device.startswith("cuda"):
+            return None
+        return ((wna16_missing("a compressed-tensors W4A16/W8A16 checkpoint") if "wna16" in needs else None)
+                or (fp8_kv_missing() if "fp8_kv" in needs else None))
+
     def refuses_architecture(self, model_class: str | None) -> str | None:
         known = registered_architectures(python())
         if model_class is None or not known or model_class in known:
