@@ -9,7 +9,7 @@ from the config is left to fail at run time.
 from __future__ import annotations
 
 from pipeline.base.problem import Problem
-from pipeline.model.architecture import Architecture, gptqmodel_definitions
+from pipeline.model.architecture import GPTQMODEL_GAPS, Architecture, gptqmodel_definitions
 from pipeline.quant.shapes import Arch
 
 # trait -> how check describes it in a refusal
@@ -57,6 +57,8 @@ def arch_problems(method, variant, arch: Arch) -> list[Problem]:
         return [Problem("method", "architecture-not-in-gptqmodel",
                         f"method {name!r} runs through GPTQModel, which has no definition for model_type {mt!r} "
                         "(its models/definitions/); use a method that does not need one (bnb-int8, bnb-nf4)")]
+    if need == "gptqmodel" and mt in GPTQMODEL_GAPS:
+        return [Problem("method", "architecture-unsupported", f"method {name!r} cannot take {mt}: {GPTQMODEL_GAPS[mt]}")]
     if need in ("gptqmodel", "architecture") and not a.known:
         return [Problem("method", "architecture-unknown",
                         f"method {name!r} needs the decoder's layers and linears, and model_type {mt!r} has no "

@@ -121,3 +121,13 @@ def test_a_mixed_precision_variant_is_refused_on_moe(tmp_path):
     p = refused(recipe(tmp_path, f"config:{ARCH / 'qwen3_moe.json'}", mix))
     assert ("quantize[0].method", "architecture-unsupported") in keys(p)
     assert "[quantize.mix] measures each unit's sensitivity" in next(x.message for x in p if x.code == "architecture-unsupported")
+
+
+@pytest.mark.parametrize("method", ["gptq", "rtn", "awq"])
+def test_gptqmodel_methods_are_refused_where_its_definition_misses_the_experts(tmp_path, method):
+    """GPTQModel's granitemoe definition names experts transformers 5.24 does not have: it would quantize none of
+    them, so check refuses rather than let a partly quantized MoE through."""
+    fields = {"bits": 4, "group_size": 32} if method != "awq" else {"group_size": 32}
+    p = refused(recipe(tmp_path, f"config:{ARCH / 'granitemoe.json'}", variant("g", method, **fields)))
+    assert keys(p) == [("quantize[0].method", "architecture-unsupported")]
+    assert "quantizes none of the routed experts" in p[0].message
