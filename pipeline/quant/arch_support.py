@@ -58,7 +58,8 @@ def arch_problems(method, variant, arch: Arch) -> list[Problem]:
                         f"method {name!r} runs through GPTQModel, which has no definition for model_type {mt!r} "
                         "(its models/definitions/); use a method that does not need one (bnb-int8, bnb-nf4)")]
     if need == "gptqmodel" and mt in GPTQMODEL_GAPS:
-        return [Problem("method", "architecture-unsupported", f"method {name!r} cannot take {mt}: {GPTQMODEL_GAPS[mt]}")]
+        return [Problem("method", "architecture-unsupported",
+                        f"method {name!r} cannot take {mt}: {GPTQMODEL_GAPS[mt]}")]
     if need in ("gptqmodel", "architecture") and not a.known:
         return [Problem("method", "architecture-unknown",
                         f"method {name!r} needs the decoder's layers and linears, and model_type {mt!r} has no "
