@@ -8,10 +8,11 @@ from pathlib import Path
 
 from pipeline.base.problem import Problem
 from pipeline.budget.formulas import RUNTIME_OVERHEAD, WORKER_OVERHEAD, GiB, quantize_bytes, speed_bytes, window_bytes
+from pipeline.model.architecture import architecture_of
 from pipeline.model.dtypes import dtype_bytes
 from pipeline.model.sources import link_problem
 from pipeline.quant.registry import method_of, reload_of
-from pipeline.stages.kinds import Draft, Export, Load, Quality, Quantize, Speed
+from pipeline.stages.kinds import Calibrate, Draft, Export, Load, Quality, Quantize, Speed
 
 
 def machine_memory() -> int:
@@ -60,6 +61,10 @@ def estimate_memory(recipe, info, plan, source) -> None:
     else:
         plan.memory[Load.key()] = RUNTIME_OVERHEAD + w + 4 * largest
     cal_tokens = cal.num_samples * cal.seq_len
+    if architecture_of(cfg).is_moe and Calibrate.key() in plan.stages:
+        # calibrate counts each expert's tokens through the baseline (pipeline/eval/coverage.py): the model loaded
+        # whole, one calibration row at a time through it (a perplexity window's activations and logits)
+        plan.memory[Calibrate.key()] = RUNTIME_OVERHEAD + w + window_bytes(cfg, cal.seq_len)
     embed = vocab * h * dtype_bytes(plan.dtype)
     for v in recipe.quantize:
         key = Quantize.key(v.name)

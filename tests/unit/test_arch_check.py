@@ -131,3 +131,12 @@ def test_gptqmodel_methods_are_refused_where_its_definition_misses_the_experts(t
     p = refused(recipe(tmp_path, f"config:{ARCH / 'granitemoe.json'}", variant("g", method, **fields)))
     assert keys(p) == [("quantize[0].method", "architecture-unsupported")]
     assert "quantizes none of the routed experts" in p[0].message
+
+
+def test_the_plan_counts_calibrate_loading_an_moe_for_its_coverage(tmp_path):
+    """calibrate loads an MoE baseline to count each expert's tokens: its memory is planned (a dense model's
+    calibrate only tokenizes)."""
+    gptq = variant("g", "gptq", bits=4, group_size=32)
+    moe = check(recipe(tmp_path, f"config:{ARCH / 'qwen3_moe.json'}", gptq))
+    dense = check(recipe(tmp_path, f"config:{ARCH / 'qwen3.json'}", gptq))
+    assert moe.memory["calibrate"] > moe.memory["load"] and "calibrate" not in dense.memory
