@@ -32,9 +32,12 @@ import gguf
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from pipeline.model.architecture import architecture_of
+from pipeline.quant import gguf_convert
 from pipeline.quant.common import TOKENIZER_FILES, base_dtype
+from pipeline.quant.experts import experts_problem
 from pipeline.quant.shapes import is_skipped
 
 ENGINE = "gguf"
@@ -108,15 +111,134 @@ def write(conv: Converted, base_dir: Path, out_dir: Path, variant, kquant: bool)
     else:
         _write(conv.writer, path)
         details["quantizer"] = f"gguf {details['engine_version']} (numpy)"
+    _copy_tokenizer(base_dir, out_dir)
+    summary = _file_summary(path, gguf.GGUFReader(path))
+    return {**details, "gguf_file": path.name, "type": variant.type, **summary,
+            "tokenizer_pre": conv.tokenizer_pre, "chat_template": conv.chat_template,
+            "fallback_tensors": conv.fallback_tensors, "dtype": conv.source_dtype}
+
+
+def write_converted(base_dir: Path, out_dir: Path, variant, config: dict, console: IO[str]) -> dict:
+    """The file written by llama.cpp's own converter (pipeline/quant/gguf_convert.py): directly for the types it
+    writes (F16, Q8_0), else its float file (the checkpoint's dtype) through llama.cpp's quantizer, as `write` does
+    for K-quants. Then the tokenizer files beside it, a description read back from the file (MoE: the expert
+    matrices counted against the config), and ValueError when transformers' GGUF loader, which validate measures
+    the file with, would not rebuild the checkpoint's model from it."""
+    path = out_dir / file_name(base_dir, variant.type)
+    dtype = base_dtype(base_dir)
+    outtype = gguf_convert.OUTTYPES.get(variant.type)
+    details: dict[str, Any] = {"engine": "llama.cpp convert_hf_to_gguf.py", "engine_version": gguf_convert.VERSION,
+                               "converter": f"{gguf_convert.CONVERTER}, with its own gguf-py"}
+    if outtype is not None:
+        print(f"gguf {variant.name}: {gguf_convert.CONVERTER} --outtype {outtype}", file=console)
+        gguf_convert.run_converter(base_dir, path, outtype)
+        details["quantizer"] = f"{gguf_convert.CONVERTER} --outtype {outtype}"
+    else:
+        float_file = out_dir / f".{path.stem}-{FLOAT_TYPES[dtype]}.gguf"
+        print(f"gguf {variant.name}: {gguf_convert.CONVERTER} --outtype {gguf_convert.OUTTYPES[FLOAT_TYPES[dtype]]}, "
+              f"then llama.cpp's quantizer ({variant.type})", file=console)
+        gguf_convert.run_converter(base_dir, float_file, gguf_convert.OUTTYPES[FLOAT_TYPES[dtype]])
+        llama_quantize(float_file, path, variant.type)
+        float_file.unlink()
+        details["quantizer"] = f"llama.cpp llama_model_quantize (llama-cpp-python {_version('llama-cpp-python')})"
+    _copy_tokenizer(base_dir, out_dir)
+    reader = gguf.GGUFReader(path)
+    details |= {**_file_summary(path, reader), "type": variant.type, "dtype": dtype,
+                "gguf_architecture": _field(reader, "general.architecture"),
+                "tokenizer_pre": _field(reader, "tokenizer.ggml.pre"),
+                "chat_template": "tokenizer.chat_template" in reader.fields}
+    experts = expert_counts(reader, config)
+    if experts is not None:
+        details["experts"] = experts  # pipeline/quant/api.py leaves a GGUF file's count to it
+        if variant.type not in gguf_convert.OUTTYPES or variant.type == "Q8_0":  # a quantized type was asked for
+            problem = experts_problem(experts)
+            if problem is not None:
+                raise ValueError(problem)
+    problem = read_back_problem(out_dir, path.name, base_dir)
+    if problem is not None:
+        raise ValueError(f"{path.name} was written, but validate could not measure it: {problem}")
+    return details
+
+
+def _copy_tokenizer(base_dir: Path, out_dir: Path) -> None:
     for name in TOKENIZER_FILES:
         if (base_dir / name).is_file():
             shutil.copyfile(base_dir / name, out_dir / name)
-    reader = gguf.GGUFReader(path)
+
+
+def _file_summary(path: Path, reader) -> dict:
     types = Counter(t.tensor_type.name for t in reader.tensors)
-    return {**details, "gguf_file": path.name, "type": variant.type, "file_bytes": path.stat().st_size,
-            "tensor_count": len(reader.tensors), "tensor_types": dict(sorted(types.items())),
-            "tokenizer_pre": conv.tokenizer_pre, "chat_template": conv.chat_template,
-            "fallback_tensors": conv.fallback_tensors, "dtype": conv.source_dtype}
+    return {"gguf_file": path.name, "file_bytes": path.stat().st_size, "tensor_count": len(reader.tensors),
+            "tensor_types": dict(sorted(types.items()))}
+
+
+def _field(reader, key: str):
+    f = reader.fields.get(key)
+    return f.contents() if f is not None else None
+
+
+# ---------------------------------------------------------------- MoE and reading back
+
+EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate_up|gate|up|down)_exps\.weight$")
+_FLOAT_GGML = ("F32", "F16", "BF16", "F64")
+
+
+def expert_counts(reader, config: dict) -> dict | None:
+    """Routed expert linears stored quantized in the file, against the architecture's count
+    (pipeline/model/architecture.py: experts x MoE layers x per-expert linears), in pipeline/quant/experts.py's shape
+    ({"declared", "quantized", "unquantized": the first few not}) plus the file's view: each ffn_{gate,up,down}_exps
+    tensor holds one matrix per expert (a fused gate_up two), all in one type. None for a dense model."""
+    e = architecture_of(config).experts
+    if e is None:
+        return None
+    layers = [i for i in range(int(config.get("num_hidden_layers") or 0)) if i not in e.dense_layers]
+    leaves = [n.rsplit(".", 1)[-1].removesuffix("_proj") for n in e.linears]  # gate, up, down: ffn_<leaf>_exps
+    in_file: dict[tuple[int, str], tuple[int, str]] = {}  # (block, gate/up/down) -> (experts it holds, its type)
+    for t in reader.tensors:
+        m = EXPERT_TENSOR.match(t.name)
+        if m is not None:  # GGUF lists dims innermost first: the expert dim is last
+            for leaf in ("gate", "up") if m.group(2) == "gate_up" else (m.group(2),):
+                in_file[(int(m.group(1)), leaf)] = (int(t.shape[-1]), t.tensor_type.name)
+    quantized, missing, types = 0, list[str](), Counter[str]()
+    for i in layers:
+        for leaf in leaves:
+            n, qtype = in_file.get((i, leaf), (0, "absent"))
+            types[qtype] += n
+            ok = min(n, e.count) if qtype not in _FLOAT_GGML else 0
+            quantized += ok
+            if ok < e.count and len(missing) < 8:
+                missing.append(f"layer {i} {leaf} ({qtype}, {n} of {e.count} experts)")
+    shared = sum(1 for t in reader.tensors if "_shexp." in t.name and t.name.endswith(".weight"))
+    return {"declared": len(layers) * e.count * len(leaves), "quantized": quantized, "unquantized": missing,
+            "in_file": sum(n for n, _ in in_file.values()), "types": dict(sorted(types.items())),
+            "shared_expert_tensors": shared}
+
+
+def read_back_problem(folder: Path, gguf_file: str, base_dir: Path) -> str | None:
+    """What stops transformers' GGUF loader (validate's way to measure the file) from rebuilding the checkpoint's
+    model: a file it cannot read, or a model whose class or parameters (names and shapes, both built on the meta
+    device: from the config it reads out of the file, and from the checkpoint's config.json) differ. None when it
+    would build the same model."""
+    models = []
+    try:
+        configs = (AutoConfig.from_pretrained(folder, gguf_file=gguf_file), AutoConfig.from_pretrained(base_dir))
+        for config in configs:
+            with torch.device("meta"):
+                models.append(AutoModelForCausalLM.from_config(config))
+    except Exception as e:  # noqa: BLE001 - any failure of the loader is the answer
+        return f"transformers {_version('transformers')}'s GGUF loader cannot read it ({type(e).__name__}: {e})"
+    got, want = ({n: tuple(p.shape) for n, p in m.named_parameters()} for m in models)
+    wrong = [f"{n} {got.get(n, 'missing')} (checkpoint {s})" for n, s in want.items() if got.get(n) != s]
+    wrong += [f"{n} (not in the checkpoint)" for n in got if n not in want]
+    rebuilt, own = type(models[0]).__name__, type(models[1]).__name__
+    window = getattr(configs[1], "sliding_window", None)
+    if wrong:
+        return (f"transformers {_version('transformers')}'s GGUF loader rebuilds it as {rebuilt} (the checkpoint is "
+                f"{own}) with other parameters: {'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''}")
+    if rebuilt != own and window:  # same weights in another class (Mistral read back as Llama): same maths only
+        return (f"transformers' GGUF loader rebuilds it as {rebuilt}, without the checkpoint's ({own}) sliding "
+                f"window of {window} tokens")
+    return None
 
 
 # ---------------------------------------------------------------- tensors

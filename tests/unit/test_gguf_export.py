@@ -29,6 +29,7 @@ from tests.conftest_hub import hub_env, hub_server  # noqa: F401  (fixtures)
 import torch
 from pydantic import TypeAdapter
 
+from pipeline.quant import gguf_convert
 from pipeline.quant.registry import QuantVariant
 from pipeline.recipe import load_recipe
 from tests.problems import keys, only, refused
@@ -253,12 +254,16 @@ def test_check_refuses_a_k_quant_whose_rows_do_not_fit_its_blocks(tmp_path):
         assert "pip install -e '.[gguf-kquants]'" in p.message and "8 minutes" in p.message
 
 
-def test_check_refuses_an_architecture_it_does_not_convert(tmp_path):
-    cfg = tmp_path / "gpt2.json"
-    cfg.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64,
-                               "n_layer": 2, "n_head": 4, "vocab_size": VOCAB}))
+@pytest.mark.skipif(gguf_convert.converter_dir() is None, reason=f"llama.cpp's converter is not set up: "
+                                                                 f"{gguf_convert.SETUP_LINE}")
+def test_check_refuses_an_architecture_llama_cpps_converter_does_not_know(tmp_path):
+    cfg = tmp_path / "gpt_neo.json"  # transformers knows GPT-Neo; llama.cpp's converter has no class for it
+    cfg.write_text(json.dumps({"model_type": "gpt_neo", "architectures": ["GPTNeoForCausalLM"], "hidden_size": 64,
+                               "num_layers": 2, "num_heads": 4, "vocab_size": VOCAB,
+                               "attention_types": [[["global", "local"], 1]]}))
     p = only(refused(load_recipe(gguf_recipe(tmp_path, 'type = "Q8_0"', f'source = "config:{cfg}"'))))
-    assert (p.path, p.code) == ("quantize[0].method", "gguf-architecture-unsupported") and "'gpt2'" in p.message
+    assert (p.path, p.code) == ("quantize[0].method", "gguf-architecture-unsupported")
+    assert "llama.cpp's converter (llama-cpp-python 0.3.36) has no class for GPTNeoForCausalLM" in p.message
 
 
 def test_check_rules_name_the_fix():

@@ -1,7 +1,8 @@
 """GGUF files for llama.cpp, Ollama and LM Studio, converted from the run's baseline: the types written here and by
 llama.cpp's quantizer, the architectures converted, `compress check`'s rules and the runtimes; the work is
-pipeline/quant/work/gguf.py (the converter, a port of llama.cpp's convert_hf_to_gguf.py through its `gguf` package,
-is pipeline/quant/gguf_export.py)."""
+pipeline/quant/work/gguf.py. Two converters: for llama and qwen2, our port of llama.cpp's convert_hf_to_gguf.py
+through its `gguf` package (pipeline/quant/gguf_export.py: [quantize.mix], modules_to_skip, Q4_0..Q5_1 without
+llama.cpp); for every other architecture, llama.cpp's own converter, pinned (pipeline/quant/gguf_convert.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,14 +11,19 @@ from typing import Literal
 from pydantic import Field
 
 from pipeline.base.problem import Problem
+from pipeline.quant import gguf_convert
 from pipeline.quant.gguf_mix import GGUFMix, check_gguf_mix
 from pipeline.quant.method import QuantMethod
 from pipeline.quant.shapes import Arch, is_skipped, quantized_linears
 from pipeline.quant.variant import SKIP_HELP, VariantBase
 
-# config.json model_type -> whether llama.cpp permutes the Q/K rows (its LlamaModel does, Qwen2Model does not);
-# the llama.cpp architecture has the same name. transformers' GGUF loader reads both back.
+# converted by our port (pipeline/quant/gguf_export.py): config.json model_type -> whether llama.cpp permutes the
+# Q/K rows (its LlamaModel does, Qwen2Model does not); the llama.cpp architecture has the same name. transformers'
+# GGUF loader reads both back. Every other model_type goes through llama.cpp's own converter (gguf_convert).
 GGUF_ARCHS = {"llama": True, "qwen2": False}
+# transformers' GGUF loader rebuilds these model types as another one with the same weights and maths: model_type ->
+# what it is read back as (llama.cpp writes Mistral as llama; without a sliding window the two are the same model)
+READ_BACK_AS = {"mistral": "llama"}
 # written here by gguf's numpy quantizer (byte-identical to llama.cpp's: tests/unit/test_gguf_mix.py): type -> values
 # per block
 GGUF_WRITTEN_TYPES = {"F16": 1, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32}
@@ -35,19 +41,7 @@ def gguf_problems(variant, arch: Arch, device: str = "cpu") -> list[Problem]:
     """What makes a GGUF variant impossible for this model (checked by `compress check` on the recipe's source and
     again by the converter on the baseline checkpoint)."""
     mt = arch.model_type
-    if mt not in GGUF_ARCHS:
-        return [Problem("method", "gguf-architecture-unsupported",
-                        f"method 'gguf' converts Llama-family checkpoints only (model_type {' or '.join(GGUF_ARCHS)}: "
-                        f"llama.cpp's LlamaModel and Qwen2Model); this model is {mt!r}")]
-    problems = []
-    if arch.rope_type not in (None, "default"):
-        problems.append(Problem("method", "gguf-rope-scaling",
-                                f"rope_type {arch.rope_type!r}: RoPE scaling is not converted to GGUF here yet "
-                                "(plain RoPE only)"))
-    if mt == "llama" and (arch.attention_bias or arch.mlp_bias):
-        problems.append(Problem("method", "gguf-llama-biases",
-                                "attention_bias/mlp_bias = true: transformers' GGUF loader rebuilds a llama model "
-                                "without biases, so the file could not be measured"))
+    problems = _port_problems(variant, arch) if mt in GGUF_ARCHS else _converter_problems(variant, arch)
     kquant = variant.type in GGUF_KQUANT_TYPES
     if kquant and importlib.util.find_spec("llama_cpp") is None:
         problems.append(Problem("type", "gguf-kquants-not-installed",
@@ -60,6 +54,77 @@ def gguf_problems(variant, arch: Arch, device: str = "cpu") -> list[Problem]:
     if arch.shapes_known and not variant.allow_fallback:
         problems += _gguf_block_problems(variant, arch)
     return problems
+
+
+def _port_problems(variant, arch: Arch) -> list[Problem]:
+    """What our port (llama, qwen2) cannot convert."""
+    mt = arch.model_type
+    problems = []
+    if arch.rope_type not in (None, "default"):
+        problems.append(Problem("method", "gguf-rope-scaling",
+                                f"rope_type {arch.rope_type!r}: RoPE scaling is not converted to GGUF here yet "
+                                "(plain RoPE only)"))
+    if mt == "llama" and (arch.attention_bias or arch.mlp_bias):
+        problems.append(Problem("method", "gguf-llama-biases",
+                                "attention_bias/mlp_bias = true: transformers' GGUF loader rebuilds a llama model "
+                                "without biases, so the file could not be measured"))
+    return problems
+
+
+def _converter_problems(variant, arch: Arch) -> list[Problem]:
+    """What llama.cpp's own converter (every model_type but the port's) cannot convert, or validate could not
+    measure: the converter's classes and transformers' GGUF loader are read from their sources (gguf_convert)."""
+    mt = arch.model_type
+    root = gguf_convert.converter_dir()
+    if root is None:
+        return [Problem("method", "gguf-converter-not-set-up",
+                        f"model_type {mt!r} is converted by {gguf_convert.CONVERTER}, which is not set up here: run "
+                        f"{gguf_convert.SETUP_LINE}")]
+    hf_arch = gguf_convert.hf_architecture(mt)
+    if hf_arch is None:
+        return [Problem("method", "gguf-architecture-unsupported",
+                        f"transformers has no causal-LM class for model_type {mt!r}, so no architecture to convert")]
+    if not gguf_convert.supported(root, hf_arch):
+        return [Problem("method", "gguf-architecture-unsupported",
+                        f"{gguf_convert.CONVERTER} has no class for {hf_arch} (model_type {mt!r})")]
+    problems = _read_back_problems(root, hf_arch, mt)
+    if variant.type not in gguf_convert.OUTTYPES and variant.type not in GGUF_KQUANT_TYPES \
+            and importlib.util.find_spec("llama_cpp") is None:
+        problems.append(Problem("type", "gguf-type-needs-quantizer",
+                                f"type = {variant.type!r} on {hf_arch}: {gguf_convert.CONVERTER} writes only "
+                                f"{'/'.join(t for t in gguf_convert.OUTTYPES if t in GGUF_TYPES)} itself; "
+                                f"{variant.type} is made from its F16 file by llama.cpp's quantizer: "
+                                f"{GGUF_KQUANTS_INSTALL}"))
+    if variant.modules_to_skip:
+        problems.append(Problem("modules_to_skip", "gguf-converter-skip-list",
+                                f"{gguf_convert.CONVERTER} takes no per-module skip list (model_type {mt!r}); leave "
+                                f"modules_to_skip empty (it is {variant.modules_to_skip})"))
+    if variant.mix is not None:
+        problems.append(Problem("mix", "gguf-mix-port-only",
+                                f"[quantize.mix] writes per-tensor types through our port, which converts model_type "
+                                f"{' or '.join(GGUF_ARCHS)} only; {mt!r} goes through {gguf_convert.CONVERTER}"))
+    return problems
+
+
+def _read_back_problems(root, hf_arch: str, mt: str) -> list[Problem]:
+    """validate measures a GGUF file the way a transformers user loads it (from_pretrained(gguf_file=...)): a file
+    transformers cannot read, or reads back as another model, could not be scored."""
+    gguf_arch = gguf_convert.llama_cpp_arch(root, hf_arch)
+    if gguf_arch is None:  # set at run time by the converter class: the written file is checked (work/gguf.py)
+        return []
+    back = gguf_convert.transformers_model_type(gguf_arch)
+    if back is None:
+        return [Problem("method", "gguf-not-measurable",
+                        f"{gguf_convert.CONVERTER} writes {hf_arch} as GGUF architecture {gguf_arch!r}, which "
+                        f"transformers' GGUF loader cannot read; validate scores a GGUF file through that loader, so "
+                        f"this variant could not be measured (llama.cpp itself runs the file)")]
+    if back != READ_BACK_AS.get(mt, mt):
+        return [Problem("method", "gguf-not-measurable",
+                        f"{gguf_convert.CONVERTER} writes {hf_arch} as GGUF architecture {gguf_arch!r}, which "
+                        f"transformers' GGUF loader rebuilds as model_type {back!r}, not {mt!r} (weights it has no "
+                        f"place for, such as experts, are dropped); validate scores a GGUF file through that "
+                        f"loader, so this variant could not be measured (llama.cpp itself runs the file)")]
+    return []
 
 
 def _gguf_rows(variant, arch: Arch) -> dict[str, int]:
@@ -138,7 +203,7 @@ class GGUFMethod(QuantMethod):
     name = "gguf"
     variant = GGUFVariant
     engine = "gguf"
-    engine_modules = ("pipeline.quant.gguf_export",)
+    engine_modules = ("pipeline.quant.gguf_export", "pipeline.quant.gguf_convert")
     checkpoint_format = "gguf"
     hub_library = "gguf"  # Hub GGUF conventions
     bits = (2, 3, 4, 5, 6, 8, 16)

