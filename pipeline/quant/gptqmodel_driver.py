@@ -26,6 +26,7 @@ from gptqmodel.nn_modules.qlinear import BaseQuantLinear
 from gptqmodel.nn_modules.qlinear.torch import TorchLinear
 from gptqmodel.quantization.config import ExpertsRoutingOverride, MoEConfig
 from gptqmodel.utils.model import convert_gptq_v1_to_v2_format
+from gptqmodel.utils.threadx import _DeviceWorker
 
 from pipeline.base.errors import StageError
 from pipeline.model.compute import float32_matmuls
@@ -80,13 +81,37 @@ def calibration_rows(calib_ids: torch.Tensor) -> list[dict]:
 @contextlib.contextmanager
 def session(out_dir: Path) -> Iterator[None]:
     """Around every GPTQModel call: cwd in a scratch folder (its logs/ goes there and is appended to
-    out_dir/gptqmodel.log), dynamo off for its torch kernel (locally: restored on exit)."""
+    out_dir/gptqmodel.log), dynamo off for its torch kernel (locally: restored on exit), and its worker threads'
+    failures raised here (`worker_failures_raised`)."""
     scratch = Path(tempfile.mkdtemp(prefix=".gptqmodel-", dir=out_dir))
     try:
-        with contextlib.chdir(scratch), torch._dynamo.config.patch(disable=True):
+        with contextlib.chdir(scratch), torch._dynamo.config.patch(disable=True), worker_failures_raised():
             yield
     finally:
         _collect_logs(scratch, out_dir / f"{ENGINE}.log")
+
+
+@contextlib.contextmanager
+def worker_failures_raised() -> Iterator[None]:
+    """GPTQModel's device thread pool ends the whole process with os._exit(1) when a task raises
+    (threadx._DeviceWorker._abort_process): the run could record nothing (exit 1, report.json left at "running";
+    seen with AWQ on Gemma 3's rotary embedding). Here the failure is kept instead: the task's future already holds
+    the exception for whoever waits on it, and on leaving, the first one kept is raised as a RuntimeError naming it,
+    so the variant fails with its error line and the run goes on."""
+    failures: list[BaseException] = []
+    original = _DeviceWorker._abort_process
+
+    def keep(self, exc: BaseException) -> None:
+        failures.append(exc)
+
+    _DeviceWorker._abort_process = keep
+    try:
+        yield
+    finally:
+        _DeviceWorker._abort_process = original
+    if failures:
+        exc = failures[0]
+        raise RuntimeError(f"a GPTQModel worker thread failed: {type(exc).__name__}: {exc}") from exc
 
 
 def quantize_with(base_dir: Path, qcfg, calibration: list[dict] | None, console: IO[str], label: str,

@@ -58,6 +58,9 @@ class AWQMethod(CompressedTensorsOption, GPTQModelKernels, QuantMethod):
     variant = AWQVariant
     engine = "gptqmodel"
     needs_definition = "gptqmodel"
+    arch_limit_reasons = {"per_layer_rope": "GPTQModel 7.6's AWQ scale search calls the rotary embedding without the "
+                                            "layer type Gemma 3's takes (Gemma3RotaryEmbedding.forward() missing "
+                                            "'layer_type'; measured on gemma3_text)"}
     engine_modules = (DRIVER,)
     checkpoint_format = "awq"
     bits = (4,)
