@@ -181,6 +181,7 @@ TASKS = {
     "speculative": "pipeline.speculative.evaluate:worker_task",
     "speed": "pipeline.eval.speed:worker_task",
     "tasks": "pipeline.eval.tasks:worker_task",
+    "ct-convert": "pipeline.quant.ct_export:worker_task",
 }
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -32,6 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import transformers
 from compressed_tensors.compressors import ModelCompressor
 from compressed_tensors.compressors.pack_quantized.base import PACK_ZP_STRATS, PackedQuantizationCompressor
 from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
@@ -39,12 +41,20 @@ from compressed_tensors.quantization import (
     QuantizationArgs,
     QuantizationConfig,
     QuantizationScheme,
-    apply_quantization_config,
+    QuantizationStatus,
 )
 from gptqmodel.quantization.awq.utils.packing_utils import reverse_awq_order, unpack_awq
 from gptqmodel.quantization.config import dynamic_get
+from huggingface_hub import save_torch_state_dict
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (
+    WeightConverter,
+    WeightRenaming,
+    apply_renamings,
+    revert_weight_conversion,
+)
 
 from pipeline.base.memory import MappedPagesTrimmed
 
@@ -158,9 +168,12 @@ def _packed_linears(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch
     out: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in state.items():
         mod, _, leaf = k.rpartition(".")
-        if leaf in ("qweight", "qzeros", "scales", "g_idx"):
+        if leaf in PACKED:
             out.setdefault(mod, {})[leaf] = v
     return out
+
+
+PACKED = ("qweight", "qzeros", "scales", "g_idx")  # a GPTQ/AWQ linear's packed tensors (its bias is carried over)
 
 
 def _read_state(folder: Path) -> dict[str, torch.Tensor]:
@@ -200,50 +213,174 @@ def dequantized_weights(folder: Path, dtype: torch.dtype | None = None) -> dict[
     return {name: dequantized(q, z, s, dtype or s.dtype) for name, (q, z, s) in ints.items()}
 
 
+# GPTQModel quantizes some of transformers' fused linears as their parts (phi3's mlp.gate_up_proj as gate_proj and
+# up_proj); the parts' rows, stacked in this order, are the fused linear's (each row has its own scales and zeros)
+FUSED_PARTS = {"gate_up_proj": ("gate_proj", "up_proj"), "qkv_proj": ("q_proj", "k_proj", "v_proj")}
+EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<e>\d+)\.(?P<leaf>gate_proj|up_proj|down_proj)$")
+
+
+def meta_model(cfg):
+    """transformers' model of `cfg` on the meta device: its module tree, dtypes and checkpoint names, no weights."""
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(cfg, dtype=cfg.dtype if isinstance(cfg.dtype, torch.dtype)
+                                                else torch.bfloat16)
+
+
+def checkpoint_names(model) -> set[str]:
+    """The tensor names transformers' save_pretrained writes for `model` (tied duplicates dropped, its conversion
+    mapping reverted: mixtral's experts as block_sparse_moe.experts.<e>.w1 ..., gpt_oss's fused)."""
+    seen, own = set(), {}
+    for k, v in model.state_dict(keep_vars=True).items():
+        if id(v) not in seen:
+            seen.add(id(v))
+            own[k] = v
+    return set(revert_weight_conversion(model, own))
+
+
+def _conversions(model) -> tuple[dict[str, str], list]:
+    """transformers' conversion mapping for `model`: the per-expert names it merges into fused experts (GPTQModel's
+    gate_proj/up_proj/down_proj -> the checkpoint's leaf, e.g. mixtral's w1/w3/w2; empty when the model's
+    checkpoints hold its experts fused) and the renamings it applies, reversed (model names -> checkpoint names)."""
+    convs = get_model_conversion_mapping(model, add_legacy=False)
+    leaves: dict[str, str] = {}
+    for c in convs:
+        if not isinstance(c, WeightConverter) or len(c._original_target_patterns) != 1:
+            continue
+        target = c._original_target_patterns[0]
+        found = [re.search(r"experts\.\*\.([A-Za-z0-9_]+)\.weight$", s) for s in c._original_source_patterns]
+        if not all(found):
+            continue
+        names = [f.group(1) for f in found if f]
+        if target.endswith("experts.gate_up_proj") and len(names) == 2:
+            leaves.update(gate_proj=names[0], up_proj=names[1])
+        elif target.endswith("experts.down_proj") and len(names) == 1:
+            leaves["down_proj"] = names[0]
+    renamings = [c.reverse_transform() for c in convs[::-1] if isinstance(c, WeightRenaming)]
+    return leaves, renamings
+
+
+def place_linears(model, ints: dict[str, Ints], settings: dict[str, Setting], state: dict[str, torch.Tensor]
+                  ) -> tuple[dict[str, Ints], dict[str, Setting], dict[str, torch.Tensor], dict[str, str]]:
+    """GPTQModel's quantized linears (its module tree: fused linears split, experts one module each) placed where
+    transformers' checkpoints hold them, in the model's names: split parts stacked back into the fused linear,
+    each expert under the name transformers' conversion mapping reads. Returns the placed integers, settings,
+    the linears' biases, and where each GPTQModel linear went."""
+    linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    fused_experts = {n for n, m in model.named_modules() if n.endswith(".experts")
+                     and not isinstance(m, torch.nn.ModuleList) and any(True for _ in m.parameters(recurse=False))}
+    leaves, _ = _conversions(model)
+    mt = model.config.model_type
+    groups: dict[str, list[str]] = {}
+    for name in ints:
+        parent, _, leaf = name.rpartition(".")
+        fused = next((f for f, parts in FUSED_PARTS.items() if leaf in parts and f"{parent}.{f}" in linears), None)
+        m = EXPERT.match(name)
+        if name in linears:
+            groups[name] = [name]
+        elif fused is not None:
+            groups.setdefault(f"{parent}.{fused}", []).append(name)
+        elif m and m["experts"] in fused_experts:
+            if m["leaf"] not in leaves:
+                raise ValueError(f"{name}: transformers {transformers.__version__} holds {mt}'s experts as fused 3D "
+                                 "parameters and reads no per-expert names for them, so a per-expert "
+                                 "compressed-tensors checkpoint cannot load (pipeline/quant/ct_format.py)")
+            groups[f"{m['experts']}.{m['e']}.{leaves[m['leaf']]}"] = [name]
+        else:
+            raise ValueError(f"{name}: quantized by GPTQModel but transformers' {mt} model has no place for it")
+    placed, placed_settings, biases, where = {}, {}, {}, {}
+    for target, names in groups.items():
+        if len(names) > 1:
+            order = FUSED_PARTS[target.rpartition(".")[2]]
+            names = sorted(names, key=lambda n: order.index(n.rpartition(".")[2]))
+            if len(names) != len(order) or len({settings[n] for n in names}) != 1:
+                raise ValueError(f"{target}: its parts {names} are not all quantized alike, so they cannot be "
+                                 "stacked into one compressed-tensors linear")
+        q, z, sc = (torch.cat([ints[n][i] for n in names]) for i in range(3))
+        placed[target] = (q, z, sc)
+        placed_settings[target] = settings[names[0]]
+        has_bias = [f"{n}.bias" in state for n in names]
+        if any(has_bias):
+            if not all(has_bias):
+                raise ValueError(f"{target}: some of its parts {names} have a bias, some not")
+            biases[f"{target}.bias"] = torch.cat([state[f"{n}.bias"] for n in names])
+        where.update(dict.fromkeys(names, target))
+    return placed, placed_settings, biases, where
+
+
+def compress_linear(q: torch.Tensor, z: torch.Tensor, s: torch.Tensor, setting: Setting, sym: bool
+                    ) -> dict[str, torch.Tensor]:
+    """One linear's pack-quantized tensors, written by compressed-tensors itself from the exactly dequantized
+    float32 weight, the GPTQ scales (their dtype kept) and, when asymmetric, the zero points."""
+    bits = setting[0]
+    mid = 1 << (bits - 1)
+    local = {"weight": dequantized(q, z, s, torch.float32), "weight_scale": s.clone()}
+    if not sym:
+        local["weight_zero_point"] = (z - mid).to(torch.int8)
+    return PackedQuantizationCompressor.compress(local, QuantizationScheme(targets=["Linear"],
+                                                                           weights=weight_args(*setting, sym)))
+
+
 def convert(gptq_dir: Path, out_dir: Path) -> dict:
     """Write the compressed-tensors checkpoint of the GPTQ or AWQ folder gptq_dir into out_dir (weights and
     config.json; the caller copies the tokenizer and finishes the config). Returns config.json's
-    quantization_config."""
+    quantization_config. Every tensor lands under the name transformers' save_pretrained gives it (checked against
+    the model's own list: none missing, none extra), every expert's linears quantized."""
     qc, state, settings, ints = read_integers(gptq_dir)
-    quantized = set(ints)
     sym = all(bool((z == 1 << (settings[n][0] - 1)).all()) for n, (_, z, _) in ints.items())
     if qc.get("sym", not qc.get("zero_point", False)) and not sym:  # (AWQ's config says zero_point)
         raise ValueError("sym = true but some zero points are not the grid's middle")
-
-    plain = {k: v for k, v in state.items() if k.rpartition(".")[0] not in quantized}
     cfg = AutoConfig.from_pretrained(gptq_dir)
     if hasattr(cfg, "quantization_config"):
         del cfg.quantization_config
-    dtype = cfg.dtype if isinstance(cfg.dtype, torch.dtype) else torch.bfloat16
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    model.to_empty(device="cpu")
-    for name in quantized:  # float32 while compressed-tensors derives the integers (exact, see above)
-        lin = model.get_submodule(name)
-        lin.weight = torch.nn.Parameter(torch.empty(lin.weight.shape, dtype=torch.float32), requires_grad=False)
+    model = meta_model(cfg)
+    placed, placed_settings, biases, where = place_linears(model, ints, settings, state)
+    if qc.get("dynamic") and any(EXPERT.match(n) and n != where[n] for n in ints):
+        raise ValueError("a [quantize.mix] checkpoint with fused experts: transformers decompresses every expert "
+                         "with one config group's scheme, so experts cannot have their own (bits, group size)")
+    own = dict(model.state_dict(keep_vars=True))
+    tied = set(own) - {k for k, _ in model.named_parameters()} - {k for k, _ in model.named_buffers()}
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():  # the plain tensors, in the model's dtype for each (as its from_config made them)
+        mod, _, leaf = k.rpartition(".")
+        if (mod in ints and leaf in PACKED) or (mod in where and leaf == "bias") or k in tied:
+            continue
+        out[k] = v.to(own[k].dtype) if k in own and v.is_floating_point() else v
+    for k, v in biases.items():
+        out[k] = v.to(own[k].dtype) if k in own else v.to(model.dtype)
+    for name, (q, z, s) in placed.items():
+        out.update({f"{name}.{k}": v for k, v in compress_linear(q, z, s, placed_settings[name], sym).items()})
+    _, renamings = _conversions(model)
+    out = {apply_renamings(k, renamings): v for k, v in out.items()}
+    _check_names(out, checkpoint_names(model), {apply_renamings(n, renamings) for n in placed}, model)
+
+    quantized = set(placed)
     ignore = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in quantized)
-    qcfg = (mixed_scheme(settings, sym, ignore) if qc.get("dynamic")
-            else scheme(*settings[next(iter(settings))], sym, ignore))
-    apply_quantization_config(model, qcfg)
-    missing, unexpected = model.load_state_dict(plain, strict=False)
-    if unexpected:
-        raise ValueError(f"tensors of {gptq_dir} the model has no place for: {unexpected[:5]}")
-    with torch.no_grad():
-        for name, (q, z, s) in ints.items():
-            lin = model.get_submodule(name)
-            lin.weight.copy_(dequantized(q, z, s, torch.float32))
-            lin.weight_scale = torch.nn.Parameter(s.clone(), requires_grad=False)
-            if not sym:
-                mid = 1 << (settings[name][0] - 1)
-                lin.weight_zero_point = torch.nn.Parameter((z - mid).to(torch.int8), requires_grad=False)
-    model.tie_weights()
-    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=CT_FORMAT)
-    compressor.compress_model(model)
+    qcfg = (mixed_scheme({apply_renamings(n, renamings): st for n, st in placed_settings.items()}, sym, ignore)
+            if qc.get("dynamic") else scheme(*next(iter(placed_settings.values())), sym, ignore))
+    qcfg.quantization_status = QuantizationStatus.COMPRESSED
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
-    compressor.update_config(str(out_dir))
-    _verify(out_dir, ints, {n: b for n, (b, _) in settings.items()}, sym)
+    save_torch_state_dict(out, out_dir, max_shard_size="50GB", metadata={"format": "pt"})  # save_pretrained's
+    cfg.save_pretrained(out_dir)
+    ModelCompressor(quantization_config=qcfg).update_config(str(out_dir))
+    _verify(out_dir, {apply_renamings(n, renamings): v for n, v in placed.items()},
+            {apply_renamings(n, renamings): b for n, (b, _) in placed_settings.items()}, sym)
     return json.loads((out_dir / "config.json").read_text())["quantization_config"]
+
+
+def _check_names(out: dict[str, torch.Tensor], expected: set[str], quantized: set[str], model) -> None:
+    """The checkpoint holds what transformers' own save would, under the same names, each quantized linear as its
+    packed tensors: no tensor missing, none the model has no place for, every expert linear quantized."""
+    have = {k.removesuffix("_packed") if k.endswith(".weight_packed") else k for k in out
+            if not k.endswith((".weight_scale", ".weight_shape", ".weight_zero_point"))}
+    missing, extra = sorted(expected - have), sorted(have - expected)
+    if missing or extra:
+        mt = model.config.model_type
+        raise ValueError(f"the compressed-tensors checkpoint of {mt} does not have transformers' layout: missing "
+                         f"{missing[:4]} ({len(missing)}), not in the model {extra[:4]} ({len(extra)})")
+    dense_experts = sorted(k for k in out if ".experts." in k and k.endswith(".weight")
+                           and k.removesuffix(".weight") not in quantized)
+    if dense_experts:
+        raise ValueError(f"expert weights left in 16 bits: {dense_experts[:4]} ({len(dense_experts)})")
 
 
 def _verify(out_dir: Path, ints: dict, bits_of: dict[str, int], sym: bool) -> None:
@@ -261,11 +398,30 @@ def _verify(out_dir: Path, ints: dict, bits_of: dict[str, int], sym: bool) -> No
             raise RuntimeError(f"{name}: the compressed-tensors checkpoint does not hold the GPTQ integers/scales")
 
 
+def worker_task(args: dict) -> dict:
+    """`convert` in a fresh process (pipeline/base/worker.py "ct-convert")."""
+    return {"quantization_config": convert(Path(args["gptq_dir"]), Path(args["out_dir"]))}
+
+
+def convert_fresh(gptq_dir: Path, out_dir: Path) -> dict:
+    """`convert` in a fresh interpreter: GPTQModel's quantize replaces some of transformers' MoE classes and its
+    conversion mapping in the process that ran it (defuser.replace_fused_blocks, e.g. mixtral's sparse block by
+    one nn.Linear per expert), and the checkpoint must be laid out for transformers' own classes."""
+    from pipeline.base.worker import run_task
+
+    logs = Path(tempfile.mkdtemp(prefix=".ct-job-", dir=out_dir.parent))
+    try:
+        return run_task("ct-convert", {"gptq_dir": str(gptq_dir.resolve()), "out_dir": str(out_dir.resolve())},
+                        logs)["quantization_config"]
+    finally:
+        shutil.rmtree(logs, ignore_errors=True)
+
+
 def convert_folder(gptq_dir: Path, out_dir: Path) -> dict:
     """A complete compressed-tensors folder beside a GPTQ one (tokenizer and generation config copied; the GPTQ
     folder's config.json with quantization_config replaced). For converting an existing export."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    qc = convert(gptq_dir, out_dir)
+    qc = convert_fresh(gptq_dir, out_dir)
     cfg = json.loads((gptq_dir / "config.json").read_text())
     cfg["quantization_config"] = qc
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -283,7 +439,7 @@ def rewrite_in_place(folder: Path) -> dict:
     new quantization_config."""
     scratch = Path(tempfile.mkdtemp(prefix=".ct-", dir=folder))
     try:
-        qc = convert(folder, scratch)
+        qc = convert_fresh(folder, scratch)
         for f in [*folder.glob("*.safetensors"), *folder.glob("*.safetensors.index.json"),
                   *(folder / n for n in GPTQ_FILES)]:
             if f.is_file():

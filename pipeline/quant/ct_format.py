@@ -8,6 +8,14 @@ per group (`weight_scale`) and, for an asymmetric grid, packed zero points: GPTQ
 It is written from the variant's GPTQ checkpoint (same integers, scales and group size), so what it can hold is
 what both formats can: 4 or 8 bits (vLLM's WNA16 schemes), columns in order (desc_act off), and lm_head and the
 embeddings left in 16 bits.
+
+Architectures (measured on the matrix's tiny models, tests/unit/test_ct_architectures.py): the checkpoint holds
+every tensor under the name transformers' own save_pretrained gives it. A fused linear GPTQModel quantizes as
+parts (phi3's gate_up_proj as gate_proj + up_proj) is written fused, its parts' rows stacked. A Mixture of Experts
+whose experts transformers 5.24 holds as fused 3D parameters is written one linear per expert, under the per-expert
+names its conversion mapping reads (mixtral: block_sparse_moe.experts.<e>.w1/w2/w3; qwen3_moe, olmoe:
+mlp.experts.<e>.gate_proj/up_proj/down_proj; vLLM reads the same names); transformers decompresses those experts
+while it loads, into the fused parameters. What it cannot load is refused at check (`ct_arch_problems`).
 """
 from __future__ import annotations
 
@@ -138,7 +146,45 @@ def ct_problems(variant, arch: Arch) -> list[Problem]:
         problems.append(Problem("modules_to_skip", "ct-lm-head-not-skipped",
                                 f"{where} keeps lm_head and the embeddings in 16 bits: add 'lm_head' to "
                                 f"modules_to_skip (it is {variant.modules_to_skip})"))
-    return problems
+    return problems + ct_arch_problems(variant, arch)
+
+
+FUSED_ONLY_REASON = ("compressed-tensors 0.20 quantizes nn.Linear modules; transformers 5.24 holds {mt}'s experts as "
+                     "fused 3D parameters and its conversion mapping reads no per-expert names for them (its "
+                     "checkpoints store them fused), so a checkpoint with one quantized linear per expert cannot load")
+# MoE model_types whose experts transformers 5.24 reads only fused (no per-expert source names in its
+# conversion_mapping.py), measured: gpt_oss's export stops at its first expert, granitemoe's checkpoint layout is
+# block_sparse_moe.input_linear / output_linear [E, ...]
+CT_EXPERTS_FUSED_ONLY = frozenset({"gpt_oss", "granitemoe", "granitemoeshared", "granitemoehybrid"})
+# MoE model_types measured to export and reload (every expert quantized); any MoE when the architecture says so
+CT_PER_EXPERT_MOE = frozenset({"mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3"})
+ASYM_EXPERTS_REASON = ("transformers 5.24 decompresses a fused-experts MoE's per-expert compressed-tensors weights "
+                       "from weight_packed and weight_scale only (its CompressedTensorsDequantize has no zero "
+                       "point), so {mt}'s experts with an asymmetric grid cannot load (measured: its loader stops "
+                       "on every experts parameter)")
+
+
+def ct_arch_problems(variant, arch: Arch) -> list[Problem]:
+    """What compressed-tensors (as transformers loads it) cannot hold of this architecture. The facts it needs:
+    is the model a MoE whose experts transformers holds fused (3D parameters), and does transformers read
+    per-expert checkpoint names for them (pipeline/quant/ct_export.py finds them in its conversion mapping)."""
+    mt = arch.model_type
+    where = "format = 'compressed-tensors'"
+    if mt in CT_EXPERTS_FUSED_ONLY:
+        return [Problem("format", "ct-architecture-unsupported",
+                        f"{where} cannot take {mt}: {FUSED_ONLY_REASON.format(mt=mt)}; use format = "
+                        f"'{own_format(variant)}'")]
+    if (arch.is_moe or mt in CT_PER_EXPERT_MOE) and not variant.sym:
+        return [Problem("format", "ct-architecture-unsupported",
+                        f"{where} with an asymmetric grid ({'AWQ' if own_format(variant) == 'awq' else 'sym = false'})"
+                        f" cannot take {mt}: {ASYM_EXPERTS_REASON.format(mt=mt)}; use "
+                        f"{'sym = true or ' if own_format(variant) != 'awq' else ''}format = '{own_format(variant)}'")]
+    return []
+
+
+def own_format(variant) -> str:
+    """The variant's method's own checkpoint format (its `format` field's other choice)."""
+    return "awq" if variant.method == "awq" else "gptq"
 
 
 def ct_bits_per_weight(variant) -> float:
