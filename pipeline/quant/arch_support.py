@@ -58,8 +58,7 @@ def arch_problems(method, variant, arch: Arch) -> list[Problem]:
                         f"method {name!r} runs through GPTQModel, which has no definition for model_type {mt!r} "
                         "(its models/definitions/); use a method that does not need one (bnb-int8, bnb-nf4)")]
     if need == "gptqmodel" and mt in GPTQMODEL_GAPS:
-        return [Problem("method", "architecture-unsupported",
-                        f"method {name!r} cannot take {mt}: {GPTQMODEL_GAPS[mt]}")]
+        return [unsupported(name, mt, GPTQMODEL_GAPS[mt])]
     if need in ("gptqmodel", "architecture") and not a.known:
         return [Problem("method", "architecture-unknown",
                         f"method {name!r} needs the decoder's layers and linears, and model_type {mt!r} has no "
@@ -68,6 +67,10 @@ def arch_problems(method, variant, arch: Arch) -> list[Problem]:
     if getattr(variant, "mix", None) is not None:
         limits.setdefault("moe", "[quantize.mix] measures each unit's sensitivity by running and rounding its "
                                  "nn.Linear modules; routed experts are fused 3D parameters, so they have no units yet")
-    return [Problem("method", "architecture-unsupported",
-                    f"method {name!r} cannot take {mt} ({TRAITS[trait]}): {limits[trait]}")
-            for trait in sorted(traits(a)) if trait in limits]
+    return [unsupported(name, f"{mt} ({TRAITS[trait]})", limits[trait]) for trait in sorted(traits(a))
+            if trait in limits]
+
+
+def unsupported(method: str, what: str, why: str) -> Problem:
+    """The one refusal of a method an architecture cannot take: the method, the architecture, why."""
+    return Problem("method", "architecture-unsupported", f"method {method!r} cannot take {what}: {why}")

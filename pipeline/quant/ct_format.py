@@ -168,18 +168,15 @@ def ct_arch_problems(variant, arch: Arch) -> list[Problem]:
     """What compressed-tensors (as transformers loads it) cannot hold of this architecture. The facts it needs:
     is the model a MoE whose experts transformers holds fused (3D parameters), and does transformers read
     per-expert checkpoint names for them (pipeline/quant/ct_export.py finds them in its conversion mapping)."""
-    mt = arch.model_type
-    where = "format = 'compressed-tensors'"
+    mt, own = arch.model_type, own_format(variant)
     if mt in CT_EXPERTS_FUSED_ONLY:
-        return [Problem("format", "ct-architecture-unsupported",
-                        f"{where} cannot take {mt}: {FUSED_ONLY_REASON.format(mt=mt)}; use format = "
-                        f"'{own_format(variant)}'")]
-    if (arch.is_moe or mt in CT_PER_EXPERT_MOE) and not variant.sym:
-        return [Problem("format", "ct-architecture-unsupported",
-                        f"{where} with an asymmetric grid ({'AWQ' if own_format(variant) == 'awq' else 'sym = false'})"
-                        f" cannot take {mt}: {ASYM_EXPERTS_REASON.format(mt=mt)}; use "
-                        f"{'sym = true or ' if own_format(variant) != 'awq' else ''}format = '{own_format(variant)}'")]
-    return []
+        why = f"cannot take {mt}: {FUSED_ONLY_REASON.format(mt=mt)}; use format = '{own}'"
+    elif (arch.is_moe or mt in CT_PER_EXPERT_MOE) and not variant.sym:
+        why = (f"with an asymmetric grid ({'AWQ' if own == 'awq' else 'sym = false'}) cannot take {mt}: "
+               f"{ASYM_EXPERTS_REASON.format(mt=mt)}; use {'sym = true or ' if own != 'awq' else ''}format = '{own}'")
+    else:
+        return []
+    return [Problem("format", "ct-architecture-unsupported", f"format = 'compressed-tensors' {why}")]
 
 
 def own_format(variant) -> str:

@@ -92,6 +92,8 @@ def test_check_refuses_what_only_our_port_does():
     assert found == {"gguf-converter-skip-list"}
     assert {p.code for p in problems_for("qwen3", type="Q4_0")} == (
         set() if gguf_convert.importlib.util.find_spec("llama_cpp") else {"gguf-type-needs-quantizer"})
+    mixed = problems_for("qwen3", mix={"budget": {"bits_per_weight": 6.0}})
+    assert "gguf-mix-port-only" in {p.code for p in mixed}, "[quantize.mix] is our port's (llama, qwen2) only"
 
 
 def test_check_says_how_to_set_the_converter_up(tmp_path, monkeypatch):

@@ -81,12 +81,10 @@ def _converter_problems(variant, arch: Arch) -> list[Problem]:
                         f"model_type {mt!r} is converted by {gguf_convert.CONVERTER}, which is not set up here: run "
                         f"{gguf_convert.SETUP_LINE}")]
     hf_arch = gguf_convert.hf_architecture(mt)
-    if hf_arch is None:
-        return [Problem("method", "gguf-architecture-unsupported",
-                        f"transformers has no causal-LM class for model_type {mt!r}, so no architecture to convert")]
-    if not gguf_convert.supported(root, hf_arch):
-        return [Problem("method", "gguf-architecture-unsupported",
-                        f"{gguf_convert.CONVERTER} has no class for {hf_arch} (model_type {mt!r})")]
+    if hf_arch is None or not gguf_convert.supported(root, hf_arch):
+        why = (f"transformers has no causal-LM class for model_type {mt!r}, so no architecture to convert"
+               if hf_arch is None else f"{gguf_convert.CONVERTER} has no class for {hf_arch} (model_type {mt!r})")
+        return [Problem("method", "gguf-architecture-unsupported", why)]
     problems = _read_back_problems(root, hf_arch, mt)
     if variant.type not in gguf_convert.OUTTYPES and variant.type not in GGUF_KQUANT_TYPES \
             and importlib.util.find_spec("llama_cpp") is None:
@@ -113,18 +111,14 @@ def _read_back_problems(root, hf_arch: str, mt: str) -> list[Problem]:
     if gguf_arch is None:  # set at run time by the converter class: the written file is checked (work/gguf.py)
         return []
     back = gguf_convert.transformers_model_type(gguf_arch)
-    if back is None:
-        return [Problem("method", "gguf-not-measurable",
-                        f"{gguf_convert.CONVERTER} writes {hf_arch} as GGUF architecture {gguf_arch!r}, which "
-                        f"transformers' GGUF loader cannot read; validate scores a GGUF file through that loader, so "
-                        f"this variant could not be measured (llama.cpp itself runs the file)")]
-    if back != READ_BACK_AS.get(mt, mt):
-        return [Problem("method", "gguf-not-measurable",
-                        f"{gguf_convert.CONVERTER} writes {hf_arch} as GGUF architecture {gguf_arch!r}, which "
-                        f"transformers' GGUF loader rebuilds as model_type {back!r}, not {mt!r} (weights it has no "
-                        f"place for, such as experts, are dropped); validate scores a GGUF file through that "
-                        f"loader, so this variant could not be measured (llama.cpp itself runs the file)")]
-    return []
+    if back == READ_BACK_AS.get(mt, mt):
+        return []
+    reads = ("cannot read" if back is None else f"rebuilds as model_type {back!r}, not {mt!r} (weights it has no "
+             "place for, such as experts, are dropped)")
+    return [Problem("method", "gguf-not-measurable",
+                    f"{gguf_convert.CONVERTER} writes {hf_arch} as GGUF architecture {gguf_arch!r}, which "
+                    f"transformers' GGUF loader {reads}; validate scores a GGUF file through that loader, so "
+                    f"this variant could not be measured (llama.cpp itself runs the file)")]
 
 
 def _gguf_rows(variant, arch: Arch) -> dict[str, int]:
