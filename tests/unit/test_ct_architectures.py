@@ -29,7 +29,10 @@ ARCH = ROOT / "tests" / "fixtures" / "arch"
 VOCAB = 512
 CALIB = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
 PROBE = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
-EXPORTED = ["qwen2", "phi3", "gemma2", "qwen3_moe", "mixtral", "olmoe"]
+# one of each layout the converter handles differently (biases, fused gate_up, per-expert names mlp.experts.<e>.* and
+# mixtral's block_sparse_moe.experts.<e>.w1/w2/w3); gemma2 and olmoe take the same paths (docs/architectures.md
+# measures them through compress run). Each costs ~40 s of quantize, convert and reload on 2 cores
+EXPORTED = ["qwen2", "phi3", "qwen3_moe", "mixtral"]
 MOE = {"qwen3_moe", "mixtral", "olmoe"}
 
 
