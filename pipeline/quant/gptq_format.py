@@ -51,6 +51,11 @@ def per_module_formats(qc: dict) -> bool:
                if str(k).startswith("+:") or not str(k).startswith("-:"))
 
 
+GPTQ_FUSED_REASON = ("GPTQModel 7.6 quantizes a fused gate_up_proj as two modules, gate_proj and up_proj, and neither it "
+                     "nor transformers loads that GPTQ checkpoint back (IndexError in GPTQModel's loader; measured on "
+                     "phi3); format = 'compressed-tensors' writes the fused linear back and reloads")
+
+
 class GPTQFormatMethod(CompressedTensorsOption, GPTQModelKernels):
     """Mixin of the methods that write the GPTQ checkpoint format (GPTQ, RTN, AutoRound): its bits, group sizes,
     runtimes, bits on disk, Hub tags and card usage; a variant may ask for the same integers as compressed-tensors
@@ -61,6 +66,12 @@ class GPTQFormatMethod(CompressedTensorsOption, GPTQModelKernels):
     group_sizes: ClassVar[tuple[int, ...]] = GPTQ_GROUP_SIZES
     hub_tag_names: tuple[str, ...] = ()  # the Hub tags before "<bits>-bit"
     made = ""  # how the card says the checkpoint was made, after "The checkpoint"
+
+    def arch_limits(self, variant) -> dict[str, str]:
+        """A GPTQ-format checkpoint of a fused gate_up_proj does not reload; its compressed-tensors form does."""
+        if variant.format != "gptq":
+            return self.arch_limit_reasons
+        return {**self.arch_limit_reasons, "fused_gate_up": GPTQ_FUSED_REASON}
 
     def own_runtimes(self, variant, arch: Arch) -> list[dict]:
         return gptq_runtimes(variant, arch)

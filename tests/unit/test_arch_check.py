@@ -140,3 +140,14 @@ def test_the_plan_counts_calibrate_loading_an_moe_for_its_coverage(tmp_path):
     moe = check(recipe(tmp_path, f"config:{ARCH / 'qwen3_moe.json'}", gptq))
     dense = check(recipe(tmp_path, f"config:{ARCH / 'qwen3.json'}", gptq))
     assert moe.memory["calibrate"] > moe.memory["load"] and "calibrate" not in dense.memory
+
+
+def test_fused_gate_up_takes_compressed_tensors_not_the_gptq_format_nor_awq(tmp_path):
+    """phi3 (fused qkv_proj and gate_up_proj): GPTQModel's GPTQ folder does not reload and its AWQ packer fails
+    (measured); the same integers written as compressed-tensors reload."""
+    src = f"config:{ARCH / 'phi3.json'}"
+    p = refused(recipe(tmp_path, src, variant("g", "gptq", bits=4, group_size=32) + variant("a", "awq")))
+    assert keys(p) == [("quantize[0].method", "architecture-unsupported"), ("quantize[1].method", "architecture-unsupported")]
+    assert "format = 'compressed-tensors' writes the fused linear back" in p[0].message
+    assert "KeyError 'q_zeros'" in p[1].message
+    check(recipe(tmp_path, src, variant("c", "gptq", bits=4, group_size=32, format="compressed-tensors")))

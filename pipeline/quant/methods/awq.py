@@ -58,7 +58,9 @@ class AWQMethod(CompressedTensorsOption, GPTQModelKernels, QuantMethod):
     variant = AWQVariant
     engine = "gptqmodel"
     needs_definition = "gptqmodel"
-    arch_limit_reasons = {"per_layer_rope": "GPTQModel 7.6's AWQ scale search calls the rotary embedding without the "
+    arch_limit_reasons = {"fused_gate_up": "GPTQModel 7.6's AWQ packer fails on a fused gate_up_proj / qkv_proj "
+                                           "(KeyError 'q_zeros'; measured on phi3)",
+                          "per_layer_rope": "GPTQModel 7.6's AWQ scale search calls the rotary embedding without the "
                                             "layer type Gemma 3's takes (Gemma3RotaryEmbedding.forward() missing "
                                             "'layer_type'; measured on gemma3_text)"}
     engine_modules = (DRIVER,)
