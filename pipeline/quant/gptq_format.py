@@ -51,9 +51,9 @@ def per_module_formats(qc: dict) -> bool:
                if str(k).startswith("+:") or not str(k).startswith("-:"))
 
 
-GPTQ_FUSED_REASON = ("GPTQModel 7.6 quantizes a fused gate_up_proj as two modules, gate_proj and up_proj, and neither it "
-                     "nor transformers loads that GPTQ checkpoint back (IndexError in GPTQModel's loader; measured on "
-                     "phi3); format = 'compressed-tensors' writes the fused linear back and reloads")
+GPTQ_FUSED_REASON = ("GPTQModel 7.6 quantizes a fused gate_up_proj as two modules, gate_proj and up_proj, and neither "
+                     "it nor transformers loads that GPTQ checkpoint back (IndexError in GPTQModel's loader; measured "
+                     "on phi3); format = 'compressed-tensors' writes the fused linear back and reloads")
 
 
 class GPTQFormatMethod(CompressedTensorsOption, GPTQModelKernels):
@@ -66,6 +66,8 @@ class GPTQFormatMethod(CompressedTensorsOption, GPTQModelKernels):
     group_sizes: ClassVar[tuple[int, ...]] = GPTQ_GROUP_SIZES
     hub_tag_names: tuple[str, ...] = ()  # the Hub tags before "<bits>-bit"
     made = ""  # how the card says the checkpoint was made, after "The checkpoint"
+
+    arch_limit_reasons: ClassVar[dict[str, str]] = {}
 
     def arch_limits(self, variant) -> dict[str, str]:
         """A GPTQ-format checkpoint of a fused gate_up_proj does not reload; its compressed-tensors form does."""
