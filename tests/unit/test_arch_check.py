@@ -91,7 +91,7 @@ def test_linear_only_methods_are_refused_on_moe_naming_both_and_why(tmp_path, me
     assert "experts would stay 16-bit" in p[0].message
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3", "phi3", "gemma2", "qwen3_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2", "qwen3_moe", "mixtral", "gpt_oss"])
 def test_rtn_passes_check_on_the_matrix_architectures(tmp_path, model_type):
     plan = check(recipe(tmp_path, f"config:{ARCH / f'{model_type}.json'}", variant("r", "rtn", bits=4, group_size=32)))
     assert plan.variants[0]["method"] == "rtn"
