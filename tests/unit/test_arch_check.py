@@ -151,3 +151,10 @@ def test_fused_gate_up_takes_compressed_tensors_not_the_gptq_format_nor_awq(tmp_
     assert "format = 'compressed-tensors' writes the fused linear back" in p[0].message
     assert "KeyError 'q_zeros'" in p[1].message
     check(recipe(tmp_path, src, variant("c", "gptq", bits=4, group_size=32, format="compressed-tensors")))
+
+
+def test_awq_is_refused_on_multi_head_latent_attention_gptq_is_not(tmp_path):
+    src = f"config:{ARCH / 'deepseek_v3.json'}"
+    p = refused(recipe(tmp_path, src, variant("a", "awq")))
+    assert keys(p) == [("quantize[0].method", "architecture-unsupported")] and "multi-head latent" in p[0].message
+    check(recipe(tmp_path, src, variant("g", "gptq", bits=4, group_size=32)))

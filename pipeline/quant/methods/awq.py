@@ -60,6 +60,9 @@ class AWQMethod(CompressedTensorsOption, GPTQModelKernels, QuantMethod):
     needs_definition = "gptqmodel"
     arch_limit_reasons = {"fused_gate_up": "GPTQModel 7.6's AWQ packer fails on a fused gate_up_proj / qkv_proj "
                                            "(KeyError 'q_zeros'; measured on phi3)",
+                          "mla": "GPTQModel 7.6's AWQ scale search multiplies the low-rank q/kv projections in "
+                                 "the wrong shapes (RuntimeError: mat1 and mat2 shapes cannot be multiplied; measured "
+                                 "on deepseek_v3; GPTQ and RTN take it)",
                           "per_layer_rope": "GPTQModel 7.6's AWQ scale search calls the rotary embedding without the "
                                             "layer type Gemma 3's takes (Gemma3RotaryEmbedding.forward() missing "
                                             "'layer_type'; measured on gemma3_text)"}
