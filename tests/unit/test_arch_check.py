@@ -155,6 +155,6 @@ def test_fused_gate_up_takes_compressed_tensors_not_the_gptq_format_nor_awq(tmp_
 
 def test_awq_is_refused_on_multi_head_latent_attention_gptq_is_not(tmp_path):
     src = f"config:{ARCH / 'deepseek_v3.json'}"
-    p = refused(recipe(tmp_path, src, variant("a", "awq")))
+    p = refused(recipe(tmp_path, src, variant("a", "awq", group_size=32)))
     assert keys(p) == [("quantize[0].method", "architecture-unsupported")] and "multi-head latent" in p[0].message
     check(recipe(tmp_path, src, variant("g", "gptq", bits=4, group_size=32)))
