@@ -31,6 +31,7 @@ from functools import cache
 from pathlib import Path
 
 from pipeline.base.fileio import sha256_file
+from pipeline.model.architecture import model_class
 
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
@@ -197,23 +198,10 @@ def llama_cpp_arch(root: Path, hf_arch: str) -> str | None:
     return None
 
 
-@cache
-def _causal_lm_classes() -> dict[str, str]:
-    """transformers' MODEL_FOR_CAUSAL_LM_MAPPING_NAMES {model_type: class name}, read from its source (importing it
-    imports torch)."""
-    spec = importlib.util.find_spec("transformers")
-    assert spec is not None and spec.submodule_search_locations
-    path = Path(spec.submodule_search_locations[0]) / "models" / "auto" / "modeling_auto.py"
-    return _dict_literal(path, "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES")
-
-
 def hf_architecture(model_type: str, config: dict | None = None) -> str | None:
     """The HF architecture the converter keys on: config.json's architectures[0] when it names one (the baseline the
     load stage wrote does), else transformers' causal-LM class for the model_type (what the load stage builds)."""
-    archs = (config or {}).get("architectures")
-    if archs:
-        return str(archs[0])
-    return _causal_lm_classes().get(model_type)
+    return model_class({**(config or {}), "model_type": model_type})
 
 
 def supported(root: Path, hf_arch: str) -> bool:
