@@ -133,7 +133,10 @@ class GateSpec:
 
 
 GATES: tuple[GateSpec, ...] = (
-    GateSpec("max_ppl_ratio", "ppl_ratio", "variant", "ppl_ratio", "variant ppl / baseline ppl", {"gt": 0}),
+    GateSpec("max_ppl_ratio", "ppl_ratio", "variant", "ppl_ratios",
+             "variant ppl / baseline ppl, in process and as each engine serves it ([validate.serve] served "
+             "perplexity on the same windows: one record per engine, so a served computation outside the bound fails "
+             "too)", {"gt": 0}, multi=True),
     GateSpec("max_kl", "kl", "variant", "field:kl", "mean KL(baseline || variant), nats/token", {"ge": 0}),
     GateSpec("min_top1", "top1", "variant", "field:top1", "top-1 agreement with baseline", {"ge": 0, "le": 1}),
     GateSpec("max_footprint_ratio", "footprint_ratio", "variant", "footprint_ratio",

@@ -25,7 +25,7 @@ from pipeline.model.sources import packaged_upstream
 from pipeline.quant.registry import METHODS
 from pipeline.results.coverage_render import coverage_line
 from pipeline.results.format import num, size, speculative_label
-from pipeline.results.gates import blocks, gate_status
+from pipeline.results.gates import blocks, gate_status, served_gate_failures
 from pipeline.results.metrics import Perplexity, Served
 from pipeline.results.mix_render import mix_lines, mix_of
 from pipeline.results.query import is_distilled, shown_params
@@ -236,7 +236,7 @@ def _usage(report: Report, entry: dict, repo: str) -> list[str]:
     params, quantize = (data.params or {}, data.quantize or {}) if isinstance(data, ModelEntry) else ({}, {})
     own = c.usage_section(repo, params, quantize, size) if c is not None else None
     if own is not None:  # a format transformers is not the way to run (GGUF): the method's own section
-        return own + _runtime_table(data)
+        return own + _runtime_table(data, served_gate_failures(report, entry["name"]))
     lines = ["## How to use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", "",
              f'tokenizer = AutoTokenizer.from_pretrained("{repo}")',
              f'model = AutoModelForCausalLM.from_pretrained("{repo}")']
@@ -250,17 +250,17 @@ def _usage(report: Report, entry: dict, repo: str) -> list[str]:
     lines += ["```", ""]
     if c is not None:
         lines += c.card_usage(repo, params, quantize)
-    return lines + _runtime_table(data)
+    return lines + _runtime_table(data, served_gate_failures(report, entry["name"]))
 
 
-def _runtime_table(data) -> list[str]:
+def _runtime_table(data, failed: dict[str, str] | None = None) -> list[str]:
     runtimes = list(data.runtimes) if isinstance(data, ModelEntry) else []
     if not runtimes:
         return []
     runtimes += [r for r in _engine_rows(data) if not any(_serves(r2, r) for r2 in runtimes)]
     return (["| runtime | kernel | note | served |", "|---|---|---|---|"]
-            + [f"| {r.get('runtime', '')} | {r.get('kernel', '')} | {r.get('note', '')} | {served_note(data, r)} |"
-               for r in runtimes] + [""])
+            + [f"| {r.get('runtime', '')} | {r.get('kernel', '')} | {r.get('note', '')} | "
+               f"{served_note(data, r, failed or {})} |" for r in runtimes] + [""])
 
 
 ENGINE_LABELS = {"vllm": "vLLM", "transformers": "transformers", "llama.cpp": "llama.cpp"}
@@ -386,7 +386,7 @@ def render_cards(run_dir: Path, report: Report) -> list[str]:
     return done
 
 
-def served_note(data: ModelEntry, runtime: dict) -> str:
+def served_note(data: ModelEntry, runtime: dict, failed: dict[str, str] | None = None) -> str:
     """"served here (engine, version, device, figures)" when validate/<model>/serve/<engine> served it on this
     runtime, "refused here: <the engine's line>" when the engine would not load it, else what the row rests on. A
     runtime row matches an engine whose name it starts with, on the run's device (CPU or CUDA)."""
@@ -406,8 +406,10 @@ def served_note(data: ModelEntry, runtime: dict) -> str:
             p = s.perplexity
             ppl = (f", perplexity through it {p.value:.4f} ({p.ratio:.4f}x the in-process figure)"
                    if p is not None and p.value is not None and p.ratio is not None else "")
+            verdict = (f"; FAILED a gate as served ({(failed or {})[engine]}): not recommended"
+                       if engine in (failed or {}) else "")
             return (f"served here ({versions}, {_device(s)}): {top.output_tok_s:.1f} output tok/s at concurrency "
-                    f"{top.concurrency}, {top.errors} errors of {top.requests}{greedy}{ppl}")
+                    f"{top.concurrency}, {top.errors} errors of {top.requests}{greedy}{ppl}{verdict}")
     if "measured here" in str(runtime.get("note", "")):
         return "loaded and measured here (quality, speed), not served"
     return "expected from the library's documented support, not tried"

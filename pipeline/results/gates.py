@@ -274,6 +274,40 @@ def _recovery_reason(task: str, r: dict, value: float | None, cfg: GatesConfig) 
 READERS["task_recovery"] = lambda report, e, name, bound, cfg: task_recovery_gates(e, name, bound, cfg)
 
 
+def ppl_ratio_gates(report: Report, e: ModelEntry, name: str, bound: float, cfg: GatesConfig) -> list[Gate]:
+    """max_ppl_ratio: the model as scored in process, then as each engine served it. A served perplexity (the
+    quality windows through the server, pipeline/serve/served_nll.py) is divided by the baseline's in-process one on
+    the same tokens: what the engine computes is what a user of that engine gets (vLLM's CPU W4A8 path quantizes
+    activations to int8 and served a model above the bound while the in-process figure passed)."""
+    warn = "max_ppl_ratio" in cfg.warn_only
+    value, reason = _ppl_ratio(report, e, name)
+    out = [_record(name, "max_ppl_ratio", value, bound, reason, warn)]
+    base = report.baseline.perplexity.value if report.baseline and report.baseline.perplexity else None
+    for engine, s in sorted((e.served or {}).items()):
+        served = s.perplexity.value if s.perplexity is not None else None
+        if served is None:
+            continue
+        ratio, why = _ratio(served, base, f"variants.{name}.served.{engine}.perplexity.value / baseline.perplexity")
+        note = "; int8 activations (vLLM's CPU W4A8 path)" if getattr(s, "int8_activations", None) else ""
+        out.append(_record(name, "max_ppl_ratio", ratio, bound, (why or f"served by {engine}") + note, warn)
+                   .model_copy(update={"metric": f"ppl_ratio[served: {engine}]"}))
+    return out
+
+
+READERS["ppl_ratios"] = ppl_ratio_gates
+
+
+def served_gate_failures(report: Report, name: str) -> dict[str, str]:
+    """{engine: why} for the engines whose served figures fail a gate of this model ("ppl_ratio[served: vllm]" and
+    the like): the card does not recommend them and `compress serve --engine auto` does not pick them."""
+    out = {}
+    for g in report.gates:
+        if g.model == name and blocks(g) and g.metric.startswith("ppl_ratio[served: "):
+            engine = g.metric.removeprefix("ppl_ratio[served: ").rstrip("]")
+            out[engine] = f"{g.metric} {fmt_value(g.value)} {'>' if g.op == '<=' else '<'} {g.bound:g}"
+    return out
+
+
 def calibrates(e: ModelEntry) -> bool:
     """Whether a variant read the calibration rows, as its method answers for its recorded settings."""
     params = e.params or {}

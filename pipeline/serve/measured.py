@@ -20,9 +20,11 @@ SERVING_FILE = "serving.json"
 SCHEMA = 1
 
 
-def serving_record(served: dict | None) -> dict | None:
+def serving_record(served: dict | None, failed: dict[str, str] | None = None) -> dict | None:
     """The compact, publishable form of a model's `served` report entry: only engines that served it (not the
-    skipped or refused ones), their versions, device and per-level throughput. None when nothing was served."""
+    skipped or refused ones), their versions, device and per-level throughput, and `gate_failed` (why) for an engine
+    whose served figures failed one of the run's gates (pipeline/results/gates.py served_gate_failures): `pick`
+    never chooses it. None when nothing was served."""
     engines = {}
     for engine, s in (served or {}).items():
         if not isinstance(s, dict) or not s.get("levels"):
@@ -33,12 +35,13 @@ def serving_record(served: dict | None) -> dict | None:
             "int8_activations": s.get("int8_activations"),
             "greedy_equal_generate": f"{eq.get('identical', 0)}/{eq.get('prompts', 0)}",
             "levels": [{"concurrency": lv["concurrency"], "output_tok_s": lv["output_tok_s"],
-                        "errors": lv["errors"], "requests": lv["requests"]} for lv in s["levels"]]}
+                        "errors": lv["errors"], "requests": lv["requests"]} for lv in s["levels"]],
+            **({"gate_failed": (failed or {})[engine]} if engine in (failed or {}) else {})}
     return {"schema": SCHEMA, "measured_by": "compress [validate.serve]", "engines": engines} if engines else None
 
 
-def write(folder: Path, served: dict | None) -> bool:
-    record = serving_record(served)
+def write(folder: Path, served: dict | None, failed: dict[str, str] | None = None) -> bool:
+    record = serving_record(served, failed)
     if record is None:
         return False
     atomic_write_text(folder / SERVING_FILE, json.dumps(record, indent=1, sort_keys=True) + "\n")
@@ -73,8 +76,8 @@ def pick(figures: dict, kind: str, slots: int, usable: list[str]) -> tuple[str, 
         entry = figures.get(engine)
         if not entry or entry.get("device", "cpu").split(":")[0] != kind or not entry.get("levels"):
             continue
-        if any(lv["errors"] for lv in entry["levels"]):
-            continue
+        if any(lv["errors"] for lv in entry["levels"]) or entry.get("gate_failed"):
+            continue  # errors under load, or what it served failed the run's gates
         level = _level(entry["levels"], slots)
         rate = next(lv["output_tok_s"] for lv in entry["levels"] if lv["concurrency"] == level)
         rows.append((rate, engine, level))

@@ -16,6 +16,7 @@ from pipeline.base.unit import MANIFEST, METRICS, Unit, UnitContext
 from pipeline.quant.registry import model_code
 from pipeline.results import schema
 from pipeline.results.card import card_recipe, entry_data, write_model_card
+from pipeline.results.gates import served_gate_failures
 from pipeline.serve import measured
 from pipeline.stages.kinds import Draft, Export, Load, Quantize
 
@@ -68,7 +69,8 @@ def run(ctx: UnitContext, recipe, entry: dict, src_key: str) -> dict:
         section = entry_data(report, entry)
         assert isinstance(section, schema.ModelEntry)  # entry_data gives a DraftEntry for a draft only
         served = section.served
-        measured.write(ctx.out, None if served is None else {k: s.model_dump() for k, s in served.items()})
+        measured.write(ctx.out, None if served is None else {k: s.model_dump() for k, s in served.items()},
+                       served_gate_failures(report, entry["name"]))
     files = {p.name: p.stat().st_size for p in ctx.out.iterdir() if p.is_file()}
     return {**entry, "folder": Export.key(entry["name"]), "files": files}
 

@@ -137,3 +137,34 @@ def test_card_rows_served_on_cuda_by_vllm_and_on_cpu_by_llama_cpp():
                                             "device": "cpu", "levels": [level]}})
     assert served_note(gguf, {"runtime": "llama.cpp"}).startswith("served here")
     assert served_note(gguf, {"runtime": "transformers"}).startswith("expected")
+
+
+def test_the_served_model_is_scored_a_served_perplexity_over_the_bound_fails_the_gate(tmp_path):
+    """#42: the default run gated the model it scored in process (ratio 1.261 < 1.3) while vLLM's CPU W4A8 path
+    served it at 1.321 (int8 activations). max_ppl_ratio now also judges each engine's served perplexity against the
+    baseline's on the same windows; the failing engine is named, the card does not recommend it and
+    `compress serve --engine auto` never picks it."""
+    from pipeline.results.gates import served_gate_failures
+    from pipeline.serve import measured
+
+    levels = _levels((1, 20.0), (4, 60.0))
+    rep = Report.model_validate({
+        "run": RUN, "baseline": {"perplexity": {"value": 22.69}},
+        "variants": {"w4": {"perplexity": {"value": 28.649}, "ppl_ratio": 1.261, "served": {
+            "transformers": {"levels": levels, "perplexity": {"value": 28.64, "ratio": 0.9997}},
+            "vllm": {"levels": _levels((1, 40.0), (4, 256.8)), "int8_activations": True,
+                     "perplexity": {"value": 29.995, "ratio": 1.047}}}}}})
+    gates = [g for g in evaluate_gates(rep, GatesConfig(min_smoke_ok=None, max_ppl_ratio=1.3))]
+    by_metric = {g.metric: g for g in gates}
+    assert by_metric["ppl_ratio"].passed and by_metric["ppl_ratio"].value == pytest.approx(1.261)
+    assert by_metric["ppl_ratio[served: transformers]"].passed
+    vllm = by_metric["ppl_ratio[served: vllm]"]
+    assert not vllm.passed and vllm.value == pytest.approx(29.995 / 22.69) and "int8 activations" in vllm.reason
+    rep.gates = gates
+    failed = served_gate_failures(rep, "w4")
+    assert list(failed) == ["vllm"] and "ppl_ratio[served: vllm] 1.322 > 1.3" in failed["vllm"]
+    served = {k: s.model_dump() for k, s in rep.variants["w4"].served.items()}
+    assert measured.write(tmp_path, served, failed)
+    # vLLM measured faster, but what it serves failed the gate: auto picks transformers
+    engine, why = measured.pick(measured.read(tmp_path), "cpu", 4, ["transformers", "vllm"])
+    assert engine == "transformers" and "vllm" not in why
