@@ -23,6 +23,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +67,7 @@ SETTINGS: dict[str, Any] = {
 }
 
 GREEN, REFUSED, FAILED, NONFINITE = "green", "refused", "failed", "non-finite"
+NOT_SCORED = "not scored: "  # a failed cell's error when the run ended before its own units ran
 
 
 def architectures() -> tuple[list[str], list[str]]:
@@ -154,19 +156,64 @@ def run_architecture(arch: str, cells: list[str], scratch: Path, timeout_s: int)
             proc.wait()
             rc = None
     wall = time.monotonic() - t0
-    report_path = scratch / "runs" / arch / "report.json"
-    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    report = _report(scratch, arch)
     info = {"exit_code": rc, "wall_s": round(wall, 1), "date": _today(), "commit": commit,
             "versions": (report or {}).get("run", {}).get("versions", {}),
             "command": f"{COMMAND} --recipe {arch} --methods {','.join(cells)} > {arch}.toml && "
                        f"compress run {arch}.toml"}
+    return info, read_run(arch, cells, scratch, rc, timeout_s)
+
+
+def _report(scratch: Path, arch: str) -> dict | None:
+    path = scratch / "runs" / arch / "report.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def read_run(arch: str, cells: list[str], scratch: Path, rc: int | None, timeout_s: int) -> dict[str, dict]:
+    """{cell: result} of a finished (or killed) run, from its report.json and logs."""
+    report, log = _report(scratch, arch), scratch / arch / "run.log"
+    stage = _last_running(log)
     if rc is None:
-        why = f"timed out after {timeout_s} s (the whole run, killed)"
-    elif report is None:
-        why = f"exit {rc} without a report.json: {_last_line(log)}"
+        why = f"the run timed out after {timeout_s} s during {stage} (killed)"
+    elif rc == 0:
+        why = ""
     else:
-        why = f"exit {rc}: {(report.get('run') or {}).get('error') or _last_line(log)}"
-    return info, {c: cell_of_report(report, c, why if rc != 0 else "") for c in cells}
+        status = ((report or {}).get("run") or {}).get("status", "no report.json")
+        error = ((report or {}).get("run") or {}).get("error")
+        if not error:
+            found = _error_line(log, scratch / "runs" / arch, stage)
+            error = (f"no error recorded (report.json status '{status}'); last error line in its logs: {found}"
+                     if found else f"no error recorded (report.json status '{status}') and no error line in its "
+                                   "logs")
+        why = f"{NOT_SCORED}the run ended with exit {rc} during {stage}: {error}"
+    return {c: cell_of_report(report, c, why) for c in cells}
+
+
+def _last_running(log: Path) -> str:
+    """The unit the run was in when it ended: the last 'stage <i>/<n>: <unit>' line of its log."""
+    units = [m.group(1) for line in _lines(log) if (m := re.search(r"stage \d+/\d+: (\S+)", line))]
+    return units[-1] if units else "start-up"
+
+
+def _error_line(log: Path, run_dir: Path, stage: str) -> str:
+    """The last line that names an exception, in the run's log, else in the logs of the unit it ended in."""
+    logs = [log, *sorted((run_dir / f"{stage}.tmp").glob("*.log")), *sorted((run_dir / stage).glob("*.log"))]
+    for path in logs:
+        errors = [line for line in _lines(path) if _names_exception(line)]
+        if errors:
+            return errors[-1]
+    return ""
+
+
+def _names_exception(line: str) -> bool:
+    head = line.split(":", 1)[0]
+    return ":" in line and " " not in head and (head.endswith("Error") or head.endswith("Exception"))
+
+
+def _lines(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    return [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
 
 
 def tree_state() -> str:
@@ -224,11 +271,6 @@ def _first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
-def _last_line(log: Path) -> str:
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    return lines[-1] if lines else "(no output)"
-
-
 def _today() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
 
@@ -251,10 +293,40 @@ def measure(arch: str, cells: list[str], scratch: Path, timeout_s: int) -> tuple
     passed = [c for c in cells if c not in results]
     if not passed:
         return {}, results
-    info, ran = run_architecture(arch, passed, scratch, timeout_s)
-    for c, r in ran.items():
-        results[c] = {**r, "date": info["date"]}
-    return info, results
+    info: dict[str, Any] = {}
+    attempts: list[dict[str, Any]] = []
+    while passed:
+        info, ran = run_architecture(arch, passed, scratch, timeout_s)
+        attempts.append({"methods": passed, "exit_code": info["exit_code"], "wall_s": info["wall_s"]})
+        for c, r in ran.items():
+            results[c] = {**r, "date": info["date"]}
+        passed = _retry(arch, ran, scratch, results) if len(attempts) < MAX_ATTEMPTS else []
+    return {**info, "attempts": attempts}, results
+
+
+MAX_ATTEMPTS = 3
+
+
+def _retry(arch: str, ran: dict[str, dict], scratch: Path, results: dict[str, dict]) -> list[str]:
+    """After a run that died (not a unit failing: the process ended, e.g. exit 1 from an uncaught error in a
+    library's worker thread), the cells it never scored run again without the one that killed it: the unit it
+    ended in, or the cells whose units failed before it ended. Their results are marked; [] when nothing to retry.
+    The rerun resumes the run folder: the units already done are verified and skipped."""
+    unscored = [c for c, r in ran.items() if str(r.get("error", "")).startswith(NOT_SCORED)]
+    if not unscored:
+        return []
+    report = _report(scratch, arch) or {}
+    stages = report.get("stages") or {}
+    failed = [c for c in ran if any(k.split("/")[1:2] == [c] and v.get("status") == "failed"
+                                    for k, v in stages.items())]
+    ended_in = _last_running(scratch / arch / "run.log")
+    culprits = failed or [c for c in unscored if ended_in.split("/")[1:2] == [c]]
+    if not culprits:
+        return []
+    for c in culprits:
+        if c in unscored:
+            results[c]["error"] = "crashed the run: " + results[c]["error"][len(NOT_SCORED):]
+    return [c for c in unscored if c not in culprits]
 
 
 def merge(data: dict, arch: str, info: dict, results: dict[str, dict]) -> dict:
@@ -282,7 +354,7 @@ def save_results(data: dict, path: Path = RESULTS) -> None:
 STATUS_TEXT = {GREEN: "green", REFUSED: "refused at check", FAILED: "FAILS at run", NONFINITE: "NON-FINITE perplexity"}
 
 
-def cell_text(cell: dict[str, Any] | None, width: int = 60) -> str:
+def cell_text(cell: dict[str, Any] | None, width: int = 90) -> str:
     """The table's cell: 'ppl ratio / KL' when green, else the verdict and its short reason."""
     if cell is None:
         return "not measured"
@@ -293,7 +365,19 @@ def cell_text(cell: dict[str, Any] | None, width: int = 60) -> str:
         return "refused: " + ", ".join(cell.get("codes") or []) or _short(cell.get("reason", ""), width)
     if status == NONFINITE:
         return f"NON-FINITE: ppl {cell.get('perplexity')}"
-    return "FAILS at run: " + _short(cell.get("error", ""), width)
+    return "FAILS at run: " + _short(_core(cell.get("error", "")), width)
+
+
+def _core(error: str) -> str:
+    """'quantize/gguf: quantize gguf: gguf failed: ValueError: ...' -> 'quantize/gguf: ValueError: ...' (the unit
+    and the exception; the details list keeps the whole line)."""
+    unit, _, rest = error.partition(": ")
+    m = re.search(r"\b\w+(Error|Exception): .*", rest)
+    if m:
+        return f"{unit}: {m.group(0)}"
+    if rest.startswith(("quantize ", "stage ")):
+        rest = rest.split(": ", 1)[-1]
+    return f"{unit}: {rest}" if rest else unit
 
 
 def _fmt(x: Any, spec: str = ".4f") -> str:
@@ -379,6 +463,12 @@ def _details(arch: str, entry: dict, methods: list[str]) -> list[str]:
                   f"methods {', '.join(run.get('methods', []))}; {rc} after "
                   f"{run.get('wall_s')} s. Versions: {versions or 'none recorded'}.", "",
                   f"Reproduce: `{run.get('command')}` (or re-measure: `{COMMAND} --only {arch}`).", ""]
+        attempts = run.get("attempts") or []
+        if len(attempts) > 1:
+            lines += ["The first run died before scoring every method, so the methods it had not scored ran again "
+                      "without the one that killed it (resuming the run folder): "
+                      + "; ".join(f"run {i + 1}: {', '.join(a['methods'])} → exit {a['exit_code']} "
+                                  f"after {a['wall_s']} s" for i, a in enumerate(attempts)) + ".", ""]
     for m in methods:
         cell = entry["cells"].get(m)
         if cell is None:
