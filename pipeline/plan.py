@@ -1,8 +1,10 @@
 """From a validated Recipe to a checked plan (no weights loaded, no torch imported) and its units."""
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
+import json
 import platform
 from dataclasses import dataclass, field
 
@@ -240,8 +242,11 @@ def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[Problem]:
     line = missing(arch.architecture) if arch.architecture is not None and arch.model_type else None
     if line is not None:
         plan.warnings.append(line)
+    tokenizer = tokenizer_facts(recipe)
     for i, v in enumerate(recipe.quantize):
         found = check_variant(v, arch, device)
+        if tokenizer is not None:
+            found += method_of(v).check_tokenizer(v, arch, *tokenizer)
         rows = getattr(v, "calibration_rows", None)
         if rows is not None and rows > recipe.calibration.num_samples:
             found.append(Problem("calibration_rows", "calibration-rows-over-samples",
@@ -253,6 +258,27 @@ def _check_variants(recipe, info: ModelInfo, plan: Plan) -> list[Problem]:
         problems += [p.within(f"quantize[{i}]", f"quantize.{i} ({v.name}): ") for p in found]
         plan.variants.append({"name": v.name, "method": v.method, "runtimes": runtimes(v, arch)})
     return problems
+
+
+def tokenizer_facts(recipe) -> tuple[frozenset[str], str | None] | None:
+    """(file names, tokenizer_config.json's tokenizer_class) of the tokenizer the load stage will save beside the
+    baseline: a GGUF's is rebuilt by transformers as tokenizer.json (no SentencePiece model); a folder's are its own.
+    None when it cannot be told without loading it."""
+    try:
+        src = parse(recipe.model.source, recipe.model.gguf_file)
+        spec = recipe.model.tokenizer or src.default_tokenizer
+        tok = parse(spec) if spec else src
+    except (RecipeError, OSError, ValueError):
+        return None
+    if tok.is_gguf:
+        return frozenset({"tokenizer.json", "tokenizer_config.json"}), None
+    folder, _ = tok.source_kind.tokenizer_files(tok, recipe.model.trust_remote_code)
+    if not folder.is_dir():
+        return None
+    cls = None
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        cls = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    return frozenset(p.name for p in folder.iterdir()), cls
 
 
 def _check_draft(recipe, info: ModelInfo, plan: Plan) -> list[Problem]:

@@ -92,6 +92,9 @@ class Experts:
     shared: tuple[str, ...] = ()  # shared-expert linears (always run): quantized like dense MLP linears
     dense_layers: tuple[int, ...] = ()  # decoder layers with a dense MLP instead (DeepSeek's first_k_dense_replace)
     fused: bool = True  # transformers 5 holds routed experts as 3D parameters, not one nn.Linear per expert
+    # other names of an expert linear in checkpoints (GPTQModel's "gate_proj|w1" alternatives: Mixtral's own
+    # checkpoints name them w1/w3/w2), alias -> the name in `linears`
+    aliases: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -335,20 +338,31 @@ def _from_tree(model_type: str, tree: list, expert_field: str | None, definition
                         config=config)
 
 
+def _aliases(specs) -> list[tuple[str, str]]:
+    """(alternative, first name) of each leaf "gate_proj|w1:0" with alternatives."""
+    out = []
+    for spec in specs:
+        names = spec.split(":")[0].split("|")
+        out += [(alt, names[0]) for alt in names[1:]]
+    return out
+
+
 def _experts(block: str, value: dict, config: dict, expert_field: str | None) -> Experts:
     linears: list[str] = []
+    aliases: list[tuple[str, str]] = []
     router = shared = None
     for key, sub in value.items():
         name = key.split(":")[0].split("|")[0]
         if isinstance(sub, dict) and EXPERT in sub:
             linears += [f"{block}.{name}.{EXPERT}.{n}" for n, q in (_leaf(s) for s in sub[EXPERT]) if q]
+            aliases += _aliases(sub[EXPERT])
         elif isinstance(sub, tuple | list) and name in ("gate", "router"):
             router = f"{block}.{name}"
         elif isinstance(sub, tuple | list) and name.startswith("shared_expert") and sub:
             shared = tuple(f"{block}.{name}.{n}" for n, q in (_leaf(s) for s in sub) if q)
     fields = ((expert_field,) if expert_field else ()) + EXPERT_COUNT_FIELDS
     return Experts(block, tuple(linears), _first(config, fields), _first(config, TOP_K_FIELDS), router,
-                   shared or (), _dense_layers(config))
+                   shared or (), _dense_layers(config), aliases=tuple(aliases))
 
 
 def architecture_of(config: dict) -> Architecture:

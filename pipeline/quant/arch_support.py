@@ -59,6 +59,8 @@ def arch_problems(method, variant, arch: Arch) -> list[Problem]:
                         "(its models/definitions/); use a method that does not need one (bnb-int8, bnb-nf4)")]
     if need == "gptqmodel" and mt in GPTQMODEL_GAPS:
         return [unsupported(name, mt, GPTQMODEL_GAPS[mt])]
+    if mt in method.model_type_limits:
+        return [unsupported(name, mt, method.model_type_limits[mt])]
     if need in ("gptqmodel", "architecture") and not a.known:
         return [Problem("method", "architecture-unknown",
                         f"method {name!r} needs the decoder's layers and linears, and model_type {mt!r} has no "

@@ -25,13 +25,14 @@ def count_experts(folder: Path, arch: Architecture) -> dict | None:
         return None
     moe_layers = [i for i in range(int(arch.config.get("num_hidden_layers") or 0)) if i not in e.dense_layers]
     leaves = [n.rsplit(".", 1)[-1] for n in e.linears]
+    alias = dict(e.aliases)  # mixtral's w1/w3/w2 are gate_proj/up_proj/down_proj
     per_expert = re.compile(rf"^{re.escape(arch.layers)}\.(\d+)\.[\w.]*?experts\.(\d+)\.(\w+)\.")
     found: dict[tuple[int, int, str], bool] = {}
     for f in weight_files(folder):
         for name, meta in safetensors_header(f).items():
             m = per_expert.match(name)
             if m:
-                key = (int(m.group(1)), int(m.group(2)), m.group(3))
+                key = (int(m.group(1)), int(m.group(2)), alias.get(m.group(3), m.group(3)))
                 found[key] = found.get(key, False) or meta["dtype"] in QUANTIZED_DTYPES
     quantized, missing = 0, list[str]()
     for i in moe_layers:

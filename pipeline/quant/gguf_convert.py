@@ -180,6 +180,47 @@ def _arch_names(root: Path) -> dict[str, str]:
     raise LookupError("gguf-py constants.py: no MODEL_ARCH_NAMES")
 
 
+@cache
+def _set_vocab_bodies(root: Path) -> dict[str, list[ast.stmt]]:
+    """Every conversion class's own set_vocab body: class name -> its statements."""
+    out = {}
+    for path in sorted((root / "conversion").glob("*.py")):
+        for node in _module_ast(path).body:
+            if isinstance(node, ast.ClassDef):
+                for f in node.body:
+                    if isinstance(f, ast.FunctionDef) and f.name == "set_vocab":
+                        out[node.name] = f.body
+    return out
+
+
+def needs_sentencepiece(root: Path, hf_arch: str) -> bool:
+    """Whether the converter's class for `hf_arch` reads a SentencePiece tokenizer.model unconditionally: its
+    set_vocab (its own or the nearest base's) calls self._set_vocab_sentencepiece() at its top level, or raises when
+    tokenizer.model is missing. Read from the source (llama's set_vocab tries SentencePiece, then falls back: not
+    unconditional)."""
+    classes, bodies = _classes(root), _set_vocab_bodies(root)
+    todo = [name for name, (_, _, regs) in classes.items() if hf_arch in regs]
+    seen: set[str] = set()
+    while todo:
+        name = todo.pop(0)
+        if name in seen or name not in classes:
+            continue
+        seen.add(name)
+        if name in bodies:
+            return any(_reads_sentencepiece(stmt) for stmt in bodies[name])
+        todo += classes[name][0]
+    return False
+
+
+def _reads_sentencepiece(stmt: ast.stmt) -> bool:
+    if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call):
+        f = stmt.value.func
+        return isinstance(f, ast.Attribute) and f.attr == "_set_vocab_sentencepiece"
+    if isinstance(stmt, ast.If) and any(isinstance(s, ast.Raise) for s in stmt.body):
+        return "tokenizer_path" in ast.unparse(stmt.test) and "is_file" in ast.unparse(stmt.test)
+    return False
+
+
 def llama_cpp_arch(root: Path, hf_arch: str) -> str | None:
     """The GGUF general.architecture the converter writes for `hf_arch` (its registered class's model_arch, inherited
     through the class's bases), or None when it is set at run time (not a class attribute)."""

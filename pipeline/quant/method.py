@@ -64,6 +64,8 @@ class QuantMethod:
     needs_definition: ClassVar[str] = "transformers"
     # architecture trait (arch_support.TRAITS) -> why this method cannot take a model that has it (measured)
     arch_limit_reasons: ClassVar[dict[str, str]] = {}
+    # model_type -> why this method cannot take it, where no trait says it (a library failure measured on that type)
+    model_type_limits: ClassVar[dict[str, str]] = {}
     work: ClassVar[str]  # the dotted path of the module that does the work (session/quantize/save): load_work()
     reload_work: ClassVar[str | None] = None  # the module a reload hook calls for its torch side, if any
 
@@ -101,6 +103,12 @@ class QuantMethod:
     def arch_limits(self, variant) -> dict[str, str]:
         """The architecture traits this variant cannot take, with why (a variant's format may add its own)."""
         return self.arch_limit_reasons
+
+    def check_tokenizer(self, variant, arch: Arch, files: frozenset[str], tokenizer_class: str | None
+                        ) -> list[Problem]:
+        """Rules on the tokenizer the run saves beside the baseline (its file names, tokenizer_config.json's
+        tokenizer_class) ([] = fine)."""
+        return []
 
     def check_calibration(self, variant, rows: int, seq_len: int) -> list[Problem]:
         """Rules on the calibration set this variant reads (rows x seq_len tokens) ([] = fine)."""

@@ -158,3 +158,22 @@ def test_awq_is_refused_on_multi_head_latent_attention_gptq_is_not(tmp_path):
     p = refused(recipe(tmp_path, src, variant("a", "awq", group_size=32)))
     assert keys(p) == [("quantize[0].method", "architecture-unsupported")] and "multi-head latent" in p[0].message
     check(recipe(tmp_path, src, variant("g", "gptq", bits=4, group_size=32)))
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "phi3"])
+def test_gguf_refused_where_the_converter_needs_a_sentencepiece_model_the_tokenizer_lacks(tmp_path, model_type):
+    """llama.cpp's converter classes for gemma2 and phi3 read tokenizer.model; SmolLM2's tokenizer (a GGUF's,
+    rebuilt as tokenizer.json) has none: refused at check, not after the load (measured on the matrix)."""
+    from pipeline.quant import gguf_convert
+
+    if gguf_convert.converter_dir() is None:
+        pytest.skip("llama.cpp's converter is not set up here")
+    p = refused(recipe(tmp_path, f"config:{ARCH / f'{model_type}.json'}", variant("g", "gguf", type="Q8_0")))
+    assert ("quantize[0].method", "gguf-needs-sentencepiece") in keys(p)
+
+
+@pytest.mark.parametrize("model_type", ["olmoe", "gpt_oss"])
+def test_awq_refused_on_the_moe_types_its_library_fails_on(tmp_path, model_type):
+    p = refused(recipe(tmp_path, f"config:{ARCH / f'{model_type}.json'}", variant("a", "awq", group_size=32)))
+    assert ("quantize[0].method", "architecture-unsupported") in keys(p)
+    assert f"method 'awq' cannot take {model_type}: GPTQModel 7.6's AWQ" in p[0].message

@@ -60,3 +60,12 @@ def test_fused_float_experts_count_as_unquantized(tmp_path):
 def test_a_dense_model_has_nothing_to_count(tmp_path):
     arch = architecture_of(json.loads((ARCH / "qwen3.json").read_text()))
     assert count_experts(write(tmp_path / "q", {"model.layers.0.mlp.gate_proj.weight": torch.float32}), arch) is None
+
+
+def test_mixtral_checkpoint_names_w1_w3_w2_count_as_its_experts(tmp_path):
+    """Mixtral's own checkpoints (and the compressed-tensors export transformers reads back) name the expert linears
+    w1/w3/w2: the aliases come from GPTQModel's tree ("gate_proj|w1")."""
+    arch = architecture_of(json.loads((ARCH / "mixtral.json").read_text()))
+    names = {f"model.layers.{i}.block_sparse_moe.experts.{e}.{w}.weight_packed": torch.int32
+             for i in range(2) for e in range(4) for w in ("w1", "w2", "w3")}
+    assert count_experts(write(tmp_path / "m", names), arch)["quantized"] == 24

@@ -226,3 +226,19 @@ def test_a_file_transformers_would_rebuild_differently_fails_the_variant_clearly
     base = tiny(tmp_path, tokenizer_dir, "qwen3_moe")
     with pytest.raises(StageError, match="validate could not measure it: .*gate_up_proj"):
         quantize_variant(base, variant(), None, tmp_path / "q8", logging.getLogger("test"), seed=0)
+
+
+@needs_converter
+@pytest.mark.parametrize("model_type,says", [
+    ("qwen3", "does not read head_dim from the file (it builds 128, this model has 16)"),
+    ("qwen3_moe", "does not read moe_intermediate_size from the file (it builds 768, this model has 64)"),
+    ("gpt_oss", "memmap is not JSON serializable"),
+])
+def test_check_refuses_what_transformers_gguf_loader_would_rebuild_wrong(model_type, says):
+    """Measured on the matrix: these files were written and then failed validate's read-back; check says so first. A
+    model with the loader's defaults (a real Qwen3's head_dim 128) is not refused."""
+    (p,) = problems_for(model_type)
+    assert p.code == "gguf-loader-unfaithful" and says in p.message
+    config = json.loads((ARCH / "qwen3.json").read_text())
+    config["head_dim"] = 128
+    assert gguf_problems(variant(), linear_shapes_from_config(config)) == []

@@ -58,6 +58,12 @@ class AWQMethod(CompressedTensorsOption, GPTQModelKernels, QuantMethod):
     variant = AWQVariant
     engine = "gptqmodel"
     needs_definition = "gptqmodel"
+    model_type_limits = {
+        "olmoe": "GPTQModel 7.6's AWQ scale search fails on OLMoE's full-width q/k norms (RuntimeError: The size of "
+                 "tensor a (32) must match the size of tensor b (64); measured); GPTQ and RTN take it",
+        "gpt_oss": "GPTQModel 7.6's AWQ fails on gpt-oss's experts (RuntimeError: cannot reshape tensor of 0 elements "
+                   "into shape [-1, 0]; measured); GPTQ and RTN take it",
+    }
     arch_limit_reasons = {"fused_gate_up": "GPTQModel 7.6's AWQ packer fails on a fused gate_up_proj / qkv_proj "
                                            "(KeyError 'q_zeros'; measured on phi3)",
                           "mla": "GPTQModel 7.6's AWQ scale search multiplies the low-rank q/kv projections in "

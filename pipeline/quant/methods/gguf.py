@@ -24,6 +24,13 @@ GGUF_ARCHS = {"llama": True, "qwen2": False}
 # transformers' GGUF loader rebuilds these model types as another one with the same weights and maths: model_type ->
 # what it is read back as (llama.cpp writes Mistral as llama; without a sliding window the two are the same model)
 READ_BACK_AS = {"mistral": "llama"}
+# transformers 5.24's GGUF loader, measured on the matrix (docs/architectures.md): config fields it does not read from
+# the file and builds at its config class's default (a model with another value comes back with other shapes), and
+# architectures whose file it cannot read at all
+GGUF_READ_DEFAULTS: dict[str, dict[str, int]] = {"qwen3": {"head_dim": 128},
+                                                 "qwen3_moe": {"moe_intermediate_size": 768}}
+GGUF_UNREADABLE = {"gpt_oss": "its GGUF config reader raises (TypeError: Object of type memmap is not JSON "
+                              "serializable; measured)"}
 # written here by gguf's numpy quantizer (byte-identical to llama.cpp's: tests/unit/test_gguf_mix.py): type -> values
 # per block
 GGUF_WRITTEN_TYPES = {"F16": 1, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32}
@@ -85,7 +92,7 @@ def _converter_problems(variant, arch: Arch) -> list[Problem]:
         why = (f"transformers has no causal-LM class for model_type {mt!r}, so no architecture to convert"
                if hf_arch is None else f"{gguf_convert.CONVERTER} has no class for {hf_arch} (model_type {mt!r})")
         return [Problem("method", "gguf-architecture-unsupported", why)]
-    problems = _read_back_problems(root, hf_arch, mt)
+    problems = _read_back_problems(root, hf_arch, mt) or _loader_problems(arch)
     if variant.type not in gguf_convert.OUTTYPES and variant.type not in GGUF_KQUANT_TYPES \
             and importlib.util.find_spec("llama_cpp") is None:
         problems.append(Problem("type", "gguf-type-needs-quantizer",
@@ -102,6 +109,22 @@ def _converter_problems(variant, arch: Arch) -> list[Problem]:
                                 f"[quantize.mix] writes per-tensor types through our port, which converts model_type "
                                 f"{' or '.join(GGUF_ARCHS)} only; {mt!r} goes through {gguf_convert.CONVERTER}"))
     return problems
+
+
+def _loader_problems(arch: Arch) -> list[Problem]:
+    """What transformers' GGUF loader (validate's way of scoring the file) would get wrong for this model."""
+    config = arch.architecture.config if arch.architecture is not None else {}
+    why = GGUF_UNREADABLE.get(arch.model_type)
+    unread = {k: (config[k], v) for k, v in GGUF_READ_DEFAULTS.get(arch.model_type, {}).items()
+              if k in config and config[k] != v}
+    if unread:
+        why = "it does not read " + ", ".join(f"{k} from the file (it builds {v}, this model has {have})"
+                                              for k, (have, v) in unread.items())
+    if why is None:
+        return []
+    return [Problem("method", "gguf-loader-unfaithful",
+                    f"transformers' GGUF loader cannot score {arch.model_type} here: {why}; validate scores a GGUF "
+                    "file through that loader, so this variant could not be measured (llama.cpp itself runs the file)")]
 
 
 def _read_back_problems(root, hf_arch: str, mt: str) -> list[Problem]:
@@ -204,6 +227,21 @@ class GGUFMethod(QuantMethod):
     note = "a GGUF file for llama.cpp, Ollama and LM Studio, converted from the baseline"
     work = "pipeline.quant.work.gguf"
 
+
+    def check_tokenizer(self, variant, arch: Arch, files: frozenset[str], tokenizer_class: str | None
+                        ) -> list[Problem]:
+        """llama.cpp's converter class for some architectures (gemma2, phi3) reads a SentencePiece tokenizer.model
+        unconditionally (phi3's takes a GPT2Tokenizer instead): refused when the run's tokenizer has none."""
+        root = gguf_convert.converter_dir()
+        hf_arch = gguf_convert.hf_architecture(arch.model_type) if arch.model_type not in GGUF_ARCHS else None
+        if root is None or hf_arch is None or "tokenizer.model" in files or tokenizer_class == "GPT2Tokenizer":
+            return []
+        if not gguf_convert.needs_sentencepiece(root, hf_arch):
+            return []
+        return [Problem("method", "gguf-needs-sentencepiece",
+                        f"{gguf_convert.CONVERTER}'s class for {hf_arch} reads a SentencePiece tokenizer.model, and "
+                        f"this run's tokenizer has none (it has {', '.join(sorted(files)) or 'no files'}): give the "
+                        "model's own tokenizer ([model] tokenizer), or another method")]
     def calibrates(self, variant) -> bool:
         return variant.mix is not None  # the mix's sensitivity probe reads the calibration rows
 
