@@ -1,4 +1,4 @@
-"""The architecture matrix's runs for one dense and one MoE architecture (qwen3, qwen3_moe): every method that
+"""The architecture matrix's run for an MoE architecture (qwen3_moe): every method that
 `compress check` passes runs through `compress run` and scores a finite perplexity on its reloaded checkpoint.
 
 Cells that docs/architectures.json records as failing are strict xfails carrying the recorded error: the test
@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ARCHS = ("qwen3", "qwen3_moe")
+# the MoE one only in CI (about 5 minutes on 2 cores): the dense Llama-shaped path is what the e2e tier and
+# recipes/ci-real.toml already run; every architecture is measured by `python scripts/arch_matrix.py`
+ARCHS = ("qwen3_moe",)
 
 pytestmark = pytest.mark.slow
 
