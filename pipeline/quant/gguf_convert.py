@@ -198,7 +198,14 @@ def needs_sentencepiece(root: Path, hf_arch: str) -> bool:
     set_vocab (its own or the nearest base's) calls self._set_vocab_sentencepiece() at its top level, or raises when
     tokenizer.model is missing. Read from the source (llama's set_vocab tries SentencePiece, then falls back: not
     unconditional)."""
-    classes, bodies = _classes(root), _set_vocab_bodies(root)
+    bodies = _set_vocab_bodies(root)
+    first = next((name for name in _lineage(root, hf_arch) if name in bodies), None)
+    return first is not None and any(_reads_sentencepiece(stmt) for stmt in bodies[first])
+
+
+def _lineage(root: Path, hf_arch: str):
+    """The converter's class registered for `hf_arch`, then its bases, nearest first (each once)."""
+    classes = _classes(root)
     todo = [name for name, (_, _, regs) in classes.items() if hf_arch in regs]
     seen: set[str] = set()
     while todo:
@@ -206,10 +213,8 @@ def needs_sentencepiece(root: Path, hf_arch: str) -> bool:
         if name in seen or name not in classes:
             continue
         seen.add(name)
-        if name in bodies:
-            return any(_reads_sentencepiece(stmt) for stmt in bodies[name])
+        yield name
         todo += classes[name][0]
-    return False
 
 
 def _reads_sentencepiece(stmt: ast.stmt) -> bool:
@@ -225,18 +230,8 @@ def llama_cpp_arch(root: Path, hf_arch: str) -> str | None:
     """The GGUF general.architecture the converter writes for `hf_arch` (its registered class's model_arch, inherited
     through the class's bases), or None when it is set at run time (not a class attribute)."""
     classes = _classes(root)
-    todo = [name for name, (_, _, regs) in classes.items() if hf_arch in regs]
-    seen: set[str] = set()
-    while todo:
-        name = todo.pop(0)
-        if name in seen or name not in classes:
-            continue
-        seen.add(name)
-        bases, arch, _ = classes[name]
-        if arch is not None:
-            return _arch_names(root).get(arch)
-        todo += bases
-    return None
+    arch = next((classes[name][1] for name in _lineage(root, hf_arch) if classes[name][1] is not None), None)
+    return _arch_names(root).get(arch) if arch is not None else None
 
 
 def hf_architecture(model_type: str, config: dict | None = None) -> str | None:

@@ -6,12 +6,12 @@ fails (XPASS) once such a cell works, until the matrix is rerun and the JSON say
 (`python scripts/arch_matrix.py --only <type> --methods <name>`)."""
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.arch_matrix_module import arch_matrix
 
 ROOT = Path(__file__).resolve().parents[2]
 # the MoE one only in CI (about 5 minutes on 2 cores): the dense Llama-shaped path is what the e2e tier and
@@ -21,14 +21,7 @@ ARCHS = ("qwen3_moe",)
 pytestmark = pytest.mark.slow
 
 
-def _matrix():
-    name = "arch_matrix"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "arch_matrix.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+_matrix = arch_matrix
 
 
 AM = _matrix()

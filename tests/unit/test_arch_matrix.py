@@ -3,25 +3,17 @@ are still `compress check`'s: a cell recorded as refused is still refused (for t
 cell still passes check. Torch-free and fast: check runs in process on one-variant recipes."""
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.arch_matrix_module import arch_matrix
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _matrix():
-    """scripts/arch_matrix.py as a module (scripts/ is not a package)."""
-    name = "arch_matrix"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "arch_matrix.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+_matrix = arch_matrix
 
 
 def test_committed_architectures_doc_is_current():
