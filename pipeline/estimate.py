@@ -62,7 +62,7 @@ def estimate_memory(recipe, info, plan, source) -> None:
         plan.memory[Load.key()] = RUNTIME_OVERHEAD + w + 4 * largest
     cal_tokens = cal.num_samples * cal.seq_len
     if architecture_of(cfg).is_moe and Calibrate.key() in plan.stages:
-        # calibrate counts each expert's tokens through the baseline (pipeline/eval/coverage.py): the model loaded
+        # calibrate counts each expert's tokens through the baseline (pipeline/quant/coverage.py): the model loaded
         # whole, one calibration row at a time through it (a perplexity window's activations and logits)
         plan.memory[Calibrate.key()] = RUNTIME_OVERHEAD + w + window_bytes(cfg, cal.seq_len)
     embed = vocab * h * dtype_bytes(plan.dtype)

@@ -351,7 +351,7 @@ def _check_gates(recipe, random_init: bool) -> list[Problem]:
 
 
 def _check_moe_calibration(recipe, info: ModelInfo) -> list[Problem]:
-    """Expert coverage (pipeline/eval/coverage.py): min_expert_tokens and moe_all_experts need a Mixture-of-Experts
+    """Expert coverage (pipeline/quant/coverage.py): min_expert_tokens and moe_all_experts need a Mixture-of-Experts
     model; moe_all_experts is GPTQModel's MoE routing, so only the methods it runs (gptq, awq) take it."""
     a = arch_of(info).architecture
     moe, mt = bool(a is not None and a.is_moe), str(info.config.get("model_type") or "?")

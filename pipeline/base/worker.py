@@ -181,7 +181,6 @@ TASKS = {
     "speculative": "pipeline.speculative.evaluate:worker_task",
     "speed": "pipeline.eval.speed:worker_task",
     "tasks": "pipeline.eval.tasks:worker_task",
-    "ct-convert": "pipeline.quant.ct_export:worker_task",
 }
 
 

@@ -25,8 +25,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -398,21 +401,23 @@ def _verify(out_dir: Path, ints: dict, bits_of: dict[str, int], sym: bool) -> No
             raise RuntimeError(f"{name}: the compressed-tensors checkpoint does not hold the GPTQ integers/scales")
 
 
-def worker_task(args: dict) -> dict:
-    """`convert` in a fresh process (pipeline/base/worker.py "ct-convert")."""
-    return {"quantization_config": convert(Path(args["gptq_dir"]), Path(args["out_dir"]))}
-
-
 def convert_fresh(gptq_dir: Path, out_dir: Path) -> dict:
-    """`convert` in a fresh interpreter: GPTQModel's quantize replaces some of transformers' MoE classes and its
-    conversion mapping in the process that ran it (defuser.replace_fused_blocks, e.g. mixtral's sparse block by
-    one nn.Linear per expert), and the checkpoint must be laid out for transformers' own classes."""
-    from pipeline.base.worker import run_task
-
+    """`convert` in a fresh interpreter (`python -m pipeline.quant.ct_export GPTQ_DIR OUT_DIR RESULT`): GPTQModel's
+    quantize replaces some of transformers' MoE classes and its conversion mapping in the process that ran it
+    (defuser.replace_fused_blocks, e.g. mixtral's sparse block by one nn.Linear per expert), and the checkpoint must
+    be laid out for transformers' own classes. Not through pipeline/base/worker.py: its task table names the
+    measuring modules, which would become part of every quantize unit's code identity."""
     logs = Path(tempfile.mkdtemp(prefix=".ct-job-", dir=out_dir.parent))
+    result = logs / "result.json"
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     try:
-        return run_task("ct-convert", {"gptq_dir": str(gptq_dir.resolve()), "out_dir": str(out_dir.resolve())},
-                        logs)["quantization_config"]
+        done = subprocess.run([sys.executable, "-m", "pipeline.quant.ct_export", str(gptq_dir.resolve()),
+                               str(out_dir.resolve()), str(result)], env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+            raise RuntimeError(f"the compressed-tensors conversion failed (exit code {done.returncode}): {tail}")
+        return json.loads(result.read_text())
     finally:
         shutil.rmtree(logs, ignore_errors=True)
 
@@ -482,3 +487,8 @@ def load_own(folder: Path, device: str):
     the first forward), the zero points placed (pipeline/quant/ct_format.py CompressedTensorsLoad)."""
     with MappedPagesTrimmed(folder), packed_zero_points_on_meta():
         return AutoModelForCausalLM.from_pretrained(folder, device_map=device)
+
+
+if __name__ == "__main__":  # convert_fresh's child: GPTQ_DIR OUT_DIR RESULT_JSON
+    qc = convert(Path(sys.argv[1]), Path(sys.argv[2]))
+    Path(sys.argv[3]).write_text(json.dumps(qc))

@@ -63,7 +63,7 @@ class ModelInfo(_Section):
 
 
 class ExpertCoverage(_Section):
-    """Calibration tokens routed to each expert of each Mixture-of-Experts layer (pipeline/eval/coverage.py), counted
+    """Calibration tokens routed to each expert of each Mixture-of-Experts layer (pipeline/quant/coverage.py), counted
     on the run's calibration rows through the baseline model, reading the expert indices each MoE block chose. A
     token counts once for each of its top_k experts: a layer's counts sum to tokens x top_k. GPTQ routes each token
     through the already-quantized attention of its layer and the quantized layers before it, so the counts its

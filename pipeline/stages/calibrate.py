@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from pipeline import data
 from pipeline.base.unit import Unit, UnitContext
 from pipeline.data.calib import sample_token_windows, training_documents
-from pipeline.eval.coverage import measure
+from pipeline.quant.coverage import measure
 from pipeline.model.architecture import architecture_of
 from pipeline.model.compute import float32_matmuls
 from pipeline.quant.checkpoint import load_checkpoint
@@ -48,7 +48,7 @@ def run(ctx: UnitContext, recipe) -> dict:
 
 
 def expert_coverage(model_dir: Path, ids: torch.Tensor, device: str) -> dict | None:
-    """Tokens per (MoE layer, expert) for these rows through the baseline (pipeline/eval/coverage.py); None for a
+    """Tokens per (MoE layer, expert) for these rows through the baseline (pipeline/quant/coverage.py); None for a
     dense model."""
     arch = architecture_of(json.loads((model_dir / "config.json").read_text()))
     if not arch.is_moe:

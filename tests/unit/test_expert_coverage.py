@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from pipeline.eval.config import GatesConfig
-from pipeline.eval.coverage import expert_token_counts, measure, top_k_counts
+from pipeline.quant.coverage import expert_token_counts, measure, top_k_counts
 from pipeline.model.architecture import architecture_of
 from pipeline.recipe import load_recipe
 from pipeline.results.coverage_render import coverage_line, coverage_section
