@@ -13,10 +13,10 @@ from transformers import AutoTokenizer
 from pipeline import data
 from pipeline.base.unit import Unit, UnitContext
 from pipeline.data.calib import sample_token_windows, training_documents
-from pipeline.quant.coverage import measure
 from pipeline.model.architecture import architecture_of
 from pipeline.model.compute import float32_matmuls
 from pipeline.quant.checkpoint import load_checkpoint
+from pipeline.quant.coverage import measure
 from pipeline.stages.kinds import Calibrate, Load
 
 CODE = ("stages/calibrate.py",)  # the entry module: what it imports is found by pipeline/base/codehash.py
