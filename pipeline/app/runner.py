@@ -123,8 +123,7 @@ class Runner:
 
     def _record_failure(self, unit: Unit, status: str, error: str) -> None:
         self.failed[unit.key] = error
-        self.report.stages[unit.key] = schema.StageEntry(status=status, time_s=0.0, peak_rss_bytes=0, dir="",
-                                                          error=error)
+        merge.record_failure(self.report, unit.key, status, error)
         schema.save(self.report, self.run_dir)
 
     def inputs_hash(self, unit: Unit) -> str:

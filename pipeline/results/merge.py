@@ -14,6 +14,11 @@ MODEL_KEYS = tuple(ModelInfo.model_fields)
 CALIBRATION_KEYS = tuple(Calibration.model_fields)
 
 
+def record_failure(report: Report, key: str, status: str, error: str) -> None:
+    """A unit that raised ("failed", its error line) or did not run because an upstream one did ("blocked")."""
+    report.stages[key] = StageEntry(status=status, time_s=0.0, peak_rss_bytes=0, dir="", error=error)
+
+
 def record(report: Report, key: str, manifest: dict, skipped: bool) -> None:
     uk = UnitKey.parse(key)  # UnitKeyError before anything is written for a key outside the grammar
     report.stages[key] = StageEntry(status="skipped" if skipped else "done", time_s=manifest["time_s"],

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.arch_matrix_module import arch_matrix
+from tests.script_module import arch_matrix
 
 ROOT = Path(__file__).resolve().parents[2]
 # the MoE one only in CI (about 5 minutes on 2 cores): the dense Llama-shaped path is what the e2e tier and

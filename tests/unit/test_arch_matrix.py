@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.arch_matrix_module import arch_matrix
+from tests.script_module import arch_matrix
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -2,23 +2,15 @@
 current, the walk finds every table by following annotations, and a stale file is caught with a clear message."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
+
+from tests.script_module import script_module
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _generator():
-    """scripts/recipe_reference.py as a module (scripts/ is not a package); registered before it runs, as its
-    dataclasses need."""
-    name = "recipe_reference"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "recipe_reference.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return script_module("recipe_reference")
 
 
 def test_committed_recipe_reference_is_current():
