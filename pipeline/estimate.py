@@ -130,7 +130,7 @@ def sensitivity_bytes(config: dict, n_params: int, checkpoint_bytes: int, seq_le
     an upper bound, since the probe's rows are the first Hessian rows and share their outputs); one unit's
     Hessians in float32 (at most an MLP block's: two hidden x hidden and one intermediate x intermediate); the probe's
     reference log-probabilities and one forward's logits and log-softmax over the vocabulary. Measured on
-    Qwen2.5-Coder-1.5B (bfloat16 checkpoint, 16 + 1 rows of 256): 10.51 GiB, at the load (benchmarks/README_mix.md)."""
+    Qwen2.5-Coder-1.5B (bfloat16 checkpoint, 16 + 1 rows of 256): 10.51 GiB, at the load (research/mix.md)."""
     h = config.get("hidden_size") or 0
     inter = config.get("intermediate_size") or 4 * h
     vocab = config.get("vocab_size") or 0

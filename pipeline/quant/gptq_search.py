@@ -5,7 +5,7 @@ GPTQModel 7.6's GPTQ first calls `Quantizer.find_params` on the whole weight mat
 `group_size` columns before any column is quantized (gptqmodel/quantization/gptq.py): the whole-matrix answer is
 overwritten unused, yet its search costs about as much as all the groups' together. `group_search_only()`
 answers that call with the plain min/max range (the search's own starting point) and leaves every group's search
-to the library. Measured: GPTQ 1.4-1.7x faster on CPU with byte-identical checkpoints (benchmarks/gptq_mse_search.py;
+to the library. Measured: GPTQ 1.4-1.7x faster on CPU with byte-identical checkpoints (research/gptq_mse_search.py;
 tests/unit/test_quant.py checks the bytes for group-aware, act-order, asymmetric and GPTAQ/FOEM GPTQ).
 
     with group_search_only():          # around GPTQModel's quantize() (pipeline/quant/gptqmodel_driver.py)

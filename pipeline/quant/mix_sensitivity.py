@@ -7,7 +7,7 @@ the evaluation text), two ways, each timed:
 - kl-scaled: the kl above probed only at `probe_group_size` (one forward pass per unit and bits); a candidate of
            another group size g at the same bits b is KL(b, probe) x hessian(b, g) / hessian(b, probe): the unit's
            own ratio of the layer-wise error, which tracks the KL's ratio where the bits are equal (both are the
-           same RTN noise, finer or coarser; measured on SmolLM2 in benchmarks/README_mix.md).
+           same RTN noise, finer or coarser; measured on SmolLM2 in research/mix.md).
 - hessian: sum over the unit's linears of ||(W - Q) X||^2 / tokens = tr(dW H dW^T), H = X^T X / tokens from the
            calibration activations (one forward pass with hooks over `hessian_rows` rows), Q the same weights as the
            probe's: the layer-wise objective GPTQ minimises.

@@ -56,7 +56,7 @@ class TransformersEngine:
         `score`'s forward share the model's modules and attention state, and side by side they corrupt each other's
         results (measured: lm-eval's log-likelihood requests at 4 concurrent clients through this server flipped 83
         of 200 task items against the in-process scores, 3 of 200 one client at a time;
-        benchmarks/tasks_served.py). The lock is the model's instance `forward`, which `nn.Module.__call__` calls."""
+        research/tasks_served.py). The lock is the model's instance `forward`, which `nn.Module.__call__` calls."""
         lock, forward = threading.Lock(), self.model.forward
 
         def serialized(*args, **kwargs):

@@ -1,7 +1,7 @@
 """The recipe's [draft] table (torch-free; imported by pipeline/recipe.py).
 
 Defaults are the best configuration found on a 2-core CPU within a ~3.5 minute distillation
-budget (benchmarks/README_draft.md has the exploration and the command that reproduces it).
+budget (research/draft.md has the exploration and the command that reproduces it).
 Checks that need the verifier's config (layer indices in range, vocab_size <= the verifier's
 vocabulary, tokenizer match) happen later, when the model config is known.
 """

@@ -208,7 +208,7 @@ class _Tok:
 
 
 def test_one_protocol_for_the_pipeline_and_the_benchmark(monkeypatch):
-    """[validate.tasks] generates as benchmarks/humaneval.py did for the README's figures (chat template, batch 4,
+    """[validate.tasks] generates as research/humaneval.py did for the README's figures (chat template, batch 4,
     384 new tokens): both go through humaneval.generate."""
     import ast
 
@@ -229,6 +229,6 @@ def test_one_protocol_for_the_pipeline_and_the_benchmark(monkeypatch):
     summary, _ = tasks.humaneval_job(None, _Tok("{{ messages }}"), {"execute_code": True, "timeout_s": 1.0}, 2)
     assert seen == {"max_new_tokens": 384, "batch_size": 4, "chat": True}
     assert summary["protocol"] == he.Protocol(chat=True).describe() and "chat template" in summary["protocol"]
-    calls = {n.func.attr for n in ast.walk(ast.parse((REPO / "benchmarks" / "humaneval.py").read_text()))
+    calls = {n.func.attr for n in ast.walk(ast.parse((REPO / "research" / "humaneval.py").read_text()))
              if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and getattr(n.func.value, "id", "") == "he"}
     assert "generate" in calls and "generate_completions" not in calls

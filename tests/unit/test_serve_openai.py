@@ -139,7 +139,7 @@ def test_lm_eval_local_completions_loglikelihood_equals_in_process(server, folde
 
 def test_logprobs_stay_exact_while_the_manager_generates_beside_them(server, folder, model):
     """The scoring forward and the manager's generation steps share the model: scored side by side they corrupted
-    each other (lm-eval at 4 clients flipped 83 of 200 real task items; benchmarks/tasks_served.py). Long generations
+    each other (lm-eval at 4 clients flipped 83 of 200 real task items; research/tasks_served.py). Long generations
     keep the manager busy while echo+logprobs requests are scored; every value must still equal the in-process one."""
     import threading
 

@@ -8,9 +8,9 @@ interpreter's start or imports). Then each checkpoint's perplexity on held-out C
 bfloat16 rounding of each other, so the checkpoints differ in a few groups and their quality should not.
 
   # SmolLM2-135M as recipes/methods.toml loads it, with its calibration rows (run that recipe first):
-  python -m benchmarks.awq_clip_search --rows 8
+  python -m research.awq_clip_search --rows 8
   # the first 3 decoder layers only (minutes):
-  python -m benchmarks.awq_clip_search --rows 8 --layers 3
+  python -m research.awq_clip_search --rows 8 --layers 3
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ def heldout_ppl(model_dir: Path, windows: int, seq_len: int, work: Path) -> floa
     ids = work / "heldout_c4.safetensors"
     if not ids.exists():
         save_ids(heldout_c4_ids(AutoTokenizer.from_pretrained(model_dir)), ids)
-    return child(["benchmarks.awq_clip_search", "--ppl", str(ids), "--model", str(model_dir), "--ppl-windows",
+    return child(["research.awq_clip_search", "--ppl", str(ids), "--model", str(model_dir), "--ppl-windows",
                   str(windows), "--ppl-seq-len", str(seq_len)])["ppl"]
 
 
@@ -140,7 +140,7 @@ def main() -> None:
         for rep in range(a.reps):
             for mode in MODES:
                 out = Path(tempfile.mkdtemp(dir=tmp, prefix=f"{mode}-"))
-                runs[mode].append({**child(["benchmarks.awq_clip_search", "--one", mode, "--out", str(out), "--model",
+                runs[mode].append({**child(["research.awq_clip_search", "--one", mode, "--out", str(out), "--model",
                                             str(model), "--calibration", str(a.calibration), "--rows",
                                             str(a.rows)]), "out": str(out)})
                 print(f"rep {rep + 1} {mode:<8} {runs[mode][-1]['seconds']:8.1f} s", flush=True)
@@ -163,7 +163,7 @@ def main() -> None:
     print(f"same bytes: {same}")
     if a.json:
         a.json.parent.mkdir(parents=True, exist_ok=True)
-        a.json.write_text(json.dumps({"command": "python -m benchmarks.awq_clip_search " + " ".join(sys.argv[1:]),
+        a.json.write_text(json.dumps({"command": "python -m research.awq_clip_search " + " ".join(sys.argv[1:]),
                                       "baseline_heldout_ppl": ppls.get("baseline"), "same_bytes": same,
                                       "results": rows}, indent=2) + "\n")
 

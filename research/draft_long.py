@@ -7,13 +7,13 @@ Each segment resumes the same run from its checkpoint (pipeline/speculative/dist
 constant schedule, the weights after segments of 10 + 10 + ... minutes are those of one run of the
 total length, and a rerun with more --segments extends a finished run. Acceptance is measured
 greedy and at T = 0.7 with the same decoder the validate stage uses, on prompts checked not to
-appear in the C4 training text. Results: benchmarks/README_draft.md.
+appear in the C4 training text. Results: research/draft.md.
 
-  OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.draft_long --name l0 --layers 0 \\
+  OMP_NUM_THREADS=1 .venv/bin/python -m research.draft_long --name l0 --layers 0 \\
       --segments 5 --segment-s 600 --work /tmp/dlong
-  OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.draft_long --name l0-3-onpolicy --layers 0,1,2,3 \\
+  OMP_NUM_THREADS=1 .venv/bin/python -m research.draft_long --name l0-3-onpolicy --layers 0,1,2,3 \\
       --on-policy 0.5 --segments 5 --segment-s 600 --work /tmp/dlong
-  .venv/bin/python -m benchmarks.draft_long table /tmp/dlong/*/curve.json
+  .venv/bin/python -m research.draft_long table /tmp/dlong/*/curve.json
 (the verifier: the fp32 load stage of recipes/default.toml; artifacts/full/load holds the same bytes)
 """
 from __future__ import annotations
@@ -29,13 +29,13 @@ import pandas as pd
 import torch
 from transformers import AutoTokenizer
 
-from benchmarks.draft_exploration import acceptance
 from pipeline.speculative.config import DraftConfig
 from pipeline.speculative.distill import distill
 from pipeline.speculative.draft_model import DraftStudent, load_causal_lm, load_draft_vocab
 from pipeline.speculative.evaluate import check_no_overlap, encode_prompts, wikitext_prompts
 from pipeline.speculative.stage_api import choose_vocab, init_draft, training_data, tuned_lens
 from pipeline.speculative.targets import fingerprint, token_windows
+from research.draft_exploration import acceptance
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +58,7 @@ def table(curves: list[Path]) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) > 2 and sys.argv[1] == "table":  # python -m benchmarks.draft_long table /tmp/dlong/*/curve.json
+    if len(sys.argv) > 2 and sys.argv[1] == "table":  # python -m research.draft_long table /tmp/dlong/*/curve.json
         print(table([Path(p) for p in sys.argv[2:]]))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

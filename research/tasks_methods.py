@@ -5,7 +5,7 @@ and which 4-bit variant recovers best and whether the paired interval separates 
 compared item by item on the same items).
 
     compress run recipes/methods-tasks.toml
-    python -m benchmarks.tasks_methods artifacts/methods-tasks --out benchmarks/results/tasks_methods.json
+    python -m research.tasks_methods artifacts/methods-tasks --out benchmarks/results/tasks_methods.json
 """
 from __future__ import annotations
 

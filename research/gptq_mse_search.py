@@ -6,9 +6,9 @@ Same model, same calibration rows, same GPTQ settings; each mode quantizes in a 
 its ratio to the library's, and whether its checkpoint bytes equal the library's.
 
   # SmolLM2-135M as recipes/ci-real.toml loads it, its calibration rows (run that recipe first):
-  python -m benchmarks.gptq_mse_search --rows 4
+  python -m research.gptq_mse_search --rows 4
   # SmolLM2-1.7B's shape, 2 decoder layers, random weights:
-  python -m benchmarks.gptq_mse_search --config smollm2-1.7b --layers 2 --rows 4
+  python -m research.gptq_mse_search --config smollm2-1.7b --layers 2 --rows 4
 (--modes library,search,threads,both also times torch's intra-op threads divided among GPTQModel's CPU workers:
 faster on the 135M model, slower on the 1.7B shape, so not adopted; results in benchmarks/README_quant.md §7.)
 """
@@ -115,7 +115,7 @@ def main() -> None:
         for rep in range(a.reps):
             for mode in runs:
                 out = Path(tempfile.mkdtemp(dir=tmp))
-                p = subprocess.run([sys.executable, "-m", "benchmarks.gptq_mse_search", "--one", mode, "--out",
+                p = subprocess.run([sys.executable, "-m", "research.gptq_mse_search", "--one", mode, "--out",
                                     str(out), "--model", str(model), "--calibration", str(a.calibration),
                                     "--rows", str(a.rows), "--mse", str(a.mse)], cwd=ROOT, capture_output=True,
                                    text=True)

@@ -4,7 +4,7 @@ neither scorer reproduces the other exactly (the logits carry ~3 significant dig
 shapes or accumulation order moves them); this measures whether the shared-context scorer's drift is within
 lm-eval's own.
 
-    flock /tmp/compress-cpu.lock python -m benchmarks.tasks_scorer_bf16 --tasks arc_easy,hellaswag,piqa \
+    flock /tmp/compress-cpu.lock python -m research.tasks_scorer_bf16 --tasks arc_easy,hellaswag,piqa \
         --limit 100 --out benchmarks/results/tasks_scorer_bf16.json
 """
 from __future__ import annotations

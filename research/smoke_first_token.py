@@ -1,5 +1,5 @@
 """Why gptq-w8 answers the smoke prompt differently from the baseline: the top-5 first tokens of both.
-Usage: .venv/bin/python -m benchmarks.smoke_first_token  (after compress run recipes/full.toml)
+Usage: .venv/bin/python -m research.smoke_first_token  (after compress run recipes/full.toml)
 """
 from pathlib import Path
 

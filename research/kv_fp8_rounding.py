@@ -4,7 +4,7 @@ activations and the KV cache quantized) and its keys and values are then rounded
 checkpoint's scales (what pipeline/quant/kv_fp8.py does: the format's definition), e4m3 toward zero, e5m2 to nearest,
 e4m3 with scale 1.0; perplexity on the run's own windows.
 
-    python -m benchmarks.kv_fp8_rounding artifacts/w8a8-kv w8a8-int8-sq-kv
+    python -m research.kv_fp8_rounding artifacts/w8a8-kv w8a8-int8-sq-kv
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 per-block sensitivities add up.
 
     compress run recipes/mixed.toml
-    python benchmarks/mix_report.py artifacts/mixed [--additivity 12] [--scaled-check 40]
+    python research/mix_report.py artifacts/mixed [--additivity 12] [--scaled-check 40]
 
 Prints, from report.json: per variant the bits per weight budgeted / spent / measured on the checkpoint, the
 perplexity ratio and KL against the baseline on the same windows; the issue's two floors (at uniform w4g64's bits

@@ -7,7 +7,7 @@ into plain `nn.Linear` modules: `pipeline.quant.gptqmodel_driver.dequantize_to_l
 itself encodes.
 
 Usage (after `compress run recipes/full.toml`):
-    .venv/bin/python -m benchmarks.gptq_cpu_kernel_precision --windows 4 \
+    .venv/bin/python -m research.gptq_cpu_kernel_precision --windows 4 \
         artifacts/full/quantize/gptq-w4g64 artifacts/full/quantize/rtn-w4g64
 """
 import argparse

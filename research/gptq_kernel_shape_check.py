@@ -1,5 +1,5 @@
 """Does GPTQModel's CPU int4 kernel give the same logits whatever the number of tokens per call?
-Usage: .venv/bin/python -m benchmarks.gptq_kernel_shape_check  (after compress run recipes/full.toml)
+Usage: .venv/bin/python -m research.gptq_kernel_shape_check  (after compress run recipes/full.toml)
 """
 from pathlib import Path
 

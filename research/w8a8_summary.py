@@ -3,7 +3,7 @@ perplexity, its ratio to the baseline on the same windows, KL and top-1 agreemen
 served; for a SmoothQuant row, the alphas its search chose per fold point and how much they cut the quantized
 layer error on the calibration tokens.
 
-    PYTHONPATH=$PWD python -m benchmarks.w8a8_summary artifacts/w8a8 --out benchmarks/results/w8a8/summary.json
+    PYTHONPATH=$PWD python -m research.w8a8_summary artifacts/w8a8 --out benchmarks/results/w8a8/summary.json
 """
 from __future__ import annotations
 

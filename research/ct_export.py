@@ -8,7 +8,7 @@ of both on the same WikiText-2 windows (GPTQ protocol), two ways each:
           folder's qweight/qzeros/scales unpacked; compressed-tensors' decompressor through transformers with float32
           scales), which must agree to the bit.
 
-    PYTHONPATH=$PWD python -m benchmarks.ct_export --gptq /tmp/fresh/artifacts/default/export/gptq-w4g64 \\
+    PYTHONPATH=$PWD python -m research.ct_export --gptq /tmp/fresh/artifacts/default/export/gptq-w4g64 \\
         --ct /tmp/ct-real --max-windows 3 --out benchmarks/results/ct_export/perplexity.json
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 calibration tokens / 127.5) against the per-token maxima the dynamic scheme uses, on WikiText-2 tokens through the
 baseline. The ratio says how many times coarser the static grid is for a typical token.
 
-    PYTHONPATH=$PWD python -m benchmarks.w8a8_static_range artifacts/w8a8 \\
+    PYTHONPATH=$PWD python -m research.w8a8_static_range artifacts/w8a8 \\
         --out benchmarks/results/w8a8/static_range.json
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from benchmarks.ct_export import ids_for
 from pipeline.base.env import tame
+from research.ct_export import ids_for
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The tiny recipe with 4 quantize variants: local executor vs a two-node Ray cluster started on this machine.
 
-    flock /tmp/compress-cpu.lock python -m benchmarks.ray_sweep [--out benchmarks/results/ray_sweep.json]
+    flock /tmp/compress-cpu.lock python -m research.ray_sweep [--out benchmarks/results/ray_sweep.json]
 
 Prints the wall time of each (a fresh run folder each, so no unit is skipped), their ratio, and per unit the
 scheduling overhead the driver recorded in <run>/ray_tasks.json: submission -> task start (Ray placement, worker

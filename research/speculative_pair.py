@@ -2,7 +2,7 @@
 which prompts. Plain and speculative decoding of the same verifier, interleaved per prompt in one process
 (pipeline.speculative.measure.compare_loops), after measure_costs.
 
-    .venv/bin/python -m benchmarks.speculative_pair --verifier-dtype float32 --draft-dtype bfloat16 \
+    .venv/bin/python -m research.speculative_pair --verifier-dtype float32 --draft-dtype bfloat16 \
         --prompts wikitext2 --num-prompts 8 --new-tokens 48 --gamma 4
 
 Defaults: the Qwen2.5-Coder 1.5B / 0.5B pair from PyPI (recipes/qwen-pair.toml says how to install it).

@@ -2,7 +2,7 @@
 every decoder linear) of SmolLM2-135M-Instruct against the float32 baseline, on the same items: what the
 recovery interval and the resolvable difference look like at a given `limit`.
 
-    flock /tmp/compress-cpu.lock python -m benchmarks.tasks_recovery_rtn --limit 100 \
+    flock /tmp/compress-cpu.lock python -m research.tasks_recovery_rtn --limit 100 \
         --out benchmarks/results/tasks_recovery_rtn_limit100.json
 """
 from __future__ import annotations

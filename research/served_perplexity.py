@@ -1,7 +1,7 @@
 """Perplexity through vLLM's CPU build against the quality stage's, for checkpoints of a finished run (issue #34:
 "where vLLM's CPU build serves the checkpoint, also score it through vLLM; the two figures should agree").
 
-    python -m benchmarks.served_perplexity artifacts/w8a8-kv baseline w8a8-int8-sq w8a8-int8-sq-kv
+    python -m research.served_perplexity artifacts/w8a8-kv baseline w8a8-int8-sq w8a8-int8-sq-kv
 
 Each model's folder (the baseline: load/; a variant: export/<name>, else quantize/<name>) is served by
 `compress serve --engine vllm` (eager); the run's own evaluation ids and windows (validate/<m>/quality: its

@@ -2,7 +2,7 @@
 `compress serve --engine vllm` (or any engine), scores the same task items a finished run scored in-process, and the
 per-item values are compared.
 
-    .venv/bin/python -m benchmarks.tasks_served --run artifacts/default --recipe recipes/default.toml \
+    .venv/bin/python -m research.tasks_served --run artifacts/default --recipe recipes/default.toml \
         --model gptq-w4g64 --engine vllm --out benchmarks/results/tasks_served_vllm.json
 
 What it compares: for each [validate.tasks] task of the recipe (HumanEval excluded), the run's per-item metric
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     out = {"run": str(a.run), "model": a.model, "engine": a.engine, "eager": a.eager, "ready_s": round(ready_s, 1),
            "server_exit": rc, "lm_eval_model": "local-completions (LocalCompletionsAPI, token-id prompts)",
            "tasks": rows, "values": total, "differ": flipped,
-           "command": "python -m benchmarks.tasks_served " + " ".join(argv or sys.argv[1:])}
+           "command": "python -m research.tasks_served " + " ".join(argv or sys.argv[1:])}
     print(f"{flipped} of {total} per-item values differ (served by {a.engine} vs the run's in-process scores)")
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,7 +3,7 @@ the table's first N rows measured again with the code as it is now (pipeline/qua
 Hessians at a time) and compared with the table the run recorded in mix.json (KL and Hessian rows, exactly), with
 the process's peak resident memory (VmHWM) beside what the plan predicts (pipeline/estimate.sensitivity_bytes).
 
-    PYTHONPATH=$PWD python -m benchmarks.mix_probe_memory artifacts/mixed-qwen mixed-4.17 --units 8 \
+    PYTHONPATH=$PWD python -m research.mix_probe_memory artifacts/mixed-qwen mixed-4.17 --units 8 \
         --out benchmarks/results/mixed-qwen/probe_memory.json
 """
 from __future__ import annotations
