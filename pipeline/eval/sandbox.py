@@ -8,8 +8,11 @@ pipes with a deadline and a cap on what it may write.
     mode() -> a description of the sandbox that works here, or None (probed once a process)
 
 What holds, as root (CI), the program running as `nobody`:
-  * namespaces (`unshare --mount --net --pid --fork --kill-child`): no network (a fresh, unconfigured loopback;
-    abstract unix sockets are per network namespace), its own process tree and a /proc that shows only it;
+  * namespaces (`unshare --mount --net --pid --ipc --fork --kill-child`): no network (a fresh, unconfigured
+    loopback; abstract unix sockets are per network namespace), its own process tree and a /proc that shows only
+    it, its own SysV IPC and POSIX message queues (gone with it);
+  * parent death: unshare runs under `setpriv --pdeathsig=KILL`, and --kill-child kills the namespace's init when
+    unshare dies, which kills the namespace: a worker that dies (SIGKILL included) leaves no sandbox behind;
   * files: every mount of its (private) mount namespace is remounted read-only (the host's mounts are untouched),
     then a private tmpfs on /tmp holds the one writable folder, /tmp/work (`Limits.tmp_bytes`); /dev is a read-only
     tmpfs with only null, zero, full, random and urandom bound in; /run (sockets, /run/lock) is hidden under an
@@ -21,21 +24,29 @@ What holds, as root (CI), the program running as `nobody`:
     (also from the bounding set, so a nested user namespace cannot make the read-only mounts writable: they come
     locked);
   * resources (`prlimit`, hard = soft, set before the interpreter starts): CPU seconds, address space, file size,
-    no core, and RLIMIT_NPROC = 1: the program can start no process and no thread (the user's own process already
-    counts as one), so its memory is bounded by one address space (`Limits.address_space`, 4 GiB) plus its tmpfs:
-    with W sandboxes at once, at most W x (4 GiB + 64 MiB). No cgroup is needed for that bound; none is used;
+    no core, open files, and RLIMIT_NPROC = 1: the program can start no process and no thread (the user's own
+    process already counts as one);
+  * system calls (a seccomp filter, pipeline/eval/sandbox_filter.py, installed before the program's interpreter is
+    exec'd): memfd_create, SysV shmget/msgget/semget, io_uring and AF_UNIX sockets are refused (EPERM); POSIX
+    shared memory is /dev/shm, read-only. So its memory is bounded by one address space (`Limits.address_space`,
+    4 GiB) plus its tmpfs plus kernel buffers bounded by `Limits.open_files`: with W sandboxes at once, about
+    W x (4 GiB + 64 MiB). No cgroup is used: where cgroup v1 holds the memory controller (this project's machines:
+    the v2 hierarchy has only hugetlb), a v2 memory limit cannot be made; the filter holds without one;
   * output: what it writes to its stdout and stderr together is read up to `Limits.output_bytes`, then it is
     killed (OutputOverflow);
   * time: a wall-clock deadline per read and write; `kill()` SIGKILLs the namespace's init (a root shell that
     the program cannot signal), which makes the kernel kill every process of the namespace, and waits for it.
 As another user (`unshare -r`, a user namespace): the same, except that the program keeps the user's uid (files the
-user can read stay readable; none is writable: every mount is read-only) and a pid 1 it cannot signal either.
+user can read stay readable; none is writable: every mount is read-only; the user's unix sockets, an ssh
+ControlPath or a gpg-agent in the home directory, are not reachable: no AF_UNIX socket can be made) and a pid 1 it
+cannot signal either.
 The interpreter runs with -I -S (no site-packages, no PYTHONPATH) and an emptied environment.
 """
 from __future__ import annotations
 
 import math
 import os
+import platform
 import select
 import shutil
 import signal
@@ -47,6 +58,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from pipeline.eval import sandbox_filter
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -55,11 +68,12 @@ class Limits:
     file_bytes: int = 16 << 20
     tmp_bytes: int = 64 << 20
     output_bytes: int = 1 << 20
+    open_files: int = 256  # bounds the kernel buffers (pipes, sockets) a program can fill
 
     def prlimit(self) -> list[str]:
         cpu = int(math.ceil(self.timeout_s)) + 2
         return ["prlimit", f"--cpu={cpu}", f"--as={self.address_space}", f"--fsize={self.file_bytes}", "--core=0",
-                "--nproc=1", "--"]
+                "--nproc=1", f"--nofile={self.open_files}", "--"]
 
 
 class SandboxError(Exception):
@@ -109,10 +123,12 @@ _DROP = {"root": ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-group
          "user": ["setpriv", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]}
 _ENV = ["env", "-i", "HOME=/tmp/work", "TMPDIR=/tmp/work", "PATH=/usr/bin:/bin", "LANG=C.UTF-8", "OMP_NUM_THREADS=1",
         "PYTHONDONTWRITEBYTECODE=1", "PYTHONHASHSEED=0"]
-_MODES = {"root": "unshare mount+net+pid namespaces, every mount read-only, private tmpfs /tmp, setpriv "
-                  "nobody:nogroup, no capabilities, one process",
-          "user": "unshare user+mount+net+pid namespaces, every mount read-only, private tmpfs /tmp, no "
-                  "capabilities, one process (the user's uid: the user's readable files stay readable)"}
+_MODES = {"root": "unshare mount+net+pid+ipc namespaces, every mount read-only, private tmpfs /tmp, setpriv "
+                  "nobody:nogroup, no capabilities, one process, seccomp (no memfd, SysV IPC or unix sockets), "
+                  "killed with its parent",
+          "user": "unshare user+mount+net+pid+ipc namespaces, every mount read-only, private tmpfs /tmp, no "
+                  "capabilities, one process, seccomp (no memfd, SysV IPC or unix sockets), killed with its parent "
+                  "(the user's uid: the user's readable files stay readable)"}
 _PROBE: dict[str, str | None] = {}
 
 
@@ -125,12 +141,13 @@ def python() -> str:
 
 def argv(code: str, limits: Limits, kind: str) -> list[str]:
     """The command that runs `code` (python -I -S -c) in the sandbox of `kind` ("root" or "user")."""
-    ns = ["unshare", "--mount", "--net", "--pid", "--fork", "--kill-child"]
+    ns = ["setpriv", "--pdeathsig=KILL", "unshare", "--mount", "--net", "--pid", "--ipc", "--fork", "--kill-child"]
     if kind == "user":
-        ns.insert(1, "-r")
+        ns.insert(3, "-r")
     owner = "nobody:nogroup" if kind == "root" else "-"
     return (ns + ["sh", "-c", _SETUP, "sandbox", owner, str(limits.tmp_bytes)] + _DROP[kind] + limits.prlimit()
-            + _ENV + [python(), "-I", "-S", "-c", code])
+            + _ENV + [python(), "-I", "-S", "-c", sandbox_filter.LAUNCHER,
+                      sandbox_filter.program(platform.machine()).hex(), code])
 
 
 def kind() -> str:
@@ -140,7 +157,8 @@ def kind() -> str:
 def mode() -> str | None:
     """Which sandbox works on this machine (probed once a process by running a trivial program), or None."""
     if "mode" not in _PROBE:
-        ok = all(shutil.which(t) for t in ("unshare", "setpriv", "prlimit", "mountpoint"))
+        ok = all(shutil.which(t) for t in ("unshare", "setpriv", "prlimit", "mountpoint")) \
+            and sandbox_filter.supported(platform.machine())
         if ok:
             r = run_script("print('sandbox ok')", b"", Limits(timeout_s=30.0))
             ok = r["status"] == "exited" and r["returncode"] == 0 and r["stdout"] == b"sandbox ok\n"

@@ -3,10 +3,14 @@ os.access and real writes in every directory); the limits hold; the output cap; 
 the user-namespace mode as a real non-root user."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -90,9 +94,16 @@ def test_the_user_namespace_mode_as_a_non_root_user():
              "except OSError as e:\n    print('net refused', e.errno)\n")
     with tempfile.TemporaryDirectory() as tmp:
         os.chmod(tmp, 0o755)
-        shutil.copy(sandbox.__file__, Path(tmp) / "sbx.py")
-        os.chmod(Path(tmp) / "sbx.py", 0o644)
-        script = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nimport sbx\nassert sbx.kind() == 'user'\n"
+        pkg = Path(tmp) / "pipeline" / "eval"  # the sandbox and its filter, alone (no venv: the user can't read it)
+        pkg.mkdir(parents=True)
+        for f in (Path(tmp) / "pipeline" / "__init__.py", pkg / "__init__.py"):
+            f.write_text("")
+        for name in ("sandbox.py", "sandbox_filter.py"):
+            shutil.copy(Path(sandbox.__file__).with_name(name), pkg / name)
+        for d in (Path(tmp) / "pipeline", pkg):
+            os.chmod(d, 0o755)
+        script = ("import json, sys\nsys.path.insert(0, sys.argv[1])\nfrom pipeline.eval import sandbox as sbx\n"
+                  "assert sbx.kind() == 'user'\n"
                   f"lim = sbx.Limits(timeout_s={WALK_LIMITS.timeout_s}, output_bytes={WALK_LIMITS.output_bytes})\n"
                   f"a = sbx.run_script({probe!r})\nb = sbx.run_script({WALK!r}, limits=lim)\n"
                   "print(json.dumps([a['stdout'].decode(), b['status'], b['stdout'].decode()]))\n")
@@ -131,3 +142,134 @@ def test_output_is_capped_and_the_program_killed():
     assert time.monotonic() - t0 < 20
     r = sandbox.run_script("import time; time.sleep(60)", limits=sandbox.Limits(timeout_s=1.0))
     assert r["status"] == "timed out"
+
+
+# Probes from issue #42: the memory bound holds for memfd and shared memory too, SysV IPC dies with the sandbox,
+# the sandbox dies with its worker, and no unix socket of the host is reachable.
+MEMFD = r"""
+import os
+n = 0
+try:
+    for i in range(96):
+        fd = os.memfd_create(f"m{i}")
+        os.write(fd, bytes(8 << 20))
+        n += 1
+except OSError as e:
+    print("refused", e.errno)
+print("held", n * 8, "MiB")
+"""
+
+
+@needs_sandbox
+def test_memfd_files_do_not_escape_the_memory_limit():
+    """96 memfd files of 8 MiB each (768 MiB) under a 256 MiB limit: the file-size limit caps each file, not their
+    number, so the program must be refused before it holds more than its limit."""
+    r = sandbox.run_script(MEMFD, limits=sandbox.Limits(timeout_s=60.0, address_space=256 << 20))
+    out = r["stdout"].decode()
+    held = int(out.split("held ")[1].split()[0])
+    assert held < 256, out
+
+
+SHM = r"""
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmget.restype = ctypes.c_int
+shmid = libc.shmget(%d, 64 << 20, 0o1666)
+print("shmget", shmid, ctypes.get_errno())
+"""
+
+
+def _host_segments(key: int) -> list[int]:
+    """The ids of the host's SysV segments with `key` (/proc/sysvipc/shm: key shmid ...)."""
+    rows = [ln.split() for ln in Path("/proc/sysvipc/shm").read_text().splitlines()[1:]]
+    return [int(r[1]) for r in rows if int(r[0]) == key]
+
+
+@needs_sandbox
+@pytest.mark.skipif(not Path("/proc/sysvipc/shm").exists(), reason="no SysV IPC here")
+def test_a_sysv_segment_does_not_outlive_the_sandbox():
+    key = 0x5EED0000 + os.getpid() % 0xFFFF
+    r = sandbox.run_script(SHM % key, limits=sandbox.Limits(timeout_s=30.0))
+    left = _host_segments(key)
+    for shmid in left:  # ours: remove it so a failing run leaves no 64 MiB behind
+        subprocess.run(["ipcrm", "-m", str(shmid)], check=False)
+    assert r["status"] == "exited" and r["stdout"].startswith(b"shmget"), r
+    assert left == [], (left, r["stdout"])
+
+
+WORKER = r"""
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from pipeline.eval import sandbox
+box = sandbox.Sandbox("import time\nprint('up', flush=True)\ntime.sleep(600)  # %s", sandbox.Limits(timeout_s=600.0))
+print(box.recv_line(time.monotonic() + 60).decode(), flush=True)
+time.sleep(600)
+"""
+
+
+def _with_marker(marker: str) -> list[int]:
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if marker.encode() in (d / "cmdline").read_bytes():
+                    pids.append(int(d.name))
+    return pids
+
+
+@needs_sandbox
+def test_the_sandbox_dies_with_its_worker():
+    """A worker SIGKILLed while its program sleeps (a sleeping program never reaches its CPU limit): nothing of the
+    sandbox stays (the program, its namespace's init, unshare)."""
+    marker = f"sandbox-orphan-probe-{os.getpid()}-{time.time_ns()}"
+    repo = str(Path(__file__).resolve().parents[2])
+    worker = subprocess.Popen([sys.executable, "-c", WORKER % marker, repo], stdout=subprocess.PIPE, text=True)
+    try:
+        assert worker.stdout is not None and worker.stdout.readline().strip() == "up"
+        assert _with_marker(marker)  # the sandbox is there
+    finally:
+        worker.kill()
+        worker.wait()
+    left = _with_marker(marker)
+    for _ in range(200):  # bounded wait for the kernel to deliver the parent-death signals
+        if not left:
+            break
+        time.sleep(0.05)
+        left = _with_marker(marker)
+    for pid in left:  # a failing run cleans up what it started
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    assert left == []
+
+
+CONNECT = r"""
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect(sys.argv[1] if len(sys.argv) > 1 else %r)
+print("connected")
+"""
+
+
+@needs_sandbox
+@pytest.mark.parametrize("kind", ["root", "user"])
+def test_no_unix_socket_of_the_host_is_reachable(kind):
+    """A world-connectable unix socket outside /tmp and /run (an ssh ControlPath or gpg-agent socket in a home
+    directory is one in user mode: the program keeps the user's uid): connect() from inside fails."""
+    if kind == "root" and os.geteuid() != 0:
+        pytest.skip("the root mode needs root")
+    base = Path("/var/tmp") if os.access("/var/tmp", os.W_OK) else Path.home()
+    with tempfile.TemporaryDirectory(dir=base) as tmp:
+        os.chmod(tmp, 0o755)
+        path = os.path.join(tmp, "agent.sock")
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        srv.bind(path)
+        os.chmod(path, 0o777)
+        srv.listen(1)
+        try:
+            r = sandbox.run_script(CONNECT % path, limits=sandbox.Limits(timeout_s=30.0), sandbox_kind=kind)
+        finally:
+            srv.close()
+    if kind == "user" and b"unshare failed" in r["stderr"]:
+        pytest.skip("no user namespaces here")
+    assert r["status"] == "exited" and b"connected" not in r["stdout"], r
+    assert b"PermissionError" in r["stderr"], r["stderr"]
