@@ -59,6 +59,7 @@ from transformers.core_model_loading import (
     revert_weight_conversion,
 )
 
+from pipeline.base.errors import StageError
 from pipeline.base.memory import MappedPagesTrimmed
 
 CT_FORMAT = "pack-quantized"
@@ -401,6 +402,9 @@ def _verify(out_dir: Path, ints: dict, bits_of: dict[str, int], sym: bool) -> No
             raise RuntimeError(f"{name}: the compressed-tensors checkpoint does not hold the GPTQ integers/scales")
 
 
+REFUSED_EXIT = 3  # convert_fresh's child: the converter refused the checkpoint (its ValueError, written to RESULT)
+
+
 def convert_fresh(gptq_dir: Path, out_dir: Path) -> dict:
     """`convert` in a fresh interpreter (`python -m pipeline.quant.ct_export GPTQ_DIR OUT_DIR RESULT`): GPTQModel's
     quantize replaces some of transformers' MoE classes and its conversion mapping in the process that ran it
@@ -414,6 +418,9 @@ def convert_fresh(gptq_dir: Path, out_dir: Path) -> dict:
     try:
         done = subprocess.run([sys.executable, "-m", "pipeline.quant.ct_export", str(gptq_dir.resolve()),
                                str(out_dir.resolve()), str(result)], env=env, capture_output=True, text=True)
+        if done.returncode == REFUSED_EXIT and result.is_file():  # the converter's ValueError: a checkpoint it cannot write
+            raise StageError(f"the compressed-tensors conversion refused {gptq_dir.name}: "
+                             f"{json.loads(result.read_text())['refused']}")
         if done.returncode != 0:
             tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-3:])
             raise RuntimeError(f"the compressed-tensors conversion failed (exit code {done.returncode}): {tail}")
@@ -490,5 +497,9 @@ def load_own(folder: Path, device: str):
 
 
 if __name__ == "__main__":  # convert_fresh's child: GPTQ_DIR OUT_DIR RESULT_JSON
-    qc = convert(Path(sys.argv[1]), Path(sys.argv[2]))
+    try:
+        qc = convert(Path(sys.argv[1]), Path(sys.argv[2]))
+    except ValueError as e:  # a layout this converter refuses, by name: the parent raises it as a StageError
+        Path(sys.argv[3]).write_text(json.dumps({"refused": str(e)}))
+        sys.exit(REFUSED_EXIT)
     Path(sys.argv[3]).write_text(json.dumps(qc))

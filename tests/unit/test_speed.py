@@ -52,8 +52,11 @@ def test_speed_dict_has_every_key_with_positive_finite_numbers(result):
         _check_stats(cell["tokens_per_s"])
         assert cell["tokens_per_s"]["n"] == 2
     for key in ("decode_tokens_per_s_b1", "decode_tokens_per_s_max_batch", "footprint_bytes",
-                "weight_bytes_per_token", "copy_bandwidth_bytes_per_s", "kv_cache_speedup", "peak_memory_bytes"):
+                "weight_bytes_per_token", "copy_bandwidth_bytes_per_s", "kv_cache_speedup"):
         assert _finite_positive(result[key]), key
+    # call-entry basis in a warm test process: a tiny model's tensors may all fit in heap pages freed by earlier
+    # tests, so 0 above the base is a true reading here (the fresh-process test below asserts a positive peak)
+    assert isinstance(result["peak_memory_bytes"], int) and result["peak_memory_bytes"] >= 0
     assert result["max_batch"] == 3 and result["prompt_len"] == 12 and result["new_tokens"] == 5
     assert result["peak_memory_kind"] in ("rss_hwm", "rss_sampled") and result["peak_memory_basis"] == "call-entry"
     assert 0 < result["roofline_fraction"] <= 1.5
