@@ -794,3 +794,24 @@ def test_on_an_avx2_cpu_vllm_refuses_weight_only_checkpoints_naming_the_isa(tmp_
     monkeypatch.setattr(vllm_engine, "cpu_flags", lambda: None)  # not an x86 flag list (or unreadable): not asked
     assert engine.refuses("gptq", "cpu") is None
     assert engine.refuses_needs(("wna16", "fp8_kv"), "cpu") is None
+
+
+def test_auto_passes_over_an_engine_that_would_refuse_to_start(tmp_path, fake_vllm, monkeypatch):
+    """#42: serving.json says vLLM was fastest (measured on another machine), but here vLLM's serve would refuse to
+    start (exit 2): a non-loopback --host, or a weight-only compressed-tensors folder on an AVX2 CPU. auto takes the
+    next engine and says why."""
+    from pipeline.serve import measured
+
+    folder = tmp_path / "w4"
+    folder.mkdir()
+    qc = {"quant_method": "compressed-tensors",
+          "config_groups": {"group_0": {"weights": {"type": "int", "num_bits": 4}, "input_activations": None}}}
+    (folder / "config.json").write_text(json.dumps({"quantization_config": qc}))
+    measured.write(folder, {"transformers": _served("transformers", {16: 38.2}), "vllm": _served("vllm", {16: 63.3})})
+    assert engines.auto("compressed-tensors", folder, _auto_opts())[0] == "vllm"  # AVX-512 here: vLLM serves it
+    name, why = engines.auto("compressed-tensors", folder, _auto_opts(host="0.0.0.0", key="k"))
+    assert name == "transformers" and "vllm passed over: --engine vllm binds loopback only" in why, why
+    monkeypatch.setattr(vllm_engine, "cpu_flags", lambda: {"avx2"})
+    name, why = engines.auto("compressed-tensors", folder, _auto_opts())
+    assert name == "transformers" and "vllm passed over: engine vllm: vLLM's CPU build serves" in why, why
+    assert "AVX2 without AVX-512" in why

@@ -76,10 +76,14 @@ def auto(fmt: str, folder, opts: ServeOptions) -> tuple[str, str]:
     else the format's default engine."""
     why = engines_for(fmt, opts.device)
     usable = [n for n in NAMES if why[n] is None and not ENGINES.get(n).unhonoured(opts)]
+    # an engine whose serve would refuse to start here (exit 2) is passed over, and the line says so
+    passed = {n: r for n in usable if (r := ENGINES.get(n).refuses_start(folder, opts))}
+    usable = [n for n in usable if n not in passed]
+    note = "".join(f"; {n} passed over: {r}" for n, r in passed.items())
     kind = device_kind(opts.device)
     found = measured.pick(measured.read(folder), kind, opts.slots, usable)
     if found:
-        return found
+        return found[0], found[1] + note
     name = default_engine(fmt)
     return name, (f"auto: {name}, the default for {describe(fmt)} (no error-free serving figures on {kind.upper()} "
-                  f"for an engine usable here in the folder's {measured.SERVING_FILE})")
+                  f"for an engine usable here in the folder's {measured.SERVING_FILE})" + note)

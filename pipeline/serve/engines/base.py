@@ -88,6 +88,11 @@ class Engine:
         """The options the user set that this engine does not apply (refused by `compress serve`, never dropped)."""
         return [o for o in OPTIONS if o in opts.explicit and o not in self.honours]
 
+    def refuses_start(self, folder, opts: ServeOptions) -> str | None:
+        """Why its serve would refuse this folder with these options before starting anything (exit 2), or None:
+        what `--engine auto` passes over (vLLM: a non-loopback host, a checkpoint its CPU build cannot run here)."""
+        return None
+
     def serve(self, exp, sock: socket.socket, opts: ServeOptions) -> int:
         """Serve the export on the bound socket until SIGTERM; the exit code. By default its work module's
         `serve(exp, sock, opts)` (pipeline/serve/work/<name>.py, which imports the server and model libraries)."""

@@ -120,6 +120,9 @@ class VLLM(Engine):
         return (f"vLLM ({' '.join(dist) if dist else 'not installed'}) has no model class {model_class} in its "
                 "registry (vllm/model_executor/models/registry.py)")
 
+    def refuses_start(self, folder, opts: ServeOptions) -> str | None:
+        return start_refusal(Path(folder), opts)
+
     def version(self) -> dict[str, str]:
         dist = distribution(python())
         return {dist[0]: dist[1]} if dist else {}
@@ -197,23 +200,32 @@ def weight_only_ct(qc: dict) -> bool:
         (g.get("weights") or {}).get("type") == "int" and not g.get("input_activations") for g in groups)
 
 
-def command(exp, opts: ServeOptions, missing: str | None) -> tuple[list[str], dict]:
-    """vLLM's argv and environment for this folder and these options (RecipeError for what it cannot honour)."""
+def start_refusal(folder: Path, opts: ServeOptions) -> str | None:
+    """Why `--engine vllm` refuses this folder and these options before starting vLLM, or None (also what
+    `--engine auto` passes over)."""
     # late: pipeline.serve.server imports the engine registry, which imports this module
     from pipeline.serve.server import is_loopback
 
-    if missing:
-        raise RecipeError(f"engine vllm: {missing}")
     if not opts.device.startswith("cuda"):  # what the plan cannot see: it knows "compressed-tensors" only
-        qc = quantization_config(exp.path)
+        qc = quantization_config(folder)
         why = (wna16_missing("a compressed-tensors W4A16/W8A16 checkpoint") if weight_only_ct(qc) else None) or \
             (fp8_kv_missing() if qc.get("kv_cache_scheme") else None)
         if why:
-            raise RecipeError(f"engine vllm: {why}")
+            return f"engine vllm: {why}"
     if not is_loopback(opts.host):
-        raise RecipeError(f"--engine vllm binds loopback only: vLLM checks the API key on its /v1 routes alone "
-                          f"(/invocations, /tokenize, /pause and /abort_requests stay open), so --host {opts.host} is "
-                          "refused; put your own authenticating proxy in front of it, or use --engine transformers")
+        return (f"--engine vllm binds loopback only: vLLM checks the API key on its /v1 routes alone "
+                f"(/invocations, /tokenize, /pause and /abort_requests stay open), so --host {opts.host} is "
+                "refused; put your own authenticating proxy in front of it, or use --engine transformers")
+    return None
+
+
+def command(exp, opts: ServeOptions, missing: str | None) -> tuple[list[str], dict]:
+    """vLLM's argv and environment for this folder and these options (RecipeError for what it cannot honour)."""
+    if missing:
+        raise RecipeError(f"engine vllm: {missing}")
+    why = start_refusal(exp.path, opts)
+    if why:
+        raise RecipeError(why)
     length = min(opts.max_model_len, exp.context or opts.max_model_len)
     cmd = [str(python()), "-m", ENTRY, "--model", str(exp.path), "--served-model-name", exp.path.name,
            "--host", opts.host, "--port", str(opts.port), "--max-num-seqs", str(opts.slots),
