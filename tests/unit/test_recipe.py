@@ -241,7 +241,7 @@ def test_recipes_whose_figures_need_float32_pin_it():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2] / "recipes"
-    for name in ("ci-real", "qwen-pair", "full"):  # recorded baseline, fp32 verifier, benchmarks/README.md
+    for name in ("ci-real", "qwen-pair", "full"):  # recorded baseline, fp32 verifier, research/full.md
         assert tomllib.loads((root / f"{name}.toml").read_text())["model"]["dtype"] == "float32"
 
 
