@@ -18,7 +18,8 @@ from pathlib import Path
 from safetensors.torch import load_file
 
 from pipeline.eval.perplexity import make_windows
-from pipeline.serve.measure import serving, vllm_facts
+from pipeline.serve.engines.vllm import vllm_facts
+from pipeline.serve.measure import serving
 from pipeline.serve.served_nll import served_vs_in_process
 
 

@@ -31,6 +31,7 @@ from pipeline.results.mix_render import mix_lines, mix_of
 from pipeline.results.query import is_distilled, shown_params
 from pipeline.results.schema import DraftEntry, ModelEntry, ModelInfo, Report
 from pipeline.results.tasks_render import task_eval_results
+from pipeline.serve import engines
 
 # names of our datasets -> Hub dataset ids (metadata only lists ids the Hub can resolve)
 HUB_DATASETS = {"wikitext2": "Salesforce/wikitext", "wikitext-2": "Salesforce/wikitext",
@@ -102,9 +103,10 @@ def card_data(report: Report, entry: dict) -> ModelCardData:
                               metric_name=f"perplexity ({measured.protocol or 'unknown protocol'})")]
 
     results = ((results or []) + task_eval_results(data)) or None  # [validate.tasks], one per task
-    library = getattr(_method(data), "hub_library", None) or "transformers"
-    if library != "transformers":  # Hub conventions for another library's files (GGUF): who quantized it
+    own = getattr(_method(data), "hub_library", None)  # a library other than transformers reads its files (GGUF)
+    if own:  # Hub conventions for another library's files: who quantized it
         extra["quantized_by"] = "compress"
+    library = own or "transformers"
     return ModelCardData(base_model=base, library_name=library, pipeline_tag="text-generation",
                          license=model.license or None, tags=tags, datasets=_datasets(report, data) or None,
                          model_name=name, eval_results=results, **extra)
@@ -263,9 +265,6 @@ def _runtime_table(data, failed: dict[str, str] | None = None) -> list[str]:
                f"{served_note(data, r, failed or {})} |" for r in runtimes] + [""])
 
 
-ENGINE_LABELS = {"vllm": "vLLM", "transformers": "transformers", "llama.cpp": "llama.cpp"}
-
-
 def _device(s: Served) -> str:
     return "CUDA" if "cuda" in str(s.given("device", "cpu")) else "CPU"
 
@@ -277,7 +276,7 @@ def _engine_rows(data: ModelEntry) -> list[dict]:
         if s.skipped:
             continue
         kernel = ", ".join(s.kernels or []) or "—"
-        rows.append({"runtime": f"{ENGINE_LABELS.get(engine, engine)} ({_device(s)})", "kernel": kernel,
+        rows.append({"runtime": f"{engines.label(engine)} ({_device(s)})", "kernel": kernel,
                      "note": "its own server, this export folder as it is"})
     return rows
 

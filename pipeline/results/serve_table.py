@@ -14,6 +14,7 @@ from pipeline.results.format import FP_DISTILLED, num, size, table
 from pipeline.results.metrics import Equality, Real, Served, Speed, Stat
 from pipeline.results.query import models
 from pipeline.results.schema import Report
+from pipeline.serve import engines
 
 TECHNIQUES_PLOT = "techniques_throughput_latency.png"
 
@@ -50,24 +51,19 @@ def serving(report: Report) -> list[str]:
     skipped = [(n, s) for n, s in entries if s.skipped]
     if not served_ and not skipped:
         return []
-    engines: dict[str, dict[str, Any]] = {}
+    versions: dict[str, dict[str, Any]] = {}
     for _, s in served_:
-        engines.setdefault(str(s.given("engine", "?")), s.versions or {})
+        versions.setdefault(str(s.given("engine", "?")), s.versions or {})
     lines = ["## Serving", "", "`compress serve` (" + "; ".join(
-        f"{e}: " + ", ".join(f"{k} {v}" for k, v in vs.items()) for e, vs in engines.items())
+        f"{e}: " + ", ".join(f"{k} {v}" for k, v in vs.items()) for e, vs in versions.items())
         + "), streaming /v1/completions, fixed output length (ignore_eos / min_tokens), closed loop: each client "
           "sends its next request when the last one ends. Latencies in ms; peak memory is the server's VmHWM.", ""]
-    if any(_engine(s) == "vllm" for _, s in served_):
-        lines += ["vllm rows: vLLM's own server (from its own environment, supervised by `compress serve`) on the same "
-                  "checkpoint folder, prompts and levels. Its greedy output is compared with transformers generate "
-                  "token for token, but its kernels differ (and it may compute in another precision: its `dtype` is "
-                  "in the record), so not every prompt is expected to match.", ""]
-    if any(_engine(s) == "llama.cpp" for _, s in served_):
-        lines += ["llama.cpp rows: llama-cpp-python's server runs one request at a time (the others queue), so a "
-                  "level above 1 measures queueing, not continuous batching. Its greedy output is compared with "
-                  "transformers generate on the dequantized file by text (different kernels: not expected to be "
-                  "identical on every prompt); transformers rows are compared token for token.", ""]
-    hf = {(name, lv.concurrency): lv.output_tok_s for name, s in served_ if _engine(s) == "transformers"
+    present = {_engine(s) for _, s in served_}
+    for name in reversed(engines.REGISTERED):  # each served engine's note, the latest registered first
+        note = engines.get(name).report_note
+        lines += [note, ""] if note and name in present else []
+    reference = engines.reference()
+    hf = {(name, lv.concurrency): lv.output_tok_s for name, s in served_ if _engine(s) == reference
           for lv in s.levels or []}
     body = []
     for name, s in served_:
@@ -75,12 +71,12 @@ def serving(report: Report) -> list[str]:
         for lv in s.levels or []:
             ref = hf.get((name, lv.concurrency))
             ratio = (f"{lv.output_tok_s / ref:.2f}"
-                     if ref and lv.output_tok_s is not None and _engine(s) != "transformers" else "—")
+                     if ref and lv.output_tok_s is not None and _engine(s) != reference else "—")
             body.append([name, _engine(s), num(lv.concurrency), _fixed(lv.output_tok_s, 1), ratio,
                          _fixed(lv.requests_s, 2), _ms(lv.ttft_p50_s), _ms(lv.ttft_p99_s),
                          _ms(lv.itl_p50_s), _ms(lv.itl_p99_s), f"{lv.errors}/{lv.requests}",
                          size(lv.server_peak_rss_bytes) if lv.server_peak_rss_bytes else "—", same])
-    header = ["model", "engine", "concurrency", "output tok/s", "× transformers", "req/s", "TTFT p50", "TTFT p99",
+    header = ["model", "engine", "concurrency", "output tok/s", f"× {reference}", "req/s", "TTFT p50", "TTFT p99",
               "ITL p50", "ITL p99", "errors", "peak memory", "greedy = generate"]
     out = lines + (table(header, body) + [""] if body else [])
     scored = [(name, s) for name, s in served_ if s.perplexity is not None and s.perplexity.value is not None]
@@ -164,8 +160,9 @@ def _generate_rows(name: str, speed: Speed) -> list[TechRow]:
 
 
 def _served_rows(name: str, serve: Served) -> list[TechRow]:
-    engine = _engine(serve)
-    label = {"transformers": CB, "vllm": f"{CB} (vLLM)"}.get(engine, f"served ({engine}, one request at a time)")
+    engine, eng = _engine(serve), engines.find(_engine(serve))
+    label = (f"served ({engine}, one request at a time)" if eng is None or not eng.batches
+             else CB if eng.reference else f"{CB} ({eng.display()})")
     return [TechRow(name, label, lv.concurrency, lv.output_tok_s,
                     lv.itl_p99_s * 1000 if lv.itl_p99_s is not None else None,
                     lv.ttft_p99_s * 1000 if lv.ttft_p99_s is not None else None, "server",

@@ -2,7 +2,7 @@
 check imports it). Off by default: on 2 cores it adds about a minute per model for a 135 M model."""
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -11,7 +11,12 @@ from pipeline.quant.registry import METHODS
 from pipeline.serve import engines
 from pipeline.serve.engines.base import describe
 
-EngineChoice = Literal["auto", "transformers", "llama.cpp", "vllm"]
+if TYPE_CHECKING:  # built at run time from the engine registry, as QuantVariant is from the methods'
+    EngineName = str
+    EngineChoice = str
+else:
+    EngineName = Literal[engines.REGISTERED]
+    EngineChoice = Literal[("auto", *engines.REGISTERED)]
 _DEFAULT_ENGINES: tuple[EngineChoice, ...] = ("auto",)
 
 
@@ -28,7 +33,7 @@ class ServeConfig(BaseModel):
                     "llama-cpp-python is not installed); all: every engine that declares the model's format on this "
                     "device (pipeline/serve/engines), those not installed skipped with the reason recorded; a named "
                     "engine serves the models whose format it declares and must be installed")
-    engine_models: dict[Literal["transformers", "llama.cpp", "vllm"], list[str]] = Field(
+    engine_models: dict[EngineName, list[str]] = Field(
         default_factory=dict,
         description="an engine named here serves only these models (of those `models` and `engines` select), e.g. "
                     "{ vllm = [\"gptq-w4g64\"] } to serve only the deployed export in vLLM; an engine not named "

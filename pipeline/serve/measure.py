@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from pipeline.model.models import single_gguf
 from pipeline.quant.checkpoint import load_checkpoint
 from pipeline.serve import engines
 from pipeline.serve.engines.base import error_line
-from pipeline.serve.loadtest import FIXED_LENGTH_GREEDY, run
+from pipeline.serve.loadtest import run
 from pipeline.serve.server import KEY_ENV
 
 # what the `compress serve` subprocess runs, named so the serve unit's identity covers it (pipeline/base/codehash.py);
@@ -68,7 +67,7 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
     eng = engines.get(engine)
     opts = {"slots": max(cfg.concurrency), "max_queue": max(cfg.concurrency), "max_model_len": cfg.max_model_len,
             "queue_timeout_s": cfg.timeout_s, "threads": threads}
-    args = ["--device", device, *(["--enforce-eager"] if engine == "vllm" and not cfg.compile else [])]
+    args = ["--device", device, *eng.serve_args(cfg)]
     for k, v in opts.items():
         if v is not None and k in eng.honours:
             args += ["--" + k.replace("_", "-"), str(v)]
@@ -77,9 +76,7 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
         served = []
         for p in prompts[:cfg.equality_prompts]:
             body = {"model": folder.name, "prompt": p, "max_tokens": cfg.equality_tokens, "return_token_ids": True,
-                    "temperature": 0.0, **({"repeat_penalty": FIXED_LENGTH_GREEDY["repeat_penalty"]}
-                                           if engine == "llama.cpp" else {}),
-                    **({"add_special_tokens": False} if engine == "vllm" else {})}  # as generate's reference
+                    "temperature": 0.0, **eng.equality_request}
             choice = _post(url + "/v1/completions", body, cfg.timeout_s, out / "server.log")["choices"][0]
             served.append(choice.get("token_ids") if choice.get("token_ids") is not None else choice["text"])
         levels = run(url, folder.name, cfg.concurrency, cfg.requests_per_level, cfg.max_tokens, cfg.prompt_words,
@@ -96,9 +93,8 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
         eq["exact"] = False
     result = {"engine": engine, "versions": health.get("versions") or eng.version(), "device": device,
               "server_exit": rc, "ready_s": round(ready_s, 1), "equality": eq, "levels": levels,
-              **({"compiled": cfg.compile} if engine == "vllm" else {}),
-              **({"perplexity": scored} if scored is not None else {})}
-    return {**result, **vllm_facts(out / "server.log", folder)} if engine == "vllm" else result
+              **eng.config_facts(cfg), **({"perplexity": scored} if scored is not None else {})}
+    return {**result, **eng.log_facts(out / "server.log", folder)}
 
 
 @dataclass
@@ -144,25 +140,6 @@ def serving(folder: Path, engine: str, args: list[str], log_path: Path, timeout_
 
 def _error_line(log_path: Path) -> str:
     return error_line(log_path.read_text(errors="replace").splitlines())
-
-
-def vllm_facts(log: Path, folder: Path) -> dict:
-    """What vLLM's log says it ran: the precision (`dtype=torch.bfloat16` in its engine's start line) and the linear
-    kernels it chose ("Using CPUWNA16LinearKernel for ..."); and whether its CPU kernel multiplied 4-bit weights with
-    int8-quantized activations: vLLM 0.32 does for 4-bit GPTQ/AWQ in bfloat16 on a CPU with AMX unless
-    VLLM_CPU_INT4_W4A8=0 (read in its source, mixed_precision/cpu.py; its log does not say)."""
-    text = log.read_text(errors="replace")
-    m = re.search(r"\bdtype=torch\.(\w+)", text)
-    kernels = sorted(set(re.findall(r"Using (\w+Kernel|\w+LinearMethod) for", text)))
-    out = {**({"served_dtype": m.group(1)} if m else {}), **({"kernels": kernels} if kernels else {})}
-    try:
-        bits = (json.loads((folder / "config.json").read_text()).get("quantization_config") or {}).get("bits")
-        amx = "amx_tile" in Path("/proc/cpuinfo").read_text()
-    except (OSError, ValueError):
-        bits, amx = None, False
-    if "CPUWNA16LinearKernel" in kernels and bits == 4 and out.get("served_dtype") == "bfloat16":
-        out["int8_activations"] = amx and os.environ.get("VLLM_CPU_INT4_W4A8", "1") != "0"
-    return out
 
 
 def _wait(url: str, proc: subprocess.Popen, timeout: float, log_path: Path) -> dict:

@@ -185,7 +185,7 @@ def serve(ctx: UnitContext, recipe, name: str, src: str, engine: str, skipped: s
     engines.choose(folder.checkpoint_format, str(folder.path), engine, ctx.device)
     prompts = corpus_prompts(max(64, 2 * max(cfg.concurrency)), cfg.prompt_words, ppl.dataset)
     score, unscored = None, None
-    if engine == "vllm" and cfg.perplexity:  # the only engine here that returns prompt log-probabilities
+    if engines.get(engine).prompt_logprobs and cfg.perplexity:  # scored from its prompt log-probabilities
         context = folder.context  # max_position_embeddings (pipeline/serve/folder.py)
         if context is not None and ppl.seq_len + 1 > context:  # a window and the one token vLLM must generate
             unscored = (f"a perplexity window of {ppl.seq_len} tokens and one generated token exceed the model's "

@@ -67,8 +67,8 @@ def check(recipe: str, overrides: tuple[str, ...]) -> None:
         served = {e for by in plan.serve_engines.values() for e, why in by.items() if why is None}
         versions = "; ".join(f"{e}: " + (", ".join(f"{k} {v}" for k, v in engines.get(e).version().items()) or "?")
                              for e in sorted(served))
-        click.echo(f"serve     {versions}" + (" (vLLM compiles: ~60-90 s more start-up per model)"
-                                              if "vllm" in served and r.validate_.serve.compile else ""))
+        click.echo(f"serve     {versions}" + "".join(engines.get(e).check_note(r.validate_.serve)
+                                                   for e in sorted(served)))
         for name, by in plan.serve_engines.items():
             click.echo(f"            {name:<24}"
                        + ", ".join(e if why is None else f"{e} skipped" for e, why in by.items()))

@@ -17,14 +17,35 @@ from pipeline.serve.engines.base import UNQUANTIZED, Engine, ServeOptions, descr
 
 ENGINE_MODULES = ("transformers", "llamacpp", "vllm")
 ENGINES: Registry[Engine] = Registry("serving engine")
+_REGISTERED: list[str] = []
 for _module in ENGINE_MODULES:
     for _engine in importlib.import_module(f"pipeline.serve.engines.{_module}").ENGINES:
         ENGINES.register(_engine.name)(_engine())
+        _REGISTERED.append(_engine.name)
 NAMES = tuple(ENGINES.names())
+# the names in ENGINE_MODULES' order: the recipe's engine choices (pipeline/serve/config.py), as QuantVariant's
+# union is built from the registered methods
+REGISTERED = tuple(_REGISTERED)
 
 
 def get(name: str) -> Engine:
     return ENGINES.get(name)
+
+
+def find(name: str) -> Engine | None:
+    """The engine of this name, or None for one this compress does not know (a report written by another)."""
+    return ENGINES.get(name) if name in ENGINES else None
+
+
+def label(name: str) -> str:
+    """How report.md and the cards name an engine ("vLLM"); an unknown one by its name."""
+    engine = find(name)
+    return engine.display() if engine is not None else name
+
+
+def reference() -> str:
+    """The engine the others' served throughput is compared with (report.md's "x transformers" column)."""
+    return next(n for n in REGISTERED if ENGINES.get(n).reference)
 
 
 def checkpoint_format(fmt: str, quant_method: str | None) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 from pipeline.base.registry import load_work
@@ -57,6 +58,35 @@ class Engine:
     # an extra: [validate.serve] engines = "all" skips it, with the reason recorded, where it is not installed
     optional: ClassVar[bool] = False
     work: ClassVar[str | None] = None  # the module that serves, by dotted path (pipeline.base.registry.load_work)
+    # what the serve measurement (pipeline/serve/measure.py), the validate stage, `compress check`, report.md's
+    # Serving and techniques tables (pipeline/results/serve_table.py) and the cards (pipeline/results/card.py) ask
+    label: ClassVar[str] = ""  # how report.md and the cards name it ("vLLM"); "": its name
+    reference: ClassVar[bool] = False  # the engine the others' served throughput is compared with ("x transformers")
+    batches: ClassVar[bool] = True  # serves concurrent requests together (continuous batching), not one at a time
+    prompt_logprobs: ClassVar[bool] = False  # returns prompt log-probabilities: perplexity is scored through it
+    # fields added to each greedy request whose output is compared with generate's
+    equality_request: ClassVar[dict[str, object]] = {}
+    report_note: ClassVar[str] = ""  # report.md's Serving section: the paragraph that explains its rows
+
+    def display(self) -> str:
+        return self.label or self.name
+
+    def serve_args(self, cfg) -> list[str]:
+        """`compress serve` arguments the [validate.serve] config (pipeline/serve/config.py) asks of it, beyond
+        the options it honours."""
+        return []
+
+    def config_facts(self, cfg) -> dict:
+        """Facts from the [validate.serve] config that its serve record states (vLLM: whether it compiled)."""
+        return {}
+
+    def log_facts(self, log: Path, folder: Path) -> dict:
+        """Facts its server's log states about what it ran, added last to its serve record."""
+        return {}
+
+    def check_note(self, cfg) -> str:
+        """What `compress check`'s serve line adds for it under this [validate.serve] config."""
+        return ""
 
     def missing(self) -> str | None:
         """Why it cannot start on this machine (not installed), or None."""

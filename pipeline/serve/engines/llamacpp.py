@@ -147,6 +147,12 @@ class LlamaCpp(Engine):
     install = LLAMA_CPP_INSTALL
     optional = True  # an extra: engines = "all" skips it with a recorded reason when it is missing
     work = "pipeline.serve.work.llamacpp"
+    batches = False  # one request at a time (see the docstring)
+    equality_request = {"repeat_penalty": 1.0}  # greedy: its sampling default penalises repeats (1.1)
+    report_note = ("llama.cpp rows: llama-cpp-python's server runs one request at a time (the others queue), so a "
+                   "level above 1 measures queueing, not continuous batching. Its greedy output is compared with "
+                   "transformers generate on the dequantized file by text (different kernels: not expected to be "
+                   "identical on every prompt); transformers rows are compared token for token.")
 
     def missing(self) -> str | None:
         return llama_cpp_missing()

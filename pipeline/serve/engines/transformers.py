@@ -17,6 +17,7 @@ class Transformers(Engine):
     name = "transformers"
     formats = {"cpu": HF_FORMATS, "cuda": HF_FORMATS}
     exact = True  # the same weights and kernels as generate: token for token
+    reference = True  # report.md's "x transformers": the other engines' throughput over this one's
     work = "pipeline.serve.work.transformers"
 
     def version(self) -> dict[str, str]:

@@ -27,6 +27,7 @@ import functools
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -86,6 +87,25 @@ class VLLM(Engine):
     unhonoured_why = "vLLM has no such setting: it queues without bound and caps output at the context"
     install = INSTALL
     optional = True
+    label = "vLLM"
+    prompt_logprobs = True  # [validate.serve] perplexity: the quality windows scored through its server
+    equality_request = {"add_special_tokens": False}  # the ids generate's reference is given
+    report_note = ("vllm rows: vLLM's own server (from its own environment, supervised by `compress serve`) on the "
+                   "same checkpoint folder, prompts and levels. Its greedy output is compared with transformers "
+                   "generate token for token, but its kernels differ (and it may compute in another precision: its "
+                   "`dtype` is in the record), so not every prompt is expected to match.")
+
+    def serve_args(self, cfg) -> list[str]:
+        return [] if cfg.compile else ["--enforce-eager"]
+
+    def config_facts(self, cfg) -> dict:
+        return {"compiled": cfg.compile}
+
+    def log_facts(self, log: Path, folder: Path) -> dict:
+        return vllm_facts(log, folder)
+
+    def check_note(self, cfg) -> str:
+        return " (vLLM compiles: ~60-90 s more start-up per model)" if cfg.compile else ""
 
     def missing(self) -> str | None:
         py = python()
@@ -131,6 +151,25 @@ class VLLM(Engine):
         sock.close()  # checked free; vLLM binds it itself
         cmd, env = command(exp, opts, self.missing())
         return Supervisor(cmd, env, exp.path.name, opts).run()
+
+
+def vllm_facts(log: Path, folder: Path) -> dict:
+    """What vLLM's log says it ran: the precision (`dtype=torch.bfloat16` in its engine's start line) and the linear
+    kernels it chose ("Using CPUWNA16LinearKernel for ..."); and whether its CPU kernel multiplied 4-bit weights with
+    int8-quantized activations: vLLM 0.32 does for 4-bit GPTQ/AWQ in bfloat16 on a CPU with AMX unless
+    VLLM_CPU_INT4_W4A8=0 (read in its source, mixed_precision/cpu.py; its log does not say)."""
+    text = log.read_text(errors="replace")
+    m = re.search(r"\bdtype=torch\.(\w+)", text)
+    kernels = sorted(set(re.findall(r"Using (\w+Kernel|\w+LinearMethod) for", text)))
+    out = {**({"served_dtype": m.group(1)} if m else {}), **({"kernels": kernels} if kernels else {})}
+    try:
+        bits = (json.loads((folder / "config.json").read_text()).get("quantization_config") or {}).get("bits")
+        amx = "amx_tile" in Path("/proc/cpuinfo").read_text()
+    except (OSError, ValueError):
+        bits, amx = None, False
+    if "CPUWNA16LinearKernel" in kernels and bits == 4 and out.get("served_dtype") == "bfloat16":
+        out["int8_activations"] = amx and os.environ.get("VLLM_CPU_INT4_W4A8", "1") != "0"
+    return out
 
 
 @functools.cache
