@@ -67,10 +67,14 @@ class Server:
         raise RuntimeError("server not healthy in time")
 
     def health(self) -> dict:
+        """/health's body, also when it answers 503 (unhealthy, or draining)."""
         import json
 
-        with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-            return json.loads(r.read())
+        try:
+            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return json.loads(e.read())
 
     def stop(self) -> int:
         if self.proc.poll() is None:

@@ -1,5 +1,5 @@
 """The OpenAI-compatible routes: /v1/completions, /v1/chat/completions (SSE when stream=true), /v1/models, /health
-(no key: liveness probes), /metrics (Prometheus; behind the key when one is set).
+(no key: liveness probes; 503 while unhealthy or draining), /metrics (Prometheus; behind the key when one is set).
 
 What a request may ask for: pipeline/serve/openai_schema.py (served, harmless, and not-served fields: 400 naming the
 field). Generation, stop strings, echo, logprobs and batched prompts: pipeline/serve/completions.py. Admission:
@@ -75,7 +75,7 @@ def _info_routes(app: FastAPI, engine, svc: Service, drain: Drain) -> None:
         body = {"status": "ok" if ok else "unhealthy", "model": svc.model_name, "engine": engine.name,
                 "active": adm.active, "waiting": adm.waiting, "rejected": adm.rejected, "draining": drain.draining,
                 "in_flight": drain.in_flight, "versions": engine.versions}
-        return JSONResponse(body, status_code=200 if ok else 503)
+        return JSONResponse(body, status_code=200 if ok and not drain.draining else 503)  # draining: not ready
 
     @app.get("/metrics")
     async def scrape():
@@ -124,7 +124,7 @@ def _generation_routes(app: FastAPI, svc: Service, max_body_bytes: int, retry_af
     async def chat(request: Request, t0: float):
         req: ChatRequest = await parse(request, ChatRequest)
         seq = await svc.chat_seq(req)
-        n = svc.check(req, [seq])
+        n = svc.check(req, [seq], chat=True)
         return await (stream(req, seq, n, True, t0) if req.stream else svc.chat(req, seq, n, t0))
 
     @app.post("/v1/completions")

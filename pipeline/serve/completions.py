@@ -79,14 +79,18 @@ class Service:
             ids = ids["input_ids"]
         return Seq(list(ids))
 
-    def check(self, req: RequestBase, seqs: list[Seq], echo: bool = False) -> int:
-        """max_tokens for every sequence, or BadRequest naming what is wrong."""
+    def check(self, req: RequestBase, seqs: list[Seq], echo: bool = False, chat: bool = False) -> int:
+        """max_tokens for every sequence, or BadRequest naming what is wrong. Not given: for a completion OpenAI's
+        16 (`default_max_tokens`), for a chat the rest of the context up to this server's limit (as OpenAI and
+        vLLM)."""
         if req.model != self.model_name:
             raise BadRequest(f"model {req.model!r}: unknown; this server serves {self.model_name!r}")
         if req.temperature not in (None, 0, 0.0):
             raise BadRequest("temperature: only greedy decoding (temperature 0) is served")
         n = req.max_tokens if req.max_tokens is not None else req.max_completion_tokens
-        n = self.default_max_tokens if n is None else n
+        if n is None:
+            n = max(1, min(self.limit, self.context - max(len(s.ids) for s in seqs))) if chat and seqs \
+                else self.default_max_tokens
         if n < 0 or (n == 0 and not echo):
             raise BadRequest(f"max_tokens: must be > 0 (got {n}; 0 is served with echo=true only)")
         if n > self.limit:

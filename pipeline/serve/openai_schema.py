@@ -194,8 +194,30 @@ async def read_body(receive_chunks, declared: str | None, limit: int) -> bytes:
     return bytes(body)
 
 
+MAX_DEPTH = 32  # no served field nests deeper than a few levels (messages.0.content.0.text)
+
+
 def parse_json(body: bytes) -> Any:
+    """The parsed body, or BadRequest: not JSON, or nested deeper than MAX_DEPTH (json.loads itself raises
+    RecursionError past ~1000 levels, and the walks of a parsed body recurse)."""
     try:
-        return json.loads(body)
+        raw = json.loads(body)
     except ValueError:  # also a body that is not UTF-8
         raise BadRequest("the request body is not valid JSON") from None
+    except RecursionError:
+        raise BadRequest(f"the request body nests deeper than {MAX_DEPTH} levels") from None
+    if _depth(raw) > MAX_DEPTH:
+        raise BadRequest(f"the request body nests deeper than {MAX_DEPTH} levels")
+    return raw
+
+
+def _depth(value: Any) -> int:
+    """How deep lists and objects nest in a parsed JSON value (iterative: any depth)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict | list):
+            deepest = max(deepest, d)
+            if d <= MAX_DEPTH:
+                todo.extend((x, d + 1) for x in (v.values() if isinstance(v, dict) else v))
+    return deepest

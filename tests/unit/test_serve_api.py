@@ -209,12 +209,14 @@ def test_drain_answers_503_while_requests_in_flight_finish(run):
                 await asyncio.sleep(0.005)
             app.state.drain.begin(30)  # what the first SIGTERM does (the real signal: test_serve.py)
             second = await one()
-            health = await (await s.get(srv.url + "/health")).json()
+            got = await s.get(srv.url + "/health")
+            health = (got.status, await got.json())
             app.state.fake.hold.set()
             return await first, second, health
 
-    first, second, health = asyncio.run(go())
-    assert first[0] == 200 and health["draining"] is True
+    first, second, (health_status, health) = asyncio.run(go())
+    # a load balancer's probe reads the status: a draining server is not ready (#42: it answered 200)
+    assert first[0] == 200 and health["draining"] is True and health_status == 503
     assert second[0] == 503 and second[1]["error"]["message"] == "the server is shutting down"
     assert int(second[2]["Retry-After"]) >= 1 and second[2]["Connection"] == "close"
     until(lambda: app.state.drain.in_flight == 0)  # the middleware's count drops just after the last byte is sent
@@ -287,3 +289,29 @@ def test_stop_text_and_continuation_on_plain_strings():
     assert continuation(words, [5, 6], [7, 8]) == " t7 t8" and words([5, 6]) + continuation(words, [5, 6], [7]) == \
         words([5, 6, 7])
     assert continuation(words, [], [7]) == "t7" and continuation(words, [5], []) == ""
+
+
+def test_chat_without_max_tokens_gets_the_remaining_context(run):
+    """#42: OpenAI and vLLM default a chat request's max_tokens to the rest of the context (capped by this server's
+    limit); it stopped at 16 tokens. /v1/completions keeps OpenAI's 16."""
+    srv = run(_app(max_tokens_limit=100))  # the fake engine's context: 64 tokens
+    status, out = post(srv.url + "/v1/chat/completions", {"model": "fake", "messages": CHAT})
+    assert status == 200, out
+    assert out["usage"]["completion_tokens"] == 64 - out["usage"]["prompt_tokens"] == 61
+    assert out["choices"][0]["finish_reason"] == "length"
+    status, out = post(srv.url + "/v1/completions", {"model": "fake", "prompt": "a b"})
+    assert status == 200 and out["usage"]["completion_tokens"] == 16, out
+    srv2 = run(_app(max_tokens_limit=20))  # below the rest of the context: the server's limit
+    status, out = post(srv2.url + "/v1/chat/completions", {"model": "fake", "messages": CHAT})
+    assert status == 200 and out["usage"]["completion_tokens"] == 20, out
+
+
+@pytest.mark.parametrize("depth", [200, 900, 5000, 100000])
+def test_a_deeply_nested_body_is_400_not_500(run, depth):
+    """#42: json.loads raises RecursionError past ~1000 levels (and a walk of a parsed body could too): 500 before."""
+    srv = run(_app())
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        body = b'{"model": "fake", "prompt": ' + b"[" * depth + b"]" * depth + b"}"
+        status, out = post(srv.url + route, body)
+        assert status == 400, (route, status, out)
+        assert out["error"]["type"] == "invalid_request_error" and out["error"]["message"], out

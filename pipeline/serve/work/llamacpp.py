@@ -50,7 +50,8 @@ def serve_gguf(gguf: Path, model_name: str, sock: socket.socket, host: str, port
 
     async def health():
         return JSONResponse({"status": "ok", "model": model_name, "engine": ENGINE_NAME, "versions": versions,
-                             "draining": gate.draining, "in_flight": gate.in_flight})
+                             "draining": gate.draining, "in_flight": gate.in_flight},
+                            status_code=503 if gate.draining else 200)  # draining: not ready
 
     app.add_api_route("/health", health, methods=["GET"])
     app.add_middleware(TokenCap, limit=max_tokens_limit)
