@@ -15,14 +15,15 @@ from pipeline.base.problem import Problem
 from pipeline.budget.formulas import GiB
 from pipeline.estimate import estimate_disk, estimate_memory
 from pipeline.eval.config import GATE_SPECS, gate_path, gate_problems, moe_gate_problems, speed_problems
+from pipeline.eval.parallel_check import technique_problems, tp_rank_bytes
 from pipeline.eval.tasks_config import task_problems
 from pipeline.model.architecture import missing, model_class, transformers_model_types
-from pipeline.model.dtypes import HALF_UNITS, cpu_flags, resolve_dtype
+from pipeline.model.dtypes import HALF_UNITS, cpu_flags, dtype_bytes, resolve_dtype
 from pipeline.model.sources import ModelInfo, describe, parse
 from pipeline.quant.registry import check_variant, method_of, needs_calibration, runtimes, serve_needs, variant_format
 from pipeline.quant.shapes import Arch, linear_shapes_from_config
 from pipeline.serve.config import serve_plan
-from pipeline.stages.kinds import Calibrate, Draft, Export, Load, Quality, Quantize, Serve
+from pipeline.stages.kinds import Calibrate, Draft, Export, Load, Quality, Quantize, Serve, Speed
 
 TRACKED_PACKAGES = ("torch", "transformers", "gptqmodel", "bitsandbytes", "optimum", "accelerate", "datasets",
                     "huggingface-hub", "safetensors", "gguf", "torchao", "pydantic", "numpy", "compress")
@@ -93,6 +94,7 @@ def check(recipe) -> Plan:
     problems += _check_tasks(recipe, plan)
     problems += _check_serve(recipe, plan)
     estimate_memory(recipe, info, plan, source)
+    problems += _check_techniques(recipe, info, plan)
     problems += _untimed_gates(recipe, plan)
     if plan.peak_memory > plan.memory_limit:
         over = ", ".join(f"{k} needs {b / GiB:.2f} GiB" for k, b in plan.memory.items() if b > plan.memory_limit)
@@ -110,6 +112,22 @@ def check(recipe) -> Plan:
     if problems:
         raise RecipeError("the recipe cannot run:\n" + "\n".join(f"  - {p}" for p in problems), problems=problems)
     return plan
+
+
+def _check_techniques(recipe, info: ModelInfo, plan: Plan) -> list[Problem]:
+    """[validate.speed] technique rows this model and device cannot run; the tensor_parallel ranks' memory: each
+    rank's own line (per rank), and all of them added to the speed unit that starts them (one machine holds all)."""
+    speed = recipe.validate_.speed
+    if not speed.enabled or not speed.techniques:
+        return []
+    if "tensor_parallel" in speed.techniques:
+        rank = tp_rank_bytes(info.config, dtype_bytes(plan.dtype), speed.tp_size, speed.model_dump(mode="json"))
+        for name in ["baseline", *(v.name for v in recipe.quantize)]:
+            key = Speed.key(name)
+            if key in plan.memory and speed.for_model(name).techniques:
+                plan.memory[key] += speed.tp_size * rank
+                plan.memory[f"{key} tensor_parallel, per rank (x{speed.tp_size})"] = rank
+    return technique_problems(speed, info.config, plan.device)
 
 
 def _check_model_type(recipe, info) -> list[Problem]:

@@ -17,7 +17,7 @@ from pipeline.base.problem import Problem
 from pipeline.base.strict import Strict
 
 Technique = Literal[
-    "kv_cache", "no_kv_cache", "static_cache", "compile", "sdpa", "eager", "flash_attention_2"
+    "kv_cache", "no_kv_cache", "static_cache", "compile", "sdpa", "eager", "flash_attention_2", "tensor_parallel"
 ]
 TECHNIQUES: tuple[str, ...] = get_args(Technique)
 _DEFAULT_TECHNIQUES: tuple[Technique, ...] = ("kv_cache", "no_kv_cache")
@@ -65,6 +65,14 @@ class SpeedConfig(BaseModel):
         default_factory=lambda: list(_DEFAULT_TECHNIQUES),
         description="named technique rows, timed at batch 1",
     )
+    tp_size: int = Field(2, ge=2, description="tensor_parallel: ranks (torchrun processes, tp_plan='auto'; gloo on "
+                                              "CPU, one core each, nccl on GPUs); must divide the attention and KV "
+                                              "heads")
+    equality_atol: float = Field(0.02, gt=0, description="largest |logit difference| (on the prompt's last position, "
+                                                         "float32) an attention implementation or the "
+                                                         "tensor_parallel ranks may show against one process with "
+                                                         "sdpa before the row is timed; above it the row records the "
+                                                         "difference instead of a speed")
     technique_models: Literal["all"] | list[str] = Field(
         default_factory=lambda: ["baseline"],
         description="models that get the technique rows (they are about the runtime, and slow)",

@@ -17,10 +17,9 @@ Clocks are read only after synchronizing the device.
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
-import math
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 import transformers
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer, CompileConfig, LogitsProcessorList
+from transformers import AutoTokenizer, CompileConfig
 from transformers.utils import is_flash_attn_2_available
 
 from pipeline.base.errors import StageError
@@ -37,82 +36,24 @@ from pipeline.base.memory import PeakMemory
 from pipeline.base.worker import run_task  # a killed run kills its timing process too
 from pipeline.budget.formulas import GiB, head_bytes, speed_bytes
 from pipeline.eval.config import SpeedConfig
-from pipeline.eval.measure import copy_bandwidth, roofline_fraction, summarize, sync, timed_runs, weight_bytes_per_token
+from pipeline.eval.measure import (  # noqa: F401
+    StepClock,
+    copy_bandwidth,
+    make_batch,
+    roofline_fraction,
+    summarize,
+    sync,
+    time_generate,
+    time_prefill,
+    timed_runs,
+    weight_bytes_per_token,
+)
+from pipeline.eval.tensor_parallel import RankFailed, tp_row
 from pipeline.model.dtypes import config_dtype, dtype_bytes, dtype_name
 from pipeline.quant.checkpoint import load_checkpoint
 from pipeline.quant.registry import checkpoint_method
 
 SPEED_SCHEMA = "speed/1"
-_PROMPT_TEXT = (
-    "The history of measurement is the history of agreeing on what to count. Merchants weighed "
-    "grain against stones, builders paced out foundations, and astronomers timed the transit of "
-    "stars across a wire. Each method traded precision for convenience, and each was trusted only "
-    "as far as it could be repeated by someone else, on another day, with other hands. "
-)
-
-
-# ---------------------------------------------------------------- prompts and clocks
-def make_batch(tokenizer: Any, vocab_size: int, prompt_len: int, batch: int, device: str
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`batch` prompts of lengths prompt_len, prompt_len - step, ... left-padded into one batch.
-
-    Text from the tokenizer when there is one, else fixed pseudo-random ids (seeded)."""
-    if tokenizer is not None:
-        ids = tokenizer(_PROMPT_TEXT * (1 + prompt_len // 8), add_special_tokens=False)["input_ids"]
-        base = torch.tensor(ids[:prompt_len], dtype=torch.long)
-        base = base.repeat(math.ceil(prompt_len / max(1, len(base))))[:prompt_len]
-    else:
-        gen = torch.Generator().manual_seed(0)
-        base = torch.randint(3, vocab_size, (prompt_len,), generator=gen)
-    step = max(1, prompt_len // (2 * batch)) if batch > 1 else 0
-    ids = torch.zeros(batch, prompt_len, dtype=torch.long)
-    mask = torch.zeros(batch, prompt_len, dtype=torch.long)
-    for i in range(batch):
-        n = max(1, prompt_len - i * step)
-        ids[i, prompt_len - n:] = base[:n]
-        mask[i, prompt_len - n:] = 1
-    return ids.to(device), mask.to(device)
-
-
-class StepClock:
-    """Logits processor that stamps the (synchronized) clock after every forward of generate."""
-
-    def __init__(self, device: str):
-        self.device = device
-        self.stamps: list[float] = []
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        sync(self.device)
-        self.stamps.append(time.perf_counter())
-        return scores
-
-
-def time_prefill(model, ids: torch.Tensor, mask: torch.Tensor, device: str) -> float:
-    """Seconds for one forward over the prompt, as generate runs it: KV cache built, logits of the
-    last position only (where the model supports `logits_to_keep`)."""
-    extra = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    sync(device)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        model(input_ids=ids, attention_mask=mask, use_cache=True, **extra)
-    sync(device)
-    return time.perf_counter() - t0
-
-
-def time_generate(model, ids, mask, new_tokens: int, device: str, pad_id: int, **gen_kwargs) -> dict:
-    """One greedy generate of exactly `new_tokens` tokens -> ttft_s and decode_s (N-1 steps)."""
-    clock = StepClock(device)
-    sync(device)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, pad_token_id=pad_id,
-                       logits_processor=LogitsProcessorList([clock]), **gen_kwargs)
-    if len(clock.stamps) != new_tokens:
-        raise StageError(f"generate ran {len(clock.stamps)} steps, expected {new_tokens}")
-    return {"ttft_s": clock.stamps[0] - t0, "decode_s": clock.stamps[-1] - clock.stamps[0]}
-
-
 # ---------------------------------------------------------------- cells
 class Bench:
     """One model, its prompts (one left-padded batch per batch size) and the config: the cells of
@@ -120,6 +61,7 @@ class Bench:
 
     def __init__(self, model, tokenizer, cfg: SpeedConfig, device: str):
         self.model, self.cfg, self.device = model, cfg, device
+        self.model_dir: Path | None = None  # the checkpoint folder, when timed from one (tensor_parallel loads it)
         vocab = model.config.get_text_config().vocab_size
         self.batches = {b: make_batch(tokenizer, vocab, cfg.prompt_len, b, device) for b in cfg.batch_sizes}
         pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
@@ -167,6 +109,12 @@ def _technique(bench: Bench, name: str, kv: dict) -> dict:
         return {"decode_tokens_per_s": row["tokens_per_s"], "note": "static cache, not compiled"}
     if name == "compile":
         return _compile_row(bench, cuda)
+    if name == "tensor_parallel":
+        if bench.model_dir is None:
+            return {"skipped": "tensor_parallel loads a checkpoint folder in each rank: not timed from a model in "
+                               "memory"}
+        with tempfile.TemporaryDirectory(prefix="tp-") as tmp:
+            return tp_row(bench.model_dir, bench.cfg, bench.device, Path(tmp))
     return _attention_row(bench, name, cuda)
 
 
@@ -186,6 +134,8 @@ def _compile_row(bench: Bench, cuda: bool) -> dict:
 
 
 def _attention_row(bench: Bench, name: str, cuda: bool) -> dict:
+    """One attention implementation, timed only after its output is checked against sdpa's on the batch-1 prompt
+    (the last position's logits, within [validate.speed] equality_atol)."""
     model = bench.model
     if name == "flash_attention_2":
         if not cuda:
@@ -194,13 +144,29 @@ def _attention_row(bench: Bench, name: str, cuda: bool) -> dict:
             return {"skipped": "flash_attn is not installed"}
     before = model.config._attn_implementation
     try:
+        model.set_attn_implementation("sdpa")
+        reference = model.config._attn_implementation  # sdpa, or the model's own where it cannot switch
+        expected = last_logits(model, *bench.batches[1])
         model.set_attn_implementation(name)
         if model.config._attn_implementation != name:
             return {"skipped": f"{type(model).__name__} cannot switch attention to {name}"}
-        return {"prefill_tokens_per_s": bench.prefill(),
-                "decode_tokens_per_s": bench.decode(1)["tokens_per_s"], "note": f"attn_implementation={name}"}
+        diff = float((last_logits(model, *bench.batches[1]) - expected).abs().max())
+        atol = bench.cfg.equality_atol
+        same = {"max_abs_logit_diff": diff, "equality_atol": atol, "reference": reference}
+        if diff > atol:
+            return {**same, "error": f"{name} differs from {reference}: max |Δlogit| {diff:.3g} over the tolerance "
+                                     f"{atol:g} ([validate.speed] equality_atol); not timed"}
+        return {"prefill_tokens_per_s": bench.prefill(), "decode_tokens_per_s": bench.decode(1)["tokens_per_s"],
+                **same, "note": f"attn_implementation={name}; max |Δlogit| vs {reference} {diff:.2g} "
+                                f"(tolerance {atol:g})"}
     finally:
         model.set_attn_implementation(before)
+
+
+def last_logits(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The last position's logits of one prompt, in float32."""
+    with torch.inference_mode():
+        return model(input_ids=ids, attention_mask=mask).logits[0, -1].float()
 
 
 def technique_rows(bench: Bench, kv: dict, bar=None) -> dict:
@@ -211,6 +177,8 @@ def technique_rows(bench: Bench, kv: dict, bar=None) -> dict:
             bar.update()
         try:
             rows[name] = _technique(bench, name, kv)
+        except RankFailed:
+            raise  # a rank died: the unit fails, naming it
         except Exception as exc:  # noqa: BLE001 - one failed row must not hide the others
             rows[name] = {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
         row_speed = rows[name].get("decode_tokens_per_s")
@@ -246,6 +214,7 @@ def measure_speed(model_or_dir, tokenizer, cfg: SpeedConfig, device: str, *, lab
         model = model_or_dir
     model.eval()
     bench = Bench(model, tokenizer, cfg, device)
+    bench.model_dir = Path(model_or_dir) if load_s is not None else None
     bench.warm_up()
     bar.update()
     result: dict[str, Any] = _header(model, cfg, device, load_s)

@@ -15,7 +15,8 @@ from pydantic import TypeAdapter
 from pipeline.base.codehash import PACKAGE_DIR
 from pipeline.base.errors import RecipeError
 from pipeline.base.problem import CODE_PATTERN, Problem, join_path
-from pipeline.eval.config import GatesConfig, gate_problems
+from pipeline.eval.config import GatesConfig, SpeedConfig, gate_problems
+from pipeline.eval.parallel_check import technique_problems
 from pipeline.plan import check
 from pipeline.quant.methods.gguf import gguf_problems
 from pipeline.quant.registry import QuantVariant, check_variant
@@ -230,11 +231,23 @@ method = "gptq"
 [validate.gates]
 min_decode_speed_ratio = 0.5
 """,
+    "speed techniques": SMOL_RUN + """
+[validate.speed]
+techniques = ["kv_cache", "eager", "flash_attention_2", "tensor_parallel"]
+tp_size = 2
+""",
     "model source": '[run]\nname = "p"\ndevice = "cpu"\n\n[model]\nsource = "gguf:/models/none.gguf"\n',
 }
 
 # (path, code, message) of every problem `check` finds in each recipe above, in order
 MESSAGES = {
+    "speed techniques": [
+        ("validate.speed.techniques", "speed-attention-unsupported",
+         "[validate.speed] techniques: flash_attention_2 cannot run here: it needs CUDA (device here: cpu); this "
+         "model and device can run sdpa, eager"),
+        ("validate.speed.tp_size", "speed-tp-heads-indivisible",
+         "[validate.speed] tp_size = 2 does not divide the model's 9 attention heads and 3 KV heads (tensor "
+         "parallelism gives each rank whole heads); sizes that divide both: 3")],
     'variants': [
         ('calibration.dataset', 'calibration-is-evaluation-text',
          "calibration.dataset and validate.perplexity.dataset are both 'wikitext2': calibrating or "
@@ -428,6 +441,13 @@ FUNCTION_LEVEL = {  # what no recipe reaches here (a field pydantic already narr
         variant(name="g", method="gguf", type="Q4_K_M", modules_to_skip=["lm_head"]), linear_shapes_from_config(SMOL))
         if p.code == "gguf-kquant-skip-list"],
     "a draft gate without a draft": lambda: gate_problems(GatesConfig(min_acceptance=0.5), None, ["w4"], None),
+    "tensor parallelism over the cores": lambda: technique_problems(
+        SpeedConfig(techniques=["tensor_parallel"], tp_size=4), {**SMOL, "num_attention_heads": 8,
+                                                                  "num_key_value_heads": 4}, "cpu", cores=2),
+    "a model without sdpa or a tensor-parallel plan": lambda: technique_problems(
+        SpeedConfig(techniques=["sdpa", "tensor_parallel"]), {**SMOL, "model_type": "bloom", "n_head": 8,
+                                                               "num_attention_heads": 8, "num_key_value_heads": 8},
+        "cpu", cores=2),
 }
 
 FUNCTION_MESSAGES = {
@@ -451,6 +471,17 @@ FUNCTION_MESSAGES = {
     "a draft gate without a draft": [
         ("validate.gates.min_acceptance", "draft-gate-without-draft",
          "[validate.gates].min_acceptance needs a [draft]; the recipe has none")],
+    "tensor parallelism over the cores": [
+        ("validate.speed.tp_size", "speed-tp-over-cores",
+         "[validate.speed] tp_size = 4 ranks on 2 CPU cores: each rank needs a core of its own (more would time "
+         "the scheduler); at most 2")],
+    "a model without sdpa or a tensor-parallel plan": [
+        ("validate.speed.techniques", "speed-attention-unsupported",
+         "[validate.speed] techniques: sdpa cannot run here: transformers' bloom model does not support it "
+         "(_supports_sdpa is not set); this model and device can run eager"),
+        ("validate.speed.techniques", "speed-tp-no-plan",
+         "[validate.speed] techniques: tensor_parallel needs a tensor-parallel plan, and transformers' bloom config "
+         "declares none (base_model_tp_plan)")],
 }
 
 
