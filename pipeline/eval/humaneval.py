@@ -247,9 +247,11 @@ class _Candidate:
             if type(msg) is not dict or len(msg) != 1:
                 raise ValueError("not a one-key object")
             (kind, value), = msg.items()
-            return kind, humaneval_runner.decode(value) if kind == "value" else value
+            return kind, humaneval_runner.decode(value, deadline or self.deadline) if kind == "value" else value
         except sandbox.SandboxError as e:
             self.fatal = e
+        except TimeoutError:  # decoding it ran past the deadline (values crafted to collide in a hash table)
+            self.fatal = sandbox.TimedOut("timed out")
         except (ValueError, RecursionError) as e:
             self.fatal = sandbox.SandboxError(f"failed: the program's answer is not a value ({str(e)[:100]})")
         raise self.fatal

@@ -13,9 +13,8 @@ so what the program controls is which values it returns, never the verdict (pipe
 import json
 import os
 import sys
+import time
 import types
-
-_CONTAINERS = {"tuple": tuple, "set": set, "frozenset": frozenset}
 
 
 def encode(v):
@@ -42,23 +41,44 @@ def encode(v):
     raise TypeError(f"a {type(v).__name__} cannot leave the sandbox (plain built-in values only)")
 
 
-def decode(o):
+def decode(o, deadline: float | None = None):
     """The inverse of `encode`, building only built-in values from parsed JSON (the parent's side: `o` is
-    untrusted)."""
+    untrusted). `deadline` (time.monotonic()): TimeoutError once past it, checked at every value and after every
+    insertion into a set or dict: values crafted to share a hash (k * (2**61 - 1) for k = 1, 2, ...) make each
+    insertion cost O(n), and one 1 MiB answer of them held the parent ~20 s past any deadline."""
+    def late() -> None:
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError("decoding the program's answer ran past its deadline")
+
+    return _decode(o, late)
+
+
+def _decode(o, late):
+    late()
     if o is None or type(o) in (bool, int, float, str):
         return o
     if type(o) is list:
-        return [decode(x) for x in o]
+        return [_decode(x, late) for x in o]
     if type(o) is dict and len(o) == 1:
         (tag, v), = o.items()
         if tag == "bytes" and type(v) is str:
             return bytes.fromhex(v)
         if tag == "complex" and type(v) is list and len(v) == 2 and all(type(x) in (int, float) for x in v):
             return complex(v[0], v[1])
-        if tag in _CONTAINERS and type(v) is list:
-            return _CONTAINERS[tag]([decode(x) for x in v])
+        if tag == "tuple" and type(v) is list:
+            return tuple(_decode(x, late) for x in v)
+        if tag in ("set", "frozenset") and type(v) is list:
+            out = set()
+            for x in v:
+                out.add(_decode(x, late))
+                late()
+            return frozenset(out) if tag == "frozenset" else out  # a copy: no comparisons
         if tag == "dict" and type(v) is list and all(type(kv) is list and len(kv) == 2 for kv in v):
-            return {decode(k): decode(x) for k, x in v}
+            d = {}
+            for k, x in v:
+                d[_decode(k, late)] = _decode(x, late)
+                late()
+            return d
     raise ValueError(f"not an encoded value: {str(o)[:80]}")
 
 

@@ -174,3 +174,28 @@ def test_verdicts_equal_human_evals_on_recorded_completions_sample():
 def test_verdicts_equal_human_evals_on_all_recorded_completions():
     """All 2 x 164 recorded completions and the 164 canonical solutions (~90 s on 2 cores)."""
     _parity(1)
+
+
+@needs_data
+@needs_sandbox
+def test_an_answer_crafted_to_collide_in_a_hash_table_times_out():
+    """#42: the parent decoded a program's answer with no time bound. A set of 40000 ints k * (2**61 - 1) (one hash
+    value: each insertion compares with all before it) written straight to the answer channel took the parent about
+    20 s to build, past any deadline, and the verdict was then the test's assertion; now the decode stops at the
+    deadline and the program timed out."""
+    problem = he.load_problems(1)[0]
+    flood = ("    import os, time\n    p = (1 << 61) - 1\n"
+             "    line = '{\"value\": {\"set\": [' + ','.join(str(k * p) for k in range(1, 40000)) + ']}}\\n'\n"
+             "    os.write(4, line.encode())\n    time.sleep(60)\n")
+    r = he._run_one(he.Program(problem, flood), 2.0, he.harness_source())
+    assert r["result"] == "timed out", r
+
+
+def test_the_codec_decodes_against_a_deadline():
+    p = (1 << 61) - 1
+    crafted = {"set": [k * p for k in range(1, 3000)]}
+    with pytest.raises(TimeoutError, match="past its deadline"):
+        codec.decode(crafted, time.monotonic() - 1)
+    assert len(codec.decode(crafted)) == 2999  # no deadline (the sandbox's side): decoded
+    assert codec.decode({"frozenset": [1, 2]}, time.monotonic() + 60) == frozenset({1, 2})
+    assert codec.decode({"dict": [[1, {"tuple": [2]}]]}, time.monotonic() + 60) == {1: (2,)}
