@@ -27,6 +27,10 @@ import re
 import sys
 from pathlib import Path
 
+# the JSON --out writes (tests/benchmarks/test_bench_smoke.py)
+OUTPUT_KEYS = ("a", "b", "files_compared", "files_differ", "only_in_a", "only_in_b", "figures_compared",
+               "figures_differ")
+
 SKIP_FILES = re.compile(r"(\.log$|\.lock$|(^|/)manifest\.json$|^report\.(json|md)$|^plots/|/\.tmp)")
 # durations, throughputs, memory readings, speed-ups and anything derived from a clock, plus run ids/timestamps
 TIMING = re.compile(r"(_s$|_ms$|^ms$|per_s|tok_s|tokens_per_s|requests_s|speedup|seconds|time|wall|rss|peak_memory|"

@@ -32,6 +32,9 @@ import sys
 import time
 from pathlib import Path
 
+# benchmarks/results/gguf_vs_llama_cpp.json
+OUTPUT_KEYS = ("baseline_ppl", "windows", "threads", "gguf", "transformers")
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -25,6 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# OUT/llmcompressor.json, written by `compare`
+OUTPUT_KEYS = ("run", "baseline_perplexity", "windows", "window", "ours", "rows")
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "benchmarks" / "llmcompressor_worker.py"
 # scheme -> (calibration rows handed to llm-compressor, the compress row it stands beside in recipes/w8a8.toml)

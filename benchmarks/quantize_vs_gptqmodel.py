@@ -31,6 +31,10 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+# `compare`'s JSON (--out); `search` and `figures` write their own rows
+OUTPUT_KEYS = ("settings", "seconds", "ppl", "identical_weights_ours_direct", "time_ratio_ours_direct",
+               "per_rep_time_ratios", "ppl_ratio_ours_direct", "gptq_increase_over_rtn_increase", "command")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 W4G64 = {"method": "gptq", "bits": 4, "group_size": 64}

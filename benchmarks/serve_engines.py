@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+OUTPUT_KEYS = ("table.json", "table.md")  # the files --out holds (and <row>.json per row, serve_load's JSON)
+
 
 def rows(args) -> list[tuple[str, list[str]]]:
     n = str(os.cpu_count() or 2)

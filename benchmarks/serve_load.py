@@ -19,6 +19,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+# the JSON --out writes (gain_last_vs_first too with two levels or more)
+OUTPUT_KEYS = ("source", "folder", "threads", "max_tokens", "prompt_words", "levels", "server_exit", "engine",
+               "versions", "command")
+
 
 def hf_folder(source: str, work: Path, dtype: str = "float32") -> Path:
     """The source as an HF checkpoint folder (converted once; a folder with config.json is used as it is)."""

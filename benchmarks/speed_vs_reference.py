@@ -24,6 +24,9 @@ import torch
 from pipeline.eval.config import SpeedConfig
 from pipeline.eval.speed import Bench, measure_speed, sync, time_generate, time_prefill
 
+# the JSON --out writes: paired rows (ours, reference, ratio) and one measure_speed run
+OUTPUT_KEYS = ("rows", "speed")
+
 
 @torch.inference_mode()
 def reference_prefill(model, ids: torch.Tensor, mask: torch.Tensor, device: str) -> float:

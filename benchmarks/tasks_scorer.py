@@ -14,6 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# the JSON --out writes; tasks.<name>: items, both scorers' metrics, items differing, time
+OUTPUT_KEYS = ("source", "limit", "seed", "batch_size", "threads", "torch", "tasks")
+
 
 def task_args(description: str, tasks: str) -> argparse.Namespace:
     """The arguments every task-scorer benchmark takes (tasks_scorer, tasks_scorer_bf16)."""
