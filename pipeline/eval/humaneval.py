@@ -329,6 +329,14 @@ def runner_source() -> str:
     return Path(humaneval_runner.__file__).read_text(encoding="utf-8")
 
 
+def require_sandbox() -> None:
+    """CodeExecutionRefused where no sandbox works on this machine (asked before any completion is generated)."""
+    if sandbox_mode() is None:
+        raise CodeExecutionRefused("no sandbox for generated code works here (needs util-linux `unshare` with "
+                                   "mount/net/pid/ipc namespaces, `setpriv`, `prlimit` and `mountpoint`, on x86_64 "
+                                   "or aarch64 for its seccomp filter)")
+
+
 def sandbox_mode() -> str | None:
     """Which sandbox works on this machine (pipeline/eval/sandbox.py), or None."""
     return sandbox.mode()
@@ -341,9 +349,7 @@ def run_programs(programs: list[Program], timeout_s: float = 10.0, workers: int 
     Refuses (CodeExecutionRefused) unless execute_code=True, and when no sandbox works on this machine."""
     if not execute_code:
         raise CodeExecutionRefused("HumanEval runs model-generated code: refused unless execute_code = true")
-    if sandbox_mode() is None:
-        raise CodeExecutionRefused("no sandbox for generated code works here (needs util-linux `unshare` with "
-                                   "mount/net/pid namespaces, `setpriv`, `prlimit` and `mountpoint`)")
+    require_sandbox()
     harness = harness_source()
     done = [0]
 

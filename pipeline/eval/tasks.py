@@ -156,6 +156,7 @@ def humaneval_job(model, tokenizer, job: dict, limit: int | None = None) -> tupl
     if not job.get("execute_code"):
         raise humaneval.CodeExecutionRefused("HumanEval runs model-generated code: refused unless [validate.tasks] "
                                              "execute_code = true")
+    humaneval.require_sandbox()  # before 164 completions are generated, not after
     if limit and limit > humaneval.N_PROBLEMS:
         log.warning("task humaneval: limit %d is larger than its %d problems: all %d are used", limit,
                     humaneval.N_PROBLEMS, humaneval.N_PROBLEMS)

@@ -77,6 +77,18 @@ def test_execution_is_refused_without_opt_in():
     assert "runs model-generated code" in he.executes_code_message(10)
 
 
+@needs_data
+def test_a_machine_without_a_sandbox_is_refused_before_generating(monkeypatch, tmp_path):
+    """#42: the HumanEval task generated its 164 completions (most of an hour on a CPU) and only then found no
+    sandbox. Here no sandbox works (no unshare/setpriv/prlimit on PATH): refused before the model is asked."""
+    from pipeline.eval import sandbox, tasks
+
+    monkeypatch.setattr(sandbox, "_PROBE", {})  # probed again, with this PATH
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(he.CodeExecutionRefused, match="no sandbox for generated code works here"):
+        tasks.humaneval_job(None, None, {"execute_code": True, "timeout_s": 10.0}, limit=2)  # no model: never used
+
+
 def test_truncate_at_stop_sequences():
     assert he.truncate("    return 1\n\ndef g():\n    pass") == "    return 1\n"
     assert he.truncate("    return 1\nif __name__") == "    return 1"
