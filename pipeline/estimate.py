@@ -11,6 +11,7 @@ from pipeline.budget.formulas import RUNTIME_OVERHEAD, WORKER_OVERHEAD, GiB, qua
 from pipeline.model.architecture import architecture_of
 from pipeline.model.dtypes import dtype_bytes
 from pipeline.model.sources import link_problem
+from pipeline.quant.method import QuantMemory
 from pipeline.quant.registry import method_of, reload_of
 from pipeline.stages.kinds import Calibrate, Draft, Export, Load, Quality, Quantize, Speed
 
@@ -69,13 +70,13 @@ def estimate_memory(recipe, info, plan, source) -> None:
     for v in recipe.quantize:
         key = Quantize.key(v.name)
         c = method_of(v)
-        if c.memory == "layerwise":
+        if c.memory is QuantMemory.LAYERWISE:
             tokens = cal_tokens if c.calibrates(v) else 0
             need = quantize_bytes(cfg, w, tokens, False, dtype_bytes(plan.dtype))
             if capped and c.offload and need > plan.memory_limit:
                 plan.offload[key] = True
                 need = quantize_bytes(cfg, w, tokens, True, dtype_bytes(plan.dtype))
-        elif c.memory == "while_loading":  # quantized while loading, tensor by tensor
+        elif c.memory is QuantMemory.WHILE_LOADING:  # quantized while loading, tensor by tensor
             need = RUNTIME_OVERHEAD + int((p - vocab * h) * variant_bits(v) / 8) + embed + 4 * h * max(inter, h)
         else:  # loaded whole, then quantized or searched
             need = RUNTIME_OVERHEAD + 2 * w + cal_tokens * h * 4 * 4
@@ -98,7 +99,7 @@ def estimate_memory(recipe, info, plan, source) -> None:
         # without this copy)
         load = reload_of(v)
         repacked = linears if plan.device == "cpu" and load.repacked_on_cpu else 0
-        if getattr(load, "decompressed_on_load", False):  # compressed-tensors: decompressed to dense weights at the
+        if load.decompressed_on_load:  # compressed-tensors: decompressed to dense weights at the
             linears += dtype_bytes(plan.dtype) * (p - vocab * h)  # first forward, module by module (peak: both)
         resident[v.name] = linears + repacked + embed
         plan.memory[Quality.plan_key(v.name)] = WORKER_OVERHEAD + resident[v.name] + win

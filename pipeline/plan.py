@@ -413,8 +413,8 @@ def _check_serve(recipe, plan: Plan) -> list[Problem]:
                           if by and all(w is not None for w in by.values())}
     gates = recipe.validate_.gates
     for v in recipe.quantize:
-        for gate in (g for g in gates.bounds_for(v.name) if GATE_SPECS[g].metric.startswith("serve_")):
-            needs = (v.name,) if GATE_SPECS[gate].metric == "serve_error_rate" else ("baseline", v.name)
+        for gate in (g for g in gates.bounds_for(v.name) if GATE_SPECS[g].needs_serve):
+            needs = ("baseline", v.name) if GATE_SPECS[gate].serve_baseline else (v.name,)
             problems += [Problem(gate_path(gates, v.name, gate), "serve-gate-model-not-served",
                                  f"[validate.gates].{gate} for {v.name!r} needs {n!r} served, but its serving is "
                                  f"skipped: {plan.serve_skipped[n]}") for n in needs if n in plan.serve_skipped]

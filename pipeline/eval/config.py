@@ -116,20 +116,21 @@ class SpeedConfig(BaseModel):
 @dataclass(frozen=True)
 class GateSpec:
     """One gate: everything about it is here, and every reader asks this table (the recipe's fields, `compress
-    check`'s rules, the evaluation in pipeline/results/gates.py). A new gate is one row (plus a reader there
-    when its value is read in a way no reader does yet). The name says the direction: max_* fails above the
-    bound, min_* below it."""
+    check`'s rules, the evaluation in pipeline/results/gates.py). A new gate is one row, and its reader (a callable)
+    under its name in pipeline/results/gates.py READERS: the report's types live a layer above this one. The name
+    says the direction: max_* fails above the bound, min_* below it."""
 
     name: str  # the [validate.gates] field
     metric: str  # what the gate record calls the value
     applies: Literal["variant", "draft"]  # which models it judges (the draft: with its verifier)
-    read: str  # how results/gates.py reads the value: a key of its READERS, "<reader>:<argument>"
     description: str
     limits: dict = dc_field(default_factory=dict)  # the bound's pydantic constraints (gt, ge, le)
     default: float | None = None  # the global default; None = off unless the recipe sets it
     skip_random_init: bool = False  # not applied to randomly initialised models; a bound of 0 turns it off
     needs_speed: bool = False  # needs [validate.speed] timings of the model and the baseline
     needs_tasks: bool = False  # needs [validate.tasks] scores of the model and the baseline
+    needs_serve: bool = False  # needs [validate.serve] figures of the model (`compress check` refuses it unserved)
+    serve_baseline: bool = False  # with needs_serve: of the baseline too (its value is a ratio to the baseline's)
     # its reader returns several records (one per task and/or the average) instead of one value
     multi: bool = False
     # judges calibrated variants of a Mixture-of-Experts model only: `compress check` refuses it on a dense model
@@ -141,32 +142,33 @@ class GateSpec:
 
 
 GATES: tuple[GateSpec, ...] = (
-    GateSpec("max_ppl_ratio", "ppl_ratio", "variant", "ppl_ratios",
+    GateSpec("max_ppl_ratio", "ppl_ratio", "variant",
              "variant ppl / baseline ppl, in process and as each engine serves it ([validate.serve] served "
              "perplexity on the same windows: one record per engine, so a served computation outside the bound fails "
              "too)", {"gt": 0}, multi=True),
-    GateSpec("max_kl", "kl", "variant", "field:kl", "mean KL(baseline || variant), nats/token", {"ge": 0}),
-    GateSpec("min_top1", "top1", "variant", "field:top1", "top-1 agreement with baseline", {"ge": 0, "le": 1}),
-    GateSpec("max_footprint_ratio", "footprint_ratio", "variant", "footprint_ratio",
+    GateSpec("max_kl", "kl", "variant", "mean KL(baseline || variant), nats/token", {"ge": 0}),
+    GateSpec("min_top1", "top1", "variant", "top-1 agreement with baseline", {"ge": 0, "le": 1}),
+    GateSpec("max_footprint_ratio", "footprint_ratio", "variant",
              "in-memory footprint / baseline's", {"gt": 0}),
-    GateSpec("min_decode_speed_ratio", "decode_speed_ratio", "variant", "decode_speed_ratio",
+    GateSpec("min_decode_speed_ratio", "decode_speed_ratio", "variant",
              "batch-1 decode tokens/s / baseline's (needs speed for both)", {"gt": 0}, needs_speed=True),
-    GateSpec("min_smoke_ok", "smoke_ok", "variant", "smoke_ok",
+    GateSpec("min_smoke_ok", "smoke_ok", "variant",
              "share of the smoke test's chat prompts answered with non-degenerate text; on by default "
              "(not applied to randomly initialised models)", {"ge": 0, "le": 1}, default=1.0, skip_random_init=True),
-    GateSpec("min_acceptance", "acceptance", "draft", "draft:alpha:acceptance rate", "draft acceptance rate alpha",
+    GateSpec("min_acceptance", "acceptance", "draft", "draft acceptance rate alpha",
              {"ge": 0, "le": 1}),
-    GateSpec("min_spec_speedup", "spec_speedup", "draft", "draft:speedup:speculative speed-up",
+    GateSpec("min_spec_speedup", "spec_speedup", "draft",
              "speculative speed-up over the verifier alone", {"gt": 0}),
-    GateSpec("min_task_recovery", "task_recovery", "variant", "task_recovery",
+    GateSpec("min_task_recovery", "task_recovery", "variant",
              "[validate.tasks] recovery above chance, (variant - chance) / (baseline - chance) on the same "
              "items, each task and the average (task_recovery_scope, task_recovery_bound); a task whose baseline is "
              "not above chance is excluded", {"gt": 0}, needs_tasks=True, multi=True),
-    GateSpec("min_serve_tok_s_ratio", "serve_tok_s_ratio", "variant", "serve_tok_s_ratio",
-             "served output tok/s / baseline's at the same concurrency (lowest level ratio)", {"gt": 0}),
-    GateSpec("max_serve_error_rate", "serve_error_rate", "variant", "serve_error_rate",
-             "share of load-test requests that failed through the server", {"ge": 0, "le": 1}),
-    GateSpec("min_expert_tokens", "expert_tokens", "variant", "expert_tokens",
+    GateSpec("min_serve_tok_s_ratio", "serve_tok_s_ratio", "variant",
+             "served output tok/s / baseline's at the same concurrency (lowest level ratio)", {"gt": 0},
+             needs_serve=True, serve_baseline=True),
+    GateSpec("max_serve_error_rate", "serve_error_rate", "variant",
+             "share of load-test requests that failed through the server", {"ge": 0, "le": 1}, needs_serve=True),
+    GateSpec("min_expert_tokens", "expert_tokens", "variant",
              "Mixture-of-Experts models: the fewest calibration tokens routed to any expert of any MoE layer (counted "
              "through the baseline; a variant with moe_all_experts: every calibration token it reads); judges the "
              "variants that calibrate, and the failure names each layer's starved experts", {"ge": 0}, multi=True,

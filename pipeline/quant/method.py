@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+from enum import Enum
 from pathlib import Path
 from types import ModuleType
-from typing import IO, Any, ClassVar
+from typing import IO, Any, ClassVar, Protocol
 
 from pipeline.base.problem import Problem
 from pipeline.base.registry import load_work
@@ -34,6 +35,28 @@ from pipeline.model.dtypes import DTYPE_NAMES
 from pipeline.quant.shapes import Arch
 
 LLAMA_CPP_ROW = {"runtime": "llama.cpp", "kernel": "none", "note": "reads GGUF only: add a method = \"gguf\" variant"}
+
+
+
+class QuantMemory(Enum):
+    """How quantizing holds the model, for the memory plan (pipeline/estimate.py)."""
+
+    LAYERWISE = "layerwise"  # GPTQModel's layer-by-layer loop
+    WHILE_LOADING = "while_loading"  # quantized tensor by tensor as transformers loads it
+    WHOLE = "whole"  # loaded whole, then quantized or searched
+
+
+class CheckpointLoad(Protocol):
+    """The reload facts of a variant's checkpoint (QuantMethod.reload_of): its method's, or its export format's
+    (pipeline/quant/ct_format.py CompressedTensorsLoad). The memory plan (pipeline/estimate.py) reads these two."""
+
+    @property
+    def repacked_on_cpu(self) -> bool:  # its CPU kernel repacks the quantized linears at the first forward
+        ...
+
+    @property
+    def decompressed_on_load(self) -> bool:  # decompressed to dense weights at the first forward (both held)
+        ...
 
 
 class QuantMethod:
@@ -51,11 +74,10 @@ class QuantMethod:
     needs_calibration: ClassVar[bool] = False  # every variant reads the calibration rows (else see calibrates)
     note: str = ""
     offload: ClassVar[bool] = False  # quantize(..., offload=folder) streams the model from disk layer by layer
-    # how quantizing holds the model, for the memory plan: "layerwise" (GPTQModel's layer-by-layer loop),
-    # "while_loading" (quantized tensor by tensor as transformers loads it), "whole" (loaded whole, then quantized)
-    memory: ClassVar[str] = "whole"
+    memory: ClassVar[QuantMemory] = QuantMemory.WHOLE  # how quantizing holds the model, for the memory plan
     half_only: ClassVar[bool] = False  # computes in 16 bits only: a float32 baseline is quantized in bfloat16
     repacked_on_cpu: ClassVar[bool] = False  # its CPU kernel repacks the quantized linears at the first forward
+    decompressed_on_load: ClassVar[bool] = False  # its checkpoint is decompressed to dense weights at the first forward
     load_module: ClassVar[str | None] = None  # the library transformers calls to load the checkpoint (imported first)
     hub_library: ClassVar[str | None] = None  # the card's library_name when it is not transformers
     # what it needs of an architecture (pipeline/quant/arch_support.py, applied by compress check): "gptqmodel" (a
@@ -81,7 +103,7 @@ class QuantMethod:
         """The checkpoint format this variant's checkpoint will have (methods that write one format: theirs)."""
         return self.checkpoint_format
 
-    def reload_of(self, variant):
+    def reload_of(self, variant) -> CheckpointLoad:
         """What holds the reload facts (before_load/after_load, load_module, repacked_on_cpu) of this variant's
         checkpoint: the method itself, or its export format's (pipeline/quant/ct_format.py)."""
         return self
@@ -121,6 +143,14 @@ class QuantMethod:
     def bits_per_weight(self, variant) -> float:
         """Bits per quantized weight on disk, scales included (the disk plan's estimate)."""
         return 16.0
+
+    def mix_candidate(self, params: dict) -> str | None:
+        """The candidate of a [quantize.mix] record (its `predicted_uniform` key) that a uniform variant of this
+        method with these recorded params is, for report.md's predicted-against-measured KL; None when it is not
+        comparable (it keeps more than lm_head unquantized)."""
+        if params.get("modules_to_skip", ["lm_head"]) != ["lm_head"]:
+            return None
+        return f"w{params.get('bits')}g{params.get('group_size')}"
 
     def hub_tags(self, params: dict) -> list[str]:
         """Hub tags from the variant's recorded params."""

@@ -19,7 +19,7 @@ from pipeline.base.problem import Problem
 from pipeline.base.registry import Registry
 from pipeline.quant.arch_support import arch_problems
 from pipeline.quant.ct_format import LOAD as CT_LOAD
-from pipeline.quant.method import QuantMethod
+from pipeline.quant.method import CheckpointLoad, QuantMethod
 from pipeline.quant.shapes import Arch, module_names, quantized_linears, skip_pattern
 
 # the method files, in the order their variants appear in the recipe's union. Imported by name: a unit's code
@@ -65,7 +65,7 @@ def serve_needs(variant) -> tuple[str, ...]:
     return method_of(variant).serve_needs(variant)
 
 
-def reload_of(variant):
+def reload_of(variant) -> CheckpointLoad:
     """The reload facts of a variant's checkpoint (repacked_on_cpu, load_module, ...): its method's or its format's."""
     return method_of(variant).reload_of(variant)
 

@@ -10,7 +10,8 @@ line, report.md, the model cards and the publish rule all ask it (through `faile
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -164,28 +165,6 @@ def _draft_metric(key: str, label: str) -> DraftGetter:
     return get
 
 
-# how a gate's value is read: GateSpec.read is "<reader>" or "<reader>:<arguments>" (pipeline/eval/config.py GATES).
-# Variant readers take (report, entry, name) (a Getter); draft readers (report, draft, speculative_mode) (a
-# DraftGetter); multi readers take (report, entry, name, bound, cfg) and give the records. "<reader>:<arguments>"
-# names a factory called with the arguments. The gate's spec (applies, multi) says which of these its reader is.
-READERS: dict[str, Callable[..., Any]] = {
-    "ppl_ratio": _ppl_ratio,
-    "field": _plain,
-    "footprint_ratio": _footprint_ratio,
-    "decode_speed_ratio": _decode_ratio,
-    "smoke_ok": _smoke_ok,
-    "draft": _draft_metric,
-    "serve_tok_s_ratio": _serve_tok_s_ratio,
-    "serve_error_rate": _serve_error_rate,
-}
-
-
-def reader(gate: str) -> Callable[..., Any]:
-    """The gate's reader: a Getter, a DraftGetter or a multi reader, as its spec says (see READERS)."""
-    name, _, args = GATE_SPECS[gate].read.partition(":")
-    return READERS[name](*args.split(":")) if args else READERS[name]
-
-
 def _record(model: str, gate: str, value: float | None, bound: float, reason: str, warn: bool,
             verifier: str | None = None) -> Gate:
     metric, op = GATE_SPECS[gate].metric, GATE_SPECS[gate].op
@@ -211,10 +190,10 @@ def evaluate_gates(report: Report, cfg: GatesConfig) -> list[Gate]:
             if spec.moe_only and not calibrates(e):
                 continue  # expert coverage is about the calibration rows: a variant that reads none is not judged
             if spec.multi:  # several records (task_recovery: per task and/or the average), or a bound-aware one
-                out += reader(gate)(report, e, name, bound, cfg)
+                out += READERS[gate](report, e, name, bound, cfg)
                 continue
             if spec.applies == "variant":
-                value, reason = reader(gate)(report, e, name)
+                value, reason = READERS[gate](report, e, name)
                 out.append(_record(name, gate, value, bound, reason, gate in cfg.warn_only))
     draft = report.draft
     name = draft.name if draft else "draft"
@@ -225,7 +204,7 @@ def evaluate_gates(report: Report, cfg: GatesConfig) -> list[Gate]:
         if draft is None:
             value, reason = None, "the report has no draft section (did the draft stage run?)"
         else:
-            value, reason = reader(gate)(report, draft, cfg.speculative_mode)
+            value, reason = READERS[gate](report, draft, cfg.speculative_mode)
         out.append(_record(name, gate, value, bound, reason, gate in cfg.warn_only, draft.verifier if draft else None))
     return out
 
@@ -271,8 +250,6 @@ def _recovery_reason(task: str, r: dict, value: float | None, cfg: GatesConfig) 
     return reason
 
 
-READERS["task_recovery"] = lambda report, e, name, bound, cfg: task_recovery_gates(e, name, bound, cfg)
-
 
 def ppl_ratio_gates(report: Report, e: ModelEntry, name: str, bound: float, cfg: GatesConfig) -> list[Gate]:
     """max_ppl_ratio: the model as scored in process, then as each engine served it. A served perplexity (the
@@ -293,8 +270,6 @@ def ppl_ratio_gates(report: Report, e: ModelEntry, name: str, bound: float, cfg:
                    .model_copy(update={"metric": f"ppl_ratio[served: {engine}]"}))
     return out
 
-
-READERS["ppl_ratios"] = ppl_ratio_gates
 
 
 def served_gate_failures(report: Report, name: str) -> dict[str, str]:
@@ -348,7 +323,25 @@ def expert_tokens_gate(report: Report, e: ModelEntry, name: str, bound: float, c
     return [_record(name, "min_expert_tokens", float(cov.least()), bound, reason, warn)]
 
 
-READERS["expert_tokens"] = expert_tokens_gate
+
+# Each gate's reader, one per row of pipeline/eval/config.py GATES (tests/unit/test_gates.py checks both lists agree):
+# a variant gate's takes (report, entry, name) and gives (value, reason) (a Getter); a draft gate's takes (report,
+# draft, speculative_mode) (a DraftGetter); a `multi` gate's takes (report, entry, name, bound, cfg) and gives its
+# records. The gate's row says which of these its reader is (applies, multi).
+READERS: Mapping[str, Callable[..., Any]] = MappingProxyType({
+    "max_ppl_ratio": ppl_ratio_gates,
+    "max_kl": _plain("kl"),
+    "min_top1": _plain("top1"),
+    "max_footprint_ratio": _footprint_ratio,
+    "min_decode_speed_ratio": _decode_ratio,
+    "min_smoke_ok": _smoke_ok,
+    "min_acceptance": _draft_metric("alpha", "acceptance rate"),
+    "min_spec_speedup": _draft_metric("speedup", "speculative speed-up"),
+    "min_task_recovery": lambda report, e, name, bound, cfg: task_recovery_gates(e, name, bound, cfg),
+    "min_serve_tok_s_ratio": _serve_tok_s_ratio,
+    "max_serve_error_rate": _serve_error_rate,
+    "min_expert_tokens": expert_tokens_gate,
+})
 
 
 # ---------------------------------------------------------------- console

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 
+from pipeline.quant.registry import METHODS
 from pipeline.results.format import num, table
 from pipeline.results.schema import ModelEntry, Report
 
@@ -25,12 +26,11 @@ def predicted_kl(report: Report) -> list[tuple[str, float, float]]:
         m = mix_of(e)
         if m is not None:
             pred = m["predicted"]["kl"]
-        else:
-            p = e.params or {}
-            key = str(p.get("type")) if e.method == "gguf" else f"w{p.get('bits')}g{p.get('group_size')}"
-            same = [r for method, r in records if method == e.method and key in r.get("predicted_uniform", {})
-                    and (e.method == "gguf" or p.get("modules_to_skip", ["lm_head"]) == ["lm_head"])]
-            if not same or (e.method == "gguf" and p.get("modules_to_skip")):
+        else:  # a uniform variant: the candidate of its method's mixed record it is, if any
+            key = (METHODS.get(e.method).mix_candidate(e.params or {})
+                   if e.method is not None and e.method in METHODS else None)
+            same = [r for method, r in records if method == e.method and key in r.get("predicted_uniform", {})]
+            if key is None or not same:
                 continue
             pred = same[0]["predicted_uniform"][key]["kl"]
         if e.kl is not None:

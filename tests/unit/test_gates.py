@@ -189,14 +189,18 @@ def test_smoke_gate_excuses_prompts_the_baseline_failed_and_says_so():
 def test_every_gate_is_one_row_of_the_table():
     """The recipe's fields, the per-model overrides and the evaluation all come from eval.config.GATES."""
     from pipeline.eval.config import GATES, GateBounds, GatesConfig
-    from pipeline.results.gates import reader
+    from pipeline.results.gates import READERS
 
     names = [g.name for g in GATES]
     assert len(set(names)) == len(names)
+    assert sorted(READERS) == sorted(names)  # each row's reader is a callable, none without a row
+    with pytest.raises(TypeError):
+        READERS["max_kl"] = READERS["min_top1"]  # type: ignore[index]  # read-only once defined
     for g in GATES:
         assert g.name in GateBounds.model_fields and g.name in GatesConfig.model_fields
         assert GateBounds.model_fields[g.name].default is None
         assert GatesConfig.model_fields[g.name].default == g.default
         assert g.op == ("<=" if g.name.startswith("max_") else ">=")
-        assert callable(reader(g.name))
+        assert callable(READERS[g.name])
+        assert g.needs_serve == g.metric.startswith("serve_") and (not g.serve_baseline or g.needs_serve)
     assert GatesConfig().bounds_for("any") == {g.name: g.default for g in GATES if g.default is not None}

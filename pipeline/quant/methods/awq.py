@@ -20,7 +20,7 @@ from pydantic import Field
 from pipeline.base.problem import Problem
 from pipeline.quant.ct_format import CompressedTensorsOption
 from pipeline.quant.gptq_format import GPTQModelKernels, lm_head_rule
-from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod, bits_tags, grouped_bits, missing_package
+from pipeline.quant.method import LLAMA_CPP_ROW, QuantMemory, QuantMethod, bits_tags, grouped_bits, missing_package
 from pipeline.quant.shapes import Arch, quantized_linears
 from pipeline.quant.variant import Calibrated, VariantBase
 
@@ -79,7 +79,7 @@ class AWQMethod(CompressedTensorsOption, GPTQModelKernels, QuantMethod):
     dtypes = AWQ_DTYPES
     needs_calibration = True
     note = "AWQ (Lin et al. 2023): activation-aware per-channel scales, then 4-bit round-to-nearest, through GPTQModel"
-    memory = "layerwise"
+    memory = QuantMemory.LAYERWISE
     half_only = True
     work = "pipeline.quant.work.awq"
     made_by = " (AWQ, through GPTQModel)"

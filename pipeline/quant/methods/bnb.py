@@ -14,7 +14,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod
+from pipeline.quant.method import LLAMA_CPP_ROW, QuantMemory, QuantMethod
 from pipeline.quant.shapes import Arch
 from pipeline.quant.variant import Dtype, VariantBase
 
@@ -57,7 +57,7 @@ class BnbMethod(QuantMethod):
     arch_limit_reasons = {"moe": "bitsandbytes 0.50 replaces nn.Linear modules only, so the routed experts would stay "
                                  "16-bit (measured on mixtral: int8 and nf4 both left experts.gate_up_proj in float)"}
     checkpoint_format = "bitsandbytes"
-    memory = "while_loading"
+    memory = QuantMemory.WHILE_LOADING
     load_module = "bitsandbytes"
     work = "pipeline.quant.work.bnb"
 

@@ -261,6 +261,9 @@ class GGUFMethod(QuantMethod):
             return b if b is not None else max(GGUF_BITS[t] for t in variant.mix.types)
         return GGUF_BITS.get(variant.type, 8.5)
 
+    def mix_candidate(self, params: dict) -> str | None:  # a [quantize.mix] record's candidates are file types
+        return None if params.get("modules_to_skip") else str(params.get("type"))
+
     def hub_tags(self, params: dict) -> list[str]:  # the Hub lists GGUF repos by the `gguf` tag and the file type
         return ["gguf", "llama.cpp", str(params.get("type") or "")] if params.get("type") else ["gguf", "llama.cpp"]
 

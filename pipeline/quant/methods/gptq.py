@@ -8,7 +8,7 @@ from pydantic import Field
 
 from pipeline.base.problem import Problem
 from pipeline.quant.gptq_format import GPTQFormatMethod, GPTQModelDriven
-from pipeline.quant.method import QuantMethod
+from pipeline.quant.method import QuantMemory, QuantMethod
 from pipeline.quant.mix import MixConfig, check_mix
 from pipeline.quant.mix_runtimes import mix_runtimes
 from pipeline.quant.shapes import Arch
@@ -45,7 +45,7 @@ class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
     needs_calibration = True
     note = "GPTQ (Frantar et al. 2022) through GPTQModel"
     offload = True
-    memory = "layerwise"
+    memory = QuantMemory.LAYERWISE
     work = "pipeline.quant.work.gptq"
 
     def check(self, variant, arch: Arch, device: str) -> list[Problem]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pipeline.quant.gptq_format import GPTQFormatMethod, GPTQModelDriven
-from pipeline.quant.method import QuantMethod
+from pipeline.quant.method import QuantMemory, QuantMethod
 from pipeline.quant.variant import GPTQFormat
 
 
@@ -26,7 +26,7 @@ class RTNMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
     hub_tag_names = ("rtn",)
     note = "round-to-nearest, min/max scales, GPTQ checkpoint format"
     offload = True
-    memory = "layerwise"
+    memory = QuantMemory.LAYERWISE
     work = "pipeline.quant.work.rtn"
 
 
