@@ -815,3 +815,61 @@ def test_auto_passes_over_an_engine_that_would_refuse_to_start(tmp_path, fake_vl
     name, why = engines.auto("compressed-tensors", folder, _auto_opts())
     assert name == "transformers" and "vllm passed over: engine vllm: vLLM's CPU build serves" in why, why
     assert "AVX2 without AVX-512" in why
+
+
+SUPERVISED = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from pipeline.serve.engines import vllm
+from pipeline.serve.engines.base import ServeOptions
+port = int(sys.argv[2])
+opts = ServeOptions(host="127.0.0.1", port=port, key=None, slots=1, max_queue=1, queue_timeout_s=5,
+                    max_tokens_limit=16, max_model_len=64, drain_s=1, device="cpu", threads=None, start_timeout_s=60)
+sys.exit(vllm.Supervisor([sys.executable, "-c", sys.argv[3], str(port)], dict(os.environ), "tiny", opts).run())
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGHUP"])
+def test_vllm_does_not_outlive_compress_serve_killed(sig):
+    """#42: `compress serve --engine vllm` killed by SIGKILL (no handler runs) or SIGHUP (a closed terminal: its
+    default action ended the supervisor without stopping vLLM) left vLLM serving, in its own session. The supervisor
+    (real code) around a stand-in HTTP server: once it is killed, the server is gone too."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.serve_helpers import ROOT, free_port
+
+    sup = subprocess.Popen([sys.executable, "-c", SUPERVISED, str(ROOT), str(free_port()), HEALTH_SERVER],
+                           stderr=subprocess.PIPE, text=True)
+    child = None
+    try:
+        assert sup.stderr is not None
+        for line in sup.stderr:
+            if m := re.search(r"\(vllm, pid (\d+)\)", line):
+                child = int(m.group(1))
+                break
+        assert child is not None, "the supervisor never reported its server ready"
+        sup.send_signal(getattr(signal, sig))
+        sup.wait(30)
+        for _ in range(200):  # bounded: the kernel's parent-death signal, or the supervisor's own stop
+            if not _running(child):
+                break
+            time.sleep(0.05)
+        assert not _running(child), f"the stand-in vLLM (pid {child}) outlived its supervisor killed by {sig}"
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+        if child is not None and _running(child):
+            os.kill(child, signal.SIGKILL)  # ours: a failing run cleans up
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -325,6 +326,13 @@ def kv_cache_bytes(folder: Path, slots: int, length: int) -> int | None:
     return int(2 * layers * kv_heads * head_dim * 2 * slots * length * KV_MARGIN)
 
 
+def parent_death(cmd: list[str]) -> list[str]:
+    """`cmd` under `setpriv --pdeathsig=TERM` (util-linux): SIGTERM, vLLM's own clean shutdown (its engine processes
+    included), when the thread that started it dies. Without setpriv, `cmd` unchanged."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig=TERM", *cmd] if setpriv else cmd
+
+
 class Supervisor:
     """vLLM's server as a child in its own process group: its output copied to ours (the last lines kept for an
     error), ready when its /health answers, stopped with its whole group."""
@@ -337,10 +345,12 @@ class Supervisor:
         self.stop_signal: int | None = None
 
     def run(self) -> int:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # SIGHUP (a closed terminal): the same clean stop
             signal.signal(sig, self._on_signal)
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        # vLLM runs in its own session (its group is killed as one), so it gets no SIGHUP of ours; the kernel's
+        # parent-death signal stops it when this process dies without running _stop (SIGKILL, a crash)
+        self.proc = subprocess.Popen(parent_death(self.cmd), env=self.env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         copier = threading.Thread(target=self._copy, daemon=True)
         copier.start()
         try:
