@@ -346,8 +346,10 @@ def test_vllm_gets_the_key_from_the_environment_never_its_command_line(tmp_path,
     # KV cache: 2 (K, V) x 2 layers x 2 KV heads x head dim 16 x 2 bytes x 4 slots x 128 tokens x 1.25
     assert flags == {"--model": str(tmp_path / "w4"), "--served-model-name": "w4", "--host": "127.0.0.1",
                      "--port": "8123", "--max-num-seqs": "4", "--max-model-len": "128",  # capped at the context
-                     "--shutdown-timeout": "10", "--kv-cache-memory-bytes": str(2 * 2 * 2 * 16 * 2 * 4 * 128 * 5 // 4)}
-    assert "--enforce-eager" in argv_none and "--enforce-eager" not in argv
+                     "--shutdown-timeout": "10", "--kv-cache-memory-bytes": str(2 * 2 * 2 * 16 * 2 * 4 * 128 * 5 // 4),
+                     "--middleware": vllm_engine.GUARD}  # a key: every route guarded (#42)
+    assert env["PYTHONPATH"] == str(vllm_engine.GUARD_PATH) and "PYTHONPATH" not in env_none
+    assert "--enforce-eager" in argv_none and "--enforce-eager" not in argv and "--middleware" not in argv_none
 
 
 def test_the_serve_unit_records_why_an_engine_did_not_serve(tmp_path, no_llama_cpp):
@@ -873,3 +875,77 @@ def _running(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
+
+
+VLLM_ROUTES = """
+import json, sys
+from fastapi.testclient import TestClient
+from vllm.entrypoints.launchers.app import build_app
+from vllm.entrypoints.launchers.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(["--model", "x", *sys.argv[1:]])
+client = TestClient(build_app(args, ("generate",)), raise_server_exceptions=False)  # no engine: routes only
+print(json.dumps({p: client.request(m, p, json={}).status_code for m, p in json.loads(sys.stdin.read())}))
+"""
+GUARDED = [("POST", "/invocations"), ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/metrics"),
+           ("POST", "/pause"), ("POST", "/abort_requests"), ("GET", "/version"), ("POST", "/v1/completions")]
+
+
+@pytest.mark.skipif(not (vllm_engine.VENV / "bin" / "python").is_file(), reason="vLLM's environment not set up")
+def test_vllm_with_a_key_asks_it_on_every_route_but_health(tmp_path):
+    """#42, against vLLM 0.32's own app (built without an engine, its routes and middleware as `compress serve`
+    starts them, dev-mode routes included): with only VLLM_API_KEY, /invocations, /tokenize, /metrics, ... answer
+    without the key; with compress's --middleware and PYTHONPATH from command(), all 401 but /health."""
+    import subprocess
+
+    exp = ExportFolder(_hf_folder(tmp_path / "w4"), "hf", "gptq", None, 128)
+    argv, env = vllm_engine.command(exp, _opts(key="k-42"), None)
+    i = argv.index("--middleware")
+    probe = json.dumps([*GUARDED, ["GET", "/health"]])
+    env = {**env, "VLLM_SERVER_DEV_MODE": "1"}  # its /pause and /abort_requests routes too
+
+    def statuses(extra, e):
+        r = subprocess.run([str(vllm_engine.VENV / "bin" / "python"), "-c", VLLM_ROUTES, *extra], input=probe,
+                           capture_output=True, text=True, env=e, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+
+    bare = statuses([], {k: v for k, v in env.items() if k != "PYTHONPATH"})
+    assert bare["/v1/completions"] == 401 and bare["/invocations"] != 401 and bare["/metrics"] == 200, bare
+    guarded = statuses(argv[i:i + 2], env)
+    assert {p: guarded[p] for _, p in GUARDED} == {p: 401 for _, p in GUARDED}, guarded
+    assert guarded["/health"] != 401
+
+
+def test_the_vllm_guard_asks_the_key_on_every_route_but_health(monkeypatch):
+    """The middleware itself (pure ASGI, standard library: it runs in vLLM's environment) around a plain ASGI app."""
+    import asyncio
+    import sys
+
+    monkeypatch.syspath_prepend(str(vllm_engine.GUARD_PATH))
+    monkeypatch.setenv("VLLM_API_KEY", "k-42")
+    import compress_vllm_guard
+
+    async def ok(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    guard = compress_vllm_guard.RequireKey(ok)
+
+    def status(path, auth=None):
+        sent = []
+
+        async def send(msg):
+            sent.append(msg)
+
+        headers = [(b"authorization", auth.encode())] if auth else []
+        asyncio.run(guard({"type": "http", "path": path, "headers": headers}, None, send))
+        return sent[0]["status"]
+
+    for _, path in GUARDED:
+        assert status(path) == 401 and status(path, "Bearer nope") == 401 and status(path, "Bearer k-42") == 200
+    assert status("/health") == 200
+    monkeypatch.delenv("VLLM_API_KEY")
+    with pytest.raises(RuntimeError, match="VLLM_API_KEY is not set"):
+        compress_vllm_guard.RequireKey(ok)
+    sys.modules.pop("compress_vllm_guard", None)

@@ -7,8 +7,10 @@ vLLM's CUDA build on a GPU machine). What `compress serve --engine vllm` does ar
 - the folder, the port (in use: exit 2) and the options are checked first; an option vLLM has no equivalent for
   (`--max-queue`, `--queue-timeout-s`, `--max-tokens-limit`: vLLM queues without bound and caps output at the
   context) is refused with a line when given, never dropped;
-- vLLM checks its API key on the /v1 routes only (/invocations, /tokenize, /pause, /abort_requests stay open), so
-  it binds loopback only: any other --host is refused. The key goes in VLLM_API_KEY, never on the command line;
+- vLLM checks its API key on the /v1 routes only (/invocations, /tokenize, /metrics, /version, and in its dev mode
+  /pause and /abort_requests answer without it): with a key, compress adds its own middleware
+  (pipeline/serve/vllm_path/compress_vllm_guard.py, vLLM's --middleware) that asks it on every route but /health.
+  It binds loopback only: any other --host is refused. The key goes in VLLM_API_KEY, never on the command line;
 - `--slots` is vLLM's --max-num-seqs, `--max-model-len` its own (capped at the model's context), `--threads` the
   cores its CPU worker binds (VLLM_CPU_OMP_THREADS_BIND; unset: all of them, not vLLM's one-core default), and the
   KV cache (--kv-cache-memory-bytes) is sized from the model's shapes for `--slots` sequences of `--max-model-len`
@@ -63,6 +65,10 @@ CUDA_FORMATS = CPU_FORMATS + ("bitsandbytes", "fp8", "compressed-tensors-fp8")
 AVX512 = ("avx512f", "avx512bw", "avx512vl", "avx512dq")  # what torch.cpu._is_avx512_supported() asks, as vLLM does
 WNA16_FORMATS = ("gptq", "awq")  # always weight-only; a compressed-tensors folder is asked by its config
 ENTRY = "vllm.entrypoints.openai.api_server"  # the `vllm` console script looks up a distribution named "vllm"
+# the middleware that asks the key on every route (vLLM's own check covers /v1, /v2, /inference, /cohere only), from
+# a folder holding that module alone: vLLM's interpreter gets no other path of ours
+GUARD_PATH = Path(__file__).resolve().parents[1] / "vllm_path"
+GUARD = "compress_vllm_guard.RequireKey"
 KV_MARGIN = 1.25  # vLLM allocates whole blocks per sequence: a quarter more than the exact tokens
 
 
@@ -253,9 +259,9 @@ def start_refusal(folder: Path, opts: ServeOptions) -> str | None:
         if why:
             return f"engine vllm: {why}"
     if not is_loopback(opts.host):
-        return (f"--engine vllm binds loopback only: vLLM checks the API key on its /v1 routes alone "
-                f"(/invocations, /tokenize, /pause and /abort_requests stay open), so --host {opts.host} is "
-                "refused; put your own authenticating proxy in front of it, or use --engine transformers")
+        return (f"--engine vllm binds loopback only: vLLM's own server checks the API key on its /v1 routes alone "
+                f"(compress guards the rest), so --host {opts.host} is refused; put your own authenticating proxy "
+                "in front of it, or use --engine transformers")
     return None
 
 
@@ -279,6 +285,9 @@ def command(exp, opts: ServeOptions, missing: str | None) -> tuple[list[str], di
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "PYTHONPATH")}
     if opts.key:
         env["VLLM_API_KEY"] = opts.key
+        # vLLM checks it on /v1 routes alone: the guard asks it on every route but /health (vllm_path/)
+        cmd += ["--middleware", GUARD]
+        env["PYTHONPATH"] = str(GUARD_PATH)
     if not opts.device.startswith("cuda"):
         # unset --threads: every core, as transformers uses. vLLM's own default on 2 cores computes on core 0 and
         # keeps core 1 for its busy-polling scheduler: 0.94x transformers at concurrency 16 in the default run of
