@@ -22,9 +22,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModelForCausalLM
 
 from pipeline.model.dtypes import torch_dtype
+from pipeline.quant.checkpoint import load_checkpoint
 from pipeline.speculative.targets import autocast
 
 if TYPE_CHECKING:
@@ -249,6 +249,7 @@ def check_tokenizers_match(verifier_tok, draft_tok) -> None:
 
 
 def load_causal_lm(path: Path, device: str = "cpu"):
-    """Any checkpoint from_pretrained can read (fp32, GPTQ, bitsandbytes), in eval mode, on `device`."""
-    placed = {} if device == "cpu" else {"device_map": {"": device}}
-    return AutoModelForCausalLM.from_pretrained(str(path), **placed).eval()
+    """A checkpoint folder (a draft, the verifier variant, the baseline) as the validate stage loads it, in eval mode,
+    on `device`: pipeline/quant/checkpoint.py, so a method's reload hook runs and a verifier with an FP8 KV cache
+    reads its keys and values through float8 (plain from_pretrained ran it with a 16-bit cache)."""
+    return load_checkpoint(Path(path), device)

@@ -420,3 +420,25 @@ def test_fp8_kv_cache_on_an_unknown_family_is_refused_at_check():
     arch = linear_shapes_from_config({"model_type": "nosuchmodel"})
     v = variant(name="kv", kv_cache="fp8")
     assert ("kv_cache", "kv-fp8-unknown-family") in keys(check_variant(v, arch, "cpu"))
+
+
+def test_the_speculative_stage_loads_an_fp8_kv_verifier_with_its_fp8_cache(folders):
+    """#42: the speculative stage (its distillation and its acceptance measurement) loaded the verifier with plain
+    from_pretrained: a verifier with an FP8 KV cache ran with a 16-bit one, another model than the one validated.
+    Now its loader is the validate stage's: the same logits as load_checkpoint's, which differ from the cache-less."""
+    from pipeline.quant.checkpoint import load_checkpoint
+    from pipeline.speculative.draft_model import load_causal_lm
+
+    folder = folders["int8-kv"]
+    ids = torch.tensor([CALIB[0][:16].tolist()])
+    with torch.no_grad():
+        spec = load_causal_lm(folder)(ids).logits
+        scored = load_checkpoint(folder)(ids).logits
+    assert torch.equal(spec, scored)
+    assert hasattr(next(iter(kv_layers(load_causal_lm(folder)).values())), "compress_kv")
+
+
+def kv_layers(model):
+    from pipeline.quant import kv_fp8
+
+    return kv_fp8.attention_layers(model)
