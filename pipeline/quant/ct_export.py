@@ -195,18 +195,18 @@ def read_integers(folder: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str
     (in the unsigned grid, zero points as stored by AWQ / restored from GPTQ's v1 offset)."""
     config = json.loads((folder / "config.json").read_text())
     qc = config["quantization_config"]
-    method = qc.get("quant_method")
-    if method not in ("gptq", "awq"):
-        raise ValueError(f"{folder} is not a GPTQ or AWQ checkpoint (quant_method {method!r})")
+    fmt = qc.get("quant_method")  # the checkpoint's format
+    if fmt not in ("gptq", "awq"):
+        raise ValueError(f"{folder} is not a GPTQ or AWQ checkpoint (quant_method {fmt!r})")
     if qc.get("desc_act"):
         raise ValueError("desc_act = true: compressed-tensors' pack-quantized format stores no g_idx (act-order)")
-    if method == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
+    if fmt == "awq" and str(qc.get("version", "gemm")).lower() != "gemm":
         raise ValueError(f"AWQ version {qc.get('version')!r}: only the GEMM layout converts")
     v1 = qc.get("checkpoint_format", "gptq") == "gptq"
     state = _read_state(folder)
     linears = _packed_linears(state)
     settings = linear_settings(qc, sorted(linears))
-    ints = {name: (gptq_integers(t, *settings[name], v1) if method == "gptq" else awq_integers(t, *settings[name]))
+    ints = {name: (gptq_integers(t, *settings[name], v1) if fmt == "gptq" else awq_integers(t, *settings[name]))
             for name, t in linears.items()}
     return qc, state, settings, ints
 
@@ -418,7 +418,7 @@ def convert_fresh(gptq_dir: Path, out_dir: Path) -> dict:
     try:
         done = subprocess.run([sys.executable, "-m", "pipeline.quant.ct_export", str(gptq_dir.resolve()),
                                str(out_dir.resolve()), str(result)], env=env, capture_output=True, text=True)
-        if done.returncode == REFUSED_EXIT and result.is_file():  # the converter's ValueError: a checkpoint it cannot write
+        if done.returncode == REFUSED_EXIT and result.is_file():  # the converter's ValueError: a layout it refuses
             raise StageError(f"the compressed-tensors conversion refused {gptq_dir.name}: "
                              f"{json.loads(result.read_text())['refused']}")
         if done.returncode != 0:

@@ -248,3 +248,50 @@ def test_check_refuses_what_transformers_gguf_loader_would_rebuild_wrong(model_t
     config = json.loads((ARCH / "qwen3.json").read_text())
     config["head_dim"] = 128
     assert gguf_problems(variant(), linear_shapes_from_config(config)) == []
+
+
+# ---------------------------------------------------------------- the pre-tokenizer (tokenizer.ggml.pre)
+
+
+@needs_converter
+def test_the_pre_tokenizer_table_is_the_converters_own_and_holds_our_fallback_copy():
+    from pipeline.quant.gguf_export import PRE_TOKENIZERS
+
+    table = gguf_convert.pre_tokenizer_hashes(gguf_convert.converter_dir())
+    assert len(table) > 50 and {"qwen2", "llama-bpe", "smollm", "gpt-2"} <= set(table.values())
+    assert {h: table.get(h) for h in PRE_TOKENIZERS} == PRE_TOKENIZERS
+
+
+@needs_converter
+def test_a_known_split_over_another_vocabulary_is_named_by_its_pattern_and_the_converter_takes_it(tmp_path,
+                                                                                                  tokenizer_dir):
+    """SmolLM2's tokenizer beside a qwen2 model: transformers 5 loads it as Qwen2Tokenizer (Qwen2's split over
+    SmolLM2's vocabulary), a hash no table holds. Named 'qwen2' by its split; the converter, which raises on the
+    hash alone, writes that name when told, and llama.cpp's split is then the one transformers applies."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    from pipeline.quant.gguf_export import converter_pre, pre_tokenizer
+
+    base = tiny(tmp_path, tokenizer_dir, "qwen2")
+    tok = AutoTokenizer.from_pretrained(base)
+    assert type(tok).__name__ == "Qwen2Tokenizer"
+    assert pre_tokenizer(tok) == "qwen2" and converter_pre(base) == "qwen2"
+    with pytest.raises(RuntimeError, match="does not know this tokenizer's BPE pre-tokenizer"):
+        gguf_convert.run_converter(base, tmp_path / "plain.gguf", "q8_0")
+    gguf_convert.run_converter(base, tmp_path / "named.gguf", "q8_0", pre="qwen2")
+    reader = gguf.GGUFReader(tmp_path / "named.gguf")
+    assert reader.fields["tokenizer.ggml.pre"].contents() == "qwen2"
+    assert reader.fields["general.architecture"].contents() == "qwen2"
+
+
+def test_an_unknown_split_fails_naming_its_hash_and_pattern():
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from pipeline.quant.gguf_export import pre_tokenizer
+
+    raw = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))
+    raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"\d{3}|\s+"), behavior="isolated")
+    with pytest.raises(ValueError, match=r"chkhsh [0-9a-f]{64}, split pattern '\\\\d\{3\}\|\\\\s\+'"):
+        pre_tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw))
