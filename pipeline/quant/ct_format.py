@@ -19,7 +19,7 @@ while it loads, into the fused parameters. What it cannot load is refused at che
 """
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import TypedDict, get_args
 
 from pipeline.base.problem import Problem
 from pipeline.base.registry import load_work
@@ -181,7 +181,7 @@ def ct_arch_problems(variant, arch: Arch) -> list[Problem]:
 
 def own_format(variant) -> str:
     """The variant's method's own checkpoint format (its `format` field's other choice)."""
-    return "awq" if variant.method == "awq" else "gptq"
+    return next(f for f in get_args(type(variant).model_fields["format"].annotation) if f != CT)
 
 
 def ct_bits_per_weight(variant) -> float:
