@@ -15,7 +15,7 @@ from pipeline.base.problem import Problem
 from pipeline.budget.formulas import GiB
 from pipeline.estimate import estimate_disk, estimate_memory
 from pipeline.eval.config import GATE_SPECS, gate_path, gate_problems, moe_gate_problems, speed_problems
-from pipeline.eval.parallel_check import technique_problems, tp_rank_bytes
+from pipeline.eval.parallel_check import serve_parallel_problems, technique_problems, tp_rank_bytes
 from pipeline.eval.tasks_config import task_problems
 from pipeline.model.architecture import missing, model_class, transformers_model_types
 from pipeline.model.dtypes import HALF_UNITS, cpu_flags, dtype_bytes, resolve_dtype
@@ -93,6 +93,7 @@ def check(recipe) -> Plan:
     problems += _check_moe_calibration(recipe, info)
     problems += _check_tasks(recipe, plan)
     problems += _check_serve(recipe, plan)
+    problems += serve_parallel_problems(recipe.validate_.serve, info.config, plan.device, plan.serve_engines)
     estimate_memory(recipe, info, plan, source)
     problems += _check_techniques(recipe, info, plan)
     problems += _untimed_gates(recipe, plan)

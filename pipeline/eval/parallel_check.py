@@ -134,3 +134,36 @@ def _tp_problems(tp: int, config: dict, device: str, cores: int) -> list[Problem
                            f"[validate.speed] tp_size = {tp} ranks on {cores} CPU cores: each rank needs a core of "
                            f"its own (more would time the scheduler); at most {cores}"))
     return out
+
+
+def serve_parallel_problems(serve, config: dict, device: str, engines: dict[str, dict[str, str | None]],
+                            cores: int | None = None) -> list[Problem]:
+    """[validate.serve] tensor_parallel_size / pipeline_parallel_size (vLLM's): only an engine that splits a model
+    over ranks may be asked, the heads must divide, the layers must cover the stages, and on CPU each rank needs a
+    core (`engines`: the plan's {model: {engine: None or why skipped}})."""
+    tp, pp = serve.tensor_parallel_size, serve.pipeline_parallel_size
+    if not serve.enabled or tp * pp == 1:
+        return []
+    out = []
+    whole = sorted({e for plan in engines.values() for e, why in plan.items() if why is None and e != "vllm"})
+    if whole:
+        out.append(Problem("validate.serve.engines", "serve-parallel-engine",
+                           f"[validate.serve] tensor_parallel_size = {tp}, pipeline_parallel_size = {pp}: only vllm "
+                           f"splits a model over ranks, and {', '.join(whole)} would serve it whole; set engines = "
+                           "['vllm'] (or engine_models) or leave both sizes at 1"))
+    n, kv = heads(config)
+    if n % tp or (kv % tp and tp % kv):
+        out.append(Problem("validate.serve.tensor_parallel_size", "serve-tp-heads-indivisible",
+                           f"[validate.serve] tensor_parallel_size = {tp} does not divide the model's {n} attention "
+                           f"heads (KV heads: {kv}); vLLM refuses it at start-up"))
+    layers = int((config.get("text_config") or config).get("num_hidden_layers") or 0)
+    if pp > layers:
+        out.append(Problem("validate.serve.pipeline_parallel_size", "serve-pp-over-layers",
+                           f"[validate.serve] pipeline_parallel_size = {pp} is more stages than the model's {layers} "
+                           "layers"))
+    cores = usable_cores() if cores is None else cores
+    if not str(device).startswith("cuda") and tp * pp > cores:
+        out.append(Problem("validate.serve.tensor_parallel_size", "serve-parallel-over-cores",
+                           f"[validate.serve] tensor_parallel_size x pipeline_parallel_size = {tp * pp} ranks on "
+                           f"{cores} CPU cores: vLLM binds each rank to cores of its own; at most {cores}"))
+    return out

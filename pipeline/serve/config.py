@@ -53,6 +53,11 @@ class ServeConfig(BaseModel):
                                             "start-up per model for 1.2-1.4x eager mode's throughput); false: "
                                             "--enforce-eager")
     timeout_s: float = Field(300.0, gt=0, description="longest a request (and the server's start) may take")
+    tensor_parallel_size: int = Field(1, ge=1, description="vllm: its --tensor-parallel-size (the heads split over "
+                                                           "ranks, one core or GPU each; must divide the attention "
+                                                           "heads); engines without it are refused above 1")
+    pipeline_parallel_size: int = Field(1, ge=1, description="vllm: its --pipeline-parallel-size (the layers split "
+                                                             "over ranks, one core or GPU each)")
     perplexity: bool = Field(True, description="vllm: also score the [validate.perplexity] windows through the "
                                                "server (its prompt log-probabilities; the quality stage's ids and "
                                                "windows) and record that perplexity beside the in-process one; its "

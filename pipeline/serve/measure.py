@@ -67,6 +67,8 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
     eng = engines.get(engine)
     opts = {"slots": max(cfg.concurrency), "max_queue": max(cfg.concurrency), "max_model_len": cfg.max_model_len,
             "queue_timeout_s": cfg.timeout_s, "threads": threads}
+    if cfg.tensor_parallel_size * cfg.pipeline_parallel_size > 1:  # engines without them are refused at check
+        opts |= {"tensor_parallel_size": cfg.tensor_parallel_size, "pipeline_parallel_size": cfg.pipeline_parallel_size}
     args = ["--device", device, *eng.serve_args(cfg)]
     for k, v in opts.items():
         if v is not None and k in eng.honours:

@@ -72,8 +72,11 @@ def serve(folder: str, engine: str, opts: ServeOptions) -> int:
     refused = chosen.unhonoured(opts)
     if refused:
         flags = ", ".join("--" + o.replace("_", "-") for o in refused)
-        raise RecipeError(f"--engine {chosen.name} does not apply {flags} ({chosen.unhonoured_why}): leave "
-                          f"{'it' if len(refused) == 1 else 'them'} unset, or serve with --engine transformers")
+        able = [n for n in engines.NAMES if all(o in engines.get(n).honours for o in refused)]
+        why = chosen.unhonoured_why or "it has no such setting"
+        raise RecipeError(f"--engine {chosen.name} does not apply {flags} ({why}): leave "
+                          f"{'it' if len(refused) == 1 else 'them'} unset, or serve with --engine "
+                          + " or --engine ".join(able or ["transformers"]))
     sock = bind(opts.host, opts.port)
     return chosen.serve(exp, sock, replace(opts, max_model_len=min(opts.max_model_len,
                                                                     exp.context or opts.max_model_len)))

@@ -16,12 +16,13 @@ from pipeline.base.codehash import PACKAGE_DIR
 from pipeline.base.errors import RecipeError
 from pipeline.base.problem import CODE_PATTERN, Problem, join_path
 from pipeline.eval.config import GatesConfig, SpeedConfig, gate_problems
-from pipeline.eval.parallel_check import technique_problems
+from pipeline.eval.parallel_check import serve_parallel_problems, technique_problems
 from pipeline.plan import check
 from pipeline.quant.methods.gguf import gguf_problems
 from pipeline.quant.registry import QuantVariant, check_variant
 from pipeline.quant.shapes import linear_shapes_from_config
 from pipeline.recipe import load_recipe
+from pipeline.serve.config import ServeConfig
 from tests.problems import keys, only, refused
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -448,6 +449,9 @@ FUNCTION_LEVEL = {  # what no recipe reaches here (a field pydantic already narr
         SpeedConfig(techniques=["sdpa", "tensor_parallel"]), {**SMOL, "model_type": "bloom", "n_head": 8,
                                                                "num_attention_heads": 8, "num_key_value_heads": 8},
         "cpu", cores=2),
+    "vLLM parallel sizes the model and machine cannot take": lambda: serve_parallel_problems(
+        ServeConfig(enabled=True, engines=["auto", "vllm"], tensor_parallel_size=2, pipeline_parallel_size=40),
+        SMOL, "cpu", {"baseline": {"transformers": None, "vllm": None}}, cores=2),
 }
 
 FUNCTION_MESSAGES = {
@@ -482,6 +486,19 @@ FUNCTION_MESSAGES = {
         ("validate.speed.techniques", "speed-tp-no-plan",
          "[validate.speed] techniques: tensor_parallel needs a tensor-parallel plan, and transformers' bloom config "
          "declares none (base_model_tp_plan)")],
+    "vLLM parallel sizes the model and machine cannot take": [
+        ("validate.serve.engines", "serve-parallel-engine",
+         "[validate.serve] tensor_parallel_size = 2, pipeline_parallel_size = 40: only vllm splits a model over "
+         "ranks, and transformers would serve it whole; set engines = ['vllm'] (or engine_models) or leave both "
+         "sizes at 1"),
+        ("validate.serve.tensor_parallel_size", "serve-tp-heads-indivisible",
+         "[validate.serve] tensor_parallel_size = 2 does not divide the model's 9 attention heads (KV heads: 3); "
+         "vLLM refuses it at start-up"),
+        ("validate.serve.pipeline_parallel_size", "serve-pp-over-layers",
+         "[validate.serve] pipeline_parallel_size = 40 is more stages than the model's 30 layers"),
+        ("validate.serve.tensor_parallel_size", "serve-parallel-over-cores",
+         "[validate.serve] tensor_parallel_size x pipeline_parallel_size = 80 ranks on 2 CPU cores: vLLM binds each "
+         "rank to cores of its own; at most 2")],
 }
 
 

@@ -39,17 +39,24 @@ from pipeline.serve.server import serve as run_server
 @click.option("--start-timeout-s", default=600.0, show_default=True, type=click.FloatRange(min=1),
               help="vllm: longest its start-up may take before exit 4 (it compiles on its first start).")
 @click.option("--enforce-eager", is_flag=True, help="vllm: skip its torch.compile step (faster start, slower serving).")
+@click.option("--tensor-parallel-size", default=1, show_default=True, type=click.IntRange(min=1),
+              help="vllm: ranks the model's heads are split over (one core or GPU each).")
+@click.option("--pipeline-parallel-size", default=1, show_default=True, type=click.IntRange(min=1),
+              help="vllm: ranks the model's layers are split over (one core or GPU each).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--threads", default=None, type=click.IntRange(min=1), help="torch threads (default: all cores).")
 @click.pass_context
 def serve(ctx: click.Context, export_dir: str, host: str, port: int, engine: str, api_key: str | None, slots: int,
           max_queue: int, queue_timeout_s: float, max_tokens_limit: int, max_model_len: int, drain_s: float,
-          start_timeout_s: float, enforce_eager: bool, device: str, threads: int | None) -> None:
+          start_timeout_s: float, enforce_eager: bool, tensor_parallel_size: int, pipeline_parallel_size: int,
+          device: str, threads: int | None) -> None:
     """Serve EXPORT_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health) with continuous batching."""
     explicit = frozenset(o for o in OPTIONS if ctx.get_parameter_source(o) is not ParameterSource.DEFAULT)
     opts = ServeOptions(host=host, port=port, key=api_key, slots=slots, max_queue=max_queue,
                         queue_timeout_s=queue_timeout_s, max_tokens_limit=max_tokens_limit,
                         max_model_len=max_model_len, drain_s=drain_s, device=device, threads=threads,
-                        start_timeout_s=start_timeout_s, enforce_eager=enforce_eager, explicit=explicit)
+                        start_timeout_s=start_timeout_s, enforce_eager=enforce_eager,
+                        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                        explicit=explicit)
     sys.exit(run_server(export_dir, engine, opts))

@@ -17,9 +17,11 @@ from typing import ClassVar
 from pipeline.base.registry import load_work
 
 UNQUANTIZED = "unquantized"
-# every `compress serve` option an engine may or may not apply; the transformers engine applies them all
+# every `compress serve` option an engine may or may not apply; the transformers engine applies all but PARALLEL
+# (one server's model split over ranks: vLLM's tensor and pipeline parallelism)
+PARALLEL = ("tensor_parallel_size", "pipeline_parallel_size")
 OPTIONS = ("slots", "max_queue", "queue_timeout_s", "max_tokens_limit", "max_model_len", "threads", "drain_s",
-           "enforce_eager")
+           "enforce_eager", *PARALLEL)
 
 
 def device_kind(device: str) -> str:
@@ -43,6 +45,8 @@ class ServeOptions:
     threads: int | None
     start_timeout_s: float
     enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     explicit: frozenset[str] = field(default_factory=frozenset)
 
 
@@ -50,7 +54,7 @@ class Engine:
     name: ClassVar[str]
     # device kind ("cpu", "cuda") -> checkpoint formats served there
     formats: ClassVar[dict[str, tuple[str, ...]]]
-    honours: ClassVar[tuple[str, ...]] = OPTIONS
+    honours: ClassVar[tuple[str, ...]] = tuple(o for o in OPTIONS if o not in PARALLEL)
     unhonoured_why: ClassVar[str] = ""  # why the options it does not apply have no equivalent in it
     # greedy output compared with generate's token for token (the same weights and kernels), else recorded by text
     exact: ClassVar[bool] = False

@@ -42,7 +42,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from pipeline.base.errors import RecipeError, StageError
-from pipeline.serve.engines.base import UNQUANTIZED, Engine, ServeOptions, describe, error_line
+from pipeline.serve.engines.base import PARALLEL, UNQUANTIZED, Engine, ServeOptions, describe, error_line
 
 log = logging.getLogger("compress.serve")
 PYTHON_ENV = "COMPRESS_VLLM_PYTHON"
@@ -90,7 +90,7 @@ def distribution(py: Path) -> tuple[str, str] | None:
 class VLLM(Engine):
     name = "vllm"
     formats = {"cpu": CPU_FORMATS, "cuda": CUDA_FORMATS}
-    honours = ("slots", "max_model_len", "threads", "drain_s", "enforce_eager")
+    honours = ("slots", "max_model_len", "threads", "drain_s", "enforce_eager", *PARALLEL)
     unhonoured_why = "vLLM has no such setting: it queues without bound and caps output at the context"
     install = INSTALL
     optional = True
@@ -279,6 +279,10 @@ def command(exp, opts: ServeOptions, missing: str | None) -> tuple[list[str], di
            "--shutdown-timeout", str(int(round(opts.drain_s)))]  # in-flight requests finish within --drain-s
     if opts.enforce_eager:
         cmd.append("--enforce-eager")
+    ranks = opts.tensor_parallel_size * opts.pipeline_parallel_size
+    if ranks > 1:  # vLLM's CPU worker group: one process per rank, its cores from VLLM_CPU_OMP_THREADS_BIND
+        cmd += ["--tensor-parallel-size", str(opts.tensor_parallel_size),
+                "--pipeline-parallel-size", str(opts.pipeline_parallel_size)]
     kv = kv_cache_bytes(exp.path, opts.slots, length)
     if kv:
         cmd += ["--kv-cache-memory-bytes", str(kv)]
@@ -292,7 +296,7 @@ def command(exp, opts: ServeOptions, missing: str | None) -> tuple[list[str], di
         # unset --threads: every core, as transformers uses. vLLM's own default on 2 cores computes on core 0 and
         # keeps core 1 for its busy-polling scheduler: 0.94x transformers at concurrency 16 in the default run of
         # 4 Dec; bound to both, 1.73x (benchmarks/results/serve_engines_cpu, benchmarks/serve_engines.py)
-        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_id_list(bound_cpus(opts.threads))
+        env["VLLM_CPU_OMP_THREADS_BIND"] = rank_binding(bound_cpus(opts.threads), ranks)
     if opts.device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = opts.device.split(":", 1)[1]
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -305,6 +309,16 @@ def bound_cpus(threads: int | None) -> list[int]:
     core 0), the first `threads` of them when --threads is given (never more than the set holds)."""
     cpus = sorted(os.sched_getaffinity(0))
     return cpus[:threads] if threads else cpus
+
+
+def rank_binding(cpus: list[int], ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` CPU workers (TP x PP): the cores split into one list per rank, "|" between
+    them (vLLM asserts one list per local rank); RecipeError when there are fewer cores than ranks."""
+    if ranks > len(cpus):
+        raise RecipeError(f"engine vllm: {ranks} ranks (tensor x pipeline parallel size) on {len(cpus)} cores: each "
+                          "rank needs a core of its own")
+    share = len(cpus) // ranks
+    return "|".join(cpu_id_list(cpus[r * share:(r + 1) * share]) for r in range(ranks))
 
 
 def cpu_id_list(ids: list[int]) -> str:
