@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.base.codehash import code_hash  # what a unit's code is: the files its entry modules import
+from pipeline.base.codehash import LOADED, code_hash  # a unit's code: the files its entry modules import, as loaded
 from pipeline.base.errors import CompressError, LockedError, StageError
 from pipeline.base.fileio import sha256_file
 from pipeline.base.memory import PeakMemory
@@ -96,6 +96,7 @@ class Runner:
                                                   device=device, seed=seed, versions=versions)
         self.manifests: dict[str, dict] = {}
         self.failed: dict[str, str] = {}  # unit key -> its error line (failed or blocked units)
+        self.code = LOADED  # the package's files as this process loaded them: what a unit's identity hashes
 
     def run_or_record(self, unit: Unit) -> dict | None:
         """run_unit, except that a unit failure (StageError: the unit raised) is recorded in the report and the run
@@ -131,7 +132,8 @@ class Runner:
         if missing:
             raise StageError(f"{unit.key}: upstream unit(s) {missing} did not run")
         deps = {d: self.manifests[d]["outputs_hash"] for d in unit.deps}
-        return canonical_hash({"key": unit.key, "config": unit.config, "deps": deps, "code": code_hash(unit.code),
+        code = code_hash(unit.code, self.code.root, self.code)
+        return canonical_hash({"key": unit.key, "config": unit.config, "deps": deps, "code": code,
                                "versions": self.versions, "seed": self.seed, "device": self.device})
 
     def run_unit(self, unit: Unit) -> dict:
@@ -168,6 +170,10 @@ class Runner:
         except Exception as e:
             raise StageError(f"stage {unit.key} failed: {type(e).__name__}: {e}") from e
         fault_point(unit.key, "before_commit")
+        edited = self.code.changed(unit.code)
+        if edited:  # its identity is the loaded code; workers started from the disk would have run the edited one
+            raise StageError(f"stage {unit.key}: {', '.join(edited)} changed on disk during the run (this process "
+                             "runs the code it loaded when the run started): its outputs are not recorded; run again")
         (tmp / METRICS).write_text(json.dumps(metrics, indent=2, default=str))
         outputs = hash_outputs(tmp)
         manifest = {"key": unit.key, "run_id": self.run_id, "inputs_hash": h, "config": unit.config, "deps": unit.deps,

@@ -15,6 +15,12 @@ A unit names its entry modules and any data files it reads, as paths under pipel
 `code_hash` is the sha256 of those files' paths and bytes: editing a file a unit imports reruns it, editing
 any other file does not.
 
+The bytes are the code this process loaded, not the disk at unit start: `LOADED` reads the package's files once,
+when the harness imports this module at the start of a run (`Loaded`). A file edited during a long run would
+otherwise be hashed as new while this process runs the old one, and a later run with the new code would skip the
+unit. `Loaded.changed(entries)` names a unit's files that differ on disk from what was loaded (its worker processes
+would run those): the runner then records no outputs for it (pipeline/app/runner.py).
+
 Plug-ins are never followed from an import: the registry imports every method file
 (pipeline/quant/methods/<name>.py), and a unit that quantizes, measures or exports a variant names its method's file
 as an entry (pipeline.quant.registry.method_code), so editing one method reruns that method's units and no other's.
@@ -68,9 +74,39 @@ def _is_module(name: str, root: Path) -> bool:
     return module_file(name, root) is not None or (name != PACKAGE and root.joinpath(*name.split(".")[1:]).is_dir())
 
 
-def _scan(path: Path, root: Path) -> tuple[frozenset[str], tuple[str, ...]]:
+class Loaded:
+    """The files under `root` as this process found them when it made this snapshot (the start of a run)."""
+
+    def __init__(self, root: Path = PACKAGE_DIR) -> None:
+        self.root = Path(root).resolve()
+        self.files = {p: p.read_bytes() for p in sorted(self.root.rglob("*"))
+                      if p.is_file() and "__pycache__" not in p.parts}
+
+    def read(self, path: Path) -> bytes:
+        """The file as loaded; one that appeared since (no process of this run has run it yet): as on disk."""
+        got = self.files.get(path)
+        return got if got is not None else path.read_bytes()
+
+    def changed(self, entries: tuple[str, ...]) -> list[str]:
+        """The entries' files (as loaded) whose bytes on disk are no longer the loaded ones, relative to root."""
+        out = []
+        for p in code_files(tuple(entries), self.root, self):
+            try:
+                now: bytes | None = p.read_bytes()
+            except OSError:
+                now = None
+            if now != self.read(p):
+                out.append(p.relative_to(self.root).as_posix())
+        return out
+
+
+LOADED = Loaded()  # at import: the harness (pipeline.app.runner) imports this module when a run starts
+
+
+def _scan(path: Path, root: Path, loaded: Loaded | None = None) -> tuple[frozenset[str], tuple[str, ...]]:
     """(pipeline module names `path` imports or names, data globs it declares)."""
-    return _scan_source(path.read_bytes(), module_name(path, root), path.name == "__init__.py")
+    source = loaded.read(path) if loaded is not None else path.read_bytes()
+    return _scan_source(source, module_name(path, root), path.name == "__init__.py")
 
 
 @lru_cache(maxsize=512)
@@ -110,8 +146,9 @@ def _glob(pattern: str, root: Path) -> list[Path]:
     return found
 
 
-def code_files(entries: tuple[str, ...], root: Path = PACKAGE_DIR) -> list[Path]:
-    """Every file under `root` that the entries' code runs or reads (see the module docstring), sorted."""
+def code_files(entries: tuple[str, ...], root: Path = PACKAGE_DIR, loaded: Loaded | None = None) -> list[Path]:
+    """Every file under `root` that the entries' code runs or reads (see the module docstring), sorted; imports
+    read from `loaded` when given."""
     root = Path(root).resolve()
     files: set[Path] = set()
     todo: list[str] = []
@@ -132,17 +169,19 @@ def code_files(entries: tuple[str, ...], root: Path = PACKAGE_DIR) -> list[Path]
         if path is None:
             continue  # a namespace package, or an attribute imported with `from pipeline.x import name`
         files.add(path)
-        imported, data = _scan(path, root)
+        imported, data = _scan(path, root, loaded)
         todo.extend(n for n in imported if n not in seen and _is_module(n, root) and not n.startswith(PLUGINS))
         for pattern in data:
             files.update(_glob(pattern, root))
     return sorted(files)
 
 
-def code_hash(entries: tuple[str, ...], root: Path = PACKAGE_DIR) -> str:
-    """sha256 of the source and data files a unit's outputs come from (paths and bytes)."""
+def code_hash(entries: tuple[str, ...], root: Path = PACKAGE_DIR, loaded: Loaded | None = None) -> str:
+    """sha256 of the source and data files a unit's outputs come from (paths and bytes): as `loaded` holds them
+    when given (the runner passes LOADED: the code this process loaded), else as on disk."""
     root = Path(root).resolve()
     h = hashlib.sha256()
-    for p in code_files(tuple(entries), root):
-        h.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    for p in code_files(tuple(entries), root, loaded):
+        data = loaded.read(p) if loaded is not None else p.read_bytes()
+        h.update(p.relative_to(root).as_posix().encode() + b"\0" + data + b"\0")
     return h.hexdigest()

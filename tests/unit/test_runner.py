@@ -115,22 +115,23 @@ def test_lock_of_killed_process_is_not_stale(tmp_path):
         pass
 
 
-def test_editing_a_module_the_unit_imports_reruns_it(tmp_path, monkeypatch):
+def test_editing_a_module_the_unit_imports_reruns_it(tmp_path):
     """Unit.code names entry modules; the runner hashes everything they import (pipeline/base/codehash.py)."""
-    import functools
-
-    import pipeline.app.runner
-    from pipeline.base.codehash import code_hash
+    from pipeline.base.codehash import Loaded
 
     pkg = tmp_path / "src" / "pipeline"
     (pkg / "stages").mkdir(parents=True)
     (pkg / "stages" / "s.py").write_text("def run():\n    from pipeline.algo import f\n    return f()\n")
     (pkg / "algo.py").write_text("def f():\n    return 1\n")
     (pkg / "other.py").write_text("x = 1\n")
-    monkeypatch.setattr(pipeline.app.runner, "code_hash", functools.partial(code_hash, root=pkg))
     calls = []
     run_dir = tmp_path / "run"
-    rerun = lambda: make_runner(run_dir).run_unit(Unit("draft", {}, writer("s", "S", calls), code=("stages/s.py",)))  # noqa: E731
+
+    def rerun():  # a new run: its process loads the package as it is now
+        r = make_runner(run_dir)
+        r.code = Loaded(pkg)
+        r.run_unit(Unit("draft", {}, writer("s", "S", calls), code=("stages/s.py",)))
+
     rerun()
     (pkg / "other.py").write_text("x = 2\n")
     rerun()
@@ -163,3 +164,38 @@ def test_a_failing_unit_does_not_hide_the_others(tmp_path):
     with pytest.raises(StageError, match=r"1 unit\(s\) failed \(1 more not run.*load: .*kernel exploded") as e:
         r.raise_failures()
     assert e.value.exit_code == 4
+
+
+def test_a_units_identity_is_the_code_this_process_loaded(tmp_path):
+    """#42: the code identity was read from disk when a unit started, so a file edited during a long run was hashed
+    as new while this process ran the old one (and a later run with the new code skipped the unit). Now the runner
+    hashes the code as loaded (codehash.Loaded, taken when the run started) and a unit whose code changed on disk
+    while it ran records no outputs."""
+    from pipeline.base import codehash
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "mod.py").write_text("X = 1\n")
+    r = make_runner(tmp_path / "run")
+    r.code = codehash.Loaded(pkg)  # the package as this run's process loaded it (here: a one-module package)
+    before = codehash.code_hash(("mod.py",), pkg)
+    (pkg / "mod.py").write_text("X = 2\n")  # edited after the run started, before the unit
+    assert codehash.code_hash(("mod.py",), pkg, r.code) == before != codehash.code_hash(("mod.py",), pkg)
+    with pytest.raises(StageError, match=r"mod\.py changed on disk during the run .* not recorded"):
+        r.run_unit(Unit("load", {}, writer("a", "A", []), code=("mod.py",)))
+    assert not (tmp_path / "run" / "load" / MANIFEST).exists()
+
+    r = make_runner(tmp_path / "run")
+    r.code = codehash.Loaded(pkg)  # a new run loads the new code: its identity, and it commits
+
+    def edits(ctx):  # the file changes while the unit runs (its workers would start from the new one)
+        (pkg / "mod.py").write_text("X = 3\n")
+        (ctx.out / "out.txt").write_text("A")
+
+    m = r.run_unit(Unit("load", {}, writer("a", "A", []), code=("mod.py",)))
+    assert m["inputs_hash"] == r.inputs_hash(Unit("load", {}, None, code=("mod.py",)))
+    r = make_runner(tmp_path / "run2")
+    r.code = codehash.Loaded(pkg)
+    with pytest.raises(StageError, match="changed on disk during the run"):
+        r.run_unit(Unit("load", {}, edits, code=("mod.py",)))
+    assert not (tmp_path / "run2" / "load" / MANIFEST).exists()
