@@ -23,7 +23,7 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from pipeline.app.ray_task import PROBE_DIR, admitted_file, probe_task, version_mismatch
+from pipeline.app.ray_task import PROBE_DIR, admitted_file, probe_task, session_file, version_mismatch
 from pipeline.base.errors import RecipeError, StageError
 from pipeline.base.fileio import atomic_write_text
 from pipeline.base.stage_keys import UnitKey
@@ -192,6 +192,9 @@ class Admission:
         self.run_dir, self.versions, self.list_nodes, self.probe = Path(run_dir), versions, list_nodes, probe
         self.token = uuid.uuid4().hex  # what admitted-<node id> holds for this driver
         self.admitted: dict[str, str] = {}
+        # this driver is the one running the run folder now: a late attempt of an earlier driver commits nothing
+        session_file(self.run_dir).parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(session_file(self.run_dir), self.token)
 
     def admit_new(self, nodes: list[dict] | None = None) -> list[str]:
         """Probe every usable node not admitted yet (raises StageError naming a refused one); their names."""

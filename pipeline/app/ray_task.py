@@ -148,11 +148,33 @@ def seed_scratch(folder: Path, run_dir: Path, key: str, h: str, attempt: str) ->
     scratch.mkdir(exist_ok=True)
 
 
-def commit_attempt(private: Path, final: Path, h: str) -> tuple[dict, bool]:
+def session_file(run_dir: Path) -> Path:
+    """Holds the token of the driver now running the run (written when it starts, removed when it ends)."""
+    return Path(run_dir) / PROBE_DIR / "session"
+
+
+def is_current(run_dir: Path, token: str) -> bool:
+    """Whether the driver that submitted an attempt (its token) is the one now running the run."""
+    try:
+        return session_file(run_dir).read_text() == token
+    except OSError:
+        return False
+
+
+def commit_attempt(private: Path, final: Path, h: str, current=lambda: True) -> tuple[dict, bool]:
     """Make one attempt's complete folder the unit's folder; (the manifest now there, whether it is this attempt's).
     Exactly one attempt commits: the rename fails once `final` holds a unit. A committed unit with this inputs hash
-    wins over this attempt's folder, which is discarded; a folder with another hash is stale and moved away."""
+    wins over this attempt's folder, which is discarded; a folder with another hash is stale and moved away, but only
+    by an attempt of the driver now running (`current()`): a late attempt of a superseded run (another recipe, another
+    hash) never replaces, nor commits: its folder is discarded and StageError says so."""
     final.parent.mkdir(parents=True, exist_ok=True)
+    if not current():
+        there = read_manifest(final)
+        shutil.rmtree(private, ignore_errors=True)
+        if there is not None and there.get("inputs_hash") == h:
+            return there, False
+        raise StageError(f"{final}: this attempt (inputs hash {h[:16]}) belongs to a run that is no longer the one "
+                         "running this folder: its outputs are discarded, the unit there is left as it is")
     for _ in range(3):
         try:
             os.rename(private, final)
@@ -230,6 +252,7 @@ def _rebuild(recipe_data: dict, key: str, h: str, run: dict, manifests: dict, no
     unit = units[key]
     runner = task_runner_cls()(Path(run["run_dir"]), run["seed"], run["device"], run["versions"], None, run["run_id"])
     runner.manifests = dict(manifests)
+    runner.token = run["token"]
     if runner.inputs_hash(unit) != h:
         raise StageError(f"{key}: node {node} computes another inputs hash than the driver: is the same compress "
                          "(code and library versions) installed on every node?")
@@ -238,6 +261,7 @@ def _rebuild(recipe_data: dict, key: str, h: str, run: dict, manifests: dict, no
 
 def task_runner_cls():
     class TaskRunner(Runner):
+        token: str | None = None  # the submitting driver's session (run["token"]); None: not checked
         def _record(self, unit, manifest, skipped):  # the driver records; a task never writes report.json
             self.manifests[unit.key] = manifest
 
@@ -247,7 +271,9 @@ def task_runner_cls():
             scratch = folder / "scratch"
             private = dataclasses.replace(unit, fn=lambda ctx: unit.fn(dataclasses.replace(ctx, work=scratch)))
             self._execute(private, folder / "out", h)
-            manifest, committed = commit_attempt(folder / "out", self.run_dir / unit.key, h)
+            token = self.token
+            manifest, committed = commit_attempt(folder / "out", self.run_dir / unit.key, h,
+                                                 lambda: token is None or is_current(self.run_dir, token))
             if not committed:
                 log.info("[%s] already committed by another attempt: this attempt's outputs discarded", unit.key)
             return manifest, committed

@@ -348,3 +348,30 @@ def test_every_unit_kind_asks_for_its_plans_memory_and_timed_units_for_a_whole_n
     assert whole == {k for k in opts if k.endswith("/speed") or "/serve/" in k} | {"validate/draft/speculative"}
     assert all(o["resources"] == {NODE_RESOURCE: 0.01} for k, o in opts.items() if k not in whole)
     assert all(o["num_cpus"] == 1 and o["num_gpus"] == 0 for o in opts.values())
+
+
+def test_a_late_attempt_of_a_superseded_run_leaves_the_newer_unit_in_place(tmp_path):
+    """#42: an attempt that Ray gave up on (its node cut off) finishes after the run was started again with another
+    recipe and the newer run committed the unit (another inputs hash): it moved the newer unit aside, deleted it and
+    committed its stale outputs. Now only an attempt of the driver running the folder (its session token) replaces a
+    folder with another hash; the late one is discarded, naming why."""
+    from pipeline.app.ray_nodes import Admission
+    from pipeline.app.ray_task import commit_attempt, is_current
+
+    earlier = Admission(tmp_path, {}, lambda: [], lambda *a: None)  # the first driver, its attempt still running
+    now = Admission(tmp_path, {}, lambda: [], lambda *a: None)  # the run started again: this driver runs the folder
+    final, newer = tmp_path / "load", "b" * 64
+    _, committed = commit_attempt(write_unit(tmp_path / "a1" / "out", newer, "the newer recipe's"), final, newer,
+                                  lambda: is_current(tmp_path, now.token))
+    assert committed
+    with pytest.raises(StageError, match="belongs to a run that is no longer the one running this folder"):
+        commit_attempt(write_unit(tmp_path / "a2" / "out", H, "stale"), final, H,
+                       lambda: is_current(tmp_path, earlier.token))
+    assert (final / "weights.bin").read_text() == "the newer recipe's" and not list(tmp_path.glob("load.stale-*"))
+    assert not (tmp_path / "a2" / "out").exists()
+    # the current driver's attempt still replaces a stale folder (an earlier recipe's) as before
+    _, committed = commit_attempt(write_unit(tmp_path / "a3" / "out", H, "current"), final, H,
+                                  lambda: is_current(tmp_path, now.token))
+    assert committed and (final / "weights.bin").read_text() == "current"
+    now.close()
+    assert not is_current(tmp_path, now.token)  # a driver that ended: its late attempts commit nothing either
