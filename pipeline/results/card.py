@@ -205,6 +205,7 @@ def _results(report: Report, entry: dict) -> list[str]:
                      f"| {num(1.0 if name == 'baseline' else m.ppl_ratio)} | {num(m.kl)} | {num(m.top1)} "
                      f"| {size(m.size_on_disk_bytes)} | {num(m.bits_per_weight, 3)} "
                      f"| {size(m.footprint_bytes)} | {num(m.speed.decode_tokens_per_s_b1 if m.speed else None, 3)} |")
+    lines += _technique_lines(rows)
     coverage = coverage_line(report, rows[-1][1]) if entry["kind"] == "variant" else None
     if coverage:
         lines += ["", coverage[0].upper() + coverage[1:] + "."]
@@ -215,6 +216,23 @@ def _results(report: Report, entry: dict) -> list[str]:
             lines.append(f"| {speculative_label(mode, draft.verifier)} | {num(s.alpha, 3)} "
                          f"| {num(s.tokens_per_target_forward, 3)} | {num(s.speedup, 3)} |")
     return lines + _gate_line(report, entry["name"]) + [""]
+
+
+RUNTIME_TECHNIQUES = ("tensor_parallel", "eager", "sdpa", "flash_attention_2", "static_cache", "compile")
+
+
+def _technique_lines(rows: list[tuple[str, ModelEntry]]) -> list[str]:
+    """One sentence per runtime technique row measured on these models ([validate.speed] techniques): what it did
+    here, on which device (an error or skip said as such)."""
+    out = []
+    for name, m in rows:
+        techniques = (m.speed.techniques or {}) if m.speed else {}
+        where = m.speed.device_name if m.speed else None
+        for t in (t for t in RUNTIME_TECHNIQUES if t in techniques):
+            r = techniques[t]
+            said = r.error or r.skipped or r.note or ""
+            out.append(f"- {name}, {t} on {where or '?'}: {said}")
+    return ["", "Runtime techniques measured on these models:", *out] if out else []
 
 
 def _gate_line(report: Report, name: str) -> list[str]:
