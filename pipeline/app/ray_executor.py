@@ -12,9 +12,10 @@ Resources per task, and which units get a node to themselves: pipeline/app/ray_n
 
 Before a node's first task, at the start or whenever it joined, the driver probes it: it reads a probe file the
 driver wrote in the run folder and writes one back, and reports its own library versions, which must be the
-driver's; a node that fails is refused by name (exit 4). A task lost with its worker or node is retried by Ray
-(MAX_RETRIES); past that the run fails with exit 4 naming the node. A unit commits only through the rename, so a
-lost task never leaves a unit that looks complete.
+driver's; a node that fails at the start is refused by name (exit 4), one that joins later and fails is left out
+with a warning naming it (units are submitted away from it: Ray's node-id label). A task lost with its worker or
+node is retried by Ray (MAX_RETRIES); past that the run fails with exit 4 naming the node. A unit commits only
+through the rename, so a lost task never leaves a unit that looks complete.
 
 Nothing here imports ray at module import: `compress check` only asks importlib whether it is installed.
 """
@@ -99,7 +100,8 @@ class RayExecutor:
 
     def _submit(self, unit, h: str):
         r = self.recipe.run
-        opts = {**options_for(unit.key, self.plan, self.runner.device, r.threads), "max_retries": MAX_RETRIES}
+        opts = {**options_for(unit.key, self.plan, self.runner.device, r.threads), "max_retries": MAX_RETRIES,
+                **self.admission.selector()}  # never on a node left out
         run = {"run_dir": str(self.run_dir.resolve()), "seed": self.runner.seed, "device": self.runner.device,
                "versions": self.runner.versions, "run_id": self.runner.run_id, "threads": r.threads,
                "token": self.admission.token}

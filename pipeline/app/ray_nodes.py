@@ -32,6 +32,7 @@ from pipeline.stages.kinds import kind_of
 log = logging.getLogger("compress")
 
 NODE_RESOURCE = "compress_node"  # one per node: exclusive units take all of it
+NODE_ID_LABEL = "ray.io/node-id"  # the label Ray (2.60) gives every node: its node id
 SHARE = 0.01  # what an ordinary unit takes of it
 CONNECT_TIMEOUT_S = 12  # a throwaway ray.init in a child process; with the 10 s TCP check, exit 2 within 30 s
 
@@ -192,23 +193,45 @@ class Admission:
         self.run_dir, self.versions, self.list_nodes, self.probe = Path(run_dir), versions, list_nodes, probe
         self.token = uuid.uuid4().hex  # what admitted-<node id> holds for this driver
         self.admitted: dict[str, str] = {}
+        self.left_out: dict[str, str] = {}  # node id -> why: nodes that joined later and were refused
         # this driver is the one running the run folder now: a late attempt of an earlier driver commits nothing
         session_file(self.run_dir).parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(session_file(self.run_dir), self.token)
 
     def admit_new(self, nodes: list[dict] | None = None) -> list[str]:
-        """Probe every usable node not admitted yet (raises StageError naming a refused one); their names."""
+        """Probe every usable node not admitted yet; their names. At the start a refused node is StageError naming
+        it (the cluster the run starts on is the one asked for); a node that joins later and is refused (other
+        library versions, no run folder) is left out with a warning: no unit is submitted to it (`left_out`)."""
         nodes = self.list_nodes() if nodes is None else nodes
-        new = [n for n in nodes if n["Resources"].get(NODE_RESOURCE) and n["NodeID"] not in self.admitted]
+        new = [n for n in nodes if n["Resources"].get(NODE_RESOURCE) and n["NodeID"] not in self.admitted
+               and n["NodeID"] not in self.left_out]
         if not new:
             return []
-        self.probe(self.run_dir, new, self.versions)
+        if not self.admitted:
+            self.probe(self.run_dir, new, self.versions)
+        else:
+            new = [n for n in new if self._probe_late(n)]
 
         (self.run_dir / PROBE_DIR).mkdir(parents=True, exist_ok=True)
         for n in new:
             atomic_write_text(admitted_file(self.run_dir, n["NodeID"]), self.token)
             self.admitted[n["NodeID"]] = node_name(n)
         return [node_name(n) for n in new]
+
+    def _probe_late(self, n: dict) -> bool:
+        try:
+            self.probe(self.run_dir, [n], self.versions)
+            return True
+        except StageError as e:
+            self.left_out[n["NodeID"]] = str(e)
+            log.warning("ray: node %s joined but is left out, no unit goes to it: %s", node_name(n), e)
+            return False
+
+    def selector(self) -> dict:
+        """Ray task options that keep units off the left-out nodes (Ray's default node-id label)."""
+        if not self.left_out:
+            return {}
+        return {"label_selector": {NODE_ID_LABEL: f"!in({', '.join(sorted(self.left_out))})"}}
 
     def close(self) -> None:
         shutil.rmtree(self.run_dir / PROBE_DIR, ignore_errors=True)

@@ -96,10 +96,12 @@ def admitted_file(run_dir: Path, node_id: str) -> Path:
 
 
 def check_node(run_dir: Path, node_id: str, node: str, driver_versions: dict, token: str) -> None:
-    """Before an attempt does anything: this node's own versions are the driver's, and the driver admitted it."""
+    """Before an attempt does anything: this node's own versions are the driver's, and the driver admitted it.
+    Either refusal is NodeNotAdmitted: the driver probes the node (leaving it out when it joined late) and submits
+    the unit again, away from it."""
     problem = version_mismatch(driver_versions, node_versions(), node)
     if problem:
-        raise StageError(problem)
+        raise NodeNotAdmitted(problem)
     deadline = time.monotonic() + ADMIT_WAIT_S  # the driver looks for new nodes every few seconds
     while True:
         try:

@@ -260,11 +260,11 @@ def test_killing_a_node_mid_quantize_ray_retries_the_unit_on_a_node_that_joined_
     assert not list(run_dir.rglob("*.tmp"))
 
 
-def test_a_node_joining_mid_run_with_other_library_versions_is_refused_before_any_task(driver_only_cluster,
-                                                                                         tmp_path):
+def test_a_node_joining_mid_run_with_other_library_versions_is_left_out(driver_only_cluster, tmp_path):
     """The node that runs the units pauses at the start of load; a node whose own transformers differs
     (COMPRESS_RAY_NODE_VERSIONS in its environment: what its version probe reports) joins: the driver probes it
-    before its first task and the run exits 4 naming the node and both versions."""
+    before its first task, leaves it out with a warning naming it and both versions (#42: the run exited 4), and the
+    run completes on the other node."""
     from pipeline.plan import versions
 
     cluster = driver_only_cluster
@@ -274,18 +274,19 @@ def test_a_node_joining_mid_run_with_other_library_versions_is_refused_before_an
     try:
         first = paused_attempt(p, run_dir, "load", tmp_path)
         cluster.add_node({"COMPRESS_RAY_NODE_VERSIONS": json.dumps({"transformers": "0.0.1-other"})})
-        rc = p.wait(timeout=300)
+        rc = p.wait(timeout=600)
     finally:
         if p.poll() is None:
             p.kill()
     out = (tmp_path / "out.log").read_text()
-    line = [ln for ln in out.splitlines() if ln.startswith("error:")]
-    assert rc == 4 and len(line) == 1, out[-3000:]
-    assert f"transformers {versions()['transformers']} on the driver, 0.0.1-other on the node" in line[0]
-    node = re.search(r"node ([0-9a-f]{12} \([^)]+\)) has other library versions", line[0]).group(1)
-    assert node != first["node"] and "torch" not in line[0]
+    warned = [ln for ln in out.splitlines() if "joined but is left out" in ln]
+    assert rc == 0 and len(warned) == 1, out[-3000:]
+    assert f"transformers {versions()['transformers']} on the driver, 0.0.1-other on the node" in warned[0]
+    node = re.search(r"node ([0-9a-f]{12} \([^)]+\)) joined but is left out", warned[0]).group(1)
+    assert node != first["node"] and "torch" not in warned[0]
     report = json.loads((run_dir / "report.json").read_text())
-    assert report["run"]["status"] == "failed" and not (run_dir / "load").exists()
+    assert report["run"]["status"] == "complete"
+    assert all(s.get("node") != node for s in report["stages"].values())
     assert not (run_dir / ".ray-probe").exists()
 
 

@@ -231,13 +231,21 @@ def test_an_attempt_on_a_node_not_admitted_yet_makes_the_driver_probe_it_and_sub
     assert json.loads((tmp_path / "ray_tasks.json").read_text())["load"]["submits"] == 2
 
 
-def test_a_node_refused_mid_run_fails_the_run_naming_it(monkeypatch, tmp_path):
+def test_a_node_refused_mid_run_is_left_out_and_the_run_goes_on(monkeypatch, tmp_path):
+    """#42: a node joining mid-run with other library versions aborted the run. Now it is left out (a warning naming
+    it): the units after are submitted away from it (Ray's node-id label), and an attempt that was queued before and
+    started there (refused: NodeNotAdmitted) is submitted again, away from it. At the start, a refused node still
+    fails the run naming it: the cluster the run starts on is the one asked for."""
     from pipeline.app import ray_executor as rx
+    from pipeline.app.ray_nodes import NODE_ID_LABEL
+    from pipeline.app.ray_task import NodeNotAdmitted
 
     table = [node("a")]
 
     def results(key, n):
         table.append(node("b"))
+        if key == "quantize/a" and n == 2:  # queued before b was looked at, started there
+            return NodeNotAdmitted("node bbbbbbbbbbbb has other library versions than the driver")
         return done(key)
 
     ex, units, fake, _ = executor(monkeypatch, tmp_path, table, results)
@@ -247,9 +255,17 @@ def test_a_node_refused_mid_run_fails_the_run_naming_it(monkeypatch, tmp_path):
         raise StageError(f"node {nodes[0]['NodeID'][:12]} has other library versions than the driver")
 
     monkeypatch.setattr(rx, "probe_nodes", refuse)
-    with pytest.raises(StageError, match="node bbbbbbbbbbbb has other library versions"):
-        ex.run(units)
-    assert [k for k, *_ in fake.submitted] == ["load"]
+    ex.run(units)
+    assert sorted(ex.runner.manifests) == ["load", "quantize/a", "quantize/b"]
+    assert list(ex.admission.left_out) == ["b" * 40]
+    assert [k for k, *_ in fake.submitted] == ["load", "quantize/a", "quantize/b", "quantize/a"]
+    assert "label_selector" not in fake.submitted[0][1]
+    assert fake.submitted[-1][1]["label_selector"] == {NODE_ID_LABEL: f"!in({'b' * 40})"}
+
+    ex2, units2, _, _ = executor(monkeypatch, tmp_path / "second", [node("a"), node("b")], results)
+    monkeypatch.setattr(rx, "probe_nodes", refuse)
+    with pytest.raises(StageError, match="node aaaaaaaaaaaa has other library versions"):
+        ex2.start([u.key for u in units2])
 
 
 # ---------------------------------------------------------------- 2. attempts
