@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest_hub import FAKE_TOKEN, hub_env, hub_server  # noqa: F401
-from tests.e2e.test_tiny_recipe import RECIPE, ROOT, first_run  # noqa: F401
+from tests.e2e.test_tiny_recipe import RECIPE, ROOT
 
 EXPORTS = {"gptq-w4g32", "rtn-w4g32", "draft"}
 LOCAL_ONLY = {"manifest.json", "metrics.json"}  # run-folder metadata, never uploaded
@@ -33,10 +33,10 @@ def to_hub(hub) -> tuple[str, str]:
 
 
 @pytest.fixture
-def run_dir(first_run, tmp_path):  # noqa: F811
+def run_dir(tiny_run, tmp_path):
     """A copy of the finished tiny run (no [publish] table yet) under tmp_path/tiny."""
     dst = tmp_path / "tiny"
-    shutil.copytree(first_run[0], dst, ignore=shutil.ignore_patterns(".lock"))
+    shutil.copytree(tiny_run[0], dst, ignore=shutil.ignore_patterns(".lock"))
     return dst
 
 

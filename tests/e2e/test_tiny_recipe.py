@@ -31,9 +31,11 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def first_run(tiny_run, tmp_path_factory):
-    """This module's own copy of the session's finished tiny run (tests/e2e/conftest.py): out/tiny."""
+    """This test's own copy of the session's finished tiny run (tests/e2e/conftest.py): out/tiny. One a test, not one
+    a module: this module's tests are spread over the xdist workers one by one in no fixed order (tests/schedule.py),
+    so none may see what another did to a shared copy (a changed gate re-exports the cards, for one)."""
     out = tmp_path_factory.mktemp("runs")
     shutil.copytree(tiny_run[0], out / "tiny", ignore=shutil.ignore_patterns(".lock"))
     return out / "tiny", tiny_run[1]

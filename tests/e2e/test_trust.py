@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest_hub import hub_env, hub_server  # noqa: F401
-from tests.e2e.test_tiny_recipe import RECIPE, ROOT, compress, first_run, run_tiny  # noqa: F401
+from tests.e2e.test_tiny_recipe import RECIPE, ROOT, compress, run_tiny  # noqa: F401
 
 EXPORTS = {"gptq-w4g32", "rtn-w4g32", "draft"}
 DRY = ("publish.org=me", "publish.dry_run=true")
@@ -21,9 +21,9 @@ FAILING = "validate.gates.max_ppl_ratio=0.5"  # random weights: every variant's 
 
 
 @pytest.fixture
-def out(first_run, tmp_path):  # noqa: F811
+def out(tiny_run, tmp_path):
     """A copy of the finished tiny run: tmp_path/tiny (so reruns of the same recipe skip every stage)."""
-    shutil.copytree(first_run[0], tmp_path / "tiny", ignore=shutil.ignore_patterns(".lock"))
+    shutil.copytree(tiny_run[0], tmp_path / "tiny", ignore=shutil.ignore_patterns(".lock"))
     return tmp_path
 
 
