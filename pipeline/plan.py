@@ -412,7 +412,8 @@ def _check_serve(recipe, plan: Plan) -> list[Problem]:
     models: list[tuple[str, str | None] | tuple[str, str | None, str | None]] = [("baseline", None)]
     models += [(q.name, q.method, variant_format(q)) for q in recipe.quantize]
     problems, plan.serve_engines = serve_plan(cfg, models, plan.device, model_class(plan.model.config or {}),
-                                              {q.name: serve_needs(q) for q in recipe.quantize})
+                                              {q.name: serve_needs(q) for q in recipe.quantize},
+                                              plan.model.config or None)
     plan.warnings += [f"{Serve.key(n, e)}: skipped: {why}" for n, by in plan.serve_engines.items()
                       for e, why in by.items() if why is not None]
     plan.serve_skipped = {n: "; ".join(f"{e}: {w}" for e, w in by.items()) for n, by in plan.serve_engines.items()

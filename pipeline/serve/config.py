@@ -99,14 +99,15 @@ def model_format(method: str | None, fmt: str | None = None) -> str:
 
 
 def engine_plan(cfg: ServeConfig, fmt: str, device: str, model: str, model_class: str | None = None,
-                needs: tuple[str, ...] = ()) -> tuple[dict[str, str | None], list[tuple[str, str | None]]]:
+                needs: tuple[str, ...] = (), config: dict | None = None
+                ) -> tuple[dict[str, str | None], list[tuple[str, str | None]]]:
     """({engine: None to serve it, or why it is skipped}, [(engine, why it cannot)]) for one model of format `fmt`.
     "all": every engine declaring the format here, one not installed skipped with its reason. A list: "auto" is the
     format's default engine (skipped with its reason when that is an extra not installed); a named engine serves the
     models whose format it declares, must be installed, and a model that no listed engine declares is refused.
     An engine that `engine_models` keeps for other models is not asked for this one at all."""
     declared = engines.declared(fmt, device)
-    why = engines.engines_for(fmt, device, model_class, needs)
+    why = engines.engines_for(fmt, device, model_class, needs, config)
     if cfg.engines == "all":
         return {n: why[n] for n in declared if cfg.engine_serves(n, model)}, []
     plan, problems = {}, []
@@ -126,12 +127,12 @@ def engine_plan(cfg: ServeConfig, fmt: str, device: str, model: str, model_class
 
 
 def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None] | tuple[str, str | None, str | None]],
-               device: str, model_class: str | None = None, needs: dict[str, tuple[str, ...]] | None = None
-               ) -> tuple[list[Problem], dict[str, dict[str, str | None]]]:
+               device: str, model_class: str | None = None, needs: dict[str, tuple[str, ...]] | None = None,
+               config: dict | None = None) -> tuple[list[Problem], dict[str, dict[str, str | None]]]:
     """`compress check` for [validate.serve]: (problems, {model: {engine: None (served) or why it is skipped}}).
     `models` are (name, method) pairs, the baseline's method None, or (name, method, format) when a variant asks
-    for another format than its method's default. A model no engine can serve here is refused, naming the engines
-    that can."""
+    for another format than its method's default; `config` the model's config.json (the shapes an engine may lack
+    kernels for). A model no engine can serve here is refused, naming the engines that can."""
     problems: list[Problem] = []
     out: dict[str, dict[str, str | None]] = {}
     served = [n for n, *_ in models if cfg.serves(n)]
@@ -145,9 +146,9 @@ def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None] | tuple[str
         if not cfg.serves(name):
             continue
         fmt = model_format(method, *asked)
-        plan, refused = engine_plan(cfg, fmt, device, name, model_class, (needs or {}).get(name, ()))
+        plan, refused = engine_plan(cfg, fmt, device, name, model_class, (needs or {}).get(name, ()), config)
         what = describe(fmt) if fmt == "gguf" else f"a Hugging Face checkpoint ({method or 'unquantized'})"
-        able = engines.able(engines.engines_for(fmt, device, model_class, (needs or {}).get(name, ())))
+        able = engines.able(engines.engines_for(fmt, device, model_class, (needs or {}).get(name, ()), config))
         for other, why in refused:
             problems.append(Problem("validate.serve.engines", "serve-engine-cannot-serve",
                                     f"[validate.serve] engines = {cfg.engines!r}: {other} cannot serve {name!r} "

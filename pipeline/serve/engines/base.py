@@ -118,6 +118,10 @@ class Engine:
         class transformers builds)."""
         return None
 
+    def refuses_model(self, config: dict, device: str) -> str | None:
+        """Why it cannot serve a model of this config.json (its shapes) on this device here, or None."""
+        return None
+
     def unhonoured(self, opts: ServeOptions) -> list[str]:
         """The options the user set that this engine does not apply (refused by `compress serve`, never dropped)."""
         return [o for o in OPTIONS if o in opts.explicit and o not in self.honours]

