@@ -107,6 +107,11 @@ def recipe_toml(arch: str, cells: list[str], output_dir: str | Path = SCRATCH) -
 def check_cell(arch: str, cell: str) -> dict[str, Any]:
     """`compress check` on the one-variant recipe of this cell, in process (torch-free, milliseconds):
     {"passed": True} or {"passed": False, "codes": [...], "reason": the refusal's lines}."""
+    return check_recipe(recipe_data(arch, [cell]), f"{arch}-{cell}")
+
+
+def check_recipe(data: dict[str, Any], name: str) -> dict[str, Any]:
+    """`compress check` on this recipe, in process: {"passed": True} or {"passed": False, "codes", "reason"}."""
     from pipeline.base.errors import RecipeError
     from pipeline.plan import check
     from pipeline.recipe import validate
@@ -114,7 +119,7 @@ def check_cell(arch: str, cell: str) -> dict[str, Any]:
     cwd = os.getcwd()
     os.chdir(ROOT)  # the model source is relative to the repository, as in the printed recipe
     try:
-        check(validate(recipe_data(arch, [cell]), Path(f"{arch}-{cell}.toml")))
+        check(validate(data, Path(f"{name}.toml")))
     except RecipeError as e:
         problems = [p for p in getattr(e, "problems", None) or [] if not p.note]
         if not problems:
@@ -445,11 +450,24 @@ def render(data: dict) -> str:
         lines.append(f"| {a}{moe} | " + " | ".join(_md(cell_text(cells.get(m))) for m in methods) + " |")
     lines += ["", "## Methods", "", "Each column's `[[quantize]]` table (its `name` is the column's):", ""]
     lines += [f"- `{m}`: `{json.dumps(data['methods'][m], sort_keys=True)}`" for m in methods]
-    lines += ["", f"Shared settings: `{json.dumps(data.get('settings', {}), sort_keys=True)}`.", "",
-              "## Details per architecture"]
+    lines += ["", f"Shared settings: `{json.dumps(data.get('settings', {}), sort_keys=True)}`."]
+    lines += serving().render(data)
+    lines += ["", "## Details per architecture"]
     for a in archs:
         lines += _details(a, data["architectures"][a], methods)
     return "\n".join(lines) + "\n"
+
+
+def serving():
+    """scripts/arch_serve.py: the serving cells (each architecture's exports in each engine)."""
+    if "arch_serve" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("arch_serve", ROOT / "scripts" / "arch_serve.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["arch_serve"] = module
+        sys.modules.setdefault("arch_matrix", sys.modules[__name__])  # run as a script: this module is its matrix
+        spec.loader.exec_module(module)
+    return sys.modules["arch_serve"]
 
 
 def _details(arch: str, entry: dict, methods: list[str]) -> list[str]:
@@ -530,7 +548,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", help=f"comma-separated cells (default: all): {', '.join(METHODS)}")
     parser.add_argument("--scratch", type=Path, default=SCRATCH, help="run folders and logs (default: %(default)s)")
     parser.add_argument("--timeout", type=int, default=TIMEOUT_S, help="seconds per run (default: %(default)s)")
+    parser.add_argument("--serve", action="store_true", help="measure the serving cells (scripts/arch_serve.py)")
+    parser.add_argument("--serve-verdicts", metavar="TYPE", help="print check's serving verdicts as JSON and exit")
+    parser.add_argument("--engines", help="with --serve: comma-separated engines (default: transformers, vllm)")
+    parser.add_argument("--exports", help="with --serve: comma-separated exports (default: baseline, gptq, rtn-ct, "
+                                          "w8a8; known: baseline and the methods)")
     args = parser.parse_args(argv)
+    if args.serve or args.serve_verdicts:
+        return serve_main(args)
     if args.check:
         problems = check_doc()
         for line in problems:
@@ -558,6 +583,26 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{arch} ({time.monotonic() - t0:.0f} s): {summary}", flush=True)
     DOC.write_text(render(load_results()))
     print(f"wrote {DOC.relative_to(ROOT)}")
+    return 0
+
+
+def serve_main(args) -> int:
+    sv = serving()
+    engines = _names(args.engines, list(sv.ENGINES), "engine")
+    exports = _names(args.exports, list(sv.EXPORTS), "export") if args.exports else list(sv.DEFAULT_EXPORTS)
+    if args.serve_verdicts:
+        arch = _names(args.serve_verdicts, all_architectures(), "model type")[0]
+        print(json.dumps(sv.verdicts(arch, engines, exports)))
+        return 0
+    for arch in _names(args.only, all_architectures(), "model type"):
+        t0 = time.monotonic()
+        measured = sv.measure(arch, engines, exports, args.scratch, max(args.timeout, sv.TIMEOUT_S))
+        data = sv.merge(load_results(), arch, measured)  # reloaded: a concurrent run's cells survive
+        save_results(data)
+        DOC.write_text(render(data))
+        summary = "; ".join(f"{e}: " + ", ".join(f"{x} {sv.cell_text(c, 40)}" for x, c in got["cells"].items())
+                            for e, got in measured.items())
+        print(f"{arch} serving ({time.monotonic() - t0:.0f} s): {summary}", flush=True)
     return 0
 
 
