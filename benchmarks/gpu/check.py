@@ -12,7 +12,11 @@ Steps, each recorded in OUT/check.json whatever the others do (a failure is a fi
      the report's figures and gates are copied into check.json;
   3. speed: benchmarks/gpu/gpu_bench.py on a SmolLM2-1.7B-shaped bf16 model (random weights), each decode
      figure beside a hand-written static-cache reference loop measured in the same process;
-  4. tests: `pytest -m gpu` (decoder exactness on CUDA, bnb/GPTQ reload on CUDA, peak-memory accounting).
+  4. sdpa: benchmarks/gpu/sdpa_backends.py, one attention row per SDPA backend (flash, memory-efficient, math via
+     torch.nn.attention.sdpa_kernel), each checked against math within a tolerance before it is timed (the kernel
+     at SmolLM2-1.7B's attention shape, and the tiny llama's logits and decode); a backend the device cannot run
+     is a skip with torch's reason;
+  5. tests: `pytest -m gpu` (decoder exactness on CUDA, bnb/GPTQ reload on CUDA, peak-memory accounting).
 GPTQModel publishes no wheel for the GPU image's Python (3.12) and the machine has no network: GPTQ on CUDA
 is recorded as skipped with that reason until a wheel can be carried.
 """
@@ -25,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = Path(__file__).with_name("check-tiny.toml")
@@ -109,7 +114,7 @@ def check(device: str, out: Path, scale: float = 1.0) -> dict:
     """Each step's time limit is sized so the whole check fits ~7 minutes on the GPU: each unit of the e2e run is
     a worker process, ~15-20 s there (measured 4 Dec 2026), hence 240 s; `scale` stretches them for a CPU rehearsal."""
     out.mkdir(parents=True, exist_ok=True)
-    result = {"env": env(device), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    result: dict[str, Any] = {"env": env(device), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     save = lambda: (out / "check.json").write_text(json.dumps(result, indent=2, default=str))  # noqa: E731
     save()
     run_root = Path("/tmp/compress-gpu-check")
@@ -126,6 +131,13 @@ def check(device: str, out: Path, scale: float = 1.0) -> dict:
         result["speed"]["figures"] = json.loads((out / "bench" / "gpu_bench.json").read_text())
     except (OSError, ValueError) as e:
         result["speed"]["figures"] = {"error": str(e)}
+    save()
+    result["sdpa"] = step("sdpa", [sys.executable, "-m", "benchmarks.gpu.sdpa_backends", "--device", device,
+                                   "--model-dir", str(TINY), "--out", str(out / "sdpa")], out, 40 * scale)
+    try:
+        result["sdpa"]["figures"] = json.loads((out / "sdpa" / "sdpa.json").read_text())
+    except (OSError, ValueError) as e:
+        result["sdpa"]["figures"] = {"error": str(e)}
     save()
     result["tests"] = step("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
                                      "tests/gpu", "tests/unit/test_speed.py", "-rs"], out, 60 * scale)
@@ -144,7 +156,7 @@ def main() -> int:
         prepare()
         return 0
     result = check(args.device, Path(args.out), 1.0 if args.device.startswith("cuda") else 5.0)
-    steps = {k: result[k]["rc"] for k in ("e2e", "speed", "tests")}
+    steps = {k: result[k]["rc"] for k in ("e2e", "speed", "sdpa", "tests")}
     print(f"gpu check: {steps}; {Path(args.out) / 'check.json'}")
     return 0 if not any(steps.values()) else 1
 

@@ -135,3 +135,17 @@ def test_draft_is_built_fitted_and_distilled_beside_a_cuda_verifier(tmp_path):
     metrics = build_draft(tmp_path / "verifier", draft_cfg, texts, tmp_path / "draft", tmp_path / "work", seed=0,
                           log=lambda *_: None, progress=False, device="cuda")
     assert metrics["steps"] == 4 and metrics["lens"] is not None and (tmp_path / "draft" / "config.json").exists()
+
+
+def test_each_sdpa_backend_matches_math_on_cuda_before_it_is_timed():
+    """benchmarks/gpu/sdpa_backends.py on CUDA (bf16, SmolLM2-1.7B's attention shape, 512 tokens): flash and
+    memory-efficient against math within the bf16 tolerance, timed; an Ampere-or-later GPU runs both."""
+    from benchmarks.gpu.sdpa_backends import BACKENDS, kernel_rows
+
+    out = kernel_rows("cuda", torch.bfloat16, seq=512, repeats=3)
+    for shape in out.values():
+        rows = shape["rows"]
+        assert set(rows) == set(BACKENDS) and not [r for r in rows.values() if "error" in r], rows
+        assert rows["math"]["ms"] > 0
+        if torch.cuda.get_device_capability(0) >= (8, 0):
+            assert rows["flash"]["ms"] > 0 and rows["efficient"]["ms"] > 0, rows
