@@ -261,20 +261,23 @@ def test_killing_a_node_mid_quantize_ray_retries_the_unit_on_a_node_that_joined_
 
 
 def test_a_node_joining_mid_run_with_other_library_versions_is_left_out(driver_only_cluster, tmp_path):
-    """The node that runs the units pauses at the start of load; a node whose own transformers differs
-    (COMPRESS_RAY_NODE_VERSIONS in its environment: what its version probe reports) joins: the driver probes it
-    before its first task, leaves it out with a warning naming it and both versions (#42: the run exited 4), and the
-    run completes on the other node."""
+    """Once the first unit runs on the one node, a node whose own transformers differs (COMPRESS_RAY_NODE_VERSIONS
+    in its environment: what its version probe reports) joins: the driver probes it before its first task, leaves it
+    out with a warning naming it and both versions (#42: the run exited 4), and the run completes on the first node."""
     from pipeline.plan import versions
 
     cluster = driver_only_cluster
-    cluster.add_node({"COMPRESS_FAULT": "load:start:pause"})
+    cluster.add_node()
     run_dir = tmp_path / "tiny"
     p = start_run(cluster, tmp_path)
     try:
-        first = paused_attempt(p, run_dir, "load", tmp_path)
+        deadline = time.time() + 300
+        while not (started := list((run_dir / ".work" / "load").glob("*-*/ray-task.json"))):
+            assert p.poll() is None and time.time() < deadline, (tmp_path / "out.log").read_text()[-3000:]
+            time.sleep(0.2)
+        first = json.loads(started[0].read_text())
         cluster.add_node({"COMPRESS_RAY_NODE_VERSIONS": json.dumps({"transformers": "0.0.1-other"})})
-        rc = p.wait(timeout=600)
+        rc = p.wait(timeout=900)
     finally:
         if p.poll() is None:
             p.kill()
