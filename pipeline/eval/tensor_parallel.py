@@ -8,9 +8,10 @@ reference). Both run `python -m pipeline.eval.tensor_parallel JOB.json`, the sam
 - greedy output of 3 prompts (the speed prompt cut to 3 lengths) and the last-position logits of each: rank 0's
   are compared with the one process's, token for token and within `[validate.speed] equality_atol`;
 - batch-1 decode tokens/s, as the speed stage times it (warm-up, then the median of `repeats` runs).
-A rank that dies fails the unit (RankFailed: one line naming the rank); the launcher then kills torchrun's whole
-process group, so no rank outlives it. COMPRESS_TP_FAULT=<rank> makes that rank kill itself just before its timed
-decode (fault injection for the tests).
+A rank that dies fails the unit (RankFailed: one line naming the rank and the phase it died in, which each rank
+writes to phase-rank<r> as it enters it: loading, its first forward, the timed decode); the launcher then kills
+torchrun's whole process group, so no rank outlives it. COMPRESS_TP_FAULT=<rank>[:<phase>] makes that rank kill
+itself as it enters the phase (load, forward, decode; decode when not named: fault injection for the tests).
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ from pipeline.eval.parallel_check import usable_cores
 from pipeline.model.dtypes import config_dtype, torch_dtype
 
 FAULT_ENV = "COMPRESS_TP_FAULT"
+# what a rank was doing, by the phase it last entered (RankFailed's line says which)
+PHASES = {"load": "while loading the checkpoint", "forward": "in its first forward (the equality prompts)",
+          "decode": "mid-measurement (the timed decode)"}
 EQUALITY_PROMPTS = 3
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +87,8 @@ def _launch(cmd: list[str], log: Path, cfg: SpeedConfig, device: str, ranks: int
         text = log.read_text(errors="replace")
         if ranks:
             rank, code = failed_rank(text)
-            raise RankFailed(f"tensor_parallel: rank {rank} of {ranks} died (exit {code}) mid-measurement: "
+            when = died_when(log.parent, rank)
+            raise RankFailed(f"tensor_parallel: rank {rank} of {ranks} died (exit {code}) {when}: "
                              f"{error_line(text, rank)}; the other ranks were stopped")
         raise StageError(f"tensor_parallel: the one-process reference failed (exit {rc}): {error_line(text, None)}")
 
@@ -109,6 +114,24 @@ def failed_rank(torchrun_log: str) -> tuple[str, str]:
     """(rank, exit code) of the first failure torchrun reports ("?" where its summary is missing)."""
     m = _ROOT_CAUSE.search(torchrun_log)
     return (m.group(1), m.group(2)) if m else ("?", "?")
+
+
+def died_when(out_dir: Path, rank: str) -> str:
+    """The phase the rank had entered when it died (its phase-rank<r> file), in words."""
+    try:
+        return PHASES[(out_dir / f"phase-rank{rank}").read_text().strip()]
+    except (OSError, KeyError):
+        return "before loading (at start-up)" if rank != "?" else "(rank unknown: no torchrun summary)"
+
+
+def enter(out: Path, rank: int | None, phase: str) -> None:
+    """Record that this rank enters `phase` (what RankFailed names if it dies there); fault injection point."""
+    if rank is None:
+        return
+    (out / f"phase-rank{rank}").write_text(phase)
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault and fault.split(":")[0] == str(rank) and (fault.split(":") + ["decode"])[1] == phase:
+        os.kill(os.getpid(), signal.SIGKILL)  # fault injection: this rank dies as it enters the phase
 
 
 def error_line(text: str, rank: str | None) -> str:
@@ -170,12 +193,14 @@ def measure(job: dict) -> None:
         kwargs["tp_plan"] = "auto"
     cuda = str(device).startswith("cuda")
     memory = PeakMemory(("cuda" if rank is None else f"cuda:{os.environ['LOCAL_RANK']}") if cuda else "cpu").start()
+    enter(out, rank, "load")
     with MappedPagesTrimmed(folder):
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs).eval()
     dev = str(next(model.parameters()).device)
     vocab = model.config.get_text_config().vocab_size
     pad = (tokenizer.pad_token_id if tokenizer is not None else None) or 0
     greedy, logits = [], []
+    enter(out, rank, "forward")
     with torch.inference_mode():
         for ids in prompts(tokenizer, vocab, cfg.prompt_len):
             ids = ids.to(dev)
@@ -183,8 +208,7 @@ def measure(job: dict) -> None:
             gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=cfg.new_tokens, min_new_tokens=cfg.new_tokens, pad_token_id=pad)
             greedy.append(gen[0, ids.shape[1]:].tolist())
-    if rank is not None and os.environ.get(FAULT_ENV) == str(rank):
-        os.kill(os.getpid(), signal.SIGKILL)  # fault injection: this rank dies mid-measurement
+    enter(out, rank, "decode")
     ids = prompts(tokenizer, vocab, cfg.prompt_len)[0].to(dev)
     mask = torch.ones_like(ids)
     runs = timed_runs(lambda: time_generate(model, ids, mask, cfg.new_tokens, dev, pad), cfg.warmup, cfg.repeats)

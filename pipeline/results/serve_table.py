@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.results.format import FP_DISTILLED, num, size, table
-from pipeline.results.metrics import Equality, Real, Served, Speed, Stat
+from pipeline.results.metrics import Equality, Real, Served, Speed, Stat, Technique
 from pipeline.results.query import models
 from pipeline.results.schema import Report
 from pipeline.serve import engines
@@ -154,9 +154,18 @@ def _generate_rows(name: str, speed: Speed) -> list[TechRow]:
             for t, r in tech.items():
                 if t not in ("kv_cache", "no_kv_cache"):
                     tps = r.decode_tokens_per_s
-                    rows.append(TechRow(name, f"KV cache + {t}", 1, _median(tps), _slowest_ms(tps, 1), None,
+                    rows.append(TechRow(name, _batch1_label(t, r), 1, _median(tps), _slowest_ms(tps, 1), None,
                                         "generate", note(r) or r.given("note", "")))
     return rows
+
+
+def _batch1_label(name: str, row: Technique) -> str:
+    """A batch-1 row's technique cell: tensor parallelism by its size and process-group backend (it is a split of
+    the model over processes, not a kernel beside the KV cache); the others as "KV cache + <name>"."""
+    if name != "tensor_parallel":
+        return f"KV cache + {name}"
+    how = [f"TP={row.given('tp_size')}" if row.given("tp_size") else None, row.given("backend")]
+    return "tensor parallel" + (f" ({', '.join(h for h in how if h)})" if any(how) else "")
 
 
 def _served_rows(name: str, serve: Served) -> list[TechRow]:

@@ -17,7 +17,7 @@ def _report():
     speed["techniques"] = {
         "kv_cache": {"decode_tokens_per_s": {"median": 20.0, "min": 19.0, "max": 21.0, "n": 3}},
         "tensor_parallel": {"decode_tokens_per_s": {"median": 12.0, "min": 11.0, "max": 13.0, "n": 3},
-                            "tp_size": 2, "greedy_identical": 3, "prompts": 3, "note": TP_NOTE},
+                            "tp_size": 2, "backend": "gloo", "greedy_identical": 3, "prompts": 3, "note": TP_NOTE},
         "eager": {"max_abs_logit_diff": 0.5, "equality_atol": 0.02,
                   "error": "eager differs from sdpa: max |Δlogit| 0.5 over the tolerance 0.02 "
                            "([validate.speed] equality_atol); not timed"}}
@@ -27,8 +27,9 @@ def _report():
 def test_the_techniques_table_carries_the_rows_with_what_they_did():
     md = render_markdown(_report(), [])
     section = md[md.index("## Techniques"):].split("\n## ")[0]
-    tp = [r for r in section.splitlines() if "tensor_parallel" in r]
+    tp = [r for r in section.splitlines() if "tensor parallel" in r]
     assert len(tp) == 1 and "| 12 |" in tp[0] and TP_NOTE.replace("|", "\\|") in tp[0]  # cells escape |
+    assert "| tensor parallel (TP=2, gloo) |" in tp[0] and "KV cache + tensor_parallel" not in section
     eager = [r for r in section.splitlines() if "KV cache + eager" in r]
     assert len(eager) == 1 and "eager differs from sdpa" in eager[0]
 

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from pipeline.eval.config import SpeedConfig
 from pipeline.eval.parallel_check import technique_problems, tp_rank_bytes, usable_cores
 from pipeline.eval.speed import measure_speed
-from pipeline.eval.tensor_parallel import FAULT_ENV, RankFailed, failed_rank, tp_row
+from pipeline.eval.tensor_parallel import FAULT_ENV, RankFailed, died_when, failed_rank, tp_row
 
 CFG = dict(prompt_len=12, new_tokens=6, batch_sizes=[1], repeats=2, warmup=1, roofline=False, tp_size=2)
 needs_two_cores = pytest.mark.skipif(usable_cores() < 2, reason="two ranks need two cores")
@@ -55,13 +55,22 @@ def test_two_ranks_answer_as_one_process_and_hold_less_each(tiny_dir, tmp_path):
 
 
 @needs_two_cores
-def test_a_rank_that_dies_fails_the_unit_naming_it_and_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
-    monkeypatch.setenv(FAULT_ENV, "1")
+@pytest.mark.parametrize(("fault", "when"), [("1", "mid-measurement (the timed decode)"),
+                                             ("1:load", "while loading the checkpoint")])
+def test_a_rank_that_dies_fails_the_unit_naming_it_and_leaves_nothing(tiny_dir, tmp_path, monkeypatch, fault, when):
+    monkeypatch.setenv(FAULT_ENV, fault)
     with pytest.raises(RankFailed) as e:
         measure_speed(tiny_dir, None, SpeedConfig(**CFG, techniques=["tensor_parallel"]), "cpu")
     line = str(e.value)
-    assert "\n" not in line and line.startswith("tensor_parallel: rank 1 of 2 died (exit -9)"), line
+    assert "\n" not in line and line.startswith(f"tensor_parallel: rank 1 of 2 died (exit -9) {when}: "), line
     assert _alive("tp-") == [] and _alive(str(tmp_path)) == []
+
+
+def test_the_line_names_the_phase_the_rank_had_entered(tmp_path):
+    assert died_when(tmp_path, "1") == "before loading (at start-up)"
+    (tmp_path / "phase-rank1").write_text("forward")
+    assert died_when(tmp_path, "1") == "in its first forward (the equality prompts)"
+    assert died_when(tmp_path, "?").startswith("(rank unknown")
 
 
 def test_failed_rank_reads_torchrun_root_cause():
