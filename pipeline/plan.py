@@ -98,7 +98,8 @@ def check(recipe) -> Plan:
     problems += _check_moe_calibration(recipe, info)
     problems += _check_tasks(recipe, plan)
     problems += _check_serve(recipe, plan)
-    problems += serve_parallel_problems(recipe.validate_.serve, info.config, plan.device, plan.serve_engines)
+    problems += serve_parallel_problems(recipe.validate_.serve, info.config, plan.device, plan.serve_engines,
+                                        engines.splitting())
     estimate_memory(recipe, info, plan, source)
     problems += _check_techniques(recipe, info, plan)
     problems += _untimed_gates(recipe, plan)

@@ -137,20 +137,22 @@ def _tp_problems(tp: int, config: dict, device: str, cores: int) -> list[Problem
 
 
 def serve_parallel_problems(serve, config: dict, device: str, engines: dict[str, dict[str, str | None]],
-                            cores: int | None = None) -> list[Problem]:
+                            splitting: tuple[str, ...], cores: int | None = None) -> list[Problem]:
     """[validate.serve] tensor_parallel_size / pipeline_parallel_size (vLLM's): only an engine that splits a model
     over ranks may be asked, the heads must divide, the layers must cover the stages, and on CPU each rank needs a
-    core (`engines`: the plan's {model: {engine: None or why skipped}})."""
+    core (`engines`: the plan's {model: {engine: None or why skipped}}; `splitting`: the engines that split a model
+    over ranks, pipeline.serve.engines.splitting())."""
     tp, pp = serve.tensor_parallel_size, serve.pipeline_parallel_size
     if not serve.enabled or tp * pp == 1:
         return []
     out = []
-    whole = sorted({e for plan in engines.values() for e, why in plan.items() if why is None and e != "vllm"})
+    whole = sorted({e for plan in engines.values() for e, why in plan.items() if why is None and e not in splitting})
     if whole:
         out.append(Problem("validate.serve.engines", "serve-parallel-engine",
-                           f"[validate.serve] tensor_parallel_size = {tp}, pipeline_parallel_size = {pp}: only vllm "
-                           f"splits a model over ranks, and {', '.join(whole)} would serve it whole; set engines = "
-                           "['vllm'] (or engine_models) or leave both sizes at 1"))
+                           f"[validate.serve] tensor_parallel_size = {tp}, pipeline_parallel_size = {pp}: only "
+                           f"{' and '.join(splitting) or 'no engine'} splits a model over ranks, and "
+                           f"{', '.join(whole)} would serve it whole; set engines = {list(splitting)} (or "
+                           "engine_models) or leave both sizes at 1"))
     n, kv = heads(config)
     if n % tp or (kv % tp and tp % kv):
         out.append(Problem("validate.serve.tensor_parallel_size", "serve-tp-heads-indivisible",

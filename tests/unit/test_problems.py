@@ -22,6 +22,7 @@ from pipeline.quant.methods.gguf import gguf_problems
 from pipeline.quant.registry import QuantVariant, check_variant
 from pipeline.quant.shapes import linear_shapes_from_config
 from pipeline.recipe import load_recipe
+from pipeline.serve import engines
 from pipeline.serve.config import ServeConfig
 from tests.problems import keys, only, refused
 
@@ -451,7 +452,7 @@ FUNCTION_LEVEL = {  # what no recipe reaches here (a field pydantic already narr
         "cpu", cores=2),
     "vLLM parallel sizes the model and machine cannot take": lambda: serve_parallel_problems(
         ServeConfig(enabled=True, engines=["auto", "vllm"], tensor_parallel_size=2, pipeline_parallel_size=40),
-        SMOL, "cpu", {"baseline": {"transformers": None, "vllm": None}}, cores=2),
+        SMOL, "cpu", {"baseline": {"transformers": None, "vllm": None}}, engines.splitting(), cores=2),
 }
 
 FUNCTION_MESSAGES = {

@@ -13,7 +13,7 @@ import importlib
 from pipeline.base.errors import RecipeError
 from pipeline.base.registry import Registry
 from pipeline.serve import measured
-from pipeline.serve.engines.base import UNQUANTIZED, Engine, ServeOptions, describe, device_kind
+from pipeline.serve.engines.base import PARALLEL, UNQUANTIZED, Engine, ServeOptions, describe, device_kind
 
 ENGINE_MODULES = ("transformers", "llamacpp", "vllm")
 ENGINES: Registry[Engine] = Registry("serving engine")
@@ -41,6 +41,12 @@ def label(name: str) -> str:
     """How report.md and the cards name an engine ("vLLM"); an unknown one by its name."""
     engine = find(name)
     return engine.display() if engine is not None else name
+
+
+def splitting() -> tuple[str, ...]:
+    """The engines that split one server's model over ranks: those that honour the PARALLEL options (vLLM's tensor
+    and pipeline parallelism)."""
+    return tuple(n for n in NAMES if all(o in ENGINES.get(n).honours for o in PARALLEL))
 
 
 def reference() -> str:
