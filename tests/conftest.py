@@ -17,6 +17,15 @@ def _one_thread():
     yield
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """-n auto --dist loadfile (pyproject.toml): a module per worker, but for tests/schedule.py's SPLIT modules."""
+    if config.getvalue("dist") == "loadfile":
+        from tests.schedule import scheduler
+
+        return scheduler(config, log)
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
@@ -28,3 +37,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+    if hasattr(config, "workerinput"):  # an xdist worker: its collection order is the controller's queue
+        from tests.schedule import order
+
+        order(items)
