@@ -1,12 +1,10 @@
 """The real SmolLM2-135M model through recipes/ci-real.toml, via the installed CLI (the README main job's path).
 
 .ci/run runs the same command first; here it is then a resume (every stage verified and skipped), and on a
-developer machine it runs from scratch. Either way the figures below must hold.
+developer machine it runs from scratch. Either way the figures below must hold. The run is made once per session
+(tests/slow/conftest.py: `ci_real`) and test_speculative_real.py reads its float32 model and RTN checkpoint.
 """
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,11 +19,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def report():
-    exe = Path(sys.executable).with_name("compress")
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "pipeline.app.cli"]
-    p = subprocess.run(cmd + ["run", "recipes/ci-real.toml"], cwd=ROOT, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=1800)
+def report(ci_real):
+    """The session's one `compress run recipes/ci-real.toml` (tests/slow/conftest.py), shared with the modules
+    that read its folders."""
+    _, p = ci_real
     assert p.returncode == 0, p.stderr[-8000:]
     print(p.stderr[-3000:])
     return json.loads((RUN_DIR / "report.json").read_text())

