@@ -48,10 +48,28 @@ def load_checkpoint(folder: Path, device: str = "cpu", dtype: torch.dtype | None
             return own.eval()
     # pages of the mapped checkpoint are not the model's memory (pipeline/base/memory.py)
     with MappedPagesTrimmed(folder):
-        model = AutoModelForCausalLM.from_pretrained(folder, device_map=device, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(folder, device_map=device, output_loading_info=True,
+                                                           **kwargs)
     if method is not None:
+        uninitialized(folder, info, str(config["quantization_config"].get("quant_method") or method.name))
         method.after_load(model)
     kv = kv_fp8.read(folder, config)  # an FP8 KV cache the checkpoint declares: its keys and values go through float8
     if kv is not None:
         kv_fp8.install(model, kv)
     return model.eval()
+
+
+def uninitialized(folder: Path, info: dict, fmt: str) -> None:
+    """StageError when transformers left parameters of a quantized checkpoint uninitialized: the model it returned is
+    not the checkpoint (its weights are whatever the memory held). Found serving the architecture matrix: a GPTQ
+    qwen3_moe checkpoint holds its experts as per-expert quantized linears, transformers 5.24 builds fused 3D expert
+    parameters, reports the quantized ones unexpected and the fused ones missing, and returned a model whose greedy
+    output differed from one process to the next."""
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        unexpected = len(info.get("unexpected_keys") or [])
+        raise StageError(f"{folder}: transformers cannot load this {fmt} checkpoint into its model class: it left "
+                         f"{len(missing)} parameter(s) uninitialized ({shown}), while {unexpected} tensor(s) of the "
+                         "checkpoint matched no parameter; the model would not be the checkpoint")
+
