@@ -240,3 +240,17 @@ def test_vllm_serve_refuses_a_folder_whose_head_size_its_cpu_attention_lacks(tmp
     assert "llama here has head size 16" in start_refusal(folder, opts)
     shutil.copy(ARCH / "serve" / "llama.json", folder / "config.json")
     assert start_refusal(folder, opts) is None
+
+
+def test_transformers_serving_is_refused_for_mla_whose_key_and_value_heads_differ(tmp_path):
+    """compress's transformers server (continuous batching, a paged cache of one head size) failed every request on
+    deepseek_v3 (keys 32 wide, values 16: index_copy_ slice shapes); check refuses it naming the architecture and
+    the head sizes. A dense model passes."""
+    extra = '[validate.serve]\nenabled = true\nmodels = ["baseline"]\n'
+    p = refused(recipe(tmp_path, f"config:{ARCH / 'deepseek_v3.json'}", variant("r", "rtn", bits=4, group_size=32)
+                       + extra))
+    assert keys(p) == [("validate.serve.engines", "serve-engine-cannot-serve")]
+    assert "transformers cannot serve 'baseline'" in p[0].message
+    assert "deepseek_v3's multi-head latent attention: keys of 32 (qk_nope_head_dim + qk_rope_head_dim) and values " \
+           "of 16 (v_head_dim)" in p[0].message
+    check(recipe(tmp_path, f"config:{ARCH / 'llama.json'}", variant("r", "rtn", bits=4, group_size=32) + extra))

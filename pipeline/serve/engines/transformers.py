@@ -23,5 +23,26 @@ class Transformers(Engine):
     def version(self) -> dict[str, str]:
         return {"transformers": version("transformers")}
 
+    def refuses_model(self, config: dict, device: str) -> str | None:
+        return paged_cache_missing(config)
+
+
+def paged_cache_missing(config: dict) -> str | None:
+    """Why transformers' continuous batching (its paged KV cache: one head size for keys and values) cannot serve
+    this model, or None. Multi-head latent attention (deepseek_v3) caches keys of qk_nope_head_dim + qk_rope_head_dim
+    and values of v_head_dim; where they differ the manager fails every request (transformers 5.24: "index_copy_():
+    Source/destination tensor must have same slice shapes", measured on the architecture matrix's deepseek_v3)."""
+    cfg = config.get("text_config") or config
+    if not cfg.get("kv_lora_rank"):
+        return None
+    key = (cfg.get("qk_nope_head_dim") or 0) + (cfg.get("qk_rope_head_dim") or 0)
+    value = cfg.get("v_head_dim")
+    if not key or not value or key == value:
+        return None
+    return (f"transformers' continuous batching (its paged KV cache holds one head size for keys and values) cannot "
+            f"serve {cfg.get('model_type') or 'this model'}'s multi-head latent attention: keys of {key} "
+            f"(qk_nope_head_dim + qk_rope_head_dim) and values of {value} (v_head_dim); every request would fail. "
+            "Serve it with vLLM (its MLA backends) or llama.cpp")
+
 
 ENGINES = (Transformers,)
