@@ -399,9 +399,17 @@ def _check_moe_calibration(recipe, info: ModelInfo) -> list[Problem]:
 
 def _check_tasks(recipe, plan: Plan) -> list[Problem]:
     """[validate.tasks] (pipeline/eval/tasks_config.py): problems are returned, notes become warnings."""
-    found = task_problems(recipe.validate_.tasks, [q.name for q in recipe.quantize])
+    cfg = recipe.validate_.tasks
+    found = task_problems(cfg, [q.name for q in recipe.quantize])
     plan.warnings += [p.message for p in found if p.note]
-    return [p for p in found if not p.note]
+    problems = [p for p in found if not p.note]
+    for q in (q for q in recipe.quantize if cfg.scores(q.name)):
+        elsewhere = method_of(q).measured_elsewhere(q, arch_of(plan.model))
+        if elsewhere is not None:
+            problems.append(Problem("validate.tasks.models", "tasks-model-measured-elsewhere",
+                                    f"[validate.tasks] scores {q.name!r}, which validate measures {elsewhere}; tasks "
+                                    f"are scored in transformers: list the other models in [validate.tasks].models"))
+    return problems
 
 
 def _check_serve(recipe, plan: Plan) -> list[Problem]:

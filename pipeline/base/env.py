@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import os
 from pathlib import Path
 
@@ -17,6 +18,15 @@ def cpu_count() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - non-Linux
         return os.cpu_count() or 1
+
+
+LLAMA_CPP_INSTALL = ("pip install -e '.[gguf-serve]' (llama-cpp-python 0.3.36 builds llama.cpp from source, about "
+                     "8 minutes on 2 cores)")
+
+
+def llama_cpp_installed() -> bool:
+    """llama-cpp-python (an optional extra) is importable; found without importing it (compress check is torch-free)."""
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def llama_cpp_threads(threads: int | None) -> int:

@@ -24,12 +24,15 @@ from pipeline.eval.config import PerplexityConfig, SmokeConfig
 from pipeline.eval.perplexity import kl_top1, make_windows, perplexity, topk_reference, windowed_nll
 from pipeline.model.compute import describe as describe_compute
 from pipeline.model.compute import float32_matmuls
-from pipeline.model.models import folder_bytes
+from pipeline.model.llamacpp_model import LlamaCppLM, scored_in_llama_cpp
+from pipeline.model.llamacpp_model import version as llama_cpp_version
+from pipeline.model.models import folder_bytes, single_gguf
 from pipeline.quant.checkpoint import load_checkpoint
 
 log = logging.getLogger("compress")
 EVAL_IDS = "eval_ids.safetensors"
 REFERENCE = "reference_topk.safetensors"
+SMOKE_CONTEXT = 256  # tokens a smoke prompt may take in its chat template (llama.cpp's context is sized up front)
 
 
 def eval_ids(tokenizer, cfg, out: Path, reference: Path | None) -> torch.Tensor:
@@ -133,7 +136,15 @@ def evaluate(model_dir: Path, out: Path, ppl_cfg, smoke_cfg, device: str, refere
         log.info("%s: %.2f GiB of weights do not fit %.2f GiB ([run] max_memory_gb) beside a window's activations: "
                  "%.2f GiB stay in memory, the rest is read from disk at each forward (accelerate offload)", label,
                  folder_bytes(model_dir) / GiB, memory_limit / GiB, in_memory / GiB)
-    model = load_checkpoint(model_dir, device, offload=offload)
+    in_llama_cpp = scored_in_llama_cpp(model_dir)
+    if in_llama_cpp is not None:  # a GGUF file transformers' loader cannot rebuild: measured in llama.cpp itself
+        log.info("%s: measured in llama.cpp (llama-cpp-python): %s", label, in_llama_cpp)
+        gguf_file = single_gguf(model_dir)
+        assert gguf_file is not None  # the quantize unit marks GGUF folders only
+        n_ctx = max(ppl_cfg.seq_len, SMOKE_CONTEXT + smoke_cfg.max_new_tokens)
+        model = LlamaCppLM(model_dir / gguf_file, n_ctx, torch.get_num_threads(), tokenizer.eos_token_id)
+    else:
+        model = load_checkpoint(model_dir, device, offload=offload)
     dtype = model.dtype
     ids = eval_ids(tokenizer, ppl_cfg, out, reference)
     result: dict[str, Any]
@@ -145,6 +156,9 @@ def evaluate(model_dir: Path, out: Path, ppl_cfg, smoke_cfg, device: str, refere
             result["offload"] = {"in_memory_bytes": in_memory, "limit_bytes": memory_limit}
         if smoke_cfg.enabled:
             result["smoke"] = smoke_test(model, tokenizer, smoke_cfg)
+        if in_llama_cpp is not None:  # the report's "how each model was computed" line says so
+            result["compute"] = (f"llama.cpp (llama-cpp-python {llama_cpp_version()}) on the file's blocks, because "
+                                 f"{in_llama_cpp}")
     if offload is not None:
         shutil.rmtree(offload[1], ignore_errors=True)
     if not math.isfinite(result["perplexity"]["value"]):

@@ -113,6 +113,11 @@ class QuantMethod:
         it where check can tell: "wna16" a weight-only integer kernel, "fp8_kv" an FP8 KV cache)."""
         return ()
 
+    def measured_elsewhere(self, variant, arch: Arch) -> str | None:
+        """Why validate measures this variant's checkpoint outside transformers (a GGUF file in llama.cpp), or None.
+        Such a model's quality is measured there; what only transformers measures ([validate.tasks]) is refused."""
+        return None
+
     def calibrates(self, variant) -> bool:
         """Whether this variant reads the calibration rows (a method may need them for some variants only)."""
         return self.needs_calibration

