@@ -10,6 +10,7 @@ from typing import ClassVar
 from pipeline.base.env import tame
 from pipeline.base.problem import Problem
 from pipeline.base.registry import load_work
+from pipeline.model.architecture import architecture_of
 from pipeline.quant.ct_format import CompressedTensorsOption, MarlinLimits
 from pipeline.quant.method import LLAMA_CPP_ROW, bits_tags, grouped_bits
 from pipeline.quant.shapes import Arch, quantized_linears
@@ -36,10 +37,14 @@ class GPTQModelKernels:
         tame()
 
     def load_own(self, folder: Path, config: dict, device: str):
-        """A checkpoint with per-module bits or group sizes (GPTQModel `dynamic` overrides, a [quantize.mix] variant):
-        transformers' loader (optimum) builds every module with the base bits and refuses the shapes, so GPTQModel
-        loads it; its HF model is returned."""
-        if not per_module_formats(config.get("quantization_config") or {}):
+        """GPTQModel loads (its HF model is returned) what transformers cannot:
+        - a checkpoint with per-module bits or group sizes (GPTQModel `dynamic` overrides, a [quantize.mix] variant):
+          transformers' loader (optimum) builds every module with the base bits and refuses the shapes;
+        - a Mixture-of-Experts checkpoint: its experts are one quantized linear per expert (as GPTQModel writes and
+          vLLM reads them), and transformers 5.24 builds its MoE classes with fused 3D expert parameters, leaves those
+          uninitialized and drops the per-expert tensors (checkpoint.uninitialized, found serving the matrix).
+          GPTQModel builds per-expert modules for them (its defuser) and loads every tensor."""
+        if not per_module_formats(config.get("quantization_config") or {}) and not architecture_of(config).is_moe:
             return None
         assert self.reload_work is not None  # this mixin's, above
         return load_work(self.reload_work).load_own(folder, config, device)
@@ -103,11 +108,17 @@ def gptq_runtimes(variant, arch: Arch) -> list[dict]:
     cpu_kernel = ("GPTQModel TorchAtenLinear (aten int4 matmul)" if aten
                   else "GPTQModel TorchLinear (dequantize then matmul; torch.compile'd, needs dynamo)")
     cuda_kernel = "GPTQModel Marlin" if b in (4, 8) and sym and g in (-1, 32, 64, 128) else "GPTQModel Triton/Torch"
+    moe = arch.architecture is not None and arch.architecture.is_moe
+    fused = ("none: transformers 5.24 builds this MoE's experts as fused 3D parameters and leaves them "
+             "uninitialized from the per-expert quantized linears")
     out = [
-        {"runtime": "transformers (CPU)", "kernel": cpu_kernel, "note": "via GPTQModel's kernels; measured here"},
-        {"runtime": "transformers (CUDA)", "kernel": cuda_kernel, "note": "via GPTQModel's kernels"},
+        {"runtime": "transformers (CPU)", "kernel": fused if moe else cpu_kernel,
+         "note": "load it with GPTQModel.load" if moe else "via GPTQModel's kernels; measured here"},
+        {"runtime": "transformers (CUDA)", "kernel": fused if moe else cuda_kernel,
+         "note": "load it with GPTQModel.load" if moe else "via GPTQModel's kernels"},
         {"runtime": "GPTQModel.load", "kernel": f"CPU: {cpu_kernel.split(' (')[0]}; CUDA: {cuda_kernel}",
-         "note": "float16/bfloat16 (its torch kernels refuse float32; bfloat16 is its CPU default)"},
+         "note": "per-expert modules; measured here (in the checkpoint's dtype)" if moe else
+                 "float16/bfloat16 (its torch kernels refuse float32; bfloat16 is its CPU default)"},
         _vllm(variant, arch),
         dict(LLAMA_CPP_ROW),
     ]

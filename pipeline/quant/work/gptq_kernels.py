@@ -6,6 +6,8 @@ from pathlib import Path
 
 from gptqmodel import BACKEND, GPTQModel
 
+from pipeline.model.dtypes import config_dtype, torch_dtype
+
 log = logging.getLogger("compress")
 # the group sizes torch's int4 CPU matmul (_weight_int4pack_mm_cpu, GPTQModel's TorchFusedLinear) takes
 FUSED_GROUP_SIZES = (32, 64, 128, 256)
@@ -29,5 +31,6 @@ def load_own(folder: Path, config: dict, device: str):
     if device == "cpu" and odd:
         log.info("load: %s has group sizes %s, which torch's fused int4 CPU kernel does not take: GPTQModel's torch "
                  "kernel (dequantize, then matmul) runs it", Path(folder).name, odd)
-        return GPTQModel.load(str(folder), device=device, backend=BACKEND.TORCH).model
-    return GPTQModel.load(str(folder), device=device).model
+        return GPTQModel.load(str(folder), device=device, backend=BACKEND.TORCH).model  # its torch kernel: 16 bits only
+    # in the checkpoint's dtype, as transformers loads a GPTQ checkpoint (GPTQModel's own default is 16 bits)
+    return GPTQModel.load(str(folder), device=device, dtype=torch_dtype(config_dtype(config))).model
