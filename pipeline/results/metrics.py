@@ -212,6 +212,11 @@ class Served(Measured):
     equality: Equality | None = None
     levels: list[Level] | None = None
     perplexity: ServedPerplexity | None = None
+    int8_activations: bool | None = None  # vLLM's CPU W4A8 path ran (4-bit weights x int8 activations), else W4A16
+    # [validate.tasks] engines: the tasks scored through this server (lm-eval local-completions) on the in-process
+    # unit's items, and a variant's recovery against the baseline's in-process items (the in-process shape)
+    tasks: dict[str, TaskScore] | None = None
+    task_recovery: dict[str, Any] | None = None
 
     @property
     def engine_name(self) -> str:

@@ -41,7 +41,35 @@ def tasks_section(report: Report) -> list[str]:
         return []
     return (["## Downstream tasks", "", _definition(report), ""]
             + table(["model", "task", "metric", "score ± stderr", "items", "split", "recovery [95 %]",
-                     "resolvable diff", "time s"], rows) + [""] + _chance_notes(report))
+                     "resolvable diff", "time s"], rows) + [""] + _chance_notes(report) + _served(report))
+
+
+def _served(report: Report) -> list[str]:
+    """[validate.tasks] engines: in-process and served scores side by side, one row per (model, engine, task), the
+    served recovery against the baseline's in-process items (what min_task_recovery judges for that engine)."""
+    rows = []
+    for name, e in models(report):
+        for engine, s in sorted((e.served or {}).items()):
+            for task, t in sorted((s.tasks or {}).items()):
+                mine = (e.tasks or {}).get(task)
+                rec = ((s.task_recovery or {}).get("tasks") or {}).get(task)
+                diff = (f"{t.score - mine.score:+.4f}" if mine is not None and mine.score is not None
+                        and t.score is not None else "-")
+                rows.append([name, engine, task, t.given("metric", "?"),
+                             f"{mine.score:.4f}" if mine is not None and mine.score is not None else "-",
+                             f"{t.score:.4f}" if t.score is not None else "-", diff, num(t.n), _interval(rec)])
+            avg = (s.task_recovery or {}).get("average")
+            if avg:
+                rows.append([name, engine, "**average**", "", "", f"{avg['variant']:.4f}", "", num(avg.get("n")),
+                             _interval(avg)])
+    if not rows:
+        return []
+    return (["### Tasks through the served engines", "",
+             "The same items scored through each engine's server by lm-eval's local-completions model (token-id "
+             "prompts, echo + logprobs), beside the in-process scores; served recovery is against the baseline's "
+             "in-process items, and min_task_recovery judges it too.", ""]
+            + table(["model", "engine", "task", "metric", "in process", "served", "served - in process", "items",
+                     "served recovery [95 %]"], rows) + [""])
 
 
 def _recoveries(report: Report) -> list[tuple[str, dict]]:

@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pipeline.base.problem import Problem
 from pipeline.quant.registry import METHODS
 from pipeline.serve import engines
-from pipeline.serve.engines.base import describe
+from pipeline.serve.engines.base import CHOICES, describe
 
 if TYPE_CHECKING:  # built at run time from the engine registry, as QuantVariant is from the methods'
     EngineName = str
@@ -18,6 +18,19 @@ else:
     EngineName = Literal[engines.REGISTERED]
     EngineChoice = Literal[("auto", *engines.REGISTERED)]
 _DEFAULT_ENGINES: tuple[EngineChoice, ...] = ("auto",)
+
+
+class EngineOptions(BaseModel):
+    """[validate.serve] engine_options.<engine>: a computation the engine offers a choice between (CHOICES in
+    pipeline/serve/engines/base.py), passed to `compress serve` as its flag. An engine that does not declare the
+    choice (Engine.honours) refuses it at `compress check`."""
+    model_config = ConfigDict(extra="forbid")
+
+    int8_activations: bool | None = Field(
+        None, description="vllm on a CPU: true multiplies 4-bit GPTQ/AWQ weights with int8-quantized activations (its "
+                          "W4A8 path, VLLM_CPU_INT4_W4A8=1; vLLM's default in bfloat16 on AMX CPUs), false with "
+                          "16-bit ones (W4A16: the computation scored in process); unset: vLLM's default. The served "
+                          "record says which path ran (int8_activations) and max_ppl_ratio judges it")
 
 
 class ServeConfig(BaseModel):
@@ -38,6 +51,11 @@ class ServeConfig(BaseModel):
         description="an engine named here serves only these models (of those `models` and `engines` select), e.g. "
                     "{ vllm = [\"gptq-w4g64\"] } to serve only the deployed export in vLLM; an engine not named "
                     "serves every selected model. Which units exist, not what they measure: not in any identity")
+    engine_options: dict[EngineName, EngineOptions] = Field(
+        default_factory=dict,
+        description="per engine, the computation it serves where it offers a choice, e.g. { vllm = { "
+                    "int8_activations = false } } (compress serve --no-int8-activations); part of that engine's serve "
+                    "units' identity only")
     concurrency: list[int] = Field(default_factory=lambda: [1, 4, 16],
                                    description="load-test levels (concurrent streaming clients)")
     requests_per_level: int | None = Field(None, ge=1, description="requests per level (None: 2 x concurrency, "
@@ -80,6 +98,11 @@ class ServeConfig(BaseModel):
 
     def serves(self, name: str) -> bool:
         return self.enabled and (self.models == "all" or name in self.models)
+
+    def option(self, engine: str, choice: str):
+        """engine_options.<engine>.<choice>, None when unset (the engine's own default)."""
+        opts = self.engine_options.get(engine)
+        return getattr(opts, choice) if opts is not None else None
 
     def engine_serves(self, engine: str, name: str) -> bool:
         """Whether `engine_models` lets `engine` serve model `name` (an engine it does not name serves all)."""
@@ -136,6 +159,7 @@ def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None] | tuple[str
     problems: list[Problem] = []
     out: dict[str, dict[str, str | None]] = {}
     served = [n for n, *_ in models if cfg.serves(n)]
+    problems += option_problems(cfg)
     for engine, names in cfg.engine_models.items():
         if unknown := [n for n in names if n not in served]:
             problems.append(Problem(f"validate.serve.engine_models.{engine}", "serve-engine-models-unknown",
@@ -160,3 +184,19 @@ def serve_plan(cfg: ServeConfig, models: list[tuple[str, str | None] | tuple[str
                                     "here" + (f" (engine_models: {cfg.engine_models})" if cfg.engine_models else "")))
         out[name] = plan
     return problems, out
+
+
+def option_problems(cfg: ServeConfig) -> list[Problem]:
+    """engine_options: a choice set for an engine that does not offer it (Engine.honours) is refused, naming the
+    engine and those that offer it."""
+    out = []
+    for engine, opts in cfg.engine_options.items():
+        for choice in CHOICES:
+            if getattr(opts, choice) is None or choice in engines.get(engine).honours:
+                continue
+            able = [n for n in engines.NAMES if choice in engines.get(n).honours]
+            out.append(Problem(f"validate.serve.engine_options.{engine}", "serve-option-not-offered",
+                               f"[validate.serve] engine_options.{engine}.{choice}: engine {engine} offers no "
+                               f"{choice} choice (it serves one computation); only {', '.join(able) or 'no engine'} "
+                               f"does: set it under engine_options.{able[0] if able else '<engine>'} or leave it out"))
+    return out

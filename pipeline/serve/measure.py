@@ -59,11 +59,13 @@ def _post(url: str, body: dict, timeout: float, log: Path | None = None) -> dict
 
 
 def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | None, device: str = "cpu",
-            engine: str = "transformers", score: Callable[[str, str], dict] | None = None) -> dict:
+            engine: str = "transformers", score: Callable[[str, str], dict] | None = None,
+            score_tasks: Callable[[str, str], dict] | None = None) -> dict:
     """{"equality": {...}, "levels": [...], "engine", "versions", "ready_s", "server_exit"}; the server's log in
     out/. The server is `compress serve --engine <engine>` in a subprocess; the options passed are those the engine
     applies (pipeline/serve/engines), so none is refused. score(url, model name), when given, runs after the load
-    test on the same server; its answer is the record's "perplexity"."""
+    test on the same server; its answer is the record's "perplexity". score_tasks(url, model name), when given, runs
+    last; its answer ({"tasks", "task_recovery", ...}) is merged into the record."""
     eng = engines.get(engine)
     opts = {"slots": max(cfg.concurrency), "max_queue": max(cfg.concurrency), "max_model_len": cfg.max_model_len,
             "queue_timeout_s": cfg.timeout_s, "threads": threads}
@@ -84,6 +86,7 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
         levels = run(url, folder.name, cfg.concurrency, cfg.requests_per_level, cfg.max_tokens, cfg.prompt_words,
                      pid=server.proc.pid, timeout_s=cfg.timeout_s, prompts=prompts)
         scored = score(url, folder.name) if score is not None else None
+        tasks = score_tasks(url, folder.name) if score_tasks is not None else {}
     rc, health, ready_s = server.rc, server.health, server.ready_s
     if rc != 0:
         raise StageError(f"compress serve --engine {engine} exited {rc} during the load test: "
@@ -95,7 +98,7 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
         eq["exact"] = False
     result = {"engine": engine, "versions": health.get("versions") or eng.version(), "device": device,
               "server_exit": rc, "ready_s": round(ready_s, 1), "equality": eq, "levels": levels,
-              **eng.config_facts(cfg), **({"perplexity": scored} if scored is not None else {})}
+              **eng.config_facts(cfg), **({"perplexity": scored} if scored is not None else {}), **tasks}
     return {**result, **eng.log_facts(out / "server.log", folder)}
 
 

@@ -17,6 +17,7 @@ from pipeline.eval.jobs import run_quality
 from pipeline.eval.perplexity import make_windows
 from pipeline.eval.quality import EVAL_IDS
 from pipeline.eval.speed import run_speed_subprocess, speed_skip
+from pipeline.eval.tasks import score_served
 from pipeline.eval.tasks_config import task_jobs
 from pipeline.model.llamacpp_model import scored_in_llama_cpp
 from pipeline.quant.registry import model_code, variant_format
@@ -66,7 +67,7 @@ def serve_units(recipe, name: str, src: str, fmt: str | None, eval_data, code: t
     """validate/<model>/serve/<engine>, one per engine [validate.serve] engines asks for this model's format
     (pipeline/serve/config.py engine_plan). Each identity holds its engine's installed version: a rerun after
     installing (or upgrading) an engine serves the model in it again, and only there."""
-    cfg = recipe.validate_.serve
+    cfg, tasks = recipe.validate_.serve, recipe.validate_.tasks
     if not cfg.serves(name):
         return []
     fmt = fmt or model_format(None)
@@ -74,12 +75,17 @@ def serve_units(recipe, name: str, src: str, fmt: str | None, eval_data, code: t
     plan, _ = engine_plan(cfg, fmt, device, name)
     out = []
     for engine, skipped in plan.items():
-        config = {"serve": cfg.model_dump(exclude={"engines", "engine_models"}), "engine": engine,
+        config = {"serve": cfg.model_dump(exclude={"engines", "engine_models", "engine_options"}), "engine": engine,
                   "engine_version": engines.get(engine).version(), "device": recipe.run.device, "data": eval_data}
+        if engine in cfg.engine_options:  # its own choices only: another engine's never reruns this unit
+            config["engine_options"] = cfg.engine_options[engine].model_dump()
+        deps = [src, Quality.key(name)] + ([Quality.key("baseline")] if name != "baseline" else [])
+        if tasks.served_by(name, engine):  # [validate.tasks] engines: the tasks scored through this server too
+            config["tasks"] = task_identity(tasks, task_jobs(tasks))
+            deps += [Tasks.key("baseline")] if name != "baseline" else []  # recovery: its in-process items
         out.append(Unit(Serve.key(name, engine), config,
                         functools.partial(serve, recipe=recipe, name=name, src=src, engine=engine, skipped=skipped),
-                        deps=[src, Quality.key(name)] + ([Quality.key("baseline")] if name != "baseline" else []),
-                        code=code))
+                        deps=deps, code=code))
     return out
 
 
@@ -90,9 +96,7 @@ def task_units(recipe, models: list[tuple[str, str]]) -> list[Unit]:
     if not cfg.enabled or not cfg.tasks:
         return []
     jobs = task_jobs(cfg)
-    config = {"tasks": cfg.model_dump(mode="json"),
-              "jobs": [{k: v for k, v in j.items() if k not in ("data_file", "include")} for j in jobs],
-              "device": recipe.run.device}
+    config = {**task_identity(cfg, jobs), "device": recipe.run.device}
     out = []
     for name, src in models:
         if not cfg.scores(name):
@@ -101,6 +105,13 @@ def task_units(recipe, models: list[tuple[str, str]]) -> list[Unit]:
         out.append(Unit(Tasks.key(name), config, functools.partial(tasks, recipe=recipe, name=name, src=src, jobs=jobs),
                         deps=deps, code=CODE + model_code(recipe, name)))
     return out
+
+
+def task_identity(cfg, jobs: list[dict]) -> dict:
+    """What a unit that scores the tasks reads of them: the config (less the engines, which say which serve units
+    score them, not how) and each job with its data by sha256 (not the paths of this machine)."""
+    return {"tasks": cfg.model_dump(mode="json", exclude={"engines"}),
+            "jobs": [{k: v for k, v in j.items() if k not in ("data_file", "include")} for j in jobs]}
 
 
 def tasks(ctx: UnitContext, recipe, name: str, src: str, jobs: list[dict]) -> dict:
@@ -199,9 +210,17 @@ def serve(ctx: UnitContext, recipe, name: str, src: str, engine: str, skipped: s
             score = functools.partial(served_perplexity, ctx=ctx, name=name, ppl_cfg=ppl, timeout_s=cfg.timeout_s)
             longest = max(cfg.max_model_len, ppl.seq_len + 8)
             cfg = cfg.model_copy(update={"max_model_len": longest if context is None else min(longest, context)})
+    scored_tasks = None
+    if recipe.validate_.tasks.served_by(name, engine):
+        # lm-eval's clients x their batches of prompts within what the server admits at once (measure() starts it
+        # with slots and queue of max(concurrency) each; a batch above that is HTTP 400, a crowd 503)
+        room, concurrent = 2 * max(cfg.concurrency), min(4, max(cfg.concurrency))
+        scored_tasks = functools.partial(served_tasks, ctx=ctx, recipe=recipe, name=name, folder=folder.path,
+                                         max_length=cfg.max_model_len, concurrent=concurrent,
+                                         batch=max(1, min(recipe.validate_.tasks.batch_size, room // concurrent)))
     try:
         result = measure(folder.path, cfg, prompts, ctx.out, recipe.run.threads, ctx.device, engine=engine,
-                         score=score)
+                         score=score, score_tasks=scored_tasks)
     except Refused as e:
         if engine == engines.default_engine(folder.format):
             raise  # the engine the model is meant to be served by: the unit fails
@@ -234,3 +253,15 @@ def served_perplexity(url: str, model: str, ctx: UnitContext, name: str, ppl_cfg
         "serve %s: perplexity through the server %.4f, in process %.4f (x%.4f, %d windows)", name, got["value"],
         got["in_process"], got["ratio"], len(windows))
     return got
+
+
+def served_tasks(url: str, model: str, ctx: UnitContext, recipe, name: str, folder, max_length: int,
+                 concurrent: int, batch: int) -> dict:
+    """[validate.tasks] engines: the run's tasks scored through the server at url (pipeline/eval/tasks.py
+    score_served) on the in-process unit's items; a variant's recovery against the baseline's in-process items."""
+    cfg = recipe.validate_.tasks
+    ref = None if name == "baseline" else str(ctx.dep(Tasks.key("baseline")))
+    return score_served(url, model, folder, task_jobs(cfg), {"limit": cfg.limit, "seed": cfg.seed,
+                                                             "num_fewshot": cfg.num_fewshot,
+                                                             "batch_size": batch},
+                        ctx.out / "tasks", ref, cfg.bootstrap, max_length, concurrent)

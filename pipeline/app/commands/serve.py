@@ -43,13 +43,17 @@ from pipeline.serve.server import serve as run_server
               help="vllm: ranks the model's heads are split over (one core or GPU each).")
 @click.option("--pipeline-parallel-size", default=1, show_default=True, type=click.IntRange(min=1),
               help="vllm: ranks the model's layers are split over (one core or GPU each).")
+@click.option("--int8-activations/--no-int8-activations", default=None,
+              help="vllm: on a CPU, multiply 4-bit weights with int8-quantized activations (its W4A8 path, "
+                   "VLLM_CPU_INT4_W4A8=1) or with 16-bit ones (W4A16, the computation the run scores in process: "
+                   "=0); unset: vLLM's own default (W4A8 for 4-bit GPTQ/AWQ in bfloat16 on AMX CPUs).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option("--threads", default=None, type=click.IntRange(min=1), help="torch threads (default: all cores).")
 @click.pass_context
 def serve(ctx: click.Context, export_dir: str, host: str, port: int, engine: str, api_key: str | None, slots: int,
           max_queue: int, queue_timeout_s: float, max_tokens_limit: int, max_model_len: int, drain_s: float,
           start_timeout_s: float, enforce_eager: bool, tensor_parallel_size: int, pipeline_parallel_size: int,
-          device: str, threads: int | None) -> None:
+          int8_activations: bool | None, device: str, threads: int | None) -> None:
     """Serve EXPORT_DIR over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health) with continuous batching."""
     explicit = frozenset(o for o in OPTIONS if ctx.get_parameter_source(o) is not ParameterSource.DEFAULT)
@@ -58,5 +62,5 @@ def serve(ctx: click.Context, export_dir: str, host: str, port: int, engine: str
                         max_model_len=max_model_len, drain_s=drain_s, device=device, threads=threads,
                         start_timeout_s=start_timeout_s, enforce_eager=enforce_eager,
                         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                        explicit=explicit)
+                        int8_activations=int8_activations, explicit=explicit)
     sys.exit(run_server(export_dir, engine, opts))

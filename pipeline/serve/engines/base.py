@@ -18,10 +18,13 @@ from pipeline.base.registry import load_work
 
 UNQUANTIZED = "unquantized"
 # every `compress serve` option an engine may or may not apply; the transformers engine applies all but PARALLEL
-# (one server's model split over ranks: vLLM's tensor and pipeline parallelism)
+# (one server's model split over ranks: vLLM's tensor and pipeline parallelism) and CHOICES
 PARALLEL = ("tensor_parallel_size", "pipeline_parallel_size")
+# computations an engine may offer a choice between, one option each (None: the engine's own default). Also
+# [validate.serve] engine_options' fields: an engine that does not honour one refuses it (compress check, serve)
+CHOICES = ("int8_activations",)  # vLLM's CPU W4A8 path (VLLM_CPU_INT4_W4A8) or W4A16
 OPTIONS = ("slots", "max_queue", "queue_timeout_s", "max_tokens_limit", "max_model_len", "threads", "drain_s",
-           "enforce_eager", *PARALLEL)
+           "enforce_eager", *PARALLEL, *CHOICES)
 
 
 def device_kind(device: str) -> str:
@@ -47,6 +50,7 @@ class ServeOptions:
     enforce_eager: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    int8_activations: bool | None = None  # CHOICES; None: the engine's own default
     explicit: frozenset[str] = field(default_factory=frozenset)
 
 
@@ -54,7 +58,7 @@ class Engine:
     name: ClassVar[str]
     # device kind ("cpu", "cuda") -> checkpoint formats served there
     formats: ClassVar[dict[str, tuple[str, ...]]]
-    honours: ClassVar[tuple[str, ...]] = tuple(o for o in OPTIONS if o not in PARALLEL)
+    honours: ClassVar[tuple[str, ...]] = tuple(o for o in OPTIONS if o not in (*PARALLEL, *CHOICES))
     unhonoured_why: ClassVar[str] = ""  # why the options it does not apply have no equivalent in it
     # greedy output compared with generate's token for token (the same weights and kernels), else recorded by text
     exact: ClassVar[bool] = False
@@ -68,6 +72,9 @@ class Engine:
     reference: ClassVar[bool] = False  # the engine the others' served throughput is compared with ("x transformers")
     batches: ClassVar[bool] = True  # serves concurrent requests together (continuous batching), not one at a time
     prompt_logprobs: ClassVar[bool] = False  # returns prompt log-probabilities: perplexity is scored through it
+    # answers lm-eval's local-completions log-likelihood requests (token-id prompts, echo + logprobs): [validate.tasks]
+    # engines may score the tasks through it
+    scores_tasks: ClassVar[bool] = False
     # fields added to each greedy request whose output is compared with generate's
     equality_request: ClassVar[dict[str, object]] = {}
     report_note: ClassVar[str] = ""  # report.md's Serving section: the paragraph that explains its rows

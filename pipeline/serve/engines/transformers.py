@@ -18,6 +18,7 @@ class Transformers(Engine):
     formats = {"cpu": HF_FORMATS, "cuda": HF_FORMATS}
     exact = True  # the same weights and kernels as generate: token for token
     reference = True  # report.md's "x transformers": the other engines' throughput over this one's
+    scores_tasks = True  # compress's own server: echo + logprobs on token-id batches (tests/unit/test_serve_openai.py)
     work = "pipeline.serve.work.transformers"
 
     def version(self) -> dict[str, str]:

@@ -90,12 +90,13 @@ def distribution(py: Path) -> tuple[str, str] | None:
 class VLLM(Engine):
     name = "vllm"
     formats = {"cpu": CPU_FORMATS, "cuda": CUDA_FORMATS}
-    honours = ("slots", "max_model_len", "threads", "drain_s", "enforce_eager", *PARALLEL)
+    honours = ("slots", "max_model_len", "threads", "drain_s", "enforce_eager", *PARALLEL, "int8_activations")
     unhonoured_why = "vLLM has no such setting: it queues without bound and caps output at the context"
     install = INSTALL
     optional = True
     label = "vLLM"
     prompt_logprobs = True  # [validate.serve] perplexity: the quality windows scored through its server
+    scores_tasks = True  # OpenAI completions with echo + logprobs (research/tasks_served.py scored 200 items)
     equality_request = {"add_special_tokens": False}  # the ids generate's reference is given
     report_note = ("vllm rows: vLLM's own server (from its own environment, supervised by `compress serve`) on the "
                    "same checkpoint folder, prompts and levels. Its greedy output is compared with transformers "
@@ -103,10 +104,12 @@ class VLLM(Engine):
                    "`dtype` is in the record), so not every prompt is expected to match.")
 
     def serve_args(self, cfg) -> list[str]:
-        return [] if cfg.compile else ["--enforce-eager"]
+        asked = cfg.option(self.name, "int8_activations")
+        return ([] if cfg.compile else ["--enforce-eager"]) + (
+            [] if asked is None else ["--int8-activations" if asked else "--no-int8-activations"])
 
     def config_facts(self, cfg) -> dict:
-        return {"compiled": cfg.compile}
+        return {"compiled": cfg.compile, "int8_activations_asked": cfg.option(self.name, "int8_activations")}
 
     def log_facts(self, log: Path, folder: Path) -> dict:
         return vllm_facts(log, folder)
@@ -163,12 +166,26 @@ class VLLM(Engine):
         return Supervisor(cmd, env, exp.path.name, opts).run()
 
 
+W4A8_ENV = "VLLM_CPU_INT4_W4A8"  # vLLM 0.32's switch of its CPU W4A8 path (vllm/envs.py; default "1")
+# the line the supervisor writes into its log before vLLM starts: what vLLM's process was given
+_W4A8_LINE = re.compile(rf"^compress: vLLM started with {W4A8_ENV}=(\S*)", re.M)
+
+
+def w4a8_env(opts: ServeOptions) -> dict[str, str]:
+    """VLLM_CPU_INT4_W4A8 for vLLM's process under --int8-activations / --no-int8-activations ("1" / "0"); nothing
+    when unset (vLLM's own default, or what the environment holds)."""
+    return {} if opts.int8_activations is None else {W4A8_ENV: "1" if opts.int8_activations else "0"}
+
+
 def vllm_facts(log: Path, folder: Path) -> dict:
     """What vLLM's log says it ran: the precision (`dtype=torch.bfloat16` in its engine's start line) and the linear
     kernels it chose ("Using CPUWNA16LinearKernel for ..."); and whether its CPU kernel multiplied 4-bit weights with
     int8-quantized activations: vLLM 0.32 does for 4-bit GPTQ/AWQ in bfloat16 on a CPU with AMX unless
-    VLLM_CPU_INT4_W4A8=0 (read in its source, mixed_precision/cpu.py; its log does not say)."""
+    VLLM_CPU_INT4_W4A8=0 (read in its source, mixed_precision/cpu.py; its log does not say: the supervisor's line
+    says what the variable was when vLLM started)."""
     text = log.read_text(errors="replace")
+    said = _W4A8_LINE.search(text)
+    w4a8 = said.group(1) if said else os.environ.get(W4A8_ENV, "")
     m = re.search(r"\bdtype=torch\.(\w+)", text)
     kernels = sorted(set(re.findall(r"Using (\w+Kernel|\w+LinearMethod) for", text)))
     out = {**({"served_dtype": m.group(1)} if m else {}), **({"kernels": kernels} if kernels else {})}
@@ -178,7 +195,7 @@ def vllm_facts(log: Path, folder: Path) -> dict:
     except (OSError, ValueError):
         bits, amx = None, False
     if "CPUWNA16LinearKernel" in kernels and bits == 4 and out.get("served_dtype") == "bfloat16":
-        out["int8_activations"] = amx and os.environ.get("VLLM_CPU_INT4_W4A8", "1") != "0"
+        out["int8_activations"] = amx and (w4a8 or "1") != "0"
     return out
 
 
@@ -345,6 +362,7 @@ def command(exp, opts: ServeOptions, missing: str | None) -> tuple[list[str], di
         env["VLLM_CPU_OMP_THREADS_BIND"] = rank_binding(bound_cpus(opts.threads), ranks)
     if opts.device.startswith("cuda:"):
         env["CUDA_VISIBLE_DEVICES"] = opts.device.split(":", 1)[1]
+    env.update(w4a8_env(opts))
     env.setdefault("VLLM_NO_USAGE_STATS", "1")
     env.setdefault("DO_NOT_TRACK", "1")
     return cmd, env
@@ -418,6 +436,7 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         # vLLM runs in its own session (its group is killed as one), so it gets no SIGHUP of ours; the kernel's
         # parent-death signal stops it when this process dies without running _stop (SIGKILL, a crash)
+        print(f"compress: vLLM started with {W4A8_ENV}={self.env.get(W4A8_ENV, '')}", file=sys.stderr, flush=True)
         self.proc = subprocess.Popen(parent_death(self.cmd), env=self.env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         copier = threading.Thread(target=self._copy, daemon=True)
