@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader, dequantize
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers.core_model_loading import revert_weight_conversion
 from transformers.modeling_gguf_pytorch_utils import (
     TENSOR_PROCESSORS,
     LlamaTensorProcessor,
@@ -177,7 +178,22 @@ def random_to_safetensors(config, out: Path, dtype: str, seed: int, trust_remote
         module.to_empty(device="meta", recurse=False)
         return t
 
-    write_safetensors(out, [(name, shape, functools.partial(produce, name)) for name, shape in entries], dtype)
+    # in the checkpoint's own names and layout, as save_pretrained writes them (revert_weight_conversion: e.g. a MoE's
+    # fused 3D experts, transformers 5's in-memory form, become one linear per expert): the layout llama.cpp's
+    # converter, GPTQModel and vLLM read. Each tensor's checkpoint parts are found on the meta device; it is made once,
+    # in name order as before, and its parts are written one after another
+    parts = {name: revert_weight_conversion(model, {name: torch.empty(shape, device="meta")})
+             for name, shape in entries}
+    made: dict[str, dict[str, torch.Tensor]] = {}
+
+    def part(name: str, key: str) -> torch.Tensor:
+        if name not in made:
+            made.clear()  # the previous tensor's parts are all written
+            made[name] = revert_weight_conversion(model, {name: produce(name)})
+        return made[name][key]
+
+    write_safetensors(out, [(key, list(t.shape), functools.partial(part, name, key))
+                            for name, _ in entries for key, t in parts[name].items()], dtype)
     write_config(config, out, dtype, type(model).__name__)
 
 
