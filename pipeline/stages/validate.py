@@ -57,7 +57,10 @@ def units(recipe) -> list[Unit]:
             out.append(Unit(Speed.key(name), speed_cfg,
                             functools.partial(speed, recipe=recipe, name=name, src=src), deps=[src], code=code))
         out += serve_units(recipe, name, src, formats.get(name), eval_data, code)
-    out += task_units(recipe, models)
+    # a unit runs after those before it in this list: a serve unit that scores the tasks reads the baseline's
+    # in-process task items, so it follows the task units
+    after = [u for u in out if Tasks.key("baseline") in u.deps]
+    out = [u for u in out if Tasks.key("baseline") not in u.deps] + task_units(recipe, models) + after
     if recipe.draft is not None:
         out.append(speculative_unit(recipe))
     return out

@@ -74,8 +74,11 @@ def test_a_served_engine_passes_check_and_its_serve_units_score_the_tasks(tmp_pa
 
     recipe = _recipe(tmp_path, 'validate.tasks.engines=["transformers"]')
     check(recipe)
+    order = [u.key for u in validate.units(recipe)]
     units = {u.key: u for u in validate.units(recipe)}
     served = units["validate/w4/serve/transformers"]
+    # a unit runs after those listed before it: the serve unit that reads the baseline's task items follows them
+    assert order.index("validate/w4/serve/transformers") > order.index("validate/baseline/tasks")
     assert "validate/baseline/tasks" in served.deps and served.config["tasks"]["jobs"][0]["task"] == "arc_easy"
     assert "validate/baseline/tasks" not in units["validate/baseline/serve/transformers"].deps
     # the engines list says which serve units score; it is no part of how the in-process unit scores
