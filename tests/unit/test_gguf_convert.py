@@ -379,3 +379,19 @@ def test_a_file_transformers_cannot_read_is_measured_in_llama_cpp(tmp_path, toke
     assert r["compute"].endswith("because transformers 5.24.0's GGUF loader cannot rebuild olmo2 from it")
     assert abs(r["perplexity"]["value"] / baseline["perplexity"]["value"] - 1) < 0.02 and r["perplexity"]["kl"] < 1e-3
     assert len(r["smoke"]["outputs"]) == 2
+
+
+@needs_converter
+@pytest.mark.parametrize("installed", [True, False])
+def test_a_file_llama_cpp_cannot_load_is_refused_with_or_without_the_extra(installed, monkeypatch):
+    """olmoe with grouped-query attention: llama.cpp's OLMoE builds attn_k_norm over the whole width and refuses the
+    file it loads (measured in the matrix: check_tensor_dims on blk.0.attn_k_norm.weight, 64 expected, 32 got). The
+    same refusal whether or not llama-cpp-python is here, so the matrix's verdict is one; equal head counts convert."""
+    monkeypatch.setattr(gguf_method, "llama_cpp_installed", lambda: installed)
+    (p,) = problems_for("olmoe")
+    assert p.code == "gguf-llama-cpp-cannot-load"
+    assert "olmoe with num_key_value_heads = 2 and num_attention_heads = 4" in p.message
+    config = json.loads((ARCH / "olmoe.json").read_text())
+    config["num_key_value_heads"] = config["num_attention_heads"]
+    assert [q.code for q in gguf_problems(variant(), linear_shapes_from_config(config))] == (
+        [] if installed else ["gguf-not-measurable"])

@@ -93,8 +93,10 @@ def _converter_problems(variant, arch: Arch) -> list[Problem]:
         why = (f"transformers has no causal-LM class for model_type {mt!r}, so no architecture to convert"
                if hf_arch is None else f"{gguf_convert.CONVERTER} has no class for {hf_arch} (model_type {mt!r})")
         return [Problem("method", "gguf-architecture-unsupported", why)]
-    # validate measures a file transformers' GGUF loader cannot rebuild in llama.cpp itself, when it is installed
-    problems = [] if llama_cpp_installed() else _read_back_problems(root, hf_arch, mt) or _loader_problems(arch)
+    # a file llama.cpp itself cannot load is refused first; validate measures a file transformers' GGUF loader cannot
+    # rebuild in llama.cpp itself, when it is installed
+    problems = _llama_cpp_problems(arch) or (
+        [] if llama_cpp_installed() else _read_back_problems(root, hf_arch, mt) or _loader_problems(arch))
     if variant.type not in gguf_convert.OUTTYPES and variant.type not in GGUF_KQUANT_TYPES \
             and importlib.util.find_spec("llama_cpp") is None:
         problems.append(Problem("type", "gguf-type-needs-quantizer",
@@ -111,6 +113,25 @@ def _converter_problems(variant, arch: Arch) -> list[Problem]:
                                 f"[quantize.mix] writes per-tensor types through our port, which converts model_type "
                                 f"{' or '.join(GGUF_ARCHS)} only; {mt!r} goes through {gguf_convert.CONVERTER}"))
     return problems
+
+
+# llama.cpp (llama-cpp-python 0.3.36) builds some architectures with shapes their transformers config may change:
+# model_type -> (config field, the field it must equal, why), measured on the matrix's models
+LLAMA_CPP_SAME = {"olmoe": ("num_key_value_heads", "num_attention_heads",
+                            "llama.cpp's OLMoE normalises the keys over the whole attention width (blk.N.attn_k_norm "
+                            "of hidden_size), so it does not load a model with grouped-query attention (measured: "
+                            "check_tensor_dims refuses attn_k_norm)")}
+
+
+def _llama_cpp_problems(arch: Arch) -> list[Problem]:
+    """What makes the converted file one llama.cpp itself cannot load (LLAMA_CPP_SAME)."""
+    config = arch.architecture.config if arch.architecture is not None else {}
+    field, other, why = LLAMA_CPP_SAME.get(arch.model_type, (None, None, ""))
+    if field is None or other is None or config.get(field) in (None, config.get(other)):
+        return []
+    return [Problem("method", "gguf-llama-cpp-cannot-load",
+                    f"{arch.model_type} with {field} = {config[field]} and {other} = {config.get(other)}: {why}; "
+                    "a model whose two are equal converts")]
 
 
 def _loader_problems(arch: Arch) -> list[Problem]:
