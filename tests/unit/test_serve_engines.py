@@ -711,7 +711,7 @@ def test_a_window_longer_than_the_models_context_is_not_scored_and_says_why(tmp_
     folder.mkdir(parents=True)
     seen = {}
 
-    def fake_measure(path, cfg, prompts, out, threads, device, engine, score):
+    def fake_measure(path, cfg, prompts, out, threads, device, engine, score, score_tasks=None):
         seen["max_model_len"], seen["score"] = cfg.max_model_len, score
         return {"engine": engine, "equality": {"prompts": 0, "identical": 0}, "levels": []}
 
