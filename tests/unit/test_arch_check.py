@@ -179,6 +179,13 @@ def test_awq_refused_on_the_moe_types_its_library_fails_on(tmp_path, model_type)
     assert f"method 'awq' cannot take {model_type}: GPTQModel 7.6's AWQ" in p[0].message
 
 
+def test_autoround_refused_on_mixtral_whose_expert_names_it_writes_no_loader_reads(tmp_path):
+    p = refused(recipe(tmp_path, f"config:{ARCH / 'mixtral.json'}", variant("r", "autoround", group_size=32)))
+    assert ("quantize[0].method", "architecture-unsupported") in keys(p)
+    assert "method 'autoround' cannot take mixtral: auto-round writes Mixtral's experts as" in p[0].message
+    check(recipe(tmp_path, f"config:{ARCH / 'qwen3_moe.json'}", variant("r", "autoround", group_size=32)))
+
+
 def _fake_vllm(tmp_path, monkeypatch, sizes=(32, 64)):
     """A vLLM environment holding only what check reads: its dist-info and CPU attention's declared head sizes."""
     from pipeline.serve.engines import vllm

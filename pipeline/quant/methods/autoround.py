@@ -59,6 +59,12 @@ class AutoRoundMethod(GPTQFormatMethod, QuantMethod):
     note = ("AutoRound (Cheng et al. 2023): rounding and min/max tuned by signed gradient descent per block, "
             "through auto-round; GPTQ checkpoint format")
     work = "pipeline.quant.work.autoround"
+    model_type_limits = {
+        "mixtral": "auto-round writes Mixtral's experts as block_sparse_moe.experts.<e>.gate_proj/up_proj/down_proj, "
+                   "names neither transformers (block_sparse_moe.experts.<e>.w1/w3/w2) nor GPTQModel "
+                   "(mlp.experts.<e>.gate_proj/...) loads (measured: 'Missing required quantized weights'); GPTQ and "
+                   "RTN take it",
+    }
 
     def bits_per_weight(self, variant) -> float:
         budget = variant.mix.budget.bits_per_weight if variant.mix is not None else None
