@@ -194,14 +194,21 @@ class Admission:
         self.token = uuid.uuid4().hex  # what admitted-<node id> holds for this driver
         self.admitted: dict[str, str] = {}
         self.left_out: dict[str, str] = {}  # node id -> why: nodes that joined later and were refused
-        # this driver is the one running the run folder now: a late attempt of an earlier driver commits nothing
-        session_file(self.run_dir).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(session_file(self.run_dir), self.token)
+        self.session_written = False
+
+    def claim_session(self) -> None:
+        """This driver is the one running the run folder now: a late attempt of an earlier driver commits nothing.
+        Written at the first admission, so a run refused before it (no node can hold a unit) writes nothing."""
+        if not self.session_written:
+            session_file(self.run_dir).parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(session_file(self.run_dir), self.token)
+            self.session_written = True
 
     def admit_new(self, nodes: list[dict] | None = None) -> list[str]:
         """Probe every usable node not admitted yet; their names. At the start a refused node is StageError naming
         it (the cluster the run starts on is the one asked for); a node that joins later and is refused (other
         library versions, no run folder) is left out with a warning: no unit is submitted to it (`left_out`)."""
+        self.claim_session()
         nodes = self.list_nodes() if nodes is None else nodes
         new = [n for n in nodes if n["Resources"].get(NODE_RESOURCE) and n["NodeID"] not in self.admitted
                and n["NodeID"] not in self.left_out]

@@ -408,7 +408,9 @@ def test_a_late_attempt_of_a_superseded_run_leaves_the_newer_unit_in_place(tmp_p
     from pipeline.app.ray_task import commit_attempt, is_current
 
     earlier = Admission(tmp_path, {}, lambda: [], lambda *a: None)  # the first driver, its attempt still running
+    earlier.admit_new()  # a driver claims the folder at its first admission
     now = Admission(tmp_path, {}, lambda: [], lambda *a: None)  # the run started again: this driver runs the folder
+    now.admit_new()
     final, newer = tmp_path / "load", "b" * 64
     _, committed = commit_attempt(write_unit(tmp_path / "a1" / "out", newer, "the newer recipe's"), final, newer,
                                   lambda: is_current(tmp_path, now.token))

@@ -32,5 +32,9 @@ def load_own(folder: Path, config: dict, device: str):
         log.info("load: %s has group sizes %s, which torch's fused int4 CPU kernel does not take: GPTQModel's torch "
                  "kernel (dequantize, then matmul) runs it", Path(folder).name, odd)
         return GPTQModel.load(str(folder), device=device, backend=BACKEND.TORCH).model  # its torch kernel: 16 bits only
-    # in the checkpoint's dtype, as transformers loads a GPTQ checkpoint (GPTQModel's own default is 16 bits)
-    return GPTQModel.load(str(folder), device=device, dtype=torch_dtype(config_dtype(config))).model
+    # a uniform 4-bit checkpoint (a MoE's) in its own dtype, as transformers loads a GPTQ checkpoint: GPTQModel's fused
+    # int4 kernel takes float32; its other kernels (8-bit, per-module mixes) take 16 bits only, its default
+    qc = config.get("quantization_config") or {}
+    uniform4 = int(qc.get("bits", 4)) == 4 and not qc.get("dynamic") and group_sizes(config) <= set(FUSED_GROUP_SIZES)
+    kw = {"dtype": torch_dtype(config_dtype(config))} if uniform4 else {}
+    return GPTQModel.load(str(folder), device=device, **kw).model
