@@ -67,6 +67,10 @@ SETTINGS: dict[str, Any] = {
 }
 
 GREEN, REFUSED, FAILED, NONFINITE = "green", "refused", "failed", "non-finite"
+# a green cell measured in llama.cpp (pipeline/model/llamacpp_model.py): green with llama-cpp-python installed; without
+# it, check refuses the cell with one of these codes (tests/unit/test_arch_matrix.py)
+MEASURED_IN_LLAMA_CPP = "llama.cpp"
+WITHOUT_LLAMA_CPP = {"gguf-not-measurable", "gguf-loader-unfaithful"}
 NOT_SCORED = "not scored: "  # a failed cell's error when the run ended before its own units ran
 
 
@@ -243,6 +247,8 @@ def cell_of_report(report: dict | None, cell: str, run_error: str) -> dict[str, 
     out: dict[str, Any] = {"quantize_time_s": _round(entry.get("quantize_time_s"), 1),
                            "ppl_ratio": _round(entry.get("ppl_ratio"), 4), "kl": _sig(entry.get("kl"), 3),
                            "top1": _round(entry.get("top1"), 4), "perplexity": _number(ppl)}
+    if (entry.get("quantize") or {}).get("scored_in_llama_cpp"):  # a GGUF file validate measured in llama.cpp
+        out["measured_in"] = MEASURED_IN_LLAMA_CPP
     if failed is not None:
         return {"status": FAILED, "error": f"{failed}: {_first_line(stages[failed].get('error') or '')}", **out}
     if ppl is None:
@@ -365,7 +371,8 @@ def cell_text(cell: dict[str, Any] | None, width: int = 90) -> str:
         return "not measured"
     status = cell["status"]
     if status == GREEN:
-        return f"{_fmt(cell.get('ppl_ratio'))} / {_fmt_kl(cell.get('kl'))}"
+        where = " (llama.cpp)" if cell.get("measured_in") == MEASURED_IN_LLAMA_CPP else ""
+        return f"{_fmt(cell.get('ppl_ratio'))} / {_fmt_kl(cell.get('kl'))}{where}"
     if status == REFUSED:
         return "refused: " + ", ".join(cell.get("codes") or []) or _short(cell.get("reason", ""), width)
     if status == NONFINITE:
@@ -503,6 +510,9 @@ def _detail(cell: dict[str, Any]) -> str:
     figures = (f"ppl ratio {_fmt(cell.get('ppl_ratio'))}, KL {_fmt_kl(cell.get('kl'))}, "
                f"top-1 {_fmt(cell.get('top1'))}, perplexity {_fmt(cell.get('perplexity'), '.1f')}, "
                f"quantized in {_fmt(cell.get('quantize_time_s'), 'g')} s")
+    if status == GREEN and cell.get("measured_in") == MEASURED_IN_LLAMA_CPP:
+        return (f"green, measured in llama.cpp (transformers' GGUF loader cannot rebuild it; with llama-cpp-python "
+                f"installed, else refused at check): {figures}")
     if status == GREEN:
         return f"green: {figures}"
     return f"{STATUS_TEXT[status]}: {cell.get('error')}" + (f" ({figures})" if cell.get("perplexity") else "")
