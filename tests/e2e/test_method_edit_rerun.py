@@ -15,6 +15,9 @@ RECIPE = ROOT / "recipes" / "tiny.toml"
 def rerun(src: Path, out: Path) -> dict[str, str]:
     """`compress run` of the tiny recipe from the package copy in src; each stage's status."""
     env = {**os.environ, "PYTHONPATH": str(src), "PYTHONUNBUFFERED": "1"}
+    vllm_python = ROOT / ".venv-vllm" / "bin" / "python"
+    if vllm_python.exists():  # the copy has no .venv-vllm beside it: the first run's vLLM, or every unit's versions
+        env.setdefault("COMPRESS_VLLM_PYTHON", str(vllm_python))  # (which name each engine's) would differ
     p = subprocess.run([sys.executable, "-m", "pipeline.app.cli", "run", RECIPE, "--set",
                         f"run.output_dir={json.dumps(str(out))}"], cwd=src, env=env, capture_output=True, text=True,
                        timeout=900)
