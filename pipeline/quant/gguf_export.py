@@ -428,10 +428,15 @@ def split_pattern(tok) -> str | None:
     return None
 
 
+def tokenizer_hash(tok) -> str:
+    """The converter's name for how the tokenizer splits CHKTXT (get_vocab_base_pre)."""
+    return sha256(str(tok.encode(CHKTXT)).encode()).hexdigest()
+
+
 def pre_tokenizer(tok) -> str:
     """tokenizer.ggml.pre for a byte-level BPE tokenizer: its hash in the converter's table, else its split pattern
     (SPLIT_PATTERNS); ValueError naming both when neither is known."""
-    chkhsh = sha256(str(tok.encode(CHKTXT)).encode()).hexdigest()
+    chkhsh = tokenizer_hash(tok)
     table = known_hashes()
     if chkhsh in table:
         return table[chkhsh]
@@ -449,7 +454,7 @@ def converter_pre(base_dir: Path) -> str | None:
     tok = AutoTokenizer.from_pretrained(base_dir)
     if not tok.is_fast or gguf_convert.converter_dir() is None:
         return None
-    if sha256(str(tok.encode(CHKTXT)).encode()).hexdigest() in known_hashes():
+    if tokenizer_hash(tok) in known_hashes():
         return None
     return SPLIT_PATTERNS.get(split_pattern(tok) or "")
 

@@ -96,7 +96,7 @@ def _converter_problems(variant, arch: Arch) -> list[Problem]:
     # a file llama.cpp itself cannot load is refused first; validate measures a file transformers' GGUF loader cannot
     # rebuild in llama.cpp itself, when it is installed
     problems = _llama_cpp_problems(arch) or (
-        [] if llama_cpp_installed() else _read_back_problems(root, hf_arch, mt) or _loader_problems(arch))
+        [] if llama_cpp_installed() else _transformers_cannot_rebuild(root, hf_arch, arch))
     if variant.type not in gguf_convert.OUTTYPES and variant.type not in GGUF_KQUANT_TYPES \
             and importlib.util.find_spec("llama_cpp") is None:
         problems.append(Problem("type", "gguf-type-needs-quantizer",
@@ -149,6 +149,12 @@ def _loader_problems(arch: Arch) -> list[Problem]:
                     f"transformers' GGUF loader cannot score {arch.model_type} here: {why}; validate scores a GGUF "
                     "file through that loader unless llama-cpp-python is installed, and then in llama.cpp itself: "
                     f"{LLAMA_CPP_INSTALL}")]
+
+
+def _transformers_cannot_rebuild(root, hf_arch: str, arch: Arch) -> list[Problem]:
+    """Why transformers' GGUF loader could not rebuild this model from the converter's file ([] = it can): the one
+    rule behind check's refusal without llama-cpp-python and measured_elsewhere with it."""
+    return _read_back_problems(root, hf_arch, arch.model_type) or _loader_problems(arch)
 
 
 def _read_back_problems(root, hf_arch: str, mt: str) -> list[Problem]:
@@ -276,7 +282,7 @@ class GGUFMethod(QuantMethod):
         hf_arch = gguf_convert.hf_architecture(arch.model_type)
         if arch.model_type in GGUF_ARCHS or not llama_cpp_installed() or root is None or hf_arch is None:
             return None
-        found = _read_back_problems(root, hf_arch, arch.model_type) or _loader_problems(arch)
+        found = _transformers_cannot_rebuild(root, hf_arch, arch)
         return f"in llama.cpp: transformers' GGUF loader cannot rebuild {arch.model_type}" if found else None
 
     def calibrates(self, variant) -> bool:
