@@ -18,9 +18,11 @@ from pathlib import Path
 from pipeline.base.errors import StageError
 from pipeline.budget.formulas import GiB
 from pipeline.eval.config import SpeedConfig
-from pipeline.eval.parallel_check import technique_problems, tp_rank_bytes
+from pipeline.eval.parallel_check import technique_problems, tp_rank_bytes, usable_cores
 from pipeline.eval.tensor_parallel import tp_row
 from pipeline.model.dtypes import config_dtype, dtype_bytes
+
+OUTPUT_KEYS = ("model_dir", "cores", "sizes")  # sizes: {tp: {check, predicted_rank_bytes, row | error}}
 
 
 def main() -> None:
@@ -31,13 +33,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--force", action="store_true", help="measure sizes compress check refuses")
+    ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/tensor_parallel"))
     a = ap.parse_args()
     config = json.loads((a.model_dir / "config.json").read_text())
     out = {}
     for tp in a.tp:
         cfg = SpeedConfig(prompt_len=a.prompt_len, new_tokens=a.new_tokens, repeats=a.repeats,
-                          techniques=["tensor_parallel"], tp_size=tp)
+                          warmup=a.warmup, batch_sizes=[1], roofline=False, techniques=["tensor_parallel"], tp_size=tp)
         refused = [p.message for p in technique_problems(cfg, config, "cpu")]
         predicted = tp_rank_bytes(config, dtype_bytes(config_dtype(config)), tp, cfg.model_dump(mode="json"))
         entry: dict = {"check": refused or "ok", "predicted_rank_bytes": predicted}
@@ -54,7 +57,8 @@ def main() -> None:
                 print(f"TP={tp}: failed: {e}")
         out[str(tp)] = entry
     a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "tensor_parallel.json").write_text(json.dumps(out, indent=1))
+    result = {"model_dir": str(a.model_dir), "cores": usable_cores(), "sizes": out}
+    (a.out / "tensor_parallel.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

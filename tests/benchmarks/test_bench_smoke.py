@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 MAINTAINED = ("byte_identity", "gguf_vs_llama_cpp", "llmcompressor_anchor", "llmcompressor_worker",
-              "quantize_vs_gptqmodel", "serve_engines", "serve_load", "speed_vs_reference", "tasks_scorer")
+              "quantize_vs_gptqmodel", "serve_engines", "serve_load", "speed_vs_reference", "tasks_scorer", "tensor_parallel")
 
 
 def _env() -> dict:
@@ -76,6 +76,31 @@ def test_speed_vs_reference(tiny, tmp_path):
     result = json.loads(out.read_text())
     assert set(_keys("speed_vs_reference")) <= set(result)
     assert result["rows"] and all({"ours", "reference"} <= set(r) for r in result["rows"])
+
+
+def test_tensor_parallel_two_ranks_and_a_refused_size(tmp_path):
+    """TP=2 on a tiny Llama with 4 heads (torchrun, gloo) beside TP=3, which compress check refuses (heads not
+    divisible) and the script reports with the refusal instead of measuring."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipeline.eval.parallel_check import usable_cores
+
+    if usable_cores() < 2:
+        pytest.skip("two ranks need two cores")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=True, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    LlamaForCausalLM(cfg).eval().save_pretrained(tmp_path / "tiny")
+    _run("tensor_parallel", "--model-dir", str(tmp_path / "tiny"), "--tp", "2", "3", "--prompt-len", "12",
+         "--new-tokens", "4", "--repeats", "1", "--out", str(tmp_path / "out"))
+    result = json.loads((tmp_path / "out" / "tensor_parallel.json").read_text())
+    assert set(_keys("tensor_parallel")) <= set(result)
+    two, three = result["sizes"]["2"], result["sizes"]["3"]
+    assert two["check"] == "ok" and two["row"]["greedy_identical"] == two["row"]["prompts"]
+    assert two["predicted_rank_bytes"] > 0 and "row" not in three
+    assert any("does not divide the model's 4 attention heads" in line for line in three["check"]), three["check"]
 
 
 def test_tasks_scorer_against_lm_eval(tiny, tmp_path):
