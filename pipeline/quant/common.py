@@ -145,12 +145,6 @@ class LayerProgress:
         self.bar.close()
 
 
-@contextlib.contextmanager
-def nullcontext_session(out_dir: Path) -> Iterator[None]:
-    """The session of an engine that needs no special working directory or torch settings."""
-    yield
-
-
 def skipped_linears(base_dir: Path, modules_to_skip: list[str]) -> list[str]:
     """Full names of the model's nn.Linear modules that modules_to_skip names (model built on the meta device)."""
     with torch.device("meta"):
