@@ -74,7 +74,7 @@ def serve_units(recipe, name: str, src: str, fmt: str | None, eval_data, code: t
     if not cfg.serves(name):
         return []
     fmt = fmt or model_format(None)
-    device = "cuda" if recipe.run.device.startswith("cuda") else "cpu"  # "auto": planned for the CPU
+    device = engines.device_kind(recipe.run.device)  # "auto": planned for the CPU
     plan, _ = engine_plan(cfg, fmt, device, name)
     out = []
     for engine, skipped in plan.items():

@@ -76,7 +76,7 @@ def default_engine(fmt: str) -> str:
 
 def declared(fmt: str, device: str) -> list[str]:
     """The engines that declare this format on this device, installed or not."""
-    kind = "cuda" if device.startswith("cuda") else "cpu"
+    kind = device_kind(device)
     return [n for n in NAMES if fmt in ENGINES.get(n).formats.get(kind, ())]
 
 
