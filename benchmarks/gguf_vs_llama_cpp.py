@@ -68,7 +68,7 @@ def gguf_variant(base: Path, out: Path, gguf_type: str) -> Path:
 
 
 def llama_cpp_quantize(f16_folder: Path, out: Path, gguf_type: str) -> Path:
-    from pipeline.quant.gguf_export import llama_quantize
+    from pipeline.quant.formats.gguf_export import llama_quantize
 
     src = next(f16_folder.glob("*.gguf"))
     out.mkdir(parents=True, exist_ok=True)

@@ -125,7 +125,7 @@ def estimate_memory(recipe, info, plan, source) -> None:
 
 def sensitivity_bytes(config: dict, n_params: int, checkpoint_bytes: int, seq_len: int, hessian_rows: int,
                       probe_rows: int) -> int:
-    """Peak of a [quantize.mix] sensitivity table (pipeline/quant/mix_sensitivity.py, gguf_mix_plan.py), the larger of
+    """Peak of a [quantize.mix] sensitivity table (pipeline/quant/mix/sensitivity.py, gguf_plan.py), the larger of
     its two phases. Loading: the model converted to float32 beside the checkpoint's mapped pages. Measuring: the model
     in float32; every decoder layer's output on the Hessian and the probe rows (UnitHessians, KLProbe: counted apart,
     an upper bound, since the probe's rows are the first Hessian rows and share their outputs); one unit's

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 
 from pipeline.base.env import tame
 from pipeline.quant.checkpoint import load_checkpoint
-from pipeline.quant.ct_export import gptq_integers
+from pipeline.quant.formats.ct_export import gptq_integers
 from research.ct_export import ids_for
 
 LAYER = "model.layers.0.self_attn.q_proj"

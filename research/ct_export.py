@@ -1,5 +1,5 @@
-"""A finished GPTQ or AWQ export rewritten as compressed-tensors (pipeline/quant/ct_export.py), and the perplexity
-of both on the same WikiText-2 windows (GPTQ protocol), two ways each:
+"""A finished GPTQ or AWQ export rewritten as compressed-tensors (pipeline/quant/formats/ct_export.py), and the
+perplexity of both on the same WikiText-2 windows (GPTQ protocol), two ways each:
 
   reload: as `compress eval` and validate load them (pipeline/quant/checkpoint.py): the GPTQ folder through
           GPTQModel's CPU kernel, the compressed-tensors one through transformers, decompressed to dense weights in
@@ -50,7 +50,7 @@ def exact_gptq(folder: Path):
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pipeline.quant.ct_export import dequantized_weights
+    from pipeline.quant.formats.ct_export import dequantized_weights
 
     cfg = AutoConfig.from_pretrained(folder)
     del cfg.quantization_config
@@ -69,9 +69,9 @@ def exact_gptq(folder: Path):
 def exact_ct(folder: Path):
     from transformers import AutoModelForCausalLM
 
-    from pipeline.quant.ct_export import packed_zero_points_on_meta
+    from pipeline.quant.formats.ct_export import packed_zero_points_on_meta
 
-    with packed_zero_points_on_meta():  # an asymmetric (AWQ) folder's zero points (pipeline/quant/ct_format.py)
+    with packed_zero_points_on_meta():  # an asymmetric (AWQ) folder's zero points (pipeline/quant/formats/ct.py)
         return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
@@ -88,7 +88,7 @@ def main() -> None:
     a = ap.parse_args()
     from pipeline.base.env import tame
     from pipeline.quant.checkpoint import load_checkpoint
-    from pipeline.quant.ct_export import convert_folder
+    from pipeline.quant.formats.ct_export import convert_folder
 
     tame()
     if a.threads:

@@ -1,5 +1,5 @@
 """The [quantize.mix] sensitivity table's memory and its first units, on a finished run's model and calibration rows:
-the table's first N rows measured again with the code as it is now (pipeline/quant/mix_sensitivity.py: one unit's
+the table's first N rows measured again with the code as it is now (pipeline/quant/mix/sensitivity.py: one unit's
 Hessians at a time) and compared with the table the run recorded in mix.json (KL and Hessian rows, exactly), with
 the process's peak resident memory (VmHWM) beside what the plan predicts (pipeline/estimate.sensitivity_bytes).
 
@@ -36,8 +36,8 @@ def main() -> None:
     from pipeline.estimate import sensitivity_bytes
     from pipeline.model.dtypes import config_dtype, dtype_bytes
     from pipeline.plan import GiB
-    from pipeline.quant.mix import mix_units
-    from pipeline.quant.mix_sensitivity import KLProbe, Solver, UnitHessians, Weights, hessian_row
+    from pipeline.quant.mix.config import mix_units
+    from pipeline.quant.mix.sensitivity import KLProbe, Solver, UnitHessians, Weights, hessian_row
     from pipeline.quant.shapes import linear_shapes_from_config
 
     base = args.run / "load"

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.quant.mix_sensitivity import Solver, Weights, input_hessians, mean_kl
+from pipeline.quant.mix.sensitivity import Solver, Weights, input_hessians, mean_kl
 from pipeline.results.mix_render import mix_of, pearson, predicted_kl
 from pipeline.results.schema import load
 
@@ -111,8 +111,8 @@ def scaled_check(run_dir: Path, record: dict, n: int, seed: int = 0) -> list[tup
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from pipeline.quant.mix import mix_units
-    from pipeline.quant.mix_sensitivity import kl_table
+    from pipeline.quant.mix.config import mix_units
+    from pipeline.quant.mix.sensitivity import kl_table
     from pipeline.quant.shapes import linear_shapes_from_config
 
     sens = record["sensitivity"]

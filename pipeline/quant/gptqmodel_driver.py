@@ -32,7 +32,7 @@ from pipeline.base.errors import StageError
 from pipeline.model.compute import float32_matmuls
 from pipeline.model.dtypes import torch_dtype
 from pipeline.quant.common import LayerProgress, base_dtype, finish_checkpoint, quantized_in_blocks
-from pipeline.quant.ct_export import rewrite_in_place
+from pipeline.quant.formats.ct_export import rewrite_in_place
 from pipeline.quant.gptq_search import group_search_only
 from pipeline.quant.shapes import skip_pattern
 
@@ -147,7 +147,7 @@ def save(model, base_dir: Path, out_dir: Path, variant) -> dict:
     append_file(out_dir / "quant_log.csv", out_dir / f"{ENGINE}.log")
     qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
     extra = {}
-    if getattr(variant, "format", "gptq") == "compressed-tensors":  # the same integers, rewritten (ct_export.py)
+    if getattr(variant, "format", "gptq") == "compressed-tensors":  # the same integers, rewritten (formats/ct_export)
         extra["gptq_config"], qc = qc, rewrite_in_place(out_dir)
     elif any(e != "lm_head" for e in variant.modules_to_skip):
         qc["modules_in_block_to_quantize"] = quantized_in_blocks(out_dir)

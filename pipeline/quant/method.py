@@ -18,7 +18,7 @@ identity covers its method's work).
 
 A method file imports no other method's file (a test checks it): a unit's identity names the method file of the
 variant it concerns (pipeline/base/codehash.py), so what two methods share lives in a module of its own
-(pipeline/quant/gptq_format.py, variant.py, shapes.py, common.py, ...).
+(pipeline/quant/formats/gptq.py, variant.py, shapes.py, common.py, ...).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class QuantMemory(Enum):
 
 class CheckpointLoad(Protocol):
     """The reload facts of a variant's checkpoint (QuantMethod.reload_of): its method's, or its export format's
-    (pipeline/quant/ct_format.py CompressedTensorsLoad). The memory plan (pipeline/estimate.py) reads these two."""
+    (pipeline/quant/formats/ct.py CompressedTensorsLoad). The memory plan (pipeline/estimate.py) reads these two."""
 
     @property
     def repacked_on_cpu(self) -> bool:  # its CPU kernel repacks the quantized linears at the first forward
@@ -105,7 +105,7 @@ class QuantMethod:
 
     def reload_of(self, variant) -> CheckpointLoad:
         """What holds the reload facts (before_load/after_load, load_module, repacked_on_cpu) of this variant's
-        checkpoint: the method itself, or its export format's (pipeline/quant/ct_format.py)."""
+        checkpoint: the method itself, or its export format's (pipeline/quant/formats/ct.py)."""
         return self
 
     def serve_needs(self, variant) -> tuple[str, ...]:

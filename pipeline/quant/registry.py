@@ -18,7 +18,7 @@ from pydantic import BeforeValidator, Field
 from pipeline.base.problem import Problem
 from pipeline.base.registry import Registry
 from pipeline.quant.arch_support import arch_problems
-from pipeline.quant.ct_format import LOAD as CT_LOAD
+from pipeline.quant.formats.ct import LOAD as CT_LOAD
 from pipeline.quant.method import CheckpointLoad, QuantMethod
 from pipeline.quant.shapes import Arch, module_names, quantized_linears, skip_pattern
 

@@ -1,6 +1,6 @@
 """The mixed-precision section of report.md and of a mixed variant's card: the budget and what was spent, the
 predicted and measured quality, and the allocation (bits and group size per decoder layer and block). Reads the
-`mix` record a [quantize.mix] variant's quantize unit wrote (pipeline/quant/mix_plan.py summary)."""
+`mix` record a [quantize.mix] variant's quantize unit wrote (pipeline/quant/mix/plan.py summary)."""
 from __future__ import annotations
 
 import math

@@ -164,7 +164,7 @@ def test_awq_is_refused_on_multi_head_latent_attention_gptq_is_not(tmp_path):
 def test_gguf_refused_where_the_converter_needs_a_sentencepiece_model_the_tokenizer_lacks(tmp_path, model_type):
     """llama.cpp's converter classes for gemma2 and phi3 read tokenizer.model; SmolLM2's tokenizer (a GGUF's,
     rebuilt as tokenizer.json) has none: refused at check, not after the load (measured on the matrix)."""
-    from pipeline.quant import gguf_convert
+    from pipeline.quant.formats import gguf_convert
 
     if gguf_convert.converter_dir() is None:
         pytest.skip("llama.cpp's converter is not set up here")

@@ -290,7 +290,7 @@ def test_calibration_is_required_for_gptq_only(tiny, tmp_path):
 def test_declared_capabilities_agree_with_gptqmodel_kernels():
     from gptqmodel.nn_modules.qlinear.torch import TorchLinear
 
-    from pipeline.quant.gptq_format import GPTQ_GROUP_SIZES
+    from pipeline.quant.formats.gptq import GPTQ_GROUP_SIZES
     from pipeline.quant.registry import METHODS
 
     assert set(METHODS.get("gptq").bits) <= set(TorchLinear.SUPPORTS_BITS)

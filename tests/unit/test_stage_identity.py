@@ -48,7 +48,8 @@ def stage_sets() -> dict[str, set[str]]:
 HAND_LISTS = {
     "load": ("stages/load.py", "model/sources.py", "model/models.py", "model/gguf_header.py", "model_configs/*.json"),
     "calibrate": ("stages/calibrate.py", "data/calib.py", "data/__init__.py"),
-    "quantize": ("stages/quantize.py", "quant/*.py", "quant/methods/*.py", "base/env.py"),
+    "quantize": ("stages/quantize.py", "quant/*.py", "quant/mix/*.py", "quant/formats/*.py", "quant/methods/*.py",
+                 "base/env.py"),
     "draft": ("stages/draft.py", "data/calib.py", "data/__init__.py", "speculative/*.py"),
     "validate": ("stages/validate.py", "base/worker.py", "model/models.py", "data/__init__.py", "eval/quality.py",
                  "eval/perplexity.py",

@@ -16,9 +16,9 @@ from typing import Literal
 from pydantic import Field
 
 from pipeline.base.problem import Problem
-from pipeline.quant.gptq_format import GPTQFormatMethod, lm_head_rule
+from pipeline.quant.formats.gptq import GPTQFormatMethod, lm_head_rule
 from pipeline.quant.method import QuantMethod, missing_package
-from pipeline.quant.mix import MixConfig, check_mix
+from pipeline.quant.mix.config import MixConfig, check_mix
 from pipeline.quant.shapes import Arch
 from pipeline.quant.variant import Calibrated, GPTQFormat
 
@@ -41,9 +41,9 @@ class AutoRoundVariant(Calibrated, GPTQFormat):
                                                   "eager on 2 cores. Compiled kernels round differently, so the "
                                                   "bytes differ from false")
     mix: MixConfig | None = Field(
-        None, description="mixed precision to a budget, as for GPTQ (pipeline/quant/mix.py): bits and group size per "
-                          "decoder block (or linear) from measured sensitivity (probe_weights 'rtn'), passed to "
-                          "auto-round as its layer_config; the checkpoint carries them as GPTQModel `dynamic` "
+        None, description="mixed precision to a budget, as for GPTQ (pipeline/quant/mix/config.py): bits and group "
+                          "size per decoder block (or linear) from measured sensitivity (probe_weights 'rtn'), passed "
+                          "to auto-round as its layer_config; the checkpoint carries them as GPTQModel `dynamic` "
                           "overrides (auto-round's own export)")
 
 
@@ -72,7 +72,7 @@ class AutoRoundMethod(GPTQFormatMethod, QuantMethod):
 
     def check(self, variant, arch: Arch, device: str) -> list[Problem]:
         problems = missing_package(AUTOROUND_PIN, "auto_round", "autoround") + lm_head_rule(variant, "AutoRound")
-        problems += super().check(variant, arch, device)  # the checkpoint format's rules (gptq_format.py)
+        problems += super().check(variant, arch, device)  # the checkpoint format's rules (formats/gptq.py)
         if variant.bits == 8 and not variant.sym:
             problems.append(Problem("sym", "autoround-asymmetric-8-bit",
                                     "bits = 8 with sym = false: auto-round refuses to export asymmetric 8-bit in the "

@@ -8,7 +8,7 @@ CUDA-only and refuses a CPU run); the checkpoint is the same GEMM layout either 
 so a float32 checkpoint is quantized in bfloat16. The driver, session, logs and checkpoint finishing are GPTQModel's
 (pipeline/quant/gptqmodel_driver.py); the clipping search runs as matrix products (pipeline/quant/awq_clip.py).
 With `format = "compressed-tensors"` the same integers, scales and zero points are rewritten as a compressed-tensors
-pack-quantized W4A16 checkpoint (asymmetric, zero points packed; pipeline/quant/ct_export.py), the format vLLM
+pack-quantized W4A16 checkpoint (asymmetric, zero points packed; pipeline/quant/formats/ct_export.py), the format vLLM
 reads natively. The work is pipeline/quant/work/awq.py.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Literal
 from pydantic import Field
 
 from pipeline.base.problem import Problem
-from pipeline.quant.ct_format import CompressedTensorsOption
-from pipeline.quant.gptq_format import GPTQModelKernels, lm_head_rule
+from pipeline.quant.formats.ct import CompressedTensorsOption
+from pipeline.quant.formats.gptq import GPTQModelKernels, lm_head_rule
 from pipeline.quant.method import LLAMA_CPP_ROW, QuantMemory, QuantMethod, bits_tags, grouped_bits, missing_package
 from pipeline.quant.shapes import Arch, quantized_linears
 from pipeline.quant.variant import Calibrated, VariantBase

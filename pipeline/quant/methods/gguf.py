@@ -1,8 +1,8 @@
 """GGUF files for llama.cpp, Ollama and LM Studio, converted from the run's baseline: the types written here and by
 llama.cpp's quantizer, the architectures converted, `compress check`'s rules and the runtimes; the work is
 pipeline/quant/work/gguf.py. Two converters: for llama and qwen2, our port of llama.cpp's convert_hf_to_gguf.py
-through its `gguf` package (pipeline/quant/gguf_export.py: [quantize.mix], modules_to_skip, Q4_0..Q5_1 without
-llama.cpp); for every other architecture, llama.cpp's own converter, pinned (pipeline/quant/gguf_convert.py)."""
+through its `gguf` package (pipeline/quant/formats/gguf_export.py: [quantize.mix], modules_to_skip, Q4_0..Q5_1 without
+llama.cpp); for every other architecture, llama.cpp's own converter, pinned (pipeline/quant/formats/gguf_convert.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,14 +12,14 @@ from pydantic import Field
 
 from pipeline.base.env import LLAMA_CPP_INSTALL, llama_cpp_installed
 from pipeline.base.problem import Problem
-from pipeline.quant import gguf_convert
-from pipeline.quant.gguf_mix import GGUFMix, check_gguf_mix
+from pipeline.quant.formats import gguf_convert
 from pipeline.quant.method import QuantMethod
+from pipeline.quant.mix.gguf import GGUFMix, check_gguf_mix
 from pipeline.quant.shapes import Arch, is_skipped, quantized_linears
 from pipeline.quant.variant import SKIP_HELP, VariantBase
 
-# converted by our port (pipeline/quant/gguf_export.py): config.json model_type -> whether llama.cpp permutes the
-# Q/K rows (its LlamaModel does, Qwen2Model does not); the llama.cpp architecture has the same name. transformers'
+# converted by our port (pipeline/quant/formats/gguf_export.py): config.json model_type -> whether llama.cpp permutes
+# the Q/K rows (its LlamaModel does, Qwen2Model does not); the llama.cpp architecture has the same name. transformers'
 # GGUF loader reads both back. Every other model_type goes through llama.cpp's own converter (gguf_convert).
 GGUF_ARCHS = {"llama": True, "qwen2": False}
 # transformers' GGUF loader rebuilds these model types as another one with the same weights and maths: model_type ->
@@ -32,8 +32,8 @@ GGUF_READ_DEFAULTS: dict[str, dict[str, int]] = {"qwen3": {"head_dim": 128},
                                                  "qwen3_moe": {"moe_intermediate_size": 768}}
 GGUF_UNREADABLE = {"gpt_oss": "its GGUF config reader raises (TypeError: Object of type memmap is not JSON "
                               "serializable; measured)"}
-# written here by gguf's numpy quantizer (byte-identical to llama.cpp's: tests/unit/test_gguf_mix.py): type -> values
-# per block
+# written here by gguf's numpy quantizer (byte-identical to llama.cpp's: tests/unit/quant/test_gguf_mix.py): type ->
+# values per block
 GGUF_WRITTEN_TYPES = {"F16": 1, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32}
 # Made by llama.cpp's own quantizer (llama_model_quantize, the gguf-kquants extra), in super-blocks of QK_K.
 GGUF_KQUANT_TYPES = ("Q2_K", "Q3_K_S", "Q3_K_M", "Q3_K_L", "Q4_K_S", "Q4_K_M", "Q5_K_S", "Q5_K_M", "Q6_K")
@@ -230,8 +230,8 @@ GGUF_BITS = {"F16": 16.0, "Q8_0": 8.5, "Q5_1": 6.0, "Q5_0": 5.5, "Q4_1": 5.0, "Q
 
 
 class GGUFVariant(VariantBase):
-    """A GGUF file for llama.cpp, Ollama and LM Studio, converted from the baseline (pipeline/quant/gguf_export.py);
-    what each type needs is in gguf_problems."""
+    """A GGUF file for llama.cpp, Ollama and LM Studio, converted from the baseline
+    (pipeline/quant/formats/gguf_export.py); what each type needs is in gguf_problems."""
 
     method: Literal["gguf"]
     type: Literal[GGUF_TYPES] = Field(  # type: ignore[valid-type]
@@ -246,14 +246,14 @@ class GGUFVariant(VariantBase):
     mix: GGUFMix | None = Field(
         None, description="mixed precision to a budget: a llama.cpp type per decoder linear (or block) from measured "
                           "sensitivity, within bits per weight or a decode latency measured in llama.cpp "
-                          "(pipeline/quant/gguf_mix.py)")
+                          "(pipeline/quant/mix/gguf.py)")
 
 
 class GGUFMethod(QuantMethod):
     name = "gguf"
     variant = GGUFVariant
     engine = "gguf"
-    engine_modules = ("pipeline.quant.gguf_export", "pipeline.quant.gguf_convert")
+    engine_modules = ("pipeline.quant.formats.gguf_export", "pipeline.quant.formats.gguf_convert")
     checkpoint_format = "gguf"
     hub_library = "gguf"  # Hub GGUF conventions
     bits = (2, 3, 4, 5, 6, 8, 16)

@@ -7,10 +7,10 @@ from typing import Literal
 from pydantic import Field
 
 from pipeline.base.problem import Problem
-from pipeline.quant.gptq_format import GPTQFormatMethod, GPTQModelDriven
+from pipeline.quant.formats.gptq import GPTQFormatMethod, GPTQModelDriven
 from pipeline.quant.method import QuantMemory, QuantMethod
-from pipeline.quant.mix import MixConfig, check_mix
-from pipeline.quant.mix_runtimes import mix_runtimes
+from pipeline.quant.mix.config import MixConfig, check_mix
+from pipeline.quant.mix.runtimes import mix_runtimes
 from pipeline.quant.shapes import Arch
 from pipeline.quant.variant import Calibrated, GPTQFormat
 
@@ -35,7 +35,7 @@ class GPTQVariant(Calibrated, GPTQFormat):
     mix: MixConfig | None = Field(
         None, description="mixed precision to a budget: bits and group size chosen per decoder block (or linear) from "
                           "measured sensitivity; bits/group_size above are then GPTQModel's base config only "
-                          "(pipeline/quant/mix.py)")
+                          "(pipeline/quant/mix/config.py)")
 
 
 class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
@@ -49,7 +49,7 @@ class GPTQMethod(GPTQModelDriven, GPTQFormatMethod, QuantMethod):
     work = "pipeline.quant.work.gptq"
 
     def check(self, variant, arch: Arch, device: str) -> list[Problem]:
-        problems = super().check(variant, arch, device)  # the checkpoint format's rules (gptq_format.py)
+        problems = super().check(variant, arch, device)  # the checkpoint format's rules (formats/gptq.py)
         if variant.act_group_aware:
             if variant.desc_act:
                 problems.append(Problem("act_group_aware", "act-group-aware-with-desc-act",

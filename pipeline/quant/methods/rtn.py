@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pipeline.quant.gptq_format import GPTQFormatMethod, GPTQModelDriven
+from pipeline.quant.formats.gptq import GPTQFormatMethod, GPTQModelDriven
 from pipeline.quant.method import QuantMemory, QuantMethod
 from pipeline.quant.variant import GPTQFormat
 

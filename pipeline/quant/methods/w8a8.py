@@ -12,7 +12,7 @@ Weights are rounded to nearest or by GPTQ at 8 bits (`rounding`, int8 only); Smo
 activation outliers into the weights, its alpha searched per fold point on the calibration rows. This is a method and
 not a `format` of the GPTQ-family variants: those promise the GPTQ checkpoint's integers rewritten as they are, while
 W8A8 changes the model (smoothing), quantizes activations and calibrates their scales: a quantization of its own,
-written by compressed-tensors' own config and compressor (pipeline/quant/ct_w8a8.py). The work is
+written by compressed-tensors' own config and compressor (pipeline/quant/formats/ct_w8a8.py). The work is
 pipeline/quant/work/w8a8.py over pipeline/quant/w8a8_layers.py; the maths w8a8_math.py and smoothquant.py.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import Field
 
 from pipeline.base.problem import Problem
-from pipeline.quant.ct_format import CT, LOAD, CompressedTensorsLoad
+from pipeline.quant.formats.ct import CT, LOAD, CompressedTensorsLoad
 from pipeline.quant.method import LLAMA_CPP_ROW, QuantMethod
 from pipeline.quant.shapes import Arch, quantized_linears
 from pipeline.quant.variant import Calibrated, Dtype, VariantBase
@@ -70,7 +70,7 @@ class W8A8Method(QuantMethod):
     needs_definition = "architecture"  # its layer loop reads the decoder layers and linears
     arch_limit_reasons = {"moe": "its layer loop quantizes nn.Linear modules (compressed-tensors' linear schemes), so "
                                  "the routed experts would stay 16-bit"}
-    engine_modules = ("pipeline.quant.w8a8_layers", "pipeline.quant.ct_w8a8")
+    engine_modules = ("pipeline.quant.w8a8_layers", "pipeline.quant.formats.ct_w8a8")
     checkpoint_format = CT
     bits = (8,)
     needs_calibration = True

@@ -22,10 +22,10 @@ from pipeline.base.fileio import atomic_write_json
 from pipeline.model.compute import float32_matmuls, upcasts
 from pipeline.model.dtypes import torch_dtype
 from pipeline.quant.common import base_dtype, finish_checkpoint, quantized_in_blocks, skipped_linears
-from pipeline.quant.ct_export import linear_settings, rewrite_in_place
+from pipeline.quant.formats.ct_export import linear_settings, rewrite_in_place
 from pipeline.quant.methods.autoround import ENGINE
-from pipeline.quant.mix import mix_units
-from pipeline.quant.mix_plan import cache_beside, plan, summary
+from pipeline.quant.mix.config import mix_units
+from pipeline.quant.mix.plan import cache_beside, plan, summary
 from pipeline.quant.shapes import linear_shapes_from_config
 
 EXPORT_FORMAT = "auto_gptq"
@@ -51,7 +51,7 @@ def session(out_dir: Path) -> Iterator[None]:
 class Tuned(NamedTuple):
     folder: Path  # auto-round's export, in the scratch folder
     torch_compile: bool  # whether the tuning step was compiled
-    mix: dict | None = None  # the [quantize.mix] allocation record (pipeline/quant/mix_plan.py)
+    mix: dict | None = None  # the [quantize.mix] allocation record (pipeline/quant/mix/plan.py)
 
 
 def mix_layer_config(base_dir: Path, variant, mix: dict) -> dict[str, dict]:
@@ -108,8 +108,8 @@ def _block_bar_on(console: IO[str]) -> Iterator[None]:
 
 
 def own_overrides(qc: dict, ours: dict, folder: Path) -> dict:
-    """`ours` (the allocation's GPTQModel overrides, pipeline/quant/mix.py) in place of auto-round's per-layer ones,
-    after checking that both give every quantized linear of the export the same bits and group size."""
+    """`ours` (the allocation's GPTQModel overrides, pipeline/quant/mix/config.py) in place of auto-round's per-layer
+    ones, after checking that both give every quantized linear of the export the same bits and group size."""
     names = []
     for f in sorted(folder.glob("*.safetensors")):
         with safe_open(f, "pt") as st:
@@ -141,7 +141,7 @@ def save(tuned: Tuned, base_dir: Path, out_dir: Path, variant) -> dict:
             {**json.loads((tuned.folder / "config.json").read_text()), "quantization_config": qc}, indent=2))
         atomic_write_json(out_dir / "mix.json", tuned.mix)
         extra["mix"] = summary(tuned.mix)
-    if variant.format == "compressed-tensors":  # the same integers, rewritten (pipeline/quant/ct_export.py)
+    if variant.format == "compressed-tensors":  # the same integers, rewritten (pipeline/quant/formats/ct_export.py)
         shutil.copyfile(tuned.folder / "config.json", out_dir / "config.json")
         extra["gptq_config"], qc = qc, rewrite_in_place(out_dir)
     elif any(e != "lm_head" for e in variant.modules_to_skip):  # as for GPTQ: the names transformers must quantize

@@ -1,6 +1,6 @@
 """AWQ's work (pipeline/quant/methods/awq.py): GPTQModel's AWQConfig through the shared driver, with the clipping
 search as matrix products (pipeline/quant/awq_clip.py); `format = "compressed-tensors"` rewrites the saved GEMM
-checkpoint in place (pipeline/quant/ct_export.py)."""
+checkpoint in place (pipeline/quant/formats/ct_export.py)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ from gptqmodel.quantization.config import AWQConfig
 
 from pipeline.quant.awq_clip import matmul_clip_search
 from pipeline.quant.common import base_dtype, finish_checkpoint, skipped_linears
-from pipeline.quant.ct_export import rewrite_in_place
+from pipeline.quant.formats.ct_export import rewrite_in_place
 from pipeline.quant.gptqmodel_driver import (
     ENGINE,
     append_file,
@@ -41,7 +41,7 @@ def save(model, base_dir: Path, out_dir: Path, variant) -> dict:
     qc = json.loads((out_dir / "config.json").read_text())["quantization_config"]
     skipped = skipped_linears(base_dir, variant.modules_to_skip)
     extra = {}
-    if variant.format == "compressed-tensors":  # the same integers, rewritten (ct_export.py)
+    if variant.format == "compressed-tensors":  # the same integers, rewritten (formats/ct_export.py)
         extra["awq_config"], qc = qc, rewrite_in_place(out_dir)
     elif skipped:  # transformers' AWQ loader ignores GPTQModel's `dynamic` skips; it honours this list
         qc["modules_to_not_convert"] = skipped

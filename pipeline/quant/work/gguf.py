@@ -1,6 +1,7 @@
 """GGUF's work (pipeline/quant/methods/gguf.py), after the method's rules are applied again to the checkpoint
-itself: for llama and qwen2, the converter and writer of pipeline/quant/gguf_export.py (our port); for every other
-architecture, llama.cpp's own converter (pipeline/quant/gguf_convert.py, run by gguf_export.write_converted)."""
+itself: for llama and qwen2, the converter and writer of pipeline/quant/formats/gguf_export.py (our port); for every
+other architecture, llama.cpp's own converter (pipeline/quant/formats/gguf_convert.py, run by
+gguf_export.write_converted)."""
 from __future__ import annotations
 
 import json
@@ -9,10 +10,10 @@ from pathlib import Path
 from typing import IO
 
 from pipeline.base.fileio import atomic_write_json
-from pipeline.quant import gguf_mix_plan
-from pipeline.quant.gguf_export import convert, write, write_converted
+from pipeline.quant.formats.gguf_export import convert, write, write_converted
 from pipeline.quant.methods.gguf import GGUF_ARCHS, GGUF_KQUANT_TYPES, gguf_problems
-from pipeline.quant.mix_plan import cache_beside
+from pipeline.quant.mix import gguf_plan
+from pipeline.quant.mix.plan import cache_beside
 from pipeline.quant.shapes import linear_shapes_from_config
 
 
@@ -29,15 +30,15 @@ def session(out_dir: Path):
 
 
 def quantize(base_dir: Path, variant, calib_ids, console: IO[str], device: str, offload: Path | None = None):
-    """The whole file in memory (pipeline/quant/gguf_export.py Converted); with [quantize.mix], each linear in the
-    type the allocation chose (pipeline/quant/gguf_mix_plan.py)."""
+    """The whole file in memory (pipeline/quant/formats/gguf_export.py Converted); with [quantize.mix], each linear in
+    the type the allocation chose (pipeline/quant/mix/gguf_plan.py)."""
     config = json.loads((base_dir / "config.json").read_text())
     problems = gguf_problems(variant, linear_shapes_from_config(config))
     if problems:  # the rules `compress check` applied to the recipe's source, now on the checkpoint itself
         raise ValueError("; ".join(map(str, problems)))
     if config["model_type"] not in GGUF_ARCHS:
         return ByConverter(config, console)
-    mix = gguf_mix_plan.plan(base_dir, variant, calib_ids, console) if variant.mix is not None else None
+    mix = gguf_plan.plan(base_dir, variant, calib_ids, console) if variant.mix is not None else None
     conv = convert(base_dir, variant, config, variant.type in GGUF_KQUANT_TYPES, GGUF_ARCHS[config["model_type"]],
                    console, mix["types"] if mix else None)
     conv.mix = mix
@@ -52,5 +53,5 @@ def save(model, base_dir: Path, out_dir: Path, variant) -> dict:
     details = write(model, base_dir, out_dir, variant, variant.type in GGUF_KQUANT_TYPES)
     if model.mix is not None:
         atomic_write_json(out_dir / "mix.json", model.mix)
-        details["mix"] = gguf_mix_plan.summary(model.mix)
+        details["mix"] = gguf_plan.summary(model.mix)
     return details

@@ -1,5 +1,5 @@
 """GPTQ's work (pipeline/quant/methods/gptq.py): GPTQModel's GPTQConfig through the shared driver, with the
-[quantize.mix] plan (pipeline/quant/mix_plan.py) when the variant asks for one."""
+[quantize.mix] plan (pipeline/quant/mix/plan.py) when the variant asks for one."""
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +14,7 @@ from pipeline.quant import gptqmodel_driver
 from pipeline.quant.common import base_dtype
 from pipeline.quant.gptqmodel_driver import calibration_rows, common_kwargs, quantize_with
 from pipeline.quant.methods.gptq import act_group_aware
-from pipeline.quant.mix_plan import cache_beside, plan, summary
+from pipeline.quant.mix.plan import cache_beside, plan, summary
 
 
 def session(out_dir: Path):

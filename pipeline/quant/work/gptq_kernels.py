@@ -1,4 +1,4 @@
-"""The torch side of the GPTQModel-loaded formats' reload hook (pipeline/quant/gptq_format.py GPTQModelKernels)."""
+"""The torch side of the GPTQModel-loaded formats' reload hook (pipeline/quant/formats/gptq.py GPTQModelKernels)."""
 from __future__ import annotations
 
 import logging

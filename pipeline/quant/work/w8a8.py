@@ -1,5 +1,5 @@
 """W8A8's work (pipeline/quant/methods/w8a8.py): the layers quantized in float32 (pipeline/quant/w8a8_layers.py),
-written by compressed-tensors' config and compressor (pipeline/quant/ct_w8a8.py)."""
+written by compressed-tensors' config and compressor (pipeline/quant/formats/ct_w8a8.py)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from pipeline.model.architecture import architecture_of
 from pipeline.model.dtypes import torch_dtype
 from pipeline.quant.common import base_dtype, finish_checkpoint
-from pipeline.quant.ct_w8a8 import write
+from pipeline.quant.formats.ct_w8a8 import write
 from pipeline.quant.methods.w8a8 import KV_MEASURED, MEASURED, W8A8Method
 from pipeline.quant.w8a8_layers import W8A8Plan, quantize_model
 

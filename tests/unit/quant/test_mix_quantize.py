@@ -17,9 +17,9 @@ from pipeline.eval.bits import linear_bits_per_weight
 from pipeline.quant.api import implementation, quantize_variant
 from pipeline.quant.checkpoint import load_checkpoint
 from pipeline.quant.gptqmodel_driver import inference_model
-from pipeline.quant.mix import mix_units
-from pipeline.quant.mix_plan import CACHE_DIR
-from pipeline.quant.mix_sensitivity import Solver, fake_quantize, mean_kl
+from pipeline.quant.mix.config import mix_units
+from pipeline.quant.mix.plan import CACHE_DIR
+from pipeline.quant.mix.sensitivity import Solver, fake_quantize, mean_kl
 from pipeline.quant.registry import QuantVariant
 from pipeline.quant.shapes import linear_shapes_from_config
 from tests.tiny_models import tiny_llama
@@ -151,7 +151,7 @@ def test_mean_kl_is_zero_for_the_same_distribution_and_positive_otherwise():
 def test_replaying_the_layers_before_a_unit_gives_the_full_forwards_logits(tiny):
     from transformers import AutoModelForCausalLM
 
-    from pipeline.quant.mix_sensitivity import _layer_outputs, _logits, _logits_from
+    from pipeline.quant.mix.sensitivity import _layer_outputs, _logits, _logits_from
 
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     layers = model.get_submodule("model.layers")
@@ -170,7 +170,7 @@ def test_unit_hessians_equal_the_all_at_once_pass_to_the_bit(tiny, granularity):
     after not run) gives input_hessians' X^T X exactly, for every unit; nothing is left swapped or hooked."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.quant.mix_sensitivity import UnitHessians, input_hessians
+    from pipeline.quant.mix.sensitivity import UnitHessians, input_hessians
 
     model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
     units = mix_units(linear_shapes_from_config(json.loads((tiny / "config.json").read_text())), [], granularity)
@@ -190,7 +190,7 @@ def test_unit_hessians_equal_the_all_at_once_pass_to_the_bit(tiny, granularity):
 def test_kl_scaled_probes_one_group_size_and_scales_the_others_by_their_hessian_ratio(tiny):
     """estimator = "kl-scaled": the probed column equals the full KL probe's; every other group size is that KL times
     the unit's own Hessian error ratio at the same bits; fewer forward passes; the cache keys differ."""
-    from pipeline.quant.mix_sensitivity import cache_key, measure
+    from pipeline.quant.mix.sensitivity import cache_key, measure
 
     arch = linear_shapes_from_config(json.loads((tiny / "config.json").read_text()))
     units = mix_units(arch, ["lm_head"], "module")
@@ -223,7 +223,7 @@ def test_gptq_probe_weights_are_the_checkpoints_where_no_error_feeds_back(tiny, 
     from transformers import AutoModelForCausalLM
 
     from pipeline.quant.gptqmodel_driver import dequantize_to_linear
-    from pipeline.quant.mix_sensitivity import Weights, cache_key, hessian_root, input_hessians, measure
+    from pipeline.quant.mix.sensitivity import Weights, cache_key, hessian_root, input_hessians, measure
 
     v = TypeAdapter(QuantVariant).validate_python({"name": "g", "method": "gptq", "bits": 4, "group_size": 32,
                                                    "mse": 0.0})

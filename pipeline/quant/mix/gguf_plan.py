@@ -1,9 +1,9 @@
-"""The allocation of a gguf variant's [quantize.mix] (pipeline/quant/gguf_mix.py): sensitivity per unit and llama.cpp
+"""The allocation of a gguf variant's [quantize.mix] (pipeline/quant/mix/gguf.py): sensitivity per unit and llama.cpp
 type, each candidate's cost (bytes, or decode latency measured in llama.cpp), the exact allocation, and the
 {linear: type} map the writer takes.
 
 Sensitivity: the output KL on the calibration rows with one unit alone at a type (the KL probe of
-pipeline/quant/mix_sensitivity.py), the unit's weights rounded by gguf's numpy quantizer and read back, which is what
+pipeline/quant/mix/sensitivity.py), the unit's weights rounded by gguf's numpy quantizer and read back, which is what
 the file will hold (Q/K rows are permuted for llama.cpp, but its blocks run along the in-features, so the rounding is
 the same), and the Hessian-weighted error ||(W - Q) X||^2 beside it. Cached beside the quantize units like the GPTQ
 mix's table, under a key of the model's files, the calibration ids, the units, the types and the gguf version.
@@ -36,13 +36,13 @@ from transformers import AutoModelForCausalLM
 from pipeline.base.env import llama_cpp_threads
 from pipeline.base.errors import StageError
 from pipeline.base.fileio import atomic_write_text
-from pipeline.quant.gguf_export import _write, convert, llama_cpp_module
-from pipeline.quant.gguf_mix import GGUFMix, budget_bytes, overrides, type_bits, unit_bytes
+from pipeline.quant.formats.gguf_export import convert, llama_cpp_module, write_file
 from pipeline.quant.methods.gguf import GGUF_ARCHS
-from pipeline.quant.mix import MixUnit, mix_units
-from pipeline.quant.mix_alloc import allocate
-from pipeline.quant.mix_plan import sensitivity_cache_dir
-from pipeline.quant.mix_sensitivity import KLProbe, UnitHessians, cached_table, hessian_row, table_key
+from pipeline.quant.mix.alloc import allocate
+from pipeline.quant.mix.config import MixUnit, mix_units
+from pipeline.quant.mix.gguf import GGUFMix, budget_bytes, overrides, type_bits, unit_bytes
+from pipeline.quant.mix.plan import sensitivity_cache_dir
+from pipeline.quant.mix.sensitivity import KLProbe, UnitHessians, cached_table, hessian_row, table_key
 from pipeline.quant.shapes import linear_shapes_from_config
 
 VERSION = 1
@@ -129,7 +129,7 @@ def type_latencies(base_dir: Path, variant, config: dict, units: list[MixUnit], 
             conv = convert(base_dir, variant, config, False, GGUF_ARCHS[config["model_type"]], io.StringIO(),
                            overrides(units, [t] * len(units)))
             files[t] = Path(tmp) / f"{t}.gguf"
-            _write(conv.writer, files[t])
+            write_file(conv.writer, files[t])
             del conv
         llms = {t: llama_cpp.Llama(str(f), n_threads=threads, n_threads_batch=threads, n_ctx=256, seed=0,
                                    verbose=False) for t, f in files.items()}

@@ -1,7 +1,7 @@
 """What the methods that write GPTQModel-loaded checkpoints share (GPTQ, RTN and AutoRound write the GPTQ format;
 AWQ its GEMM layout, loaded by the same library): the runtime table of the GPTQ format, the card's usage text, and
 the reload hook. GPTQ, RTN and AutoRound also write the same integers as a compressed-tensors checkpoint when the
-variant says `format = "compressed-tensors"` (pipeline/quant/ct_format.py). Torch-free."""
+variant says `format = "compressed-tensors"` (pipeline/quant/formats/ct.py). Torch-free."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +11,7 @@ from pipeline.base.env import tame
 from pipeline.base.problem import Problem
 from pipeline.base.registry import load_work
 from pipeline.model.architecture import architecture_of
-from pipeline.quant.ct_format import CompressedTensorsOption, MarlinLimits
+from pipeline.quant.formats.ct import CompressedTensorsOption, MarlinLimits
 from pipeline.quant.method import LLAMA_CPP_ROW, bits_tags, grouped_bits
 from pipeline.quant.shapes import Arch, quantized_linears
 

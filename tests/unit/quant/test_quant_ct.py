@@ -14,7 +14,7 @@ import torch
 from pydantic import TypeAdapter
 
 from pipeline.base.env import tame
-from pipeline.quant.ct_export import awq_integers, dequantized_weights
+from pipeline.quant.formats.ct_export import awq_integers, dequantized_weights
 from pipeline.quant.registry import QuantVariant, check_variant, reload_of, runtimes, variant_format
 from pipeline.quant.shapes import linear_shapes_from_config
 from tests.problems import keys, only
@@ -24,7 +24,7 @@ tame()
 VOCAB = 512
 CALIB = torch.randint(0, VOCAB, (8, 64), generator=torch.Generator().manual_seed(0))
 PROBE = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 SMOL = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
         "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
 CASES = {  # name: recipe fields (each quantized twice: its own format, "gptq" or "awq", and "compressed-tensors")
@@ -152,7 +152,7 @@ print(json.dumps({"before": before, "after": after}))
 def test_reloads_through_transformers_decompressed_and_matches_the_source_weights(folders, tmp_path, name):
     """Our stages' loader (pipeline/quant/checkpoint.py) on the folder: transformers' compressed-tensors quantizer
     keeps the packed tensors (an asymmetric grid's packed zero points too: compressed-tensors 0.20 needs help to place
-    them, pipeline/quant/ct_format.py) and decompresses them to dense weights at the first forward; the logits are
+    them, pipeline/quant/formats/ct.py) and decompresses them to dense weights at the first forward; the logits are
     those of the GPTQ or AWQ folder's weights dequantized exactly, beside its other tensors (AWQ folds its scales
     into the norms)."""
     from transformers import AutoModelForCausalLM
@@ -186,9 +186,9 @@ def test_reloads_through_transformers_decompressed_and_matches_the_source_weight
 
 
 def test_without_the_fix_compressed_tensors_cannot_place_packed_zero_points(folders):
-    """Why ct_format's loader wraps an asymmetric folder (pipeline/quant/ct_export.py packed_zero_points_on_meta):
-    transformers + compressed-tensors 0.20 alone refuse the folder compressed-tensors itself wrote. When this starts
-    passing the load, the wrapper can go."""
+    """Why formats/ct.py's loader wraps an asymmetric folder (pipeline/quant/formats/ct_export.py
+    packed_zero_points_on_meta): transformers + compressed-tensors 0.20 alone refuse the folder compressed-tensors
+    itself wrote. When this starts passing the load, the wrapper can go."""
     from transformers import AutoModelForCausalLM
 
     _, ct = folders["awq-w4g32"]

@@ -1,4 +1,4 @@
-"""[quantize.mix] on a gguf variant (pipeline/quant/gguf_mix.py, gguf_mix_plan.py): a llama.cpp type per decoder
+"""[quantize.mix] on a gguf variant (pipeline/quant/mix/gguf.py, gguf_plan.py): a llama.cpp type per decoder
 linear within a budget of bits or of decode latency measured in llama.cpp. On a tiny random Llama with the SmolLM2
 tokenizer: the checks, the file holding the allocation's type per tensor and reloading as those roundings, the
 bits it spends, the latency allocation and its range error, and (where llama-cpp-python is installed) gguf's numpy
@@ -20,7 +20,7 @@ from pipeline.base.errors import StageError
 from pipeline.quant.registry import QuantVariant, check_variant
 from pipeline.quant.shapes import linear_shapes_from_config
 from tests.problems import keys
-from tests.unit.test_gguf_export import tiny_base
+from tests.unit.quant.test_gguf_export import tiny_base
 
 HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 NO_LLAMA_CPP = "llama-cpp-python is not installed (the gguf-serve extra: an ~8 minute source build)"
@@ -65,7 +65,7 @@ def test_check_rules_name_the_fix():
     bad = check_variant(variant({"budget": {"bits_per_weight": 6.0}}, modules_to_skip=[], allow_fallback=True),
                         odd, "cpu")
     assert ("mix.types", "mix-type-does-not-tile") in keys(bad) and "(592)" in str(bad)
-    from pipeline.quant.gguf_mix import check_gguf_mix
+    from pipeline.quant.mix.gguf import check_gguf_mix
 
     latency = variant({"budget": {"latency_ms_per_token": 15.0}, "engine": "llama.cpp"}, modules_to_skip=[])
     missing = check_gguf_mix(latency, smol, llama_cpp_installed=False)
@@ -122,7 +122,7 @@ def test_it_spends_what_the_file_measures(bits_mix):
 def test_the_file_reloads_as_each_linear_rounded_to_its_type(bits_mix, base):
     """transformers' GGUF loader on the file = the source with each linear through gguf's quantizer at its type."""
     from pipeline.quant.checkpoint import load_checkpoint
-    from pipeline.quant.gguf_mix_plan import gguf_round
+    from pipeline.quant.mix.gguf_plan import gguf_round
 
     out, _ = bits_mix
     types = json.loads((out / "mix.json").read_text())["types"]
@@ -155,10 +155,10 @@ def test_a_latency_budget_spends_measured_differences(base, tmp_path, monkeypatc
     """The allocation under a latency budget, with the per-type figures given (their measurement in llama.cpp is the
     next test): the predicted latency is within the budget and between the uniform files'; a budget outside the
     measured range is refused, naming it."""
-    from pipeline.quant import gguf_mix_plan
+    from pipeline.quant.mix import gguf_plan
     from pipeline.quant.api import quantize_variant
 
-    monkeypatch.setattr(gguf_mix_plan, "type_latencies",
+    monkeypatch.setattr(gguf_plan, "type_latencies",
                         lambda *a, **k: {"ms": {"Q4_0": 10.0, "Q8_0": 14.0}, "rounds": [], "threads": 1,
                                          "tokens": 8, "engine": "llama.cpp (given)"})
     mix = {"budget": {"latency_ms_per_token": 12.5}, "engine": "llama.cpp", "types": ["Q4_0", "Q8_0"],
@@ -194,8 +194,8 @@ def test_a_latency_budget_spends_measured_differences(base, tmp_path, monkeypatc
 
 @pytest.mark.skipif(not HAS_LLAMA_CPP, reason=NO_LLAMA_CPP)
 def test_each_types_latency_is_measured_in_llama_cpp(base):
-    from pipeline.quant.gguf_mix_plan import type_latencies
-    from pipeline.quant.mix import mix_units
+    from pipeline.quant.mix.gguf_plan import type_latencies
+    from pipeline.quant.mix.config import mix_units
 
     v = variant({"budget": {"latency_ms_per_token": 10.0}, "engine": "llama.cpp", "types": ["Q4_0", "Q8_0"],
                  "threads": 1, "latency_tokens": 8, "latency_repeats": 2}, modules_to_skip=[])
@@ -216,15 +216,15 @@ def test_the_written_types_are_llama_cpps_own_bytes(base, tmp_path, gguf_type):
 
     import llama_cpp
 
-    from pipeline.quant.gguf_export import _write, convert
+    from pipeline.quant.formats.gguf_export import convert, write_file
 
     config = json.loads((base / "config.json").read_text())
     ours = variant({"budget": {"bits_per_weight": 6.0}}, modules_to_skip=[]).model_copy(
         update={"mix": None, "type": gguf_type})
     conv = convert(base, ours, config, False, True, io.StringIO())
-    _write(conv.writer, tmp_path / "ours.gguf")
+    write_file(conv.writer, tmp_path / "ours.gguf")
     conv = convert(base, ours, config, True, True, io.StringIO())  # the float file llama.cpp quantizes
-    _write(conv.writer, tmp_path / "float.gguf")
+    write_file(conv.writer, tmp_path / "float.gguf")
     p = llama_cpp.llama_model_quantize_default_params()
     p.ftype, p.nthread, p.pure = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{gguf_type}"), 1, True
     assert llama_cpp.llama_model_quantize(str(tmp_path / "float.gguf").encode(),

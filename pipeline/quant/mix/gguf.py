@@ -1,10 +1,10 @@
 """Mixed precision in a GGUF file (`[quantize.mix]` on a `method = "gguf"` variant): a llama.cpp type per allocation
 unit, chosen from measured sensitivity within a budget of bits per weight, or of decode latency measured in
 llama.cpp itself. Torch-free: the recipe table, what each candidate costs, and `compress check`'s rules; the work is
-pipeline/quant/gguf_mix_plan.py.
+pipeline/quant/mix/gguf_plan.py.
 
 The candidates are llama.cpp's block types that gguf's numpy quantizers write (byte-identical to llama.cpp's own
-quantizer: tests/unit/test_gguf_mix.py), one block of 32 values each:
+quantizer: tests/unit/quant/test_gguf_mix.py), one block of 32 values each:
 
     Q4_0  18 bytes (4.5 bits per weight)    Q4_1  20 (5.0)    Q5_0  22 (5.5)    Q5_1  24 (6.0)    Q8_0  34 (8.5)
     F16   2 bytes a value (16)
@@ -24,7 +24,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.base.problem import Problem
-from pipeline.quant.mix import MB, Granularity, MixUnit, budget_out_of_range, mix_units, nothing_to_mix
+from pipeline.quant.mix.config import MB, Granularity, MixUnit, budget_out_of_range, mix_units, nothing_to_mix
 from pipeline.quant.shapes import Arch
 
 # type -> (values per block, bytes per block)
@@ -158,5 +158,5 @@ def check_gguf_mix(variant, arch: Arch, llama_cpp_installed: bool) -> list[Probl
 
 
 def overrides(units: list[MixUnit], choice: list[str]) -> dict[str, str]:
-    """{linear's full name: its GGUF type} for the writer (pipeline/quant/gguf_export.py)."""
+    """{linear's full name: its GGUF type} for the writer (pipeline/quant/formats/gguf_export.py)."""
     return {name: t for u, t in zip(units, choice, strict=True) for name, _, _ in u.modules}

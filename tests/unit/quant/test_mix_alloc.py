@@ -1,4 +1,4 @@
-"""The mixed-precision allocator (pipeline/quant/mix_alloc.py): its optimum equals brute force."""
+"""The mixed-precision allocator (pipeline/quant/mix/alloc.py): its optimum equals brute force."""
 from __future__ import annotations
 
 import itertools
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pipeline.quant.mix_alloc import allocate
+from pipeline.quant.mix.alloc import allocate
 
 
 def brute_force(cost, value, budget):

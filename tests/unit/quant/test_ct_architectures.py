@@ -1,9 +1,9 @@
 """format = "compressed-tensors" across architectures (issue #41): tiny random models from transformers' own config
-classes (tests/fixtures/arch), quantized by RTN into GPTQModel's checkpoint, converted (pipeline/quant/ct_export.py)
+classes (tests/fixtures/arch), quantized by RTN into GPTQModel's checkpoint, converted (pipeline/quant/formats/ct_export.py)
 and reloaded by plain transformers in a fresh process. Each checkpoint holds exactly the tensor names transformers'
 save_pretrained writes for the model (fused linears fused, every expert one quantized linear under the names its
 conversion mapping reads), its logits are those of the GPTQ integers dequantized into the model, and what
-transformers cannot load is refused by `compress check` (pipeline/quant/ct_format.py)."""
+transformers cannot load is refused by `compress check` (pipeline/quant/formats/ct.py)."""
 from __future__ import annotations
 
 import json
@@ -25,7 +25,7 @@ from tests.problems import keys
 from tests.tiny_models import tiny_tokenizer
 
 tame()
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ARCH = ROOT / "tests" / "fixtures" / "arch"
 VOCAB = 512
 CALIB = torch.randint(0, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
@@ -67,7 +67,7 @@ def build(model_type: str, out: Path) -> Path:
 def folders(tmp_path_factory) -> dict[str, tuple[Path, Path, Path]]:
     """model_type -> (base, RTN w4g32 GPTQ-format folder, its compressed-tensors conversion)."""
     from pipeline.quant.api import quantize_variant
-    from pipeline.quant.ct_export import convert_folder
+    from pipeline.quant.formats.ct_export import convert_folder
 
     root = tmp_path_factory.mktemp("ct-arch")
     out = {}
@@ -93,7 +93,7 @@ def reference_logits(base: Path, gptq: Path) -> torch.Tensor:
     the module tree (GPTQModel's split parts: gate first, then up; experts: row e of the fused parameters)."""
     from transformers import AutoModelForCausalLM
 
-    from pipeline.quant.ct_export import dequantized_weights
+    from pipeline.quant.formats.ct_export import dequantized_weights
 
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     state = _state(gptq)
@@ -130,7 +130,7 @@ from pathlib import Path
 from pipeline.base.env import tame; tame()
 torch.set_num_threads(1)
 from transformers import AutoModelForCausalLM
-from tests.unit.test_ct_architectures import PROBE, reference_logits
+from tests.unit.quant.test_ct_architectures import PROBE, reference_logits
 m = AutoModelForCausalLM.from_pretrained(sys.argv[1])
 with torch.no_grad():
     logits = m(PROBE).logits.float()
@@ -198,7 +198,7 @@ from pathlib import Path
 from pipeline.base.env import tame; tame()
 torch.set_num_threads(1)
 from pipeline.quant.checkpoint import load_checkpoint
-from tests.unit.test_ct_architectures import PROBE, reference_logits
+from tests.unit.quant.test_ct_architectures import PROBE, reference_logits
 reference = reference_logits(Path(sys.argv[2]), Path(sys.argv[1]))  # first: GPTQModel's load defuses these classes
 m = load_checkpoint(Path(sys.argv[1]))
 quantized = sorted(n for n, mod in m.named_modules() if ".experts." in n and hasattr(mod, "qweight"))
@@ -234,7 +234,7 @@ def test_a_gptq_format_moe_checkpoint_loads_every_quantized_expert(folders, tmp_
 def test_gpt_oss_is_refused_at_check_and_by_the_converter(tmp_path):
     """transformers 5.24 reads gpt_oss's experts only fused: no per-expert names to write."""
     from pipeline.quant.api import quantize_variant
-    from pipeline.quant.ct_export import convert_folder
+    from pipeline.quant.formats.ct_export import convert_folder
 
     arch = linear_shapes_from_config(fixture_config("gpt_oss"))
     for v in (variant(name="ct", method="gptq", format="compressed-tensors"),
@@ -263,16 +263,16 @@ def test_check_refuses_an_asymmetric_grid_on_fused_experts_and_takes_a_symmetric
 def test_without_zero_points_transformers_cannot_load_asymmetric_experts(folders, tmp_path):
     """Why check refuses an asymmetric grid on fused experts: transformers 5.24's expert decompression reads
     weight_packed / weight_scale / weight_shape only, so even our loader (which places packed zero points,
-    pipeline/quant/ct_format.py) stops. When this load starts to work, the refusal can go."""
+    pipeline/quant/formats/ct.py) stops. When this load starts to work, the refusal can go."""
     from pipeline.quant.api import quantize_variant
-    from pipeline.quant.ct_export import convert_folder
+    from pipeline.quant.formats.ct_export import convert_folder
 
     base, _, _ = folders["qwen3_moe"]
     quantize_variant(base, variant(name="rtn", method="rtn", bits=4, group_size=32, sym=False), CALIB,
                      tmp_path / "gptq", logging.getLogger("test"), seed=0, device="cpu")
     convert_folder(tmp_path / "gptq", tmp_path / "ct")
     load = ("import sys; from pathlib import Path; from pipeline.base.env import tame; tame(); "
-            "from pipeline.quant.ct_export import load_own; load_own(Path(sys.argv[1]), 'cpu')")
+            "from pipeline.quant.formats.ct_export import load_own; load_own(Path(sys.argv[1]), 'cpu')")
     r = subprocess.run([sys.executable, "-c", load, str(tmp_path / "ct")], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode != 0
     out = r.stdout + r.stderr

@@ -287,7 +287,7 @@ def place_linears(model, ints: dict[str, Ints], settings: dict[str, Setting], st
             if m["leaf"] not in leaves:
                 raise ValueError(f"{name}: transformers {transformers.__version__} holds {mt}'s experts as fused 3D "
                                  "parameters and reads no per-expert names for them, so a per-expert "
-                                 "compressed-tensors checkpoint cannot load (pipeline/quant/ct_format.py)")
+                                 "compressed-tensors checkpoint cannot load (pipeline/quant/formats/ct.py)")
             groups[f"{m['experts']}.{m['e']}.{leaves[m['leaf']]}"] = [name]
         else:
             raise ValueError(f"{name}: quantized by GPTQModel but transformers' {mt} model has no place for it")
@@ -406,17 +406,17 @@ REFUSED_EXIT = 3  # convert_fresh's child: the converter refused the checkpoint 
 
 
 def convert_fresh(gptq_dir: Path, out_dir: Path) -> dict:
-    """`convert` in a fresh interpreter (`python -m pipeline.quant.ct_export GPTQ_DIR OUT_DIR RESULT`): GPTQModel's
-    quantize replaces some of transformers' MoE classes and its conversion mapping in the process that ran it
-    (defuser.replace_fused_blocks, e.g. mixtral's sparse block by one nn.Linear per expert), and the checkpoint must
-    be laid out for transformers' own classes. Not through pipeline/base/worker.py: its task table names the
+    """`convert` in a fresh interpreter (`python -m pipeline.quant.formats.ct_export GPTQ_DIR OUT_DIR RESULT`):
+    GPTQModel's quantize replaces some of transformers' MoE classes and its conversion mapping in the process that ran
+    it (defuser.replace_fused_blocks, e.g. mixtral's sparse block by one nn.Linear per expert), and the checkpoint
+    must be laid out for transformers' own classes. Not through pipeline/base/worker.py: its task table names the
     measuring modules, which would become part of every quantize unit's code identity."""
     logs = Path(tempfile.mkdtemp(prefix=".ct-job-", dir=out_dir.parent))
     result = logs / "result.json"
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[3])  # the repository root
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     try:
-        done = subprocess.run([sys.executable, "-m", "pipeline.quant.ct_export", str(gptq_dir.resolve()),
+        done = subprocess.run([sys.executable, "-m", "pipeline.quant.formats.ct_export", str(gptq_dir.resolve()),
                                str(out_dir.resolve()), str(result)], env=env, capture_output=True, text=True)
         if done.returncode == REFUSED_EXIT and result.is_file():  # the converter's ValueError: a layout it refuses
             raise StageError(f"the compressed-tensors conversion refused {gptq_dir.name}: "
@@ -471,7 +471,7 @@ def packed_zero_points_on_meta() -> Iterator[None]:
     (written by the same library) holds it packed, [ceil(out * bits / 32), groups], and the load stops with a
     size mismatch. Within this block the meta branch gives the packed shape, as the real branch does; the
     decompression at the first forward unpacks it (its own code). Weight-only asymmetric checkpoints only
-    (pipeline/quant/ct_format.py asks)."""
+    (pipeline/quant/formats/ct.py asks)."""
     plain = PackedQuantizationCompressor.__dict__["compress"]
 
     def compress(cls, state_dict, scheme):
@@ -491,7 +491,7 @@ def packed_zero_points_on_meta() -> Iterator[None]:
 
 def load_own(folder: Path, device: str):
     """A compressed-tensors folder with packed zero points, loaded the way transformers loads any (decompressed at
-    the first forward), the zero points placed (pipeline/quant/ct_format.py CompressedTensorsLoad)."""
+    the first forward), the zero points placed (pipeline/quant/formats/ct.py CompressedTensorsLoad)."""
     with MappedPagesTrimmed(folder), packed_zero_points_on_meta():
         return AutoModelForCausalLM.from_pretrained(folder, device_map=device)
 

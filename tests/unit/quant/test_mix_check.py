@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from pipeline.quant.mix import (
+from pipeline.quant.mix.config import (
     Layout,
     achievable,
     bits_per_weight,
@@ -166,7 +166,7 @@ def test_a_per_row_scale_turns_act_group_aware_off_for_its_unit_only(smol):
 
 
 def test_a_checkpoint_with_per_module_bits_is_loaded_by_gptqmodel_not_transformers():
-    from pipeline.quant.gptq_format import per_module_formats
+    from pipeline.quant.formats.gptq import per_module_formats
 
     assert per_module_formats({"dynamic": {r"+:^(?:.*\.)?layers\.0\.mlp\.(?:up_proj)$": {"bits": 8, "group_size": 64}}})
     assert not per_module_formats({"dynamic": {r"-:^(?:.*\.)?down_proj$": {}}})  # skips only: transformers loads it

@@ -37,9 +37,9 @@ from transformers.models.qwen2 import tokenization_qwen2 as qwen2_tokenization
 
 from pipeline.model import llamacpp_model
 from pipeline.model.architecture import architecture_of
-from pipeline.quant import gguf_convert
 from pipeline.quant.common import TOKENIZER_FILES, base_dtype
 from pipeline.quant.experts import experts_problem
+from pipeline.quant.formats import gguf_convert
 from pipeline.quant.shapes import is_skipped
 
 ENGINE = "gguf"
@@ -76,7 +76,7 @@ class Converted:
     tokenizer_pre: str
     chat_template: bool
     fallback_tensors: list[str] = field(default_factory=list)
-    mix: dict | None = None  # a [quantize.mix] allocation record (pipeline/quant/gguf_mix_plan.py)
+    mix: dict | None = None  # a [quantize.mix] allocation record (pipeline/quant/mix/gguf_plan.py)
 
 
 def file_name(base_dir: Path, gguf_type: str) -> str:
@@ -110,12 +110,12 @@ def write(conv: Converted, base_dir: Path, out_dir: Path, variant, kquant: bool)
     details: dict[str, Any] = {"engine": ENGINE, "engine_version": _version("gguf")}
     if kquant:
         float_file = out_dir / f".{path.stem}-{FLOAT_TYPES[conv.source_dtype]}.gguf"
-        _write(conv.writer, float_file)
+        write_file(conv.writer, float_file)
         llama_quantize(float_file, path, variant.type)
         float_file.unlink()
         details["quantizer"] = f"llama.cpp llama_model_quantize (llama-cpp-python {_version('llama-cpp-python')})"
     else:
-        _write(conv.writer, path)
+        write_file(conv.writer, path)
         details["quantizer"] = f"gguf {details['engine_version']} (numpy)"
     _copy_tokenizer(base_dir, out_dir)
     summary = _file_summary(path, gguf.GGUFReader(path))
@@ -125,7 +125,7 @@ def write(conv: Converted, base_dir: Path, out_dir: Path, variant, kquant: bool)
 
 
 def write_converted(base_dir: Path, out_dir: Path, variant, config: dict, console: IO[str]) -> dict:
-    """The file written by llama.cpp's own converter (pipeline/quant/gguf_convert.py): directly for the types it
+    """The file written by llama.cpp's own converter (pipeline/quant/formats/gguf_convert.py): directly for the types it
     writes (F16, Q8_0), else its float file (the checkpoint's dtype) through llama.cpp's quantizer, as `write` does
     for K-quants. Then the tokenizer files beside it, a description read back from the file (MoE: the expert
     matrices counted against the config), and ValueError when transformers' GGUF loader, which validate measures
@@ -507,7 +507,7 @@ def _adds_special_tokens(tok) -> dict[str, bool]:
 # ---------------------------------------------------------------- files
 
 
-def _write(writer, path: Path) -> None:
+def write_file(writer, path: Path) -> None:
     writer.write_header_to_file(path=path)
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file(progress=False)

@@ -21,7 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pipeline.base.problem import Problem
-from pipeline.quant.ct_format import CT, CT_BITS
+from pipeline.quant.formats.ct import CT, CT_BITS
 from pipeline.quant.shapes import Arch, is_skipped, module_kinds
 
 Granularity = Literal["block", "fused", "module"]
@@ -52,7 +52,7 @@ class MixBudget(BaseModel):
 class MixConfig(BaseModel):
     """`[quantize.mix]`: choose bits and group size per allocation unit so that the predicted quality cost (the
     measured sensitivity, summed) is smallest within the budget (an exact dynamic program,
-    pipeline/quant/mix_alloc.py)."""
+    pipeline/quant/mix/alloc.py)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -16,7 +16,7 @@ from pydantic import TypeAdapter
 from pipeline.base.env import tame
 from pipeline.eval.bits import linear_bits_per_weight
 from pipeline.quant.api import implementation, quantize_variant
-from pipeline.quant.ct_export import convert_folder, dequantized, gptq_integers
+from pipeline.quant.formats.ct_export import convert_folder, dequantized, gptq_integers
 from pipeline.quant.registry import QuantVariant
 from tests.tiny_models import tiny_llama
 

@@ -39,7 +39,7 @@ from gptqmodel.quantization.gptq import GPTQ
 from transformers import AutoModelForCausalLM
 
 from pipeline.base.fileio import atomic_write_text
-from pipeline.quant.mix import MixUnit
+from pipeline.quant.mix.config import MixUnit
 
 VERSION = 3  # 2: kl-scaled (the probed candidates are part of the key); 3: the probe's weights (rtn or gptq)
 

@@ -2,9 +2,9 @@
 pinned out of the llama-cpp-python 0.3.36 sdist (the version the gguf-kquants extra builds) without building
 llama.cpp: the sdist is fetched with `pip download --no-deps --no-binary :all:`, its sha256 checked, and only the
 converter's files are extracted into a cache. method = "gguf" converts every architecture our port
-(pipeline/quant/gguf_export.py: llama, qwen2) does not handle through it.
+(pipeline/quant/formats/gguf_export.py: llama, qwen2) does not handle through it.
 
-    python -m pipeline.quant.gguf_convert fetch [--sdist PATH]   # scripts/setup.sh runs this (idempotent)
+    python -m pipeline.quant.formats.gguf_convert fetch [--sdist PATH]   # scripts/setup.sh runs this (idempotent)
     converter_dir()                   # the cached converter, or None when not fetched
     supported(hf_architecture)        # read from the converter's own TEXT_MODEL_MAP, with `ast` (no torch)
     run_converter(base_dir, out_file, "q8_0")   # a child process of this Python
@@ -40,7 +40,7 @@ SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 _ROOT = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 # what is extracted (under _ROOT): the script, its model classes, the gguf package it imports, the licence
 _MEMBERS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/gguf/", "LICENSE")
-SETUP_LINE = ".venv/bin/python -m pipeline.quant.gguf_convert fetch  (scripts/setup.sh runs it)"
+SETUP_LINE = ".venv/bin/python -m pipeline.quant.formats.gguf_convert fetch  (scripts/setup.sh runs it)"
 CONVERTER = f"llama.cpp's converter (llama-cpp-python {VERSION})"
 # the converter's --outtype for each GGUF type it writes itself; others are made from its float output by
 # llama.cpp's quantizer (llama_model_quantize)
@@ -351,7 +351,7 @@ def _hint(log: str) -> str:
 
 def main(argv: list[str]) -> int:
     if argv[:1] != ["fetch"]:
-        print("usage: python -m pipeline.quant.gguf_convert fetch [--sdist PATH]", file=sys.stderr)
+        print("usage: python -m pipeline.quant.formats.gguf_convert fetch [--sdist PATH]", file=sys.stderr)
         return 2
     sdist = Path(argv[2]) if argv[1:2] == ["--sdist"] else None
     root = fetch(sdist)

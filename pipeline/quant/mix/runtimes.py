@@ -3,7 +3,7 @@ in: what loads per-module settings, and what vLLM's CPU build serves of them (me
 Torch-free."""
 from __future__ import annotations
 
-from pipeline.quant.ct_format import CT
+from pipeline.quant.formats.ct import CT
 
 
 def mix_runtimes(variant) -> list[dict]:

@@ -1,7 +1,7 @@
 """The compressed-tensors export format of the GPTQ-family and AWQ variants (`format = "compressed-tensors"` on gptq,
 rtn, autoround and awq): what `compress check` asks of it, its runtime rows, its card text, how its checkpoints load
 back, and the mixin through which those methods answer for it (CompressedTensorsOption).
-Torch-free; the work is pipeline/quant/ct_export.py.
+Torch-free; the work is pipeline/quant/formats/ct_export.py.
 
 A pack-quantized checkpoint holds, per linear, the int4/int8 values packed in int32 (`weight_packed`), one scale
 per group (`weight_scale`) and, for an asymmetric grid, packed zero points: GPTQ's representation without g_idx.
@@ -9,7 +9,7 @@ It is written from the variant's GPTQ checkpoint (same integers, scales and grou
 what both formats can: 4 or 8 bits (vLLM's WNA16 schemes), columns in order (desc_act off), and lm_head and the
 embeddings left in 16 bits.
 
-Architectures (measured on the matrix's tiny models, tests/unit/test_ct_architectures.py): the checkpoint holds
+Architectures (measured on the matrix's tiny models, tests/unit/quant/test_ct_architectures.py): the checkpoint holds
 every tensor under the name transformers' own save_pretrained gives it. A fused linear GPTQModel quantizes as
 parts (phi3's gate_up_proj as gate_proj + up_proj) is written fused, its parts' rows stacked. A Mixture of Experts
 whose experts transformers 5.24 holds as fused 3D parameters is written one linear per expert, under the per-expert
@@ -46,7 +46,7 @@ class CompressedTensorsLoad:
     decompresses the whole model to dense weights in its dtype at the first forward (no int4 kernel on CPU).
 
     A checkpoint with an asymmetric pack-quantized group (AWQ's zero points, sym = false) loads the same way inside
-    `packed_zero_points_on_meta` (pipeline/quant/ct_export.py): compressed-tensors 0.20 compresses transformers'
+    `packed_zero_points_on_meta` (pipeline/quant/formats/ct_export.py): compressed-tensors 0.20 compresses transformers'
     meta-device model without packing the zero points, so the checkpoint's packed weight_zero_point does not fit
     the place made for it and the load stops with a size mismatch. (transformers' `dequantize=True` loads it too,
     but decompresses in the scales' dtype: float16 products in a float32 model, not the exact weights.)"""
@@ -56,7 +56,7 @@ class CompressedTensorsLoad:
     load_module = "compressed_tensors"
     repacked_on_cpu = False
     decompressed_on_load = True  # in memory it is the dense model once it has run
-    reload_work = "pipeline.quant.ct_export"  # its torch side (load_own)
+    reload_work = "pipeline.quant.formats.ct_export"  # its torch side (load_own)
 
     def before_load(self) -> None:
         pass
@@ -82,8 +82,8 @@ LOAD = CompressedTensorsLoad()
 
 class CompressedTensorsOption:
     """Mixin of a method whose variants choose their checkpoint `format`: its own, or "compressed-tensors" (the same
-    integers rewritten, pipeline/quant/ct_export.py). Every format-dependent answer is compressed-tensors' for such
-    a variant and the method's own (`own_*`) otherwise; the method defines the own_* answers."""
+    integers rewritten, pipeline/quant/formats/ct_export.py). Every format-dependent answer is compressed-tensors'
+    for such a variant and the method's own (`own_*`) otherwise; the method defines the own_* answers."""
 
     made_by = ""  # how the card says a compressed-tensors checkpoint was made, after "The checkpoint"
 
@@ -167,7 +167,7 @@ ASYM_EXPERTS_REASON = ("transformers 5.24 decompresses a fused-experts MoE's per
 def ct_arch_problems(variant, arch: Arch) -> list[Problem]:
     """What compressed-tensors (as transformers loads it) cannot hold of this architecture. The facts it needs:
     is the model a MoE whose experts transformers holds fused (3D parameters), and does transformers read
-    per-expert checkpoint names for them (pipeline/quant/ct_export.py finds them in its conversion mapping)."""
+    per-expert checkpoint names for them (pipeline/quant/formats/ct_export.py finds them in its conversion mapping)."""
     mt, own = arch.model_type, own_format(variant)
     if mt in CT_EXPERTS_FUSED_ONLY:
         why = f"cannot take {mt}: {FUSED_ONLY_REASON.format(mt=mt)}; use format = '{own}'"

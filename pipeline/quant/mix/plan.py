@@ -1,7 +1,7 @@
-"""A mixed-precision GPTQ variant's plan: its units and candidates (pipeline/quant/mix.py), their measured sensitivity
-(pipeline/quant/mix_sensitivity.py, cached beside the quantize units), the exact allocation within the budget
-(pipeline/quant/mix_alloc.py), and the GPTQModel `dynamic` overrides that carry it into the checkpoint; then the
-record written beside the checkpoint (mix.json) and into the report."""
+"""A mixed-precision GPTQ variant's plan: its units and candidates (pipeline/quant/mix/config.py), their measured
+sensitivity (pipeline/quant/mix/sensitivity.py, cached beside the quantize units), the exact allocation within the
+budget (pipeline/quant/mix/alloc.py), and the GPTQModel `dynamic` overrides that carry it into the checkpoint; then
+the record written beside the checkpoint (mix.json) and into the report."""
 from __future__ import annotations
 
 import contextlib
@@ -13,9 +13,17 @@ from typing import IO
 
 from pipeline.base.errors import StageError
 from pipeline.quant.methods.gptq import act_group_aware
-from pipeline.quant.mix import Layout, MixConfig, bits_per_weight, budget_bytes, dynamic_overrides, mix_units, unit_cost
-from pipeline.quant.mix_alloc import allocate
-from pipeline.quant.mix_sensitivity import Solver, measure
+from pipeline.quant.mix.alloc import allocate
+from pipeline.quant.mix.config import (
+    Layout,
+    MixConfig,
+    bits_per_weight,
+    budget_bytes,
+    dynamic_overrides,
+    mix_units,
+    unit_cost,
+)
+from pipeline.quant.mix.sensitivity import Solver, measure
 from pipeline.quant.shapes import linear_shapes_from_config
 
 CACHE_DIR = ".mix-sensitivity"  # beside the variants' folders: artifacts/<run>/quantize/.mix-sensitivity/<key>.json

@@ -1,4 +1,4 @@
-"""method = "gguf" through llama.cpp's own converter (pipeline/quant/gguf_convert.py): the architectures it knows,
+"""method = "gguf" through llama.cpp's own converter (pipeline/quant/formats/gguf_convert.py): the architectures it knows,
 read from its sources without torch; `compress check`'s refusals (an architecture it has no class for, a file
 transformers' GGUF loader could not measure, the converter not set up); and the converter run on tiny random
 models of the architecture matrix (tests/fixtures/arch), its files read back with the `gguf` package: types, and
@@ -15,12 +15,12 @@ import pytest
 
 from pipeline.base.env import LLAMA_CPP_INSTALL
 from pipeline.model import llamacpp_model
-from pipeline.quant import gguf_convert
+from pipeline.quant.formats import gguf_convert
 from pipeline.quant.methods import gguf as gguf_method
 from pipeline.quant.methods.gguf import gguf_problems
 from pipeline.quant.shapes import linear_shapes_from_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ARCH = ROOT / "tests" / "fixtures" / "arch"
 needs_converter = pytest.mark.skipif(gguf_convert.converter_dir() is None,
                                      reason=f"llama.cpp's converter is not set up: {gguf_convert.SETUP_LINE}")
@@ -44,7 +44,7 @@ def problems_for(model_type: str, **fields) -> list:
 
 @needs_converter
 def test_the_converters_architectures_are_read_from_its_sources_without_torch():
-    code = ("import sys; from pipeline.quant import gguf_convert as g; r = g.converter_dir(); "
+    code = ("import sys; from pipeline.quant.formats import gguf_convert as g; r = g.converter_dir(); "
             "print(g.supported(r, 'Qwen3MoeForCausalLM'), g.supported(r, 'GPTNeoForCausalLM'), "
             "g.llama_cpp_arch(r, 'MixtralForCausalLM'), g.llama_cpp_arch(r, 'DeepseekV3ForCausalLM'), "
             "g.hf_architecture('gemma3_text'), len(g.text_model_map(r)) > 200, 'torch' in sys.modules)")
@@ -173,7 +173,7 @@ def test_qwen3_converts_to_q8_0_with_norms_in_f32(tmp_path, tokenizer_dir):
 @needs_converter
 @pytest.mark.parametrize("model_type,gguf_arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
 def test_every_routed_expert_is_quantized_in_the_file(tmp_path, tokenizer_dir, model_type, gguf_arch):
-    from pipeline.quant.gguf_export import expert_counts
+    from pipeline.quant.formats.gguf_export import expert_counts
 
     base, reader = convert(tmp_path, tokenizer_dir, model_type)
     assert reader.fields["general.architecture"].contents() == gguf_arch
@@ -186,7 +186,7 @@ def test_every_routed_expert_is_quantized_in_the_file(tmp_path, tokenizer_dir, m
 
 @needs_converter
 def test_f16_leaves_the_experts_float_and_the_count_says_so(tmp_path, tokenizer_dir):
-    from pipeline.quant.gguf_export import expert_counts
+    from pipeline.quant.formats.gguf_export import expert_counts
 
     base, reader = convert(tmp_path, tokenizer_dir, "qwen3_moe", "f16")
     counted = expert_counts(reader, json.loads((base / "config.json").read_text()))
@@ -262,7 +262,7 @@ def test_check_refuses_what_transformers_gguf_loader_would_rebuild_wrong(model_t
 
 @needs_converter
 def test_the_pre_tokenizer_table_is_the_converters_own_and_holds_our_fallback_copy():
-    from pipeline.quant.gguf_export import PRE_TOKENIZERS
+    from pipeline.quant.formats.gguf_export import PRE_TOKENIZERS
 
     table = gguf_convert.pre_tokenizer_hashes(gguf_convert.converter_dir())
     assert len(table) > 50 and {"qwen2", "llama-bpe", "smollm", "gpt-2"} <= set(table.values())
@@ -278,7 +278,7 @@ def test_a_known_split_over_another_vocabulary_is_named_by_its_pattern_and_the_c
     import gguf
     from transformers import AutoTokenizer
 
-    from pipeline.quant.gguf_export import converter_pre, pre_tokenizer
+    from pipeline.quant.formats.gguf_export import converter_pre, pre_tokenizer
 
     base = tiny(tmp_path, tokenizer_dir, "qwen2")
     tok = AutoTokenizer.from_pretrained(base)
@@ -296,7 +296,7 @@ def test_an_unknown_split_fails_naming_its_hash_and_pattern():
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from pipeline.quant.gguf_export import pre_tokenizer
+    from pipeline.quant.formats.gguf_export import pre_tokenizer
 
     raw = Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")]))
     raw.pre_tokenizer = pre_tokenizers.Split(Regex(r"\d{3}|\s+"), behavior="isolated")
