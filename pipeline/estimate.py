@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeline.base.problem import Problem
 from pipeline.budget.formulas import RUNTIME_OVERHEAD, WORKER_OVERHEAD, GiB, quantize_bytes, speed_bytes, window_bytes
+from pipeline.eval.measures import all_measurements
 from pipeline.model.architecture import architecture_of
 from pipeline.model.dtypes import dtype_bytes
 from pipeline.model.sources import link_problem
@@ -113,6 +114,8 @@ def estimate_memory(recipe, info, plan, source) -> None:
                                         "a decode rate read from disk offload is not a speed figure")
         else:
             plan.memory[Speed.key(name)] = need
+    for m in all_measurements():  # a plug-in's own figures; without one, its unit asks for its model's (above)
+        plan.memory.update(m.memory(recipe, info, plan))
     if recipe.draft is not None:
         dd = recipe.draft.distill
         if dd.steps == 0:  # verifier + the draft, and a copy of it when saved in another dtype

@@ -15,8 +15,9 @@ from pipeline.base.problem import Problem
 from pipeline.budget.formulas import GiB
 from pipeline.estimate import estimate_disk, estimate_memory
 from pipeline.eval.config import GATE_SPECS, gate_path, gate_problems, moe_gate_problems, speed_problems
+from pipeline.eval.measures import all_measurements
 from pipeline.eval.parallel_check import serve_parallel_problems, technique_problems, tp_rank_bytes
-from pipeline.eval.tasks_config import served_task_problems, task_problems
+from pipeline.eval.tasks_config import served_task_problems
 from pipeline.model.architecture import missing, model_class, transformers_model_types
 from pipeline.model.dtypes import HALF_UNITS, cpu_flags, dtype_bytes, resolve_dtype
 from pipeline.model.sources import ModelInfo, describe, parse
@@ -96,7 +97,7 @@ def check(recipe) -> Plan:
     problems += _check_draft(recipe, info, plan)
     problems += _check_gates(recipe, random_init=source.random_init)
     problems += _check_moe_calibration(recipe, info)
-    problems += _check_tasks(recipe, plan)
+    problems += _check_measurements(recipe, plan)
     problems += _check_serve(recipe, plan)
     problems += served_task_problems(recipe.validate_.tasks, recipe.validate_.serve, plan.serve_engines,
                                      {n: engines.get(n).scores_tasks for n in engines.NAMES})
@@ -399,19 +400,13 @@ def _check_moe_calibration(recipe, info: ModelInfo) -> list[Problem]:
     return problems
 
 
-def _check_tasks(recipe, plan: Plan) -> list[Problem]:
-    """[validate.tasks] (pipeline/eval/tasks_config.py): problems are returned, notes become warnings."""
-    cfg = recipe.validate_.tasks
-    found = task_problems(cfg, [q.name for q in recipe.quantize])
+def _check_measurements(recipe, plan: Plan) -> list[Problem]:
+    """Each plug-in measurement's rules for its table (pipeline/eval/measures/: [validate.tasks], ...): problems
+    are returned, notes become warnings."""
+    arch = arch_of(plan.model)
+    found = [p for m in all_measurements() for p in m.check(recipe, arch)]
     plan.warnings += [p.message for p in found if p.note]
-    problems = [p for p in found if not p.note]
-    for q in (q for q in recipe.quantize if cfg.scores(q.name)):
-        elsewhere = method_of(q).measured_elsewhere(q, arch_of(plan.model))
-        if elsewhere is not None:
-            problems.append(Problem("validate.tasks.models", "tasks-model-measured-elsewhere",
-                                    f"[validate.tasks] scores {q.name!r}, which validate measures {elsewhere}; tasks "
-                                    f"are scored in transformers: list the other models in [validate.tasks].models"))
-    return problems
+    return [p for p in found if not p.note]
 
 
 def _check_serve(recipe, plan: Plan) -> list[Problem]:

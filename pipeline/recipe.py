@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pipeline.base.errors import RecipeError
 from pipeline.base.strict import Strict
 from pipeline.eval.config import GatesConfig, PerplexityConfig, SmokeConfig, SpeedConfig
+from pipeline.eval.measures import extend, tables
 from pipeline.eval.tasks_config import TasksConfig
 from pipeline.publish.config import PublishConfig
 from pipeline.quant.registry import QuantVariant
@@ -90,8 +91,14 @@ class ValidateConfig(Strict):
     smoke: SmokeConfig = SmokeConfig()
     speed: SpeedConfig = SpeedConfig()
     gates: GatesConfig = GatesConfig()
+    # a measurement's table that other code reads (the serve units and `compress check` read [validate.tasks]) is
+    # typed here too, where the registry checks it is the declared one; the others are added by the registry
     tasks: TasksConfig = TasksConfig()
     serve: ServeConfig = ServeConfig()
+
+
+if not typing.TYPE_CHECKING:  # each plug-in measurement's table, [validate.<name>] (pipeline/eval/measures/)
+    ValidateConfig = extend(ValidateConfig, tables())
 
 
 class ExportConfig(Strict):

@@ -17,7 +17,10 @@ SINGLE = ("load", "calibrate", "draft")  # one unit, no name
 NAMED = ("quantize", "export")  # one unit per variant / export
 VALIDATE = "validate"
 STAGES = ("load", "calibrate", "quantize", "draft", VALIDATE, "export")
-MEASURES = ("quality", "speed", "tasks", "serve", "speculative")  # validate/<model>/<measure>
+# the measurements that are plug-ins: each is one declaration, pipeline/eval/measures/<name>.py (a Measurement,
+# pipeline/eval/measures/base.py); the registry (pipeline/eval/measures/__init__.py) imports them in this order
+MEASUREMENTS = ("tasks",)
+MEASURES = ("quality", "speed", *MEASUREMENTS, "serve", "speculative")  # validate/<model>/<measure>
 DRAFT = "draft"  # the model validate/draft/speculative measures
 GRAMMAR = ("load | calibrate | draft | quantize/<variant> | export/<name> | validate/<model>/quality|speed|tasks | "
            "validate/<model>/serve/<engine> | validate/draft/speculative")

@@ -2,6 +2,7 @@
 and it is loaded from disk exactly as a user would load it.
 
     result = run_task("quality", {...}, out_dir, threads)   # in the stage (tasks: TASKS below)
+    result = run_task("tasks", {...}, out_dir, work="pipeline.eval.tasks:worker_task")  # a plug-in measurement's
     python -m pipeline.base.worker JOB.json RESULT.json          # what that spawns
 
 Its stdout (library banners, library warnings) goes to out_dir/<task>.log; its stderr (our log lines,
@@ -150,11 +151,12 @@ def run_child(cmd: list[str], log_path: Path, timeout_s: float | None = None,
 
 
 def run_task(task: str, args: dict, out_dir: Path, threads: int | None = None, timeout_s: float | None = None,
-             limit_setting: str | None = None) -> dict:
-    """Run TASKS[task](args) in a fresh worker process; its log is out_dir/<task>.log. `limit_setting` names
-    the setting behind `timeout_s` in the error when it is exceeded."""
+             limit_setting: str | None = None, work: str | None = None) -> dict:
+    """Run TASKS[task](args), or the function `work` names ("module:function", a plug-in measurement's declared
+    worker task, pipeline/eval/measures/), in a fresh worker process; its log is out_dir/<task>.log.
+    `limit_setting` names the setting behind `timeout_s` in the error when it is exceeded."""
     job, result = out_dir / f".job-{task}.json", out_dir / f".result-{task}.json"
-    job.write_text(json.dumps({"task": task, "args": args, "threads": threads}, default=str))
+    job.write_text(json.dumps({"task": task, "work": work, "args": args, "threads": threads}, default=str))
     # the child runs this very code, wherever it is run from
     root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
@@ -180,13 +182,12 @@ TASKS = {
     "quality": "pipeline.eval.quality:worker_task",
     "speculative": "pipeline.speculative.evaluate:worker_task",
     "speed": "pipeline.eval.speed:worker_task",
-    "tasks": "pipeline.eval.tasks:worker_task",
 }
 
 
-def task_function(task: str):
-    """The function behind TASKS[task], imported now."""
-    module, _, name = TASKS[task].partition(":")
+def task_function(task: str, work: str | None = None):
+    """The function behind `work` ("module:function"), or else TASKS[task], imported now."""
+    module, _, name = (work or TASKS[task]).partition(":")
     return getattr(importlib.import_module(module), name)
 
 
@@ -203,7 +204,7 @@ def main(argv: list[str]) -> int:
     if job.get("threads"):
         torch.set_num_threads(int(job["threads"]))
     try:
-        result = task_function(job["task"])(job["args"])
+        result = task_function(job["task"], job.get("work"))(job["args"])
     except Exception as e:
         result_path.write_text(json.dumps({"error": f"{type(e).__name__}: {e}"}))
         raise

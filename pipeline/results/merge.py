@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.base.stage_keys import UnitKey
+from pipeline.eval.measures import MEASUREMENTS
 from pipeline.results.metrics import Distill, Served, SpeculativeRow, Speed
 from pipeline.results.schema import Calibration, DraftEntry, ExportEntry, ModelEntry, ModelInfo, Report, StageEntry
 
@@ -37,7 +38,7 @@ def record(report: Report, key: str, manifest: dict, skipped: bool) -> None:
 
 
 def _named(report: Report, uk: UnitKey, name: str, manifest: dict, metrics: dict) -> None:
-    """quantize/<variant>, validate/<model>/quality|speed|serve/<engine>|tasks and export/<name>."""
+    """quantize/<variant>, validate/<model>/quality|speed|serve/<engine>|<plug-in measurement> and export/<name>."""
     if uk.stage == "quantize":
         _quantized(report, name, metrics, (manifest.get("config") or {}).get("variant") or {})
     elif uk.measure == "quality":
@@ -47,9 +48,8 @@ def _named(report: Report, uk: UnitKey, name: str, manifest: dict, metrics: dict
     elif uk.measure == "serve" and uk.engine is not None:  # the grammar: validate/<model>/serve/<engine>
         e = entry(report, name)
         e.served = {**(e.served or {}), uk.engine: Served.model_validate(metrics)}
-    elif uk.measure == "tasks":
-        e = entry(report, name)
-        e.tasks, e.task_recovery = metrics.get("tasks"), metrics.get("recovery")
+    elif uk.measure is not None and uk.measure in MEASUREMENTS:  # a plug-in: its declaration says which fields
+        MEASUREMENTS.get(uk.measure).merge(entry(report, name), metrics)
     elif uk.stage == "export":
         report.exports[name] = ExportEntry(**{k: metrics.get(k)
                                               for k in ("kind", "name", "verifier", "folder", "files")},

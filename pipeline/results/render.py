@@ -5,10 +5,13 @@ stage. A run in progress has null or absent sections: those tables say "not meas
 """
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pipeline.base.fileio import atomic_write_text
+from pipeline.eval.measures import all_measurements
 from pipeline.results import schema
 from pipeline.results.card import render_cards
 from pipeline.results.coverage_render import coverage_section
@@ -20,7 +23,6 @@ from pipeline.results.plots import write_plots
 from pipeline.results.query import is_distilled, models, planned, shown_params
 from pipeline.results.schema import ModelEntry, ModelInfo, Report
 from pipeline.results.serve_table import serving, techniques_section
-from pipeline.results.tasks_render import tasks_section
 
 
 def baseline_label(report: Report) -> str:
@@ -269,11 +271,23 @@ def _exports(report: Report) -> list[str]:
     return ["## Exports", ""] + table(["name", "folder", "files"], body) + [""] + tail
 
 
+def render_module(key: str) -> str:
+    """The module of a plug-in measurement's report.md section (its declaration says `renders`): `section(report)`
+    in pipeline/results/<key>_render.py, imported by name so that its declaration names no report code (a
+    measuring unit's identity holds none)."""
+    return f"pipeline.results.{key}_render"
+
+
+def measurement_sections() -> list[Callable[[Report], list[str]]]:
+    """The plug-in measurements' report.md sections, in their registry's order (after the quality table)."""
+    return [importlib.import_module(render_module(m.key)).section for m in all_measurements() if m.renders]
+
+
 def render_markdown(report: Report, plots: list[str]) -> str:
     lines: list[str] = []
 
-    for section in (_header, _quality, tasks_section, mix_section, coverage_section, _size, _speed, _speculative,
-                    serving, techniques_section, _gates, _stages, _exports):
+    for section in (_header, _quality, *measurement_sections(), mix_section, coverage_section, _size, _speed,
+                    _speculative, serving, techniques_section, _gates, _stages, _exports):
         lines += section(report)
     lines += ["## Plots", ""] + ([f"![{p}](plots/{p})" for p in plots] or ["No data to plot yet."])
     return "\n".join(lines) + "\n"

@@ -11,12 +11,13 @@ import json
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pipeline.base.errors import CompressError
 from pipeline.base.fileio import atomic_write_text
+from pipeline.eval.measures import extend, sections
 from pipeline.results.metrics import Distill, Offload, Perplexity, Served, Smoke, SpeculativeRow, Speed, TaskScore
 
 SCHEMA_VERSION = 2  # 2: a model's `serve` (one engine) became `served` ({engine: ...})
@@ -119,6 +120,10 @@ class ModelEntry(_Section):
     task_recovery: dict[str, Any] | None = None  # variants: pipeline/eval/recovery.py recoveries() ({tasks, average})
     # validate/<model>/serve/<engine>: {engine: greedy equality and load-test levels, or why it was skipped}
     served: dict[str, Served] | None = None
+
+
+if not TYPE_CHECKING:  # the fields of each plug-in measurement (pipeline/eval/measures/) it does not type above
+    ModelEntry = extend(ModelEntry, sections())
 
 
 class DraftEntry(_Section):

@@ -1,5 +1,6 @@
-"""The downstream-task parts of the renderings ([validate.tasks]): report.md's tasks table and the Hub card's
-model-index results. Read from the typed report only (ModelEntry.tasks, ModelEntry.task_recovery)."""
+"""The downstream-task parts of the renderings ([validate.tasks], pipeline/eval/measures/tasks.py): report.md's
+tasks table (`section`) and the Hub card's model-index results. Read from the typed report only (ModelEntry.tasks,
+ModelEntry.task_recovery)."""
 from __future__ import annotations
 
 from huggingface_hub import EvalResult
@@ -42,6 +43,9 @@ def tasks_section(report: Report) -> list[str]:
     return (["## Downstream tasks", "", _definition(report), ""]
             + table(["model", "task", "metric", "score ± stderr", "items", "split", "recovery [95 %]",
                      "resolvable diff", "time s"], rows) + [""] + _chance_notes(report) + _served(report))
+
+
+section = tasks_section  # report.md's section of validate/<model>/tasks (pipeline/results/render.py asks for it)
 
 
 def _served(report: Report) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from pipeline.base.stage_keys import DRAFT, VALIDATE, UnitKey, UnitKeyError, model_plan_key
+from pipeline.base.stage_keys import DRAFT, MEASUREMENTS, VALIDATE, UnitKey, UnitKeyError, model_plan_key
 
 
 def _part(part: str | None) -> str:
@@ -139,12 +139,6 @@ class Speed(Measure):
     exclusive = True
 
 
-class Tasks(Measure):
-    """validate/<model>/tasks: [validate.tasks] accuracies (and recovery against the baseline's items)."""
-
-    measure = "tasks"
-
-
 class Serve(Measure):
     """validate/<model>/serve/<engine>: the model served by one engine; throughput the gates read, so a node of its
     own."""
@@ -178,7 +172,17 @@ class Speculative(Measure):
         return (str(key), Draft.key())
 
 
-KINDS: tuple[type[Stage], ...] = (Load, Calibrate, Quantize, Draft, Quality, Speed, Tasks, Serve, Speculative, Export)
+def plugin_kind(name: str) -> type[Measure]:
+    """validate/<model>/<name> of a plug-in measurement (pipeline/eval/measures/<name>.py, which declares the rest):
+    a Measure named by its key alone. Its declaration is not imported here: every stage imports this module, and
+    a producing stage's identity holds no measuring code (tests/unit/test_stage_identity.py)."""
+    return type(name.title().replace("_", ""), (Measure,), {"measure": name, "__module__": __name__,
+                                                          "__doc__": f"validate/<model>/{name}: a plug-in measurement"})
+
+
+PLUGINS: dict[str, type[Measure]] = {name: plugin_kind(name) for name in MEASUREMENTS}
+KINDS: tuple[type[Stage], ...] = (Load, Calibrate, Quantize, Draft, Quality, Speed, *PLUGINS.values(), Serve,
+                                  Speculative, Export)
 _BY_PARTS = {(k.stage, k.measure): k for k in KINDS}
 
 

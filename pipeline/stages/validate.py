@@ -1,5 +1,6 @@
 """validate: measure every model in a fresh process — quality (perplexity, KL, top-1, smoke test),
-speed, and the speculative pair. Gates are applied by the runner after all units (pipeline/plan.py)."""
+speed, the serving engines, the speculative pair and every plug-in measurement (pipeline/eval/measures/: each
+declares its own units). Gates are applied by the runner after all units (pipeline/plan.py)."""
 from __future__ import annotations
 
 import functools
@@ -14,6 +15,8 @@ from pipeline.base.fileio import atomic_write_json
 from pipeline.base.unit import Unit, UnitContext
 from pipeline.base.worker import run_task
 from pipeline.eval.jobs import run_quality
+from pipeline.eval.measures import BASELINE, all_measurements
+from pipeline.eval.measures.tasks import TASKS, task_identity
 from pipeline.eval.perplexity import make_windows
 from pipeline.eval.quality import EVAL_IDS
 from pipeline.eval.speed import run_speed_subprocess, speed_skip
@@ -28,10 +31,10 @@ from pipeline.serve.loadtest import corpus_prompts
 from pipeline.serve.measure import Refused, measure
 from pipeline.serve.served_nll import served_vs_in_process
 from pipeline.stages.draft import verifier_code, verifier_key
-from pipeline.stages.kinds import Draft, Load, Quality, Quantize, Serve, Speculative, Speed, Tasks
+from pipeline.stages.kinds import Draft, Load, Quality, Quantize, Serve, Speculative, Speed
 
-# the entry module; what it imports (the worker, the eval and speculative code it runs) is found by
-# pipeline/base/codehash.py
+# the entry module; what it imports (the worker, the eval and speculative code it runs, the measurements'
+# declarations) is found by pipeline/base/codehash.py (pipeline/eval/measures/base.py CODE: the same)
 CODE = ("stages/validate.py",)
 log = logging.getLogger("compress")
 
@@ -58,9 +61,11 @@ def units(recipe) -> list[Unit]:
                             functools.partial(speed, recipe=recipe, name=name, src=src), deps=[src], code=code))
         out += serve_units(recipe, name, src, formats.get(name), eval_data, code)
     # a unit runs after those before it in this list: a serve unit that scores the tasks reads the baseline's
-    # in-process task items, so it follows the task units
-    after = [u for u in out if Tasks.key("baseline") in u.deps]
-    out = [u for u in out if Tasks.key("baseline") not in u.deps] + task_units(recipe, models) + after
+    # in-process task items, so it follows the measurements' units
+    measured = [u for m in all_measurements() for u in m.units(recipe, models)]
+    baselines = {m.unit_key(BASELINE) for m in all_measurements()}
+    after = [u for u in out if baselines & set(u.deps)]
+    out = [u for u in out if not baselines & set(u.deps)] + measured + after
     if recipe.draft is not None:
         out.append(speculative_unit(recipe))
     return out
@@ -85,47 +90,11 @@ def serve_units(recipe, name: str, src: str, fmt: str | None, eval_data, code: t
         deps = [src, Quality.key(name)] + ([Quality.key("baseline")] if name != "baseline" else [])
         if tasks.served_by(name, engine):  # [validate.tasks] engines: the tasks scored through this server too
             config["tasks"] = task_identity(tasks, task_jobs(tasks))
-            deps += [Tasks.key("baseline")] if name != "baseline" else []  # recovery: its in-process items
+            deps += [TASKS.unit_key(BASELINE)] if name != "baseline" else []  # recovery: its in-process items
         out.append(Unit(Serve.key(name, engine), config,
                         functools.partial(serve, recipe=recipe, name=name, src=src, engine=engine, skipped=skipped),
                         deps=deps, code=code))
     return out
-
-
-def task_units(recipe, models: list[tuple[str, str]]) -> list[Unit]:
-    """validate/<model>/tasks ([validate.tasks]): identity = the task config and each task's data by sha256;
-    a variant's unit also reads the baseline's saved per-item scores (recovery on the same items)."""
-    cfg = recipe.validate_.tasks
-    if not cfg.enabled or not cfg.tasks:
-        return []
-    jobs = task_jobs(cfg)
-    config = {**task_identity(cfg, jobs), "device": recipe.run.device}
-    out = []
-    for name, src in models:
-        if not cfg.scores(name):
-            continue
-        deps = [src] if name == "baseline" else [src, Tasks.key("baseline")]
-        out.append(Unit(Tasks.key(name), config, functools.partial(tasks, recipe=recipe, name=name, src=src, jobs=jobs),
-                        deps=deps, code=CODE + model_code(recipe, name)))
-    return out
-
-
-def task_identity(cfg, jobs: list[dict]) -> dict:
-    """What a unit that scores the tasks reads of them: the config (less the engines, which say which serve units
-    score them, not how) and each job with its data by sha256 (not the paths of this machine)."""
-    return {"tasks": cfg.model_dump(mode="json", exclude={"engines"}),
-            "jobs": [{k: v for k, v in j.items() if k not in ("data_file", "include")} for j in jobs]}
-
-
-def tasks(ctx: UnitContext, recipe, name: str, src: str, jobs: list[dict]) -> dict:
-    cfg = recipe.validate_.tasks
-    ref = None if name == "baseline" else str(ctx.dep(Tasks.key("baseline")))
-    args = {"model_dir": str(ctx.dep(src)), "out": str(ctx.out), "jobs": jobs, "device": ctx.device,
-            "cfg": {"limit": cfg.limit, "seed": cfg.seed, "num_fewshot": cfg.num_fewshot, "batch_size": cfg.batch_size,
-                    "scorer": cfg.scorer},
-            "reference": ref, "bootstrap": cfg.bootstrap}
-    return run_task("tasks", args, ctx.out, recipe.run.threads, timeout_s=cfg.timeout_s,
-                    limit_setting="[validate.tasks] timeout_s")
 
 
 def speculative_unit(recipe) -> Unit:
@@ -263,7 +232,7 @@ def served_tasks(url: str, model: str, ctx: UnitContext, recipe, name: str, fold
     """[validate.tasks] engines: the run's tasks scored through the server at url (pipeline/eval/tasks.py
     score_served) on the in-process unit's items; a variant's recovery against the baseline's in-process items."""
     cfg = recipe.validate_.tasks
-    ref = None if name == "baseline" else str(ctx.dep(Tasks.key("baseline")))
+    ref = None if name == "baseline" else str(ctx.dep(TASKS.unit_key(BASELINE)))
     return score_served(url, model, folder, task_jobs(cfg), {"limit": cfg.limit, "seed": cfg.seed,
                                                              "num_fewshot": cfg.num_fewshot,
                                                              "batch_size": batch},

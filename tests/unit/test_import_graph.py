@@ -155,10 +155,16 @@ def test_every_package_has_a_floor():
 def named_imports() -> dict[str, set[str]]:
     """{declaring module: the modules it names for loading}."""
     from pipeline.app.cli import COMMANDS
+    from pipeline.eval.measures import all_measurements
     from pipeline.quant.registry import METHODS
+    from pipeline.results.render import render_module
     from pipeline.serve.engines import ENGINES
 
     out = {"pipeline.app.cli": {path.partition(":")[0] for path, _ in COMMANDS.values()}}
+    for m in all_measurements():  # a measurement's worker task, and its report.md section (loaded by render.py)
+        out.setdefault(type(m).__module__, set()).add(m.work.partition(":")[0])
+        if m.renders:
+            out.setdefault("pipeline.results.render", set()).add(render_module(m.key))
     plugins = [METHODS.get(n) for n in METHODS] + [ENGINES.get(n) for n in ENGINES]
     for plugin in plugins:
         for attr in ("work", "reload_work"):

@@ -401,6 +401,7 @@ def test_tasks_unit_worker_saves_items_and_recovery(tmp_path):
     the unit folder, the variant's recovery computed from both saved files (the same model: exactly 1)."""
     pytest.importorskip("lm_eval")
     from pipeline.base.worker import run_task
+    from pipeline.eval.measures.tasks import TASKS
     from tests.tiny_models import tiny_llama
 
     model_dir = tiny_llama(tmp_path / "m")
@@ -417,7 +418,8 @@ def test_tasks_unit_worker_saves_items_and_recovery(tmp_path):
         out.mkdir()
         ref = None if name == "baseline" else str(outs["baseline"])
         res = run_task("tasks", {"model_dir": str(model_dir), "out": str(out), "jobs": [job], "cfg": cfg,
-                                 "device": "cpu", "reference": ref, "bootstrap": 200}, out, threads=1)
+                                 "device": "cpu", "reference": ref, "bootstrap": 200}, out, threads=1,
+                       work=TASKS.work)
         items = json.loads((out / "task_items.json").read_text())["local"]
         assert items["doc_ids"] == item_indices(6, 4, 0) and len(items["acc_norm"]) == 4
         assert res["tasks"]["local"]["n"] == 4 and res["tasks"]["local"]["metric"] == "acc_norm"
@@ -434,7 +436,9 @@ def test_tasks_unit_worker_saves_items_and_recovery(tmp_path):
 
 def test_task_units_identity_and_deps(tmp_path):
     from pipeline.recipe import load_recipe
-    from pipeline.stages.validate import task_units
+    from pipeline.eval.measures.tasks import TASKS
+
+    task_units = TASKS.units
 
     p = tmp_path / "r.toml"
     p.write_text(RECIPE + 'tasks = ["arc_easy", "piqa"]\nlimit = 50\nmodels = ["baseline", "w4"]\n')
