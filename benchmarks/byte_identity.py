@@ -7,11 +7,13 @@ own clone, then compare the two run folders:
 
     git worktree add /tmp/before <commit-before>; git worktree add /tmp/after <commit-after>
     (cd /tmp/before && .venv/bin/compress run recipes/default.toml --set draft.distill.steps=300 \
-        --set draft.distill.time_budget_s=null --set run.output_dir='"/tmp/id-before"')      # same for /tmp/after
+        --set draft.distill.time_budget_s=100000 --set run.output_dir='"/tmp/id-before"')      # same for /tmp/after
     python -m benchmarks.byte_identity /tmp/id-before/default /tmp/id-after/default
 
 A time-budgeted draft is not reproducible by design (the step count depends on the machine's speed), hence the
-fixed step count above. What is compared:
+fixed step count above, with a budget it never reaches (TOML has no null for --set). A worktree shares no .venv:
+link the checkout's (`ln -s $PWD/.venv /tmp/before/.venv`) and run with PYTHONPATH=/tmp/before, or the editable
+install imports the checkout's pipeline/. What is compared:
   - files: sha256 of every file under the run folder, except logs, locks, manifests (they hold timings and code
     hashes), report.json/report.md (compared as figures below) and plots (drawn from timings too);
   - figures: every number and string in report.json whose key does not name a duration, a rate, a memory reading
