@@ -70,6 +70,10 @@ GREEN, REFUSED, FAILED, NONFINITE = "green", "refused", "failed", "non-finite"
 # a green cell measured in llama.cpp (pipeline/model/llamacpp_model.py): green with llama-cpp-python installed; without
 # it, check refuses the cell with one of these codes (tests/unit/test_arch_matrix.py)
 MEASURED_IN_LLAMA_CPP = "llama.cpp"
+# the random models' usual KL to the baseline: every green cell of 7 Dec 2026 was <= 8.8e-06 (gemma3_text rtn); a
+# reloaded model that is not the quantized one measured 2.4e-04 (gpt_oss autoround, top-1 agreement 0.03): a cell
+# above this bound is not green, whatever its perplexity
+KL_USUAL_MAX = 1e-4
 WITHOUT_LLAMA_CPP = {"gguf-not-measurable", "gguf-loader-unfaithful"}
 NOT_SCORED = "not scored: "  # a failed cell's error when the run ended before its own units ran
 
@@ -255,6 +259,10 @@ def cell_of_report(report: dict | None, cell: str, run_error: str) -> dict[str, 
         return {"status": FAILED, "error": run_error or "no perplexity in report.json and no failed unit", **out}
     if not _finite(ppl):
         return {"status": NONFINITE, "error": f"perplexity {ppl}", **out}
+    kl = entry.get("kl")
+    if _finite(kl) and kl > KL_USUAL_MAX:
+        return {"status": FAILED, "error": f"KL to the baseline {kl:.3g}, above the random models' usual range "
+                                           f"(<= {KL_USUAL_MAX:g}): the reloaded model is not the quantized one", **out}
     return {"status": GREEN, **out}
 
 
@@ -439,7 +447,9 @@ def render(data: dict) -> str:
         "A cell is **ppl ratio / KL** (perplexity against the baseline's on the same tokens, and the KL divergence "
         "from it) when the method ran and scored a finite perplexity; **refused: `code`** when `compress check` "
         "refused it (the reason is in the details below); **FAILS at run** with the error line of the unit that "
-        "failed; **NON-FINITE** for a NaN or infinite perplexity.",
+        "failed, or with its KL when that is above the random models' usual range (`KL_USUAL_MAX`, "
+        f"{KL_USUAL_MAX:g}: a reloaded model that is not the quantized one); **NON-FINITE** for a NaN or infinite "
+        "perplexity.",
         "",
         f"Totals: {n[GREEN]} green, {n[REFUSED]} refused at check, {n[FAILED]} failing at run, "
         f"{n[NONFINITE]} non-finite, of {sum(n.values())} cells.",

@@ -186,6 +186,13 @@ def test_autoround_refused_on_mixtral_whose_expert_names_it_writes_no_loader_rea
     check(recipe(tmp_path, f"config:{ARCH / 'qwen3_moe.json'}", variant("r", "autoround", group_size=32)))
 
 
+def test_autoround_refused_on_gpt_oss_whose_expert_layout_gptqmodel_reads_otherwise(tmp_path):
+    p = refused(recipe(tmp_path, f"config:{ARCH / 'gpt_oss.json'}", variant("r", "autoround", group_size=32)))
+    assert ("quantize[0].method", "architecture-unsupported") in keys(p)
+    assert "method 'autoround' cannot take gpt_oss: auto-round writes gpt_oss's experts de-interleaved" in p[0].message
+    check(recipe(tmp_path, f"config:{ARCH / 'gpt_oss.json'}", variant("g", "gptq", group_size=32)))
+
+
 def _fake_vllm(tmp_path, monkeypatch, sizes=(32, 64)):
     """A vLLM environment holding only what check reads: its dist-info and CPU attention's declared head sizes."""
     from pipeline.serve.engines import vllm

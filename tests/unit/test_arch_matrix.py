@@ -79,11 +79,15 @@ def test_cells_read_from_a_report():
         {"load": ok, "calibrate": ok, "quantize/a": ok, "validate/baseline/quality": ok, "validate/a/quality": ok,
          "export/a": ok, "quantize/b": {"status": "failed", "error": "KeyError: 'x.weight_packed'\nTraceback..."},
          "validate/b/quality": {"status": "blocked"}, "quantize/c": ok, "validate/c/quality": ok},
-        {"a": {"perplexity": {"value": 12.5}, "ppl_ratio": 1.01234, "kl": 0.000123456, "top1": 0.9,
+        {"a": {"perplexity": {"value": 12.5}, "ppl_ratio": 1.01234, "kl": 0.0000123456, "top1": 0.9,
                "quantize_time_s": 1.23},
-         "c": {"perplexity": {"value": math.nan}, "ppl_ratio": math.nan}})
+         "c": {"perplexity": {"value": math.nan}, "ppl_ratio": math.nan},
+         "e": {"perplexity": {"value": 12.1}, "ppl_ratio": 0.9667, "kl": 0.000236, "top1": 0.0276}})
     a = am.cell_of_report(report, "a", "")
-    assert a["status"] == am.GREEN and a["ppl_ratio"] == 1.0123 and a["kl"] == 0.000123
+    assert a["status"] == am.GREEN and a["ppl_ratio"] == 1.0123 and a["kl"] == 1.23e-05
+    # a finite perplexity but a KL far outside the random models' range (a reloaded model that is not the tuned one)
+    e = am.cell_of_report({**report, "stages": {**report["stages"], "quantize/e": ok, "validate/e/quality": ok}}, "e", "")
+    assert e["status"] == am.FAILED and e["error"].startswith("KL to the baseline 0.000236, above")
     b = am.cell_of_report(report, "b", "exit 4: ...")
     assert b["status"] == am.FAILED and b["error"] == "quantize/b: KeyError: 'x.weight_packed'"
     c = am.cell_of_report(report, "c", "")
