@@ -260,7 +260,7 @@ def cell_of_report(report: dict | None, cell: str, run_error: str) -> dict[str, 
     if not _finite(ppl):
         return {"status": NONFINITE, "error": f"perplexity {ppl}", **out}
     kl = entry.get("kl")
-    if _finite(kl) and kl > KL_USUAL_MAX:
+    if isinstance(kl, (int, float)) and math.isfinite(kl) and kl > KL_USUAL_MAX:
         return {"status": FAILED, "error": f"KL to the baseline {kl:.3g}, above the random models' usual range "
                                            f"(<= {KL_USUAL_MAX:g}): the reloaded model is not the quantized one", **out}
     return {"status": GREEN, **out}
