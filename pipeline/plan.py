@@ -16,7 +16,7 @@ from pipeline.budget.formulas import GiB
 from pipeline.estimate import estimate_disk, estimate_memory
 from pipeline.eval.config import GATE_SPECS, gate_path, gate_problems, moe_gate_problems, speed_problems
 from pipeline.eval.measures import all_measurements
-from pipeline.eval.parallel_check import serve_parallel_problems, technique_problems, tp_rank_bytes
+from pipeline.eval.parallel_check import bound_cores, serve_parallel_problems, technique_problems, tp_rank_bytes
 from pipeline.eval.tasks_config import served_task_problems
 from pipeline.model.architecture import missing, model_class, transformers_model_types
 from pipeline.model.dtypes import HALF_UNITS, cpu_flags, dtype_bytes, resolve_dtype
@@ -102,7 +102,7 @@ def check(recipe) -> Plan:
     problems += served_task_problems(recipe.validate_.tasks, recipe.validate_.serve, plan.serve_engines,
                                      {n: engines.get(n).scores_tasks for n in engines.NAMES})
     problems += serve_parallel_problems(recipe.validate_.serve, info.config, plan.device, plan.serve_engines,
-                                        engines.splitting())
+                                        engines.splitting(), bound_cores(recipe.run.threads))
     estimate_memory(recipe, info, plan, source)
     problems += _check_techniques(recipe, info, plan)
     problems += _untimed_gates(recipe, plan)

@@ -31,6 +31,12 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def bound_cores(threads: int | None) -> int:
+    """The cores a served engine binds: [run] threads of the usable ones when set (pipeline.serve.engines.vllm's
+    bound_cpus), else all of them."""
+    return min(threads, usable_cores()) if threads else usable_cores()
+
+
 def heads(config: dict) -> tuple[int, int]:
     """(attention heads, KV heads) of a config.json (its text config for a multimodal one)."""
     cfg = config.get("text_config") or config
@@ -167,5 +173,6 @@ def serve_parallel_problems(serve, config: dict, device: str, engines: dict[str,
     if not str(device).startswith("cuda") and tp * pp > cores:
         out.append(Problem("validate.serve.tensor_parallel_size", "serve-parallel-over-cores",
                            f"[validate.serve] tensor_parallel_size x pipeline_parallel_size = {tp * pp} ranks on "
-                           f"{cores} CPU cores: vLLM binds each rank to cores of its own; at most {cores}"))
+                           f"{cores} CPU cores (the [run] threads it binds, else every core this process may use): "
+                           f"vLLM binds each rank to cores of its own; at most {cores}"))
     return out

@@ -498,8 +498,9 @@ FUNCTION_MESSAGES = {
         ("validate.serve.pipeline_parallel_size", "serve-pp-over-layers",
          "[validate.serve] pipeline_parallel_size = 40 is more stages than the model's 30 layers"),
         ("validate.serve.tensor_parallel_size", "serve-parallel-over-cores",
-         "[validate.serve] tensor_parallel_size x pipeline_parallel_size = 80 ranks on 2 CPU cores: vLLM binds each "
-         "rank to cores of its own; at most 2")],
+         "[validate.serve] tensor_parallel_size x pipeline_parallel_size = 80 ranks on 2 CPU cores (the [run] "
+         "threads it binds, else every core this process may use): vLLM binds each rank to cores of its own; at "
+         "most 2")],
 }
 
 
@@ -550,3 +551,19 @@ def test_cuda_asked_for_where_there_is_none(tmp_path, monkeypatch):
     assert [(p.path, p.code, p.message) for p in refused(load_recipe(r))] == [
         ("run.device", "cuda-unavailable",
          "[run].device = 'cuda': no NVIDIA GPU found (nvidia-smi); use device = 'auto' or 'cpu'")]
+
+
+def test_served_ranks_over_the_threads_the_engine_binds(tmp_path):
+    """vLLM binds [run] threads cores (pipeline.serve.engines.vllm.bound_cpus), so check counts those, not the
+    machine's: threads = 1 with tensor_parallel_size = 2 was refused only when the server started."""
+    r = tmp_path / "r.toml"
+    r.write_text(SMOL_RUN.replace('device = "cpu"', 'device = "cpu"\nthreads = 1') + """
+[validate.serve]
+enabled = true
+engines = ["vllm"]
+tensor_parallel_size = 2
+""")
+    found = [p for p in refused(load_recipe(r)) if p.code == "serve-parallel-over-cores"]
+    assert [p.message for p in found] == [
+        "[validate.serve] tensor_parallel_size x pipeline_parallel_size = 2 ranks on 1 CPU cores (the [run] threads "
+        "it binds, else every core this process may use): vLLM binds each rank to cores of its own; at most 1"]
