@@ -53,6 +53,11 @@ def build(model_type: str, extra: dict) -> dict:
 SERVE_OUT = OUT / "serve"
 SERVE_SHAPES = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 SERVE_EXTRA: dict[str, dict] = {"deepseek_v3": {}}
+# keys real checkpoints' config.json carry that transformers' config class has no field for, and an engine reads:
+# DeepSeek-V3's routing (vLLM creates the router's e_score_correction_bias only for topk_method = "noaux_tc", while
+# transformers writes that tensor always: without the key vLLM refused the checkpoint, "KeyError:
+# 'layers.1.mlp.gate.e_score_correction_bias'")
+SERVE_REAL_KEYS: dict[str, dict] = {"deepseek_v3": {"topk_method": "noaux_tc"}}
 
 
 def main() -> int:
@@ -61,6 +66,7 @@ def main() -> int:
     for mt, extra in {**DENSE, **MOE_TYPES}.items():
         (OUT / f"{mt}.json").write_text(json.dumps(build(mt, extra), indent=1, sort_keys=True) + "\n")
         serve = build(mt, {**extra, **SERVE_EXTRA[mt]} if mt in SERVE_EXTRA else {**extra, **SERVE_SHAPES})
+        serve.update(SERVE_REAL_KEYS.get(mt, {}))
         (SERVE_OUT / f"{mt}.json").write_text(json.dumps(serve, indent=1, sort_keys=True) + "\n")
         print("wrote", OUT / f"{mt}.json", "and", SERVE_OUT / f"{mt}.json")
     return 0

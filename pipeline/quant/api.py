@@ -18,6 +18,7 @@ from pipeline.budget.formulas import GiB, quantize_peak
 from pipeline.model.architecture import architecture_of
 from pipeline.model.compute import describe as describe_compute
 from pipeline.quant.common import calibration_fingerprint, captured_output
+from pipeline.quant.defuser_scope import transformers_restored
 from pipeline.quant.experts import count_experts, experts_problem
 from pipeline.quant.registry import method_of
 
@@ -63,7 +64,9 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.Tensor | None, ou
         impl = implementation(variant)  # its engine imported here: import-time memory is not the variant's
         torch.manual_seed(seed)
         try:
-            with PeakMemory() as mem, impl.session(out_dir):
+            # GPTQModel patches transformers for the process: undone once its model is saved (defuser_scope.py)
+            with PeakMemory() as mem, impl.session(out_dir), \
+                    transformers_restored(json.loads((base_dir / "config.json").read_text())):
                 t0 = time.perf_counter()
                 calib = calib_ids if calibrated else None
                 model = (impl.quantize(base_dir, variant, calib, console, device) if offload is None else

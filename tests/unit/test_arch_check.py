@@ -226,7 +226,7 @@ def test_vllm_on_cpu_is_refused_a_head_size_its_attention_has_no_kernel_for(tmp_
     served = json.loads((ARCH / "serve" / "llama.json").read_text())
     assert engines_for("unquantized", "cpu", "LlamaForCausalLM", (), served)["vllm"] is None
     assert json.loads((ARCH / "deepseek_v3.json").read_text())["kv_lora_rank"]
-    assert engines_for("unquantized", "cpu", None, (), json.loads((ARCH / "deepseek_v3.json").read_text()))["vllm"] \
+    assert engines_for("unquantized", "cpu", None, (), json.loads((ARCH / "serve" / "deepseek_v3.json").read_text()))["vllm"] \
         is None
     extra = '[validate.serve]\nenabled = true\nengines = ["vllm"]\nmodels = ["baseline"]\n'
     p = refused(recipe(tmp_path, f"config:{ARCH / 'llama.json'}", variant("r", "rtn", bits=4, group_size=32) + extra))
@@ -268,3 +268,62 @@ def test_transformers_serving_is_refused_for_mla_whose_key_and_value_heads_diffe
     assert "deepseek_v3's multi-head latent attention: keys of 32 (qk_nope_head_dim + qk_rope_head_dim) and values " \
            "of 16 (v_head_dim)" in p[0].message
     check(recipe(tmp_path, f"config:{ARCH / 'llama.json'}", variant("r", "rtn", bits=4, group_size=32) + extra))
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "olmoe", "gpt_oss"])
+def test_vllm_on_cpu_is_refused_a_weight_only_moe_checkpoint(tmp_path, monkeypatch, model_type):
+    """vLLM's CPU build has no WNA16 kernel for routed experts: it refused GPTQ and compressed-tensors W4A16 exports
+    of mixtral, qwen3_moe, olmoe and gpt_oss at start-up ("No WNA16 MoE backend supports the deployment
+    configuration", the architecture matrix's serving, 7 Dec 2026) and served their unquantized models. Check
+    refuses the quantized ones naming the architecture and the engine; the baseline and CUDA are not refused, and
+    `compress serve` refuses the folder before starting vLLM."""
+    import json
+    import shutil
+
+    from pipeline.serve.engines import engines_for
+    from pipeline.serve.engines.base import ServeOptions
+    from pipeline.serve.engines.vllm import start_refusal
+
+    _fake_vllm(tmp_path, monkeypatch)
+    config = json.loads((ARCH / "serve" / f"{model_type}.json").read_text())
+    assert engines_for("unquantized", "cpu", None, (), config)["vllm"] is None
+    for fmt, needs in (("gptq", ()), ("awq", ()), ("compressed-tensors", ("wna16",))):
+        why = engines_for(fmt, "cpu", None, needs, config)
+        assert f"no weight-only (WNA16) kernel for {model_type}'s routed experts" in why["vllm"], (fmt, why)
+        assert why["transformers"] is None
+    assert engines_for("gptq", "cpu", None, (), json.loads((ARCH / "serve" / "llama.json").read_text()))["vllm"] \
+        is None  # a dense model: vLLM's CPUWNA16 linear kernel serves it
+    extra = '[validate.serve]\nenabled = true\nengines = ["vllm"]\n'
+    p = refused(recipe(tmp_path, f"config:{ARCH / 'serve' / f'{model_type}.json'}",
+                       variant("g", "gptq", group_size=32) + extra))
+    assert keys(p) == [("validate.serve.engines", "serve-engine-cannot-serve")]
+    assert "vllm cannot serve 'g'" in p[0].message and "routed experts" in p[0].message
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(ARCH / "serve" / f"{model_type}.json", folder / "config.json")
+    opts = ServeOptions(host="127.0.0.1", port=1, key=None, slots=1, max_queue=1, queue_timeout_s=1.0,
+                        max_tokens_limit=1, max_model_len=64, drain_s=1.0, device="cpu", threads=None,
+                        start_timeout_s=1.0)
+    assert start_refusal(folder, opts) is None  # unquantized
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
+    (folder / "config.json").write_text(json.dumps(config))
+    assert "routed experts" in start_refusal(folder, opts)
+
+
+def test_vllm_is_refused_a_deepseek_v3_config_without_noaux_tc_routing(tmp_path, monkeypatch):
+    """transformers writes deepseek_v3's e_score_correction_bias always; vLLM creates it only for topk_method =
+    "noaux_tc" (DeepSeek-V3's own config.json) and refused a checkpoint without it at start-up (KeyError). The
+    serving fixture carries the key as the real config does; without it check refuses vLLM on any device."""
+    import json
+
+    from pipeline.serve import engines
+    from pipeline.serve.engines import engines_for
+
+    _fake_vllm(tmp_path, monkeypatch)
+    config = json.loads((ARCH / "serve" / "deepseek_v3.json").read_text())
+    assert config["topk_method"] == "noaux_tc"
+    assert engines_for("unquantized", "cpu", None, (), config)["vllm"] is None
+    del config["topk_method"]
+    why = engines_for("unquantized", "cpu", None, (), config)["vllm"]
+    assert why is not None and "only when config.json sets topk_method = \"noaux_tc\"" in why
+    assert "topk_method = \"noaux_tc\"" in engines.get("vllm").refuses_model(config, "cuda")  # its loader's, not CPU's

@@ -358,7 +358,8 @@ def convert(gptq_dir: Path, out_dir: Path) -> dict:
     _check_names(out, checkpoint_names(model), {apply_renamings(n, renamings) for n in placed}, model)
 
     quantized = set(placed)
-    ignore = sorted(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in quantized)
+    ignore = sorted({apply_renamings(n, renamings) for n, m in model.named_modules()
+                     if n not in quantized and holds_matrix(m)})
     qcfg = (mixed_scheme({apply_renamings(n, renamings): st for n, st in placed_settings.items()}, sym, ignore)
             if qc.get("dynamic") else scheme(*next(iter(placed_settings.values())), sym, ignore))
     qcfg.quantization_status = QuantizationStatus.COMPRESSED
@@ -369,6 +370,17 @@ def convert(gptq_dir: Path, out_dir: Path) -> dict:
     _verify(out_dir, {apply_renamings(n, renamings): v for n, v in placed.items()},
             {apply_renamings(n, renamings): b for n, (b, _) in placed_settings.items()}, sym)
     return json.loads((out_dir / "config.json").read_text())["quantization_config"]
+
+
+def holds_matrix(m: torch.nn.Module) -> bool:
+    """A module a loader may take for a linear layer: an nn.Linear, or one holding a 2-D `weight` of its own (a
+    transformers 5 MoE router, e.g. Qwen3MoeTopKRouter). Those left 16-bit go in the config's `ignore`: vLLM builds
+    qwen3_moe's router as a linear with the checkpoint's quantization scheme unless it is ignored, and then looks for
+    packed tensors the checkpoint does not hold (llm-compressor's MoE recipes ignore "re:.*mlp.gate$" for this)."""
+    if isinstance(m, torch.nn.Linear):
+        return True
+    w = m._parameters.get("weight")
+    return not isinstance(m, torch.nn.Embedding) and w is not None and w.dim() == 2
 
 
 def _check_names(out: dict[str, torch.Tensor], expected: set[str], quantized: set[str], model) -> None:

@@ -7,6 +7,7 @@ from pathlib import Path
 from gptqmodel import BACKEND, GPTQModel
 
 from pipeline.model.dtypes import config_dtype, torch_dtype
+from pipeline.quant.defuser_scope import transformers_restored
 
 log = logging.getLogger("compress")
 # the group sizes torch's int4 CPU matmul (_weight_int4pack_mm_cpu, GPTQModel's TorchFusedLinear) takes
@@ -23,6 +24,12 @@ def group_sizes(config: dict) -> set[int]:
 
 
 def load_own(folder: Path, config: dict, device: str):
+    """GPTQModel's own loader (transformers put back as it was afterwards: pipeline/quant/defuser_scope.py)."""
+    with transformers_restored(config):
+        return _load_own(folder, config, device)
+
+
+def _load_own(folder: Path, config: dict, device: str):
     """GPTQModel's own loader, for a checkpoint with per-module bits or group sizes: its HF model. On a CPU, a
     group size torch's fused int4 matmul does not take (a per-channel -1 on 576 in-features) would fail in the first
     forward with GPTQModel's automatic choice of kernel: its plain torch kernel (dequantize, then matmul) is asked

