@@ -188,6 +188,7 @@ class Level(Measured):
     itl_p50_s: Real | None = None
     itl_p99_s: Real | None = None
     server_peak_rss_bytes: Real | None = None
+    server_processes: list[dict[str, Any]] | None = None  # {"process", "peak_rss_bytes"}: the memory per rank
 
 
 class ServedPerplexity(Measured):
@@ -213,6 +214,8 @@ class Served(Measured):
     levels: list[Level] | None = None
     perplexity: ServedPerplexity | None = None
     int8_activations: bool | None = None  # vLLM's CPU W4A8 path ran (4-bit weights x int8 activations), else W4A16
+    tensor_parallel_size: Real | None = None  # [validate.serve]'s, when the engine split the model over ranks
+    pipeline_parallel_size: Real | None = None
     # [validate.tasks] engines: the tasks scored through this server (lm-eval local-completions) on the in-process
     # unit's items, and a variant's recovery against the baseline's in-process items (the in-process shape)
     tasks: dict[str, TaskScore] | None = None

@@ -47,6 +47,7 @@ class LevelResult:
     itl_p50_s: float | None
     itl_p99_s: float | None
     server_peak_rss_bytes: int | None
+    server_processes: list[dict] | None  # each process's own peak (process_peaks): the memory per rank
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -61,24 +62,36 @@ def percentile(xs: list[float], q: float) -> float | None:
 def peak_rss(pid: int | None) -> int | None:
     """VmHWM (peak resident set) of a process and its descendants added up (vLLM's server runs its engine in child
     processes), in bytes; None if it cannot be read."""
+    total = sum(p["peak_rss_bytes"] for p in process_peaks(pid) or [])
+    return total or None
+
+
+def process_peaks(pid: int | None) -> list[dict] | None:
+    """[{"process": its name (/proc/<pid>/comm), "peak_rss_bytes": VmHWM}] for a process and each descendant, parent
+    first: the memory of each rank (vLLM's CPU workers with tensor or pipeline parallelism are named VLLM::Worker_TP0,
+    _TP1 ...). None if the process cannot be read."""
     if pid is None:
         return None
-    total, todo, seen = 0, [pid], set()
+    out: list[dict] = []
+    todo, seen = [pid], set()
     while todo:
-        p = todo.pop()
+        p = todo.pop(0)
         if p in seen:
             continue
         seen.add(p)
         try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    total += int(line.split()[1]) * 1024
+            name = Path(f"/proc/{p}/comm").read_text().strip()
+            hwm = next((int(line.split()[1]) * 1024 for line in Path(f"/proc/{p}/status").read_text().splitlines()
+                        if line.startswith("VmHWM:")), 0)
             for task in Path(f"/proc/{p}/task").iterdir():
                 todo += [int(c) for c in (task / "children").read_text().split()]
         except OSError:
             if p == pid:
                 return None
-    return total or None
+            continue
+        if hwm:
+            out.append({"process": name, "peak_rss_bytes": hwm})
+    return out
 
 
 def corpus_prompts(n: int, words: int = 64, dataset: str = "wikitext2") -> list[str]:
@@ -163,7 +176,7 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
                        sum(1 for r in results if r["status"] == 503), tokens, round(wall, 3),
                        round(tokens / wall, 2), round(len(ok) / wall, 3),
                        percentile(ttft, 50), percentile(ttft, 99), percentile(gaps, 50), percentile(gaps, 99),
-                       peak_rss(pid))
+                       peak_rss(pid), process_peaks(pid))
 
 
 def run(base_url: str, model: str, levels: list[int], requests_per_level: int | None, max_tokens: int,

@@ -98,7 +98,9 @@ def measure(folder: Path, cfg, prompts: list[str], out: Path, threads: int | Non
         eq["exact"] = False
     result = {"engine": engine, "versions": health.get("versions") or eng.version(), "device": device,
               "server_exit": rc, "ready_s": round(ready_s, 1), "equality": eq, "levels": levels,
-              **eng.config_facts(cfg), **({"perplexity": scored} if scored is not None else {}), **tasks}
+              **eng.config_facts(cfg), **({"perplexity": scored} if scored is not None else {}), **tasks,
+              **({k: opts[k] for k in ("tensor_parallel_size", "pipeline_parallel_size")}
+                 if "tensor_parallel_size" in opts else {})}
     return {**result, **eng.log_facts(out / "server.log", folder)}
 
 

@@ -92,6 +92,10 @@ def test_measure_on_the_tiny_model(tmp_path):
     assert [lv["concurrency"] for lv in res["levels"]] == [1, 4]
     assert all(lv["errors"] == 0 and lv["output_tokens"] == lv["requests"] * 8 for lv in res["levels"])
     assert res["server_exit"] == 0 and res["levels"][-1]["server_peak_rss_bytes"] > 0
+    procs = res["levels"][-1]["server_processes"]  # each process's own peak, parent first, adding up to the total
+    assert procs and all(p["process"] and p["peak_rss_bytes"] > 0 for p in procs)
+    assert sum(p["peak_rss_bytes"] for p in procs) == res["levels"][-1]["server_peak_rss_bytes"]
+    assert "tensor_parallel_size" not in res  # one rank: not recorded
     assert res["engine"].startswith("transformers") and res["device"] == "cpu"  # the card reads the device
 
 
