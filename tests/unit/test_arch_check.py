@@ -327,3 +327,35 @@ def test_vllm_is_refused_a_deepseek_v3_config_without_noaux_tc_routing(tmp_path,
     why = engines_for("unquantized", "cpu", None, (), config)["vllm"]
     assert why is not None and "only when config.json sets topk_method = \"noaux_tc\"" in why
     assert "topk_method = \"noaux_tc\"" in engines.get("vllm").refuses_model(config, "cuda")  # its loader's, not CPU's
+
+
+def test_vllm_is_refused_a_latent_head_size_its_mla_backends_do_not_take(tmp_path, monkeypatch):
+    """vLLM's MLA backends declare their latent head sizes (kv_lora_rank + qk_rope_head_dim); the matrix's
+    deepseek_v3 (32 + 16 = 48) loaded and failed every request ("Head dimension 48 is not supported by MLA").
+    Check refuses it on any device; DeepSeek-V3's own 512 + 64 passes."""
+    import json
+
+    from pipeline.serve import engines
+    from pipeline.serve.engines import engines_for
+
+    _fake_vllm(tmp_path, monkeypatch)
+    mla = tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "vllm" / "model_executor" / "layers" / \
+        "attention"
+    mla.mkdir(parents=True)
+    (mla / "mla_attention.py").write_text(
+        "class MLACommonBackend:\n    @classmethod\n    def get_supported_head_sizes(cls) -> list[int]:\n"
+        "        return [320, 512, 576]\n")
+    config = json.loads((ARCH / "serve" / "deepseek_v3.json").read_text())
+    why = engines_for("unquantized", "cpu", None, (), config)["vllm"]
+    assert why is not None and "latent head sizes 320, 512, 576" in why and "deepseek_v3 here has 48" in why
+    assert "deepseek_v3 here has 48" in engines.get("vllm").refuses_model(config, "cuda")
+    config.update(kv_lora_rank=512, qk_rope_head_dim=64)
+    assert engines_for("unquantized", "cpu", None, (), config)["vllm"] is None
+
+
+def test_the_mla_head_sizes_are_read_from_the_installed_vllm():
+    from pipeline.serve.engines import vllm
+
+    if not vllm.python().is_file():
+        pytest.skip("vLLM's environment (.venv-vllm) is not set up")
+    assert vllm.mla_head_sizes(vllm.python()) == (320, 512, 576)

