@@ -66,8 +66,15 @@ def peak_rss(pid: int | None) -> int | None:
     return total or None
 
 
+def process_name(pid: int) -> str:
+    """The name a process gives itself: its argv[0]'s base name (vLLM retitles its processes VLLM::EngineCore,
+    VLLM::Worker_TP0 ...; /proc/<pid>/comm cuts those at 15 characters, dropping the rank), else its comm."""
+    argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace").strip()
+    return Path(argv0.split(" ")[0]).name if argv0 else Path(f"/proc/{pid}/comm").read_text().strip()
+
+
 def process_peaks(pid: int | None) -> list[dict] | None:
-    """[{"process": its name (/proc/<pid>/comm), "peak_rss_bytes": VmHWM}] for a process and each descendant, parent
+    """[{"process": its name (process_name), "peak_rss_bytes": VmHWM}] for a process and each descendant, parent
     first: the memory of each rank (vLLM's CPU workers with tensor or pipeline parallelism are named VLLM::Worker_TP0,
     _TP1 ...). None if the process cannot be read."""
     if pid is None:
@@ -80,7 +87,7 @@ def process_peaks(pid: int | None) -> list[dict] | None:
             continue
         seen.add(p)
         try:
-            name = Path(f"/proc/{p}/comm").read_text().strip()
+            name = process_name(p)
             hwm = next((int(line.split()[1]) * 1024 for line in Path(f"/proc/{p}/status").read_text().splitlines()
                         if line.startswith("VmHWM:")), 0)
             for task in Path(f"/proc/{p}/task").iterdir():
