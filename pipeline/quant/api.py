@@ -60,13 +60,13 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.Tensor | None, ou
             log.info("quantize %s: the model in memory would need about %.1f GiB, over the %.1f GiB limit "
                      "([run] max_memory_gb): streaming it from disk one layer at a time (about %.1f GiB)", variant.name,
                      need / GiB, memory_limit / GiB, quantize_peak(base_dir, calib_ids, offload=True) / GiB)
+    config = json.loads((base_dir / "config.json").read_text())
     with captured_output(out_dir / log_name, ENGINE_LOGGERS) as console:
         impl = implementation(variant)  # its engine imported here: import-time memory is not the variant's
         torch.manual_seed(seed)
         try:
             # GPTQModel patches transformers for the process: undone once its model is saved (defuser_scope.py)
-            with PeakMemory() as mem, impl.session(out_dir), \
-                    transformers_restored(json.loads((base_dir / "config.json").read_text())):
+            with PeakMemory() as mem, impl.session(out_dir), transformers_restored(config):
                 t0 = time.perf_counter()
                 calib = calib_ids if calibrated else None
                 model = (impl.quantize(base_dir, variant, calib, console, device) if offload is None else
@@ -81,8 +81,7 @@ def quantize_variant(base_dir: Path, variant, calib_ids: torch.Tensor | None, ou
             if offload is not None:
                 shutil.rmtree(offload, ignore_errors=True)
     log.info("quantize %s: done in %.1f s, peak memory +%.0f MiB", variant.name, elapsed, mem.above_start_bytes / 2**20)
-    experts = details.get("experts") or count_experts(out_dir, architecture_of(
-        json.loads((base_dir / "config.json").read_text())))
+    experts = details.get("experts") or count_experts(out_dir, architecture_of(config))
     if experts is not None and c.checkpoint_format != "gguf":  # a GGUF file counts its own (its work module)
         problem = experts_problem(experts)
         if problem is not None:

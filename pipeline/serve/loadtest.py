@@ -59,11 +59,10 @@ def percentile(xs: list[float], q: float) -> float | None:
     return s[k]
 
 
-def peak_rss(pid: int | None) -> int | None:
+def peak_rss(processes: list[dict] | None) -> int | None:
     """VmHWM (peak resident set) of a process and its descendants added up (vLLM's server runs its engine in child
-    processes), in bytes; None if it cannot be read."""
-    total = sum(p["peak_rss_bytes"] for p in process_peaks(pid) or [])
-    return total or None
+    processes), in bytes, from process_peaks' one reading of them; None if they could not be read."""
+    return sum(p["peak_rss_bytes"] for p in processes or []) or None
 
 
 def process_name(pid: int) -> str:
@@ -183,7 +182,7 @@ async def run_level(base_url: str, model: str, prompts: list[str], concurrency: 
                        sum(1 for r in results if r["status"] == 503), tokens, round(wall, 3),
                        round(tokens / wall, 2), round(len(ok) / wall, 3),
                        percentile(ttft, 50), percentile(ttft, 99), percentile(gaps, 50), percentile(gaps, 99),
-                       peak_rss(pid), process_peaks(pid))
+                       peak_rss(processes := process_peaks(pid)), processes)
 
 
 def run(base_url: str, model: str, levels: list[int], requests_per_level: int | None, max_tokens: int,

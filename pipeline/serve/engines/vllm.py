@@ -153,11 +153,11 @@ class VLLM(Engine):
 
     def refuses_model(self, config: dict, device: str, fmt: str = UNQUANTIZED, needs: tuple[str, ...] = ()
                       ) -> str | None:
-        if device.startswith("cuda"):
-            return routing_bias_missing(config) or mla_missing(config)
+        why = routing_bias_missing(config) or mla_missing(config)  # its loader's and attention's, on any device
+        if why or device.startswith("cuda"):
+            return why
         weight_only = fmt in WNA16_FORMATS or "wna16" in needs
-        return routing_bias_missing(config) or mla_missing(config) or cpu_attention_missing(config) or (
-            wna16_moe_missing(config) if weight_only else None)
+        return cpu_attention_missing(config) or (wna16_moe_missing(config) if weight_only else None)
 
     def refuses_start(self, folder, opts: ServeOptions) -> str | None:
         return start_refusal(Path(folder), opts)
@@ -361,10 +361,6 @@ def model_config(folder: Path) -> dict:
         return {}
 
 
-def quantization_config(folder: Path) -> dict:
-    return model_config(folder).get("quantization_config") or {}
-
-
 def weight_only_ct(qc: dict) -> bool:
     """A compressed-tensors config whose groups quantize integer weights only (W4A16/W8A16: vLLM's WNA16 schemes)."""
     groups = (qc.get("config_groups") or {}).values()
@@ -378,15 +374,13 @@ def start_refusal(folder: Path, opts: ServeOptions) -> str | None:
     # late: pipeline.serve.server imports the engine registry, which imports this module
     from pipeline.serve.server import is_loopback
 
-    if not opts.device.startswith("cuda"):  # what the plan cannot see: it knows "compressed-tensors" only
-        qc = quantization_config(folder)
-        weight_only = weight_only_ct(qc) or str(qc.get("quant_method") or "").lower() in WNA16_FORMATS
-        why = (wna16_missing("a compressed-tensors W4A16/W8A16 checkpoint") if weight_only_ct(qc) else None) or \
-            (fp8_kv_missing() if qc.get("kv_cache_scheme") else None) or cpu_attention_missing(model_config(folder)) \
-            or (wna16_moe_missing(model_config(folder)) if weight_only else None)
-        if why:
-            return f"engine vllm: {why}"
-    if why := routing_bias_missing(model_config(folder)) or mla_missing(model_config(folder)):
+    # what the plan asks of the recipe, asked of the folder (the plan knows "compressed-tensors" only, not its scheme)
+    config = model_config(folder)
+    qc = config.get("quantization_config") or {}
+    needs = (("wna16",) if weight_only_ct(qc) else ()) + (("fp8_kv",) if qc.get("kv_cache_scheme") else ())
+    fmt = str(qc.get("quant_method") or UNQUANTIZED).lower()
+    engine = VLLM()
+    if why := engine.refuses_needs(needs, opts.device) or engine.refuses_model(config, opts.device, fmt, needs):
         return f"engine vllm: {why}"
     if not is_loopback(opts.host):
         return (f"--engine vllm binds loopback only: vLLM's own server checks the API key on its /v1 routes alone "
