@@ -13,6 +13,7 @@ unit's length is guessed from its tier, which already puts the CLI and real-mode
 from __future__ import annotations
 
 import json
+import os
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -31,6 +32,10 @@ SPLIT = frozenset({
     "tests/slow/test_vllm_mix.py",
     "tests/slow/test_vllm_w8a8.py",
 })
+# the modules that read artifacts/ci-real (tests/slow/conftest.py): when .ci/run makes that run in the background
+# beside the tests (CI_REAL_BACKGROUND set), they go last, so no worker waits for it while other work is queued
+READS_CI_REAL = ("tests/slow/test_ci_real.py", "tests/slow/test_speculative_real.py")
+CI_REAL_BACKGROUND = "COMPRESS_TESTS_CI_REAL_BACKGROUND"
 # a unit not in durations.json yet: a test that runs the CLI or a real model is minutes, a unit test seconds
 UNKNOWN_S_PER_TEST = {"tests/e2e/": 60.0, "tests/slow/": 60.0, "": 2.0}
 
@@ -61,13 +66,17 @@ def scheduler(config, log):
 
 
 def order(items: list[pytest.Item]) -> None:
-    """Sort the items longest unit first, a unit's tests together in their own order, in place."""
+    """Sort the items longest unit first, a unit's tests together in their own order, in place; with .ci/run's
+    ci-real run in the background, the units that read it after all others."""
     recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     units: dict[str, list[pytest.Item]] = {}
     for item in items:
         units.setdefault(unit(item.nodeid), []).append(item)
     seconds = {u: recorded.get(u, guess(u, len(its))) for u, its in units.items()}
-    items[:] = [it for u in sorted(units, key=lambda u: -seconds[u]) for it in units[u]]  # stable among equals
+    late = os.environ.get(CI_REAL_BACKGROUND) == "1"
+    def key(u: str) -> tuple[bool, float]:
+        return late and u.startswith(READS_CI_REAL), -seconds[u]
+    items[:] = [it for u in sorted(units, key=key) for it in units[u]]  # stable among equals
 
 
 def record(junit_files: list[str]) -> dict[str, float]:

@@ -139,13 +139,19 @@ def test_vllm_killed_during_the_load_test_fails_the_unit_naming_it(export, tmp_p
     assert not _vllm_pids(export)
 
 
-def test_sigterm_under_load_exits_0_and_leaves_no_process(export, tmp_path):
+def test_auto_chooses_vllm_by_the_exports_figures_and_sigterm_under_load_exits_0_leaving_no_process(export, tmp_path):
+    """One vLLM start for two behaviours of `compress serve`: --engine auto picks vLLM when the export's recorded
+    figures say it is fastest, and SIGTERM under load drains, exits 0 and leaves no process of vLLM's."""
+    from pipeline.serve import measured
     from pipeline.serve.loadtest import run
 
+    levels = {"transformers": 38.2, "vllm": 63.3}
+    measured.write(export, {e: {"engine": e, "device": "cpu", "levels": [
+        {"concurrency": 4, "requests": 8, "errors": 0, "output_tok_s": r}]} for e, r in levels.items()})
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
-    proc = subprocess.Popen(serve_cmd(export, port, "--engine", "vllm", "--enforce-eager", "--slots", "4",
-                                      "--max-model-len", "128", "--drain-s", "5"),
+    proc = subprocess.Popen(serve_cmd(export, port, "--enforce-eager", "--slots", "4", "--max-model-len", "128",
+                                      "--drain-s", "5"),
                             env=env(COMPRESS_API_KEY="k3y"), stdout=log, stderr=subprocess.STDOUT)
     try:
         end = time.monotonic() + 300
@@ -167,36 +173,16 @@ def test_sigterm_under_load_exits_0_and_leaves_no_process(export, tmp_path):
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
     finally:
+        (export / measured.SERVING_FILE).unlink()
         if proc.poll() is None:
             proc.kill()
         log.close()
     time.sleep(1)
     assert not _group_alive(pgid) and not _vllm_pids(export)
-    assert "signal 15: stopping vLLM" in (tmp_path / "serve.log").read_text()
-
-
-def test_auto_serves_with_vllm_when_the_exports_figures_say_it_is_fastest(export, tmp_path):
-    from pipeline.serve import measured
-
-    levels = {"transformers": 38.2, "vllm": 63.3}
-    measured.write(export, {e: {"engine": e, "device": "cpu", "levels": [
-        {"concurrency": 4, "requests": 8, "errors": 0, "output_tok_s": r}]} for e, r in levels.items()})
-    log_path = tmp_path / "serve.log"
-    proc = subprocess.Popen(serve_cmd(export, free_port(), "--enforce-eager", "--slots", "4", "--max-model-len", "128"),
-                            env=env(), stdout=open(log_path, "wb"), stderr=subprocess.STDOUT)
-    try:
-        end = time.monotonic() + 300
-        while b"serving tiny (vllm" not in log_path.read_bytes():
-            assert proc.poll() is None and time.monotonic() < end, log_path.read_text()[-2000:]
-            time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-    finally:
-        (export / measured.SERVING_FILE).unlink()
-        if proc.poll() is None:
-            proc.kill()
+    text = (tmp_path / "serve.log").read_text()
+    assert "signal 15: stopping vLLM" in text
     assert ("auto: vllm, measured fastest for this export on CPU: 63.3 output tok/s at concurrency 4 (against "
-            "transformers 38.2 at 4)") in log_path.read_text()
+            "transformers 38.2 at 4)") in text
 
 
 def test_setup_reuses_both_environments_on_a_second_call():
