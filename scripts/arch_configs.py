@@ -53,11 +53,15 @@ def build(model_type: str, extra: dict) -> dict:
 SERVE_OUT = OUT / "serve"
 SERVE_SHAPES = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
 SERVE_EXTRA: dict[str, dict] = {"deepseek_v3": {}}
-# keys real checkpoints' config.json carry that transformers' config class has no field for, and an engine reads:
+# keys whose real checkpoints' values an engine depends on, where the tiny config differs (or has no such field):
+# Gemma 2 ties its head (the matrix's tiny configs do not tie), and vLLM's Gemma2ForCausalLM has no head of its own;
 # DeepSeek-V3's routing (vLLM creates the router's e_score_correction_bias only for topk_method = "noaux_tc", while
 # transformers writes that tensor always: without the key vLLM refused the checkpoint, "KeyError:
 # 'layers.1.mlp.gate.e_score_correction_bias'")
-SERVE_REAL_KEYS: dict[str, dict] = {"deepseek_v3": {"topk_method": "noaux_tc"}}
+SERVE_REAL_KEYS: dict[str, dict] = {
+    "deepseek_v3": {"topk_method": "noaux_tc"},
+    "gemma2": {"tie_word_embeddings": True},  # every Gemma 2 ties it; vLLM's Gemma2ForCausalLM has no head
+}
 
 
 def main() -> int:

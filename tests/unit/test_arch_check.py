@@ -359,3 +359,49 @@ def test_the_mla_head_sizes_are_read_from_the_installed_vllm():
     if not vllm.python().is_file():
         pytest.skip("vLLM's environment (.venv-vllm) is not set up")
     assert vllm.mla_head_sizes(vllm.python()) == (320, 512, 576)
+
+
+def test_vllm_is_refused_an_untied_head_on_a_class_that_computes_logits_with_the_embeddings(tmp_path, monkeypatch):
+    """vLLM's Gemma2ForCausalLM has no lm_head of its own (its module builds no ParallelLMHead): the matrix's gemma2,
+    saved with tie_word_embeddings = false, was refused at start-up for every export ("There is no module or parameter
+    named 'lm_head'"). Check refuses an untied one on any device; a tied one passes, and so does a class that builds a
+    head or takes one from another module (vLLM's Mistral subclasses its LlamaForCausalLM)."""
+    import json
+
+    from pipeline.serve import engines
+    from pipeline.serve.engines import engines_for
+
+    _fake_vllm(tmp_path, monkeypatch)
+    models = tmp_path / "venv" / "lib" / "python3.11" / "site-packages" / "vllm" / "model_executor" / "models"
+    models.mkdir(parents=True)
+    (models / "registry.py").write_text(
+        '_TEXT_GENERATION_MODELS = {\n    "Gemma2ForCausalLM": ("gemma2", "Gemma2ForCausalLM"),\n'
+        '    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),\n'
+        '    "MistralForCausalLM": ("mistral", "MistralForCausalLM"),\n}\n')
+    (models / "gemma2.py").write_text("class Gemma2ForCausalLM:\n    def compute_logits(self, h):\n"
+                                      "        return self.logits_processor(self.model.embed_tokens, h)\n")
+    (models / "llama.py").write_text("class LlamaForCausalLM:\n    def __init__(self):\n"
+                                     "        self.lm_head = ParallelLMHead(1, 2)\n")
+    (models / "mistral.py").write_text("from .llama import LlamaForCausalLM\n\n\n"
+                                       "class MistralForCausalLM(LlamaForCausalLM):\n    pass\n")
+    config = json.loads((ARCH / "serve" / "gemma2.json").read_text())
+    assert config["tie_word_embeddings"] is True  # the serving fixture ties it, as every real Gemma 2 does
+    assert engines_for("unquantized", "cpu", None, (), config)["vllm"] is None
+    config["tie_word_embeddings"] = False
+    why = engines_for("unquantized", "cpu", None, (), config)["vllm"]
+    assert why is not None and "vLLM's Gemma2ForCausalLM computes the logits with the input embeddings" in why
+    assert "tie_word_embeddings = false" in engines.get("vllm").refuses_model(config, "cuda")
+    for model_type in ("llama", "mistral"):
+        untied = {**json.loads((ARCH / "serve" / f"{model_type}.json").read_text()), "tie_word_embeddings": False}
+        assert engines.get("vllm").refuses_model(untied, "cuda") is None, model_type
+
+
+def test_the_tied_head_classes_are_read_from_the_installed_vllm():
+    from pipeline.serve.engines import vllm
+
+    if not vllm.python().is_file():
+        pytest.skip("vLLM's environment (.venv-vllm) is not set up")
+    tied = vllm.tied_head_only(vllm.python())
+    assert "Gemma2ForCausalLM" in tied and "CohereForCausalLM" in tied
+    assert not {"LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
+                "Gemma3ForCausalLM"} & tied

@@ -163,6 +163,28 @@ def _doc_wall(r: dict) -> str:
     return f"{w['wall_s']} s ({w['wall_s'] / 60:.0f} min), exit {w['exit_code']}"
 
 
+def _qwen_reading(q: dict) -> str:
+    """What the Qwen rows show, in figures read from its results JSON (nothing typed by hand)."""
+    v = q["variants"]
+    if any(v.get(n, {}).get("kl") is None for n in ("gptq-w4g128", "rtn-w4g128", "rtn-w4g128-ct", "awq-w4g128")):
+        return ""
+    gptq, rtn, ct, awq = (v[n] for n in ("gptq-w4g128", "rtn-w4g128", "rtn-w4g128-ct", "awq-w4g128"))
+    four = sorted((n for n, x in v.items() if x.get("bits_per_weight") and x["bits_per_weight"] < 5
+                   and x.get("kl") is not None), key=lambda n: v[n]["kl"])
+    eight = [n for n, x in v.items() if x.get("bits_per_weight") and x["bits_per_weight"] >= 5]
+    worst8 = max(eight, key=lambda n: v[n]["ppl_ratio"]) if eight else None
+    return (
+        f"What the Qwen rows show: the 4-bit rows by KL, lowest first: {', '.join(four)}. GPTQ's "
+        f"{gptq['kl']:.4f} is {rtn['kl'] / gptq['kl']:.2f}x below RTN's {rtn['kl']:.4f} on the same grid (group "
+        f"128, min/max scales); the lowest is {four[0]} ({v[four[0]]['kl']:.4f}). AWQ on 2 calibration rows "
+        f"({awq['kl']:.4f}) sits between GPTQ and RTN, and AutoRound "
+        "at 8 steps a block is behind RTN: both under-tuned here, as said above. The compressed-tensors RTN row "
+        f"(q/k/v biases carried; #41 found this architecture's CT export scoring a NaN perplexity) is within "
+        f"{abs(ct['ppl_ratio'] - rtn['ppl_ratio']):.4f} of the GPTQ-format RTN row in perplexity ratio. Every 8-bit "
+        f"row is within x{v[worst8]['ppl_ratio']:.4f} of the baseline ({worst8} the furthest).\n"
+        if worst8 else "")
+
+
 def write_doc(res: dict[str, dict]) -> None:
     """docs/architectures-real.md from the results JSONs (smollm2 and qwen05)."""
     s, q = res["smollm2"], res["qwen05"]
@@ -180,7 +202,8 @@ def write_doc(res: dict[str, dict]) -> None:
 
     page = f"""# Real weights through every method (issue #41)
 
-Measured 2026-12-06 on a 2-core AMD EPYC CPU shared with other jobs (`[run] threads = 1`), no GPU.
+Measured on a 2-core AMD EPYC CPU (`[run] threads = 1`), no GPU: SmolLM2 on 2026-12-06, shared with other jobs;
+Qwen on 2026-12-07, beside one other job on the second core.
 Every quantization method compress has that runs on a CPU, one `[[quantize]]` variant each, on the real weights of
 two architectures. Versions: torch {v["torch"]}, transformers {v["transformers"]}, gptqmodel {v["gptqmodel"]},
 bitsandbytes {v["bitsandbytes"]}, torchao {v["torchao"]}, gguf {v["gguf"]}, compress {v["compress"]} (full list in
@@ -222,6 +245,7 @@ SmolLM2), AutoRound 8 steps a block (32 on SmolLM2; auto-round's default is 200)
 (all 32 on SmolLM2). So AutoRound and AWQ on Qwen are under-tuned, and a row does not compare the two models at
 equal settings.
 
+{_qwen_reading(q)}
 ## Commands
 
 ```

