@@ -239,9 +239,9 @@ def tied_head_only(py: Path) -> frozenset[str]:
                 continue
             for key, value in zip(node.value.keys, node.value.values, strict=True):
                 if not (isinstance(key, ast.Constant) and isinstance(value, ast.Tuple) and value.elts
-                        and isinstance(value.elts[0], ast.Constant)):
+                        and isinstance(value.elts[0], ast.Constant) and isinstance(value.elts[0].value, str)):
                     continue
-                module = path.parent / f"{value.elts[0].value}.py"
+                module = path.parent / (value.elts[0].value + ".py")
                 if module.is_file() and _builds_no_head(module.read_text(encoding="utf-8")):
                     out.add(str(key.value))
     return frozenset(out)
