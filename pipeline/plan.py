@@ -102,7 +102,7 @@ def check(recipe) -> Plan:
     problems += served_task_problems(recipe.validate_.tasks, recipe.validate_.serve, plan.serve_engines,
                                      {n: engines.get(n).scores_tasks for n in engines.NAMES})
     problems += serve_parallel_problems(recipe.validate_.serve, info.config, plan.device, plan.serve_engines,
-                                        engines.splitting(), bound_cores(recipe.run.threads))
+                                        engines.splitting(), bound_cores(recipe.run.threads), _group_sizes(recipe))
     estimate_memory(recipe, info, plan, source)
     problems += _check_techniques(recipe, info, plan)
     problems += _untimed_gates(recipe, plan)
@@ -407,6 +407,18 @@ def _check_measurements(recipe, plan: Plan) -> list[Problem]:
     found = [p for m in all_measurements() for p in m.check(recipe, arch)]
     plan.warnings += [p.message for p in found if p.note]
     return [p for p in found if not p.note]
+
+
+def _group_sizes(recipe) -> dict[str, tuple[int, ...]]:
+    """{variant: the group sizes its checkpoint may hold}: its group_size, or every one its mix may choose."""
+    out = {}
+    for v in recipe.quantize:
+        g = getattr(v, "group_size", None)
+        if not isinstance(g, int):
+            continue
+        mix = getattr(v, "mix", None)
+        out[v.name] = tuple(gs for _, gs in mix.candidates(g)) if mix is not None else (g,)
+    return out
 
 
 def _check_serve(recipe, plan: Plan) -> list[Problem]:

