@@ -71,6 +71,15 @@ def versions() -> dict[str, str]:
     return out
 
 
+def identity_versions(vers: dict[str, str]) -> dict[str, str]:
+    """The versions every unit's identity hashes: `vers` without those of the engines that run from an environment
+    of their own (Engine.own_environment: vLLM's .venv-vllm). Their serve units hash the engine's version in their
+    config; counting it in every unit made a run started before .venv-vllm was built recompute its load,
+    quantization and measurements once it was (CI's ci-real run beside vLLM's set-up: every unit ran twice)."""
+    own = {pkg for name in engines.NAMES if engines.get(name).own_environment for pkg in engines.get(name).version()}
+    return {k: v for k, v in vers.items() if k not in own}
+
+
 def arch_of(info: ModelInfo) -> Arch:
     return linear_shapes_from_config(info.config)
 

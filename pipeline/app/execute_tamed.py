@@ -22,7 +22,7 @@ from pipeline.base.unit import Unit
 from pipeline.eval.tasks_config import data_lock
 from pipeline.model.models import resolve_device
 from pipeline.model.sources import parse
-from pipeline.plan import Plan, versions
+from pipeline.plan import Plan, identity_versions, versions
 from pipeline.publish.hub import publish_run
 from pipeline.results import schema
 from pipeline.results.gates import evaluate_gates, failed_gates, gates_table
@@ -76,7 +76,7 @@ def execute_locked(recipe, recipe_path: Path, run_dir: Path, plan: Plan | None =
         report.run.predicted_peak_bytes = dict(plan.memory)
         report.run.offloaded = sorted(k for k, v in plan.offload.items() if v)
         report.run.memory_limit_bytes = plan.memory_limit if recipe.run.max_memory_gb else None
-    runner = Runner(run_dir, recipe.run.seed, device, vers, report, run_id)
+    runner = Runner(run_dir, recipe.run.seed, device, vers, report, run_id, identity_versions(vers))
     with stop_signals():
         try:
             # the report goes first: from here on, nothing earlier runs' report said can be pushed

@@ -103,7 +103,8 @@ class RayExecutor:
         opts = {**options_for(unit.key, self.plan, self.runner.device, r.threads), "max_retries": MAX_RETRIES,
                 **self.admission.selector()}  # never on a node left out
         run = {"run_dir": str(self.run_dir.resolve()), "seed": self.runner.seed, "device": self.runner.device,
-               "versions": self.runner.versions, "run_id": self.runner.run_id, "threads": r.threads,
+               "versions": self.runner.versions, "identity_versions": self.runner.identity,
+               "run_id": self.runner.run_id, "threads": r.threads,
                "token": self.admission.token}
         manifests = {k: v for k, v in self.runner.manifests.items()}
         clear_unit_folder(self.run_dir / unit.key)

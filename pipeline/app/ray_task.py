@@ -252,7 +252,8 @@ def _rebuild(recipe_data: dict, key: str, h: str, run: dict, manifests: dict, no
     if key not in units:
         raise StageError(f"{key}: node {node} builds no such unit from the recipe (its units: {sorted(units)})")
     unit = units[key]
-    runner = task_runner_cls()(Path(run["run_dir"]), run["seed"], run["device"], run["versions"], None, run["run_id"])
+    runner = task_runner_cls()(Path(run["run_dir"]), run["seed"], run["device"], run["versions"], None, run["run_id"],
+                               run.get("identity_versions"))
     runner.manifests = dict(manifests)
     runner.token = run["token"]
     if runner.inputs_hash(unit) != h:

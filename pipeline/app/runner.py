@@ -89,8 +89,10 @@ class Runner:
     """Runs units and records each one in the report (through pipeline.results, its only writer)."""
 
     def __init__(self, run_dir: Path, seed: int, device: str, versions: dict, report=None,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, identity_versions: dict | None = None) -> None:
         self.run_dir, self.seed, self.device, self.versions = run_dir, seed, device, versions
+        # what a unit's inputs hash counts (pipeline.plan.identity_versions); `versions` is what the report records
+        self.identity = versions if identity_versions is None else identity_versions
         self.run_id = run_id or schema.new_run_id()
         self.report = report or schema.new_report(run_id=self.run_id, name=Path(run_dir).name, recipe="",
                                                   device=device, seed=seed, versions=versions)
@@ -134,7 +136,7 @@ class Runner:
         deps = {d: self.manifests[d]["outputs_hash"] for d in unit.deps}
         code = code_hash(unit.code, self.code.root, self.code)
         return canonical_hash({"key": unit.key, "config": unit.config, "deps": deps, "code": code,
-                               "versions": self.versions, "seed": self.seed, "device": self.device})
+                               "versions": self.identity, "seed": self.seed, "device": self.device})
 
     def run_unit(self, unit: Unit) -> dict:
         final = self.run_dir / unit.key

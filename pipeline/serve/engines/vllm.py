@@ -95,6 +95,7 @@ class VLLM(Engine):
     unhonoured_why = "vLLM has no such setting: it queues without bound and caps output at the context"
     install = INSTALL
     optional = True
+    own_environment = True  # .venv-vllm
     label = "vLLM"
     prompt_logprobs = True  # [validate.serve] perplexity: the quality windows scored through its server
     scores_tasks = True  # OpenAI completions with echo + logprobs (research/tasks_served.py scored 200 items)
