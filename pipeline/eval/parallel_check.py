@@ -18,6 +18,7 @@ from pathlib import Path
 
 from pipeline.base.problem import Problem
 from pipeline.budget.formulas import speed_bytes
+from pipeline.model.architecture import split_groups
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2")  # the technique rows that switch attn_implementation
 _SUPPORT_ATTR = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}
@@ -142,34 +143,18 @@ def _tp_problems(tp: int, config: dict, device: str, cores: int) -> list[Problem
     return out
 
 
-def row_parallel_inputs(config: dict) -> dict[str, int]:
-    """The input widths of the layers tensor parallelism splits along their inputs (row-parallel: each rank takes a
-    slice of the columns): attention's output projection, the MLP's down projection and the experts' down
-    projections, from config.json."""
-    cfg = config.get("text_config") or config
-    n, hidden = int(cfg.get("num_attention_heads") or 0), int(cfg.get("hidden_size") or 0)
-    head = int(cfg.get("v_head_dim") or cfg.get("head_dim") or (hidden // n if n else 0))
-    out = {"o_proj": n * head} if n and head else {}
-    for key, name in (("intermediate_size", "down_proj"), ("moe_intermediate_size", "the experts' down_proj")):
-        if cfg.get(key):
-            out[name] = int(cfg[key])
-    return out
-
-
 def tp_group_problems(tp: int, config: dict, groups: dict[str, tuple[int, ...]]) -> list[Problem]:
     """A group-quantized model (GPTQ, AWQ, compressed-tensors W4A16: one scale per `g` input columns) split over `tp`
     ranks: each rank's slice of a row-parallel layer's inputs must hold whole groups. Qwen2.5-Coder-0.5B's GPTQ
     w4g128 at TP=2 (o_proj: 896 inputs, 448 a rank, 3.5 groups) loaded in vLLM's CPU build, reported healthy and
     failed every request ("cpu_wna16.cpp: Check failed: group_size % 2 == 0", 7 Dec 2026); its compressed-tensors
     scheme asserts the same at load. `groups`: {served model: the group sizes its checkpoint may hold}."""
-    widths = row_parallel_inputs(config)
     out = []
     for model, sizes in groups.items():
         for g in sorted({g for g in sizes if g > 0}):
-            bad = {name: w for name, w in widths.items() if w % tp or (w // tp) % g}
+            bad, fits = split_groups(tp, config, g)
             if not bad:
                 continue
-            fits = [t for t in range(1, 9) if all(w % t == 0 and (w // t) % g == 0 for w in widths.values())]
             out.append(Problem("validate.serve.tensor_parallel_size", "serve-tp-group-indivisible",
                                f"[validate.serve] tensor_parallel_size = {tp} splits {model}'s "
                                + ", ".join(f"{name} ({w} inputs, {w / tp:g} a rank)" for name, w in bad.items())

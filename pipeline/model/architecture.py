@@ -435,3 +435,31 @@ def linear_shape(arch: Architecture, kind: str) -> tuple[int, int] | None:
              "qkv_proj": (d["h"], q + 2 * kv), "gate_proj": (d["h"], inter), "up_proj": (d["h"], inter),
              "down_proj": (inter, d["h"]), "gate_up_proj": (d["h"], 2 * inter)}
     return rules.get(leaf)
+
+
+# ---------------------------------------------------------------- tensor parallelism over quantization groups
+
+
+def row_parallel_inputs(config: dict) -> dict[str, int]:
+    """The input widths of the layers tensor parallelism splits along their inputs (row-parallel: each rank takes a
+    slice of the columns): attention's output projection, the MLP's down projection and the experts' down
+    projections, from config.json."""
+    cfg = config.get("text_config") or config
+    n, hidden = int(cfg.get("num_attention_heads") or 0), int(cfg.get("hidden_size") or 0)
+    head = int(cfg.get("v_head_dim") or cfg.get("head_dim") or (hidden // n if n else 0))
+    out = {"o_proj": n * head} if n and head else {}
+    for key, name in (("intermediate_size", "down_proj"), ("moe_intermediate_size", "the experts' down_proj")):
+        if cfg.get(key):
+            out[name] = int(cfg[key])
+    return out
+
+
+def split_groups(tp: int, config: dict, group_size: int) -> tuple[dict[str, int], list[int]]:
+    """({row-parallel layer: its input width} for the layers that `tp` ranks would cut into slices that are not
+    whole groups of `group_size` columns, the sizes from 1 to 8 that keep whole groups in every such layer). A
+    group-quantized checkpoint (GPTQ, AWQ, compressed-tensors W4A16) keeps one scale per group: vLLM shards the scales
+    by whole groups, so a cut group loads and then fails every request (Qwen2.5-Coder-0.5B w4g128 at TP=2)."""
+    widths = row_parallel_inputs(config)
+    bad = {name: w for name, w in widths.items() if w % tp or (w // tp) % group_size}
+    fits = [t for t in range(1, 9) if all(w % t == 0 and (w // t) % group_size == 0 for w in widths.values())]
+    return bad, fits

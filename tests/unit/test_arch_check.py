@@ -405,3 +405,40 @@ def test_the_tied_head_classes_are_read_from_the_installed_vllm():
     assert "Gemma2ForCausalLM" in tied and "CohereForCausalLM" in tied
     assert not {"LlamaForCausalLM", "MistralForCausalLM", "Phi3ForCausalLM", "Qwen2ForCausalLM",
                 "Gemma3ForCausalLM"} & tied
+
+
+def test_compress_serve_refuses_a_tensor_parallel_size_that_cuts_the_checkpoints_groups(tmp_path, monkeypatch):
+    """`compress serve --engine vllm --tensor-parallel-size 2` on Qwen2.5-Coder-0.5B's GPTQ w4g128 (o_proj 896
+    inputs: 448 a rank, 3.5 groups) loaded and failed every request; it is refused before vLLM starts, as check
+    refuses the recipe (serve-tp-group-indivisible). w4g64 and a compressed-tensors group of 64 pass; TP=1 passes."""
+    import json
+
+    from pipeline.serve.engines.base import ServeOptions
+    from pipeline.serve.engines.vllm import start_refusal
+
+    _fake_vllm(tmp_path, monkeypatch)
+    folder = tmp_path / "qwen05-gptq"
+    folder.mkdir()
+    config = {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 896,
+              "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24,
+              "tie_word_embeddings": True}
+
+    def refusal(qc: dict, tp: int) -> str | None:
+        (folder / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
+        opts = ServeOptions(host="127.0.0.1", port=1, key=None, slots=1, max_queue=1, queue_timeout_s=1.0,
+                            max_tokens_limit=1, max_model_len=64, drain_s=1.0, device="cpu", threads=None,
+                            start_timeout_s=1.0, tensor_parallel_size=tp)
+        return start_refusal(folder, opts)
+
+    gptq = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    assert refusal(gptq, 2) == (
+        "engine vllm: --tensor-parallel-size 2 splits o_proj (896 inputs, 448 a rank) into slices that are not whole "
+        "groups of 128 (the checkpoint's group size): vLLM would load it and fail every request; sizes that keep "
+        "whole groups: 1")
+    assert refusal(gptq, 1) is None
+    assert refusal({**gptq, "group_size": 64}, 2) is None
+    ct = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 64}}}}
+    assert refusal(ct, 2) is None
+    assert "whole groups of 128" in refusal({**ct, "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 128}}}}, 2)

@@ -42,7 +42,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from pipeline.base.errors import RecipeError, StageError
-from pipeline.model.architecture import architecture_of, model_class
+from pipeline.model.architecture import architecture_of, model_class, split_groups
 from pipeline.serve.engines.base import PARALLEL, UNQUANTIZED, Engine, ServeOptions, describe, error_line
 
 log = logging.getLogger("compress.serve")
@@ -421,6 +421,33 @@ def weight_only_ct(qc: dict) -> bool:
         (g.get("weights") or {}).get("type") == "int" and not g.get("input_activations") for g in groups)
 
 
+def checkpoint_group_size(qc: dict) -> int | None:
+    """The group size a quantization_config declares (GPTQ/AWQ: group_size; compressed-tensors: its first config
+    group's weights.group_size), or None."""
+    if isinstance(qc.get("group_size"), int):
+        return qc["group_size"]
+    for group in (qc.get("config_groups") or {}).values():
+        g = (group.get("weights") or {}).get("group_size") if isinstance(group, dict) else None
+        if isinstance(g, int):
+            return g
+    return None
+
+
+def cut_groups(config: dict, qc: dict, tp: int) -> str | None:
+    """Why --tensor-parallel-size would cut this checkpoint's quantization groups (pipeline.model.architecture
+    split_groups; `compress check` asks the same of a recipe's variants), or None."""
+    g = checkpoint_group_size(qc)
+    if tp <= 1 or not g or g <= 0:
+        return None
+    bad, fits = split_groups(tp, config, g)
+    if not bad:
+        return None
+    return (f"--tensor-parallel-size {tp} splits " + ", ".join(f"{name} ({w} inputs, {w / tp:g} a rank)"
+                                                               for name, w in bad.items())
+            + f" into slices that are not whole groups of {g} (the checkpoint's group size): vLLM would load it and "
+            f"fail every request; sizes that keep whole groups: {', '.join(map(str, fits))}")
+
+
 def start_refusal(folder: Path, opts: ServeOptions) -> str | None:
     """Why `--engine vllm` refuses this folder and these options before starting vLLM, or None (also what
     `--engine auto` passes over)."""
@@ -434,6 +461,8 @@ def start_refusal(folder: Path, opts: ServeOptions) -> str | None:
     fmt = str(qc.get("quant_method") or UNQUANTIZED).lower()
     engine = VLLM()
     if why := engine.refuses_needs(needs, opts.device) or engine.refuses_model(config, opts.device, fmt, needs):
+        return f"engine vllm: {why}"
+    if why := cut_groups(config, qc, opts.tensor_parallel_size):
         return f"engine vllm: {why}"
     if not is_loopback(opts.host):
         return (f"--engine vllm binds loopback only: vLLM's own server checks the API key on its /v1 routes alone "
