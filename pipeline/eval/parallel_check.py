@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pipeline.base.problem import Problem
 from pipeline.budget.formulas import speed_bytes
-from pipeline.model.architecture import split_groups
+from pipeline.model.architecture import cut_layers, split_groups
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2")  # the technique rows that switch attn_implementation
 _SUPPORT_ATTR = {"sdpa": "_supports_sdpa", "flash_attention_2": "_supports_flash_attn"}
@@ -157,8 +157,8 @@ def tp_group_problems(tp: int, config: dict, groups: dict[str, tuple[int, ...]])
                 continue
             out.append(Problem("validate.serve.tensor_parallel_size", "serve-tp-group-indivisible",
                                f"[validate.serve] tensor_parallel_size = {tp} splits {model}'s "
-                               + ", ".join(f"{name} ({w} inputs, {w / tp:g} a rank)" for name, w in bad.items())
-                               + f" into slices that are not whole groups of {g} (its group size): vLLM loads it "
+                               f"{cut_layers(bad, tp)} into slices that are not whole groups of {g} (its group "
+                               "size): vLLM loads it "
                                "and fails every request; tensor_parallel_size values that keep whole groups: "
                                f"{', '.join(map(str, fits))}"))
     return out

@@ -463,3 +463,8 @@ def split_groups(tp: int, config: dict, group_size: int) -> tuple[dict[str, int]
     bad = {name: w for name, w in widths.items() if w % tp or (w // tp) % group_size}
     fits = [t for t in range(1, 9) if all(w % t == 0 and (w // t) % group_size == 0 for w in widths.values())]
     return bad, fits
+
+
+def cut_layers(bad: dict[str, int], tp: int) -> str:
+    """split_groups' layers as the refusals name them: "o_proj (896 inputs, 448 a rank), ..."."""
+    return ", ".join(f"{name} ({w} inputs, {w / tp:g} a rank)" for name, w in bad.items())

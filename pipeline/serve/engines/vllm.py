@@ -42,7 +42,7 @@ from contextlib import suppress
 from pathlib import Path
 
 from pipeline.base.errors import RecipeError, StageError
-from pipeline.model.architecture import architecture_of, model_class, split_groups
+from pipeline.model.architecture import architecture_of, cut_layers, model_class, split_groups
 from pipeline.serve.engines.base import PARALLEL, UNQUANTIZED, Engine, ServeOptions, describe, error_line
 
 log = logging.getLogger("compress.serve")
@@ -207,21 +207,27 @@ def vllm_facts(log: Path, folder: Path) -> dict:
     return out
 
 
-@functools.cache
-def registered_architectures(py: Path) -> frozenset[str]:
-    """The text-generation model classes vLLM beside interpreter `py` registers (its models/registry.py
-    _TEXT_GENERATION_MODELS and _TRANSFORMERS_SUPPORTED_MODELS keys, read with ast: nothing started); empty when
-    there is no vLLM there."""
-    out: set[str] = set()
+def registry_tables(py: Path, *names: str) -> list[tuple[Path, ast.Dict]]:
+    """(registry.py's path, the dict literal) of each table of vLLM's models/registry.py beside interpreter `py`
+    named in `names`, read with ast (nothing started); [] when there is no vLLM there."""
+    out = []
     for path in sorted(py.parent.parent.glob("lib/python*/site-packages/vllm/model_executor/models/registry.py")):
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
             if not isinstance(node, ast.Assign | ast.AnnAssign) or not isinstance(node.value, ast.Dict):
                 continue
             target = node.targets[0] if isinstance(node, ast.Assign) else node.target
-            if isinstance(target, ast.Name) and target.id in ("_TEXT_GENERATION_MODELS",
-                                                              "_TRANSFORMERS_SUPPORTED_MODELS"):
-                out |= {str(k.value) for k in node.value.keys if isinstance(k, ast.Constant)}
-    return frozenset(out)
+            if isinstance(target, ast.Name) and target.id in names:
+                out.append((path, node.value))
+    return out
+
+
+@functools.cache
+def registered_architectures(py: Path) -> frozenset[str]:
+    """The text-generation model classes vLLM beside interpreter `py` registers (its models/registry.py
+    _TEXT_GENERATION_MODELS and _TRANSFORMERS_SUPPORTED_MODELS keys); empty when there is no vLLM there."""
+    return frozenset(str(k.value) for _, table in registry_tables(py, "_TEXT_GENERATION_MODELS",
+                                                                 "_TRANSFORMERS_SUPPORTED_MODELS")
+                     for k in table.keys if isinstance(k, ast.Constant))
 
 
 @functools.cache
@@ -231,20 +237,14 @@ def tied_head_only(py: Path) -> frozenset[str]:
     (_TEXT_GENERATION_MODELS' (module, class) tuples) builds none (`_builds_no_head`). Read with ast, nothing
     started; empty when there is no vLLM there."""
     out: set[str] = set()
-    for path in sorted(py.parent.parent.glob("lib/python*/site-packages/vllm/model_executor/models/registry.py")):
-        for node in ast.parse(path.read_text(encoding="utf-8")).body:
-            if not isinstance(node, ast.Assign | ast.AnnAssign) or not isinstance(node.value, ast.Dict):
+    for path, table in registry_tables(py, "_TEXT_GENERATION_MODELS"):
+        for key, value in zip(table.keys, table.values, strict=True):
+            if not (isinstance(key, ast.Constant) and isinstance(value, ast.Tuple) and value.elts
+                    and isinstance(value.elts[0], ast.Constant) and isinstance(value.elts[0].value, str)):
                 continue
-            target = node.targets[0] if isinstance(node, ast.Assign) else node.target
-            if not (isinstance(target, ast.Name) and target.id == "_TEXT_GENERATION_MODELS"):
-                continue
-            for key, value in zip(node.value.keys, node.value.values, strict=True):
-                if not (isinstance(key, ast.Constant) and isinstance(value, ast.Tuple) and value.elts
-                        and isinstance(value.elts[0], ast.Constant) and isinstance(value.elts[0].value, str)):
-                    continue
-                module = path.parent / (value.elts[0].value + ".py")
-                if module.is_file() and _builds_no_head(module.read_text(encoding="utf-8")):
-                    out.add(str(key.value))
+            module = path.parent / (value.elts[0].value + ".py")
+            if module.is_file() and _builds_no_head(module.read_text(encoding="utf-8")):
+                out.add(str(key.value))
     return frozenset(out)
 
 
@@ -442,9 +442,8 @@ def cut_groups(config: dict, qc: dict, tp: int) -> str | None:
     bad, fits = split_groups(tp, config, g)
     if not bad:
         return None
-    return (f"--tensor-parallel-size {tp} splits " + ", ".join(f"{name} ({w} inputs, {w / tp:g} a rank)"
-                                                               for name, w in bad.items())
-            + f" into slices that are not whole groups of {g} (the checkpoint's group size): vLLM would load it and "
+    return (f"--tensor-parallel-size {tp} splits {cut_layers(bad, tp)} into slices that are not whole groups of "
+            f"{g} (the checkpoint's group size): vLLM would load it and "
             f"fail every request; sizes that keep whole groups: {', '.join(map(str, fits))}")
 
 
