@@ -10,6 +10,8 @@ import contextlib
 import ctypes
 import importlib.util
 import os
+import signal
+from collections.abc import Mapping
 from pathlib import Path
 
 
@@ -42,15 +44,30 @@ def cache_root() -> Path:
 def tame() -> None:
     """Set the variables the quantization stack needs on small CPU machines."""
     release_freed_memory()
+    for key, value in tamed_environ(os.environ).items():
+        os.environ.setdefault(key, value)
+
+
+def tamed_environ(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with tame()'s variables added where it has none: the environment of a child that imports torch on its
+    first line (pipeline/base/forkserver_loop.py), as tame() sets it in this process."""
     cores = cpu_count()
-    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, min(cores, 2))))
+    out = dict(env)
+    out.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))  # release_freed_memory's, for a new process
+    out.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, min(cores, 2))))
     # tokenicer (a GPTQModel dependency) sets its own HF_HOME when unset: pin the standard one.
-    os.environ.setdefault("HF_HOME", str(cache_root() / "huggingface"))
+    out.setdefault("HF_HOME", str(cache_root() / "huggingface"))
     # One shared torch-extensions cache so GPTQModel's C++ op builds once per machine.
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions"))
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    out.setdefault("TORCH_EXTENSIONS_DIR", str(cache_root() / "torch_extensions"))
+    out.setdefault("TOKENIZERS_PARALLELISM", "false")
+    out.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    out.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    return out
+
+
+def die_with_parent() -> None:  # pragma: no cover - runs in the child (a preexec_fn, or a fork)
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a killed run kills its workers
 
 
 # glibc serves a freed block up to its dynamic mmap threshold (which rises to 32 MiB as large blocks are freed)

@@ -1,5 +1,6 @@
-"""Fresh-process workers: every model is measured in its own interpreter, so its memory is its own
-and it is loaded from disk exactly as a user would load it.
+"""Fresh-process workers: every model is measured in its own process, so its memory is its own and it is
+loaded from disk exactly as a user would load it. A quality task is a fork of a server that imported torch and
+transformers once (pipeline/base/forkserver.py, FORKED below); every other task is a new interpreter.
 
     result = run_task("quality", {...}, out_dir, threads)   # in the stage (tasks: TASKS below)
     result = run_task("tasks", {...}, out_dir, work="pipeline.eval.tasks:worker_task")  # a plug-in measurement's
@@ -11,28 +12,22 @@ progress bars) to the console and that log, less the known-harmless library line
 from __future__ import annotations
 
 import codecs
-import contextlib
-import ctypes
 import importlib
 import json
 import os
 import re
 import select
-import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import IO
 
+from pipeline.base import forkserver
 from pipeline.base.cli_logging import setup_logging
-from pipeline.base.env import tame
+from pipeline.base.env import die_with_parent, tame
 from pipeline.base.errors import StageError
 from pipeline.base.memory import peak_rss_bytes
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a killed run kills its workers
 
 
 class ChildTimeout(Exception):
@@ -104,27 +99,41 @@ class _StderrRelay:
             self.tail = (self.tail + text)[-16384:]
 
 
-def _expire(expired: threading.Event, proc: subprocess.Popen) -> None:
+def _expire(expired: threading.Event, proc: subprocess.Popen | forkserver.Forked) -> None:
     expired.set()
     proc.kill()
 
 
 def run_child(cmd: list[str], log_path: Path, timeout_s: float | None = None,
-              env: dict | None = None) -> tuple[int, str]:
+              env: dict | None = None, fork_args: list[str] | None = None) -> tuple[int, str]:
     """Run `cmd` in a child that dies with this process. Libraries print banners and INFO lines on stdout
     (GPTQModel): they go to `log_path`. Our logging and progress bars use stderr: passed through to the console
     as they come (all but the known-harmless library lines, HARMLESS_STDERR) and written to `log_path` too;
     the last lines kept for an error message. Returns (exit code, stderr tail); raises ChildTimeout when
-    `timeout_s` passes (the child is killed)."""
+    `timeout_s` passes (the child is killed). With `fork_args` (a worker task's job and result paths), the child is
+    a fork of the pre-imported server (pipeline/base/forkserver.py) where one runs, else `cmd` in a new interpreter."""
     env = dict(env or os.environ, PYTHONUNBUFFERED="1")
     with open(log_path, "wb", buffering=0) as log:  # the child's stdout and our copy of its stderr share it
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.PIPE, preexec_fn=_die_with_parent)
+        proc: subprocess.Popen | forkserver.Forked | None = None
+        stderr: IO[bytes] | None = None
+        if fork_args is not None:
+            read_end, write_end = os.pipe()
+            try:
+                proc = forkserver.spawn(fork_args, env, log.fileno(), write_end)
+            finally:
+                os.close(write_end)  # the child holds its own copy: end of file when it exits
+            if proc is None:
+                os.close(read_end)
+            stderr = os.fdopen(read_end, "rb", buffering=0) if proc is not None else None
+        if proc is None:
+            proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.PIPE, preexec_fn=die_with_parent)
+            stderr = proc.stderr
         expired = threading.Event()
         timer = threading.Timer(timeout_s, _expire, (expired, proc)) if timeout_s else None
         if timer:
             timer.start()
-        assert proc.stderr is not None  # stderr=PIPE
-        relay, fd = _StderrRelay(log, sys.stderr), proc.stderr.fileno()
+        assert stderr is not None  # stderr=PIPE, or the fork's pipe
+        relay, fd = _StderrRelay(log, sys.stderr), stderr.fileno()
         try:
             while True:
                 if relay.redraw_pending and not select.select([fd], [], [], 0.2)[0]:
@@ -143,7 +152,7 @@ def run_child(cmd: list[str], log_path: Path, timeout_s: float | None = None,
         finally:
             if timer:
                 timer.cancel()
-            proc.stderr.close()
+            stderr.close()
     if expired.is_set():
         raise ChildTimeout(f"exceeded its {timeout_s:.0f} s limit")
     lines = [ln for ln in relay.tail.replace("\r", "\n").splitlines() if ln.strip()]
@@ -163,7 +172,8 @@ def run_task(task: str, args: dict, out_dir: Path, threads: int | None = None, t
     try:
         try:
             code, tail = run_child([sys.executable, "-m", "pipeline.base.worker", str(job), str(result)],
-                                   out_dir / f"{task}.log", timeout_s, env)
+                                   out_dir / f"{task}.log", timeout_s, env,
+                                   fork_args=[str(job), str(result)] if task in FORKED else None)
         except ChildTimeout as e:
             raise StageError(f"{task} worker {e}" + (f" ({limit_setting})" if limit_setting else "")) from None
         if code != 0:
@@ -183,6 +193,12 @@ TASKS = {
     "speculative": "pipeline.speculative.evaluate:worker_task",
     "speed": "pipeline.eval.speed:worker_task",
 }
+
+
+# the tasks forked from the pre-imported server (pipeline/base/forkserver.py); every other task starts a new
+# interpreter: speed and speculative time what gates read, and a plug-in measurement may set the environment its
+# libraries read on import (the tasks worker's HF_HUB_OFFLINE), which the server's transformers has already read
+FORKED = frozenset({"quality"})
 
 
 def task_function(task: str, work: str | None = None):

@@ -53,6 +53,10 @@ class Cluster:
         self.address = f"127.0.0.1:{self.port}"
         self.env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0",
                     **AUTH,
+                    # Ray starts its workers (where compress's units run) at niceness 15: beside the other xdist
+                    # worker and .ci/run's background run they got a few percent of a core (the whole-recipe test:
+                    # 47 s alone, 366 s beside two busy processes); at 0 they share the cores as the rest does
+                    "RAY_worker_niceness": "0",
                     "RAY_health_check_period_ms": "500", "RAY_health_check_failure_threshold": "4",
                     "RAY_health_check_timeout_ms": "500"}
         self.env.pop("COMPRESS_FAULT", None)

@@ -2,6 +2,7 @@
 library noise) and the log, its tail kept for the error, a time limit that kills, clear errors from a failing task."""
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +68,94 @@ def test_run_task_names_an_unknown_task_and_cleans_up(tmp_path):
     with pytest.raises(StageError, match="nope worker failed"):
         run_task("nope", {}, tmp_path)
     assert not list(tmp_path.glob(".job-*")) and not list(tmp_path.glob(".result-*"))
+
+
+# ---------------------------------------------------------------- worker tasks forked from the pre-imported server
+
+
+def echo_task(args: dict) -> dict:
+    """A worker task (run_task's `work`): where it ran, and what was loaded when it started."""
+    import os
+    import sys
+
+    print("echo task on stderr", file=sys.stderr, flush=True)
+    print("echo task on stdout", flush=True)
+    if args.get("fail"):
+        raise ValueError("the task's own problem")
+    if args.get("sleep"):
+        time.sleep(args["sleep"])
+    return {"pid": os.getpid(), "ppid": os.getppid(), "torch": "torch" in sys.modules,
+            "task_code_loaded_before": "pipeline.eval.quality" in sys.modules, "env": os.environ.get("ECHO_ENV")}
+
+
+ECHO = "tests.unit.test_worker:echo_task"
+
+
+@pytest.fixture
+def forked(monkeypatch):
+    """The echo task forked as quality tasks are (worker.FORKED)."""
+    from pipeline.base import worker
+
+    monkeypatch.setattr(worker, "FORKED", worker.FORKED | {"echo"})
+
+
+def test_tasks_are_forks_of_one_server_that_imported_torch_and_report_like_an_interpreter(tmp_path, capfd,
+                                                                                        monkeypatch, forked):
+    import os
+
+    monkeypatch.delenv("COMPRESS_WORKER_FORK", raising=False)
+    monkeypatch.setenv("ECHO_ENV", "this process's environment")
+    first = run_task("echo", {}, tmp_path, work=ECHO)
+    second = run_task("echo", {}, tmp_path, work=ECHO)
+    assert first["ppid"] == second["ppid"] != os.getpid()  # both forked by the same server, not started here
+    assert first["pid"] != second["pid"] and first["torch"] and first["worker_peak_rss_bytes"] > 0
+    assert not first["task_code_loaded_before"]  # the task's code is imported from disk in the fork
+    assert first["env"] == "this process's environment"
+    assert "echo task on stderr" in capfd.readouterr().err
+    log = (tmp_path / "echo.log").read_text()
+    assert "echo task on stdout" in log and "echo task on stderr" in log
+    with pytest.raises(StageError, match="echo worker failed .*ValueError: the task's own problem"):
+        run_task("echo", {"fail": True}, tmp_path, work=ECHO)
+    assert not list(tmp_path.glob(".job-*")) and not list(tmp_path.glob(".result-*"))
+
+
+def test_a_forked_task_past_its_limit_is_killed(tmp_path, forked):
+    import os
+
+    from pipeline.base import forkserver
+
+    t0 = time.monotonic()
+    with pytest.raises(StageError, match="echo worker exceeded its 1 s limit"):
+        run_task("echo", {"sleep": 60}, tmp_path, timeout_s=1, work=ECHO)
+    assert time.monotonic() - t0 < 30
+    server = forkserver._server
+    assert server is not None and server.alive()
+
+    def children() -> list[str]:
+        out = []
+        for p in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                if f"PPid:\t{server.proc.pid}\n" in Path(f"/proc/{p}/status").read_text():
+                    out.append(p)
+            except OSError:  # gone meanwhile
+                pass
+        return out
+
+    deadline = time.monotonic() + 10
+    while children() and time.monotonic() < deadline:  # the server reaps it within its 0.1 s loop
+        time.sleep(0.1)
+    assert children() == [], "the killed task is gone"
+
+
+def test_only_quality_tasks_are_forked_and_a_server_turned_off_forks_none(tmp_path, monkeypatch, forked):
+    import os
+
+    from pipeline.base.worker import FORKED
+
+    assert FORKED == {"quality", "echo"}  # speed and speculative time what gates read; plug-ins set their own env
+    monkeypatch.setenv("COMPRESS_WORKER_FORK", "0")
+    r = run_task("echo", {}, tmp_path, work=ECHO)
+    assert r["ppid"] == os.getpid()
+    monkeypatch.delenv("COMPRESS_WORKER_FORK")
+    monkeypatch.setattr("pipeline.base.worker.FORKED", frozenset({"quality"}))
+    assert run_task("echo", {}, tmp_path, work=ECHO)["ppid"] == os.getpid()  # not a quality task
