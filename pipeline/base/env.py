@@ -65,6 +65,13 @@ def tamed_environ(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+def with_checkout_on_path(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with this checkout first on PYTHONPATH: a child `python -m pipeline...` runs this very code, wherever
+    it is run from (worker tasks and their fork server)."""
+    root = str(Path(__file__).resolve().parents[2])
+    return dict(env, PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])))
+
+
 def die_with_parent() -> None:  # pragma: no cover - runs in the child (a preexec_fn, or a fork)
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a killed run kills its workers

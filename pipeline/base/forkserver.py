@@ -34,9 +34,8 @@ import sys
 import tempfile
 import threading
 import time
-from pathlib import Path
 
-from pipeline.base.env import die_with_parent, tamed_environ
+from pipeline.base.env import die_with_parent, tamed_environ, with_checkout_on_path
 
 ENV = "COMPRESS_WORKER_FORK"
 START_TIMEOUT_S = 180.0  # the server's imports, on a loaded 2-core machine
@@ -71,10 +70,8 @@ class _Server:
     def __init__(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="compress-fork-")
         self.path = os.path.join(self.dir, "s")
-        root = str(Path(__file__).resolve().parents[2])
         # tame()'s variables: the server imports torch and transformers on its first lines
-        env = dict(tamed_environ(os.environ), PYTHONUNBUFFERED="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        env = dict(with_checkout_on_path(tamed_environ(os.environ)), PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.base.forkserver_loop", self.path], env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      preexec_fn=die_with_parent)  # it dies with this process, its tasks with it

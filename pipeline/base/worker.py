@@ -25,7 +25,7 @@ from typing import IO
 
 from pipeline.base import forkserver
 from pipeline.base.cli_logging import setup_logging
-from pipeline.base.env import die_with_parent, tame
+from pipeline.base.env import die_with_parent, tame, with_checkout_on_path
 from pipeline.base.errors import StageError
 from pipeline.base.memory import peak_rss_bytes
 
@@ -166,9 +166,7 @@ def run_task(task: str, args: dict, out_dir: Path, threads: int | None = None, t
     `limit_setting` names the setting behind `timeout_s` in the error when it is exceeded."""
     job, result = out_dir / f".job-{task}.json", out_dir / f".result-{task}.json"
     job.write_text(json.dumps({"task": task, "work": work, "args": args, "threads": threads}, default=str))
-    # the child runs this very code, wherever it is run from
-    root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    env = with_checkout_on_path(os.environ)
     try:
         try:
             code, tail = run_child([sys.executable, "-m", "pipeline.base.worker", str(job), str(result)],
