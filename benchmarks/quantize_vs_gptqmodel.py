@@ -114,7 +114,7 @@ def heldout_c4_ids(tokenizer):
 # ---------------------------------------------------------------- child processes
 
 
-def child(args: list[str], timeout: float = 3600) -> dict:
+def child(args: list[str], timeout: float = 3600):
     """Run this script's `_run`/`_ppl` in a fresh interpreter; its last stdout line is a JSON result."""
     r = subprocess.run([sys.executable, "-m", "benchmarks.quantize_vs_gptqmodel", *args], capture_output=True,
                        text=True, timeout=timeout, cwd=ROOT)
@@ -206,7 +206,9 @@ def weights_sha256(folder: Path) -> str:
     return h.hexdigest()
 
 
-def ppl_one(model_dir: str, ids_file: str, seq_len: int, windows: int) -> None:
+def ppl_of(model_dirs: list[str], ids_file: str, seq_len: int, windows: int) -> None:
+    """The perplexity of each folder, loaded from disk one after another in this one interpreter (not timed: one
+    process for all saves an interpreter and a GPTQModel import per model)."""
     from pipeline.base.env import tame
 
     tame()
@@ -216,13 +218,22 @@ def ppl_one(model_dir: str, ids_file: str, seq_len: int, windows: int) -> None:
 
     from pipeline.eval.perplexity import gptq_windows, perplexity, windowed_nll
 
-    torch.manual_seed(0)
     ids = load_file(ids_file)["input_ids"]
-    with torch._dynamo.config.patch(disable=True):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device_map="cpu").eval()
-        t0 = time.perf_counter()
-        nll, n = windowed_nll(model, ids, gptq_windows(len(ids), seq_len, windows))
-    print(json.dumps({"model": model_dir, "ppl": perplexity(nll, n), "tokens": n, "seconds": time.perf_counter() - t0}))
+    out = []
+    for model_dir in model_dirs:
+        torch.manual_seed(0)
+        with torch._dynamo.config.patch(disable=True):
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, device_map="cpu").eval()
+            t0 = time.perf_counter()
+            nll, n = windowed_nll(model, ids, gptq_windows(len(ids), seq_len, windows))
+        out.append({"model": model_dir, "ppl": perplexity(nll, n), "tokens": n, "seconds": time.perf_counter() - t0})
+        del model
+    print(json.dumps(out))
+
+
+def perplexities(model_dirs: list[str], evals: str, a) -> list[dict]:
+    """ppl_of in a fresh interpreter."""
+    return child(["_ppl", evals, str(a.ppl_seq_len), str(a.ppl_windows), *model_dirs])  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------- commands (parent process)
@@ -263,7 +274,7 @@ def compare(a) -> dict:
               "rtn-w4g64": rtn["out"]}
     if runs["transformers"]:
         models["transformers"] = runs["transformers"][0]["out"]
-    ppl = {k: child(["_ppl", d, evals, str(a.ppl_seq_len), str(a.ppl_windows)]) for k, d in models.items()}
+    ppl = dict(zip(models, perplexities(list(models.values()), evals, a), strict=True))
     t = {k: spread([r["seconds"] for r in v]) for k, v in runs.items() if v}
     res = {"settings": {**fields, "samples": a.samples, "seq_len": a.seq_len, "reps": a.reps,
                         "ppl": f"WikiText-2 test, {a.ppl_windows} windows x {a.ppl_seq_len} tokens"},
@@ -287,7 +298,7 @@ def search(a) -> dict:
     tok = AutoTokenizer.from_pretrained(a.model)
     work = Path(a.work)
     evals = save_ids(heldout_c4_ids(tok), work / "heldout_c4.safetensors")
-    base = child(["_ppl", a.model, evals, str(a.ppl_seq_len), str(a.ppl_windows)])["ppl"]
+    base = perplexities([a.model], evals, a)[0]["ppl"]
     rows = []
     for i, (label, fields, cal) in enumerate(SEARCH):
         if a.only and str(i) not in a.only.split(","):
@@ -297,7 +308,7 @@ def search(a) -> dict:
         pinned = {"mse": 0.0} if fields.get("method", "gptq") == "gptq" else {}  # GPTQModel's own default
         folder = work / (f"search-{i}" if a.seed == 0 else f"search-{i}-seed{a.seed}")
         r = child(["_run", "ours", a.model, ids, str(folder), json.dumps({**W4G64, **pinned, **fields}), str(a.seed)])
-        p = child(["_ppl", r["out"], evals, str(a.ppl_seq_len), str(a.ppl_windows)])["ppl"]
+        p = perplexities([r["out"]], evals, a)[0]["ppl"]
         rows.append({"label": label, "fields": fields, "calibration": [n, L, cal.get("chat_template", False)],
                      "seed": a.seed, "ppl": p, "increase_pct": 100 * (p / base - 1), "seconds": r["seconds"]})
         log(f"{label}: held-out C4 ppl {p:.3f} (+{rows[-1]['increase_pct']:.2f}%), {r['seconds']:.0f} s")
@@ -312,12 +323,12 @@ def figures(a) -> dict:
     work = Path(a.work)
     calib = save_ids(calibration_ids(tok, a.samples, a.seq_len, False, 0), work / "calib.safetensors")
     evals = save_ids(wikitext_ids(tok), work / "wikitext2.safetensors")
-    out = {"baseline": child(["_ppl", a.model, evals, str(a.ppl_seq_len), str(a.ppl_windows)])["ppl"]}
+    out = {"baseline": perplexities([a.model], evals, a)[0]["ppl"]}
     for name, fields in FIGURES.items():
         if a.only and name not in a.only.split(","):
             continue
         r = child(["_run", "ours", a.model, calib, str(work / name), json.dumps(fields)])
-        out[name] = child(["_ppl", r["out"], evals, str(a.ppl_seq_len), str(a.ppl_windows)])["ppl"]
+        out[name] = perplexities([r["out"]], evals, a)[0]["ppl"]
         log(f"{name}: {out[name]:.3f} (baseline {out['baseline']:.3f}), quantized in {r['seconds']:.0f} s")
     return {"ppl": out, "eval": f"WikiText-2 test, {a.ppl_windows} x {a.ppl_seq_len}",
             "calibration": [a.samples, a.seq_len]}
@@ -331,7 +342,7 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "_run":
         return run_one(*sys.argv[2:6], json.loads(sys.argv[6]), *map(int, sys.argv[7:8]))
     if len(sys.argv) > 1 and sys.argv[1] == "_ppl":
-        return ppl_one(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+        return ppl_of(sys.argv[5:], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("command", choices=["compare", "search", "figures"])
     p.add_argument("--model", default="/tmp/smol", help="HF checkpoint folder (SmolLM2-135M-Instruct, fp32)")

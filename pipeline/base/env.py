@@ -72,9 +72,9 @@ def with_checkout_on_path(env: Mapping[str, str]) -> dict[str, str]:
     return dict(env, PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])))
 
 
-def die_with_parent() -> None:  # pragma: no cover - runs in the child (a preexec_fn, or a fork)
+def die_with_parent(sig: int = signal.SIGKILL) -> None:  # pragma: no cover - in the child (a preexec_fn, a fork)
     with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: a killed run kills its workers
+        ctypes.CDLL("libc.so.6").prctl(1, sig)  # PR_SET_PDEATHSIG: a killed run kills its workers
 
 
 # glibc serves a freed block up to its dynamic mmap threshold (which rises to 32 MiB as large blocks are freed)

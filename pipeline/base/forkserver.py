@@ -10,9 +10,10 @@ the log file and the pipe run_child hands over, as a new interpreter's were.
     handle = spawn(["JOB.json", "RESULT.json"], env, stdout_fd, stderr_fd)   # None: no server, start an interpreter
     handle.wait(); handle.kill()
 
-Only quality tasks are forked (worker.FORKED: one for every model a run validates); the others still start a new
-interpreter: speed and speculative time what gates read, and a plug-in measurement may set environment variables its
-libraries read on import, which the server's transformers has read already.
+Quality and speculative tasks are forked (worker.FORKED: one quality task for every model a run validates); the others
+still start a new interpreter: speed times what gates and the techniques table compare with other engines' processes,
+and a plug-in measurement may set environment variables its libraries read on import, which the server's transformers
+has read already. The speculative task times its decoder against plain decoding in its own process, both forked alike.
 COMPRESS_WORKER_FORK=0 turns the server off. A server that cannot start, or dies, is not an error: the task starts a
 new interpreter, as before. Linux only (the pipe and file descriptors travel over a unix socket).
 
@@ -74,7 +75,7 @@ class _Server:
         env = dict(with_checkout_on_path(tamed_environ(os.environ)), PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.base.forkserver_loop", self.path], env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     preexec_fn=die_with_parent)  # it dies with this process, its tasks with it
+                                     preexec_fn=_end_with_parent)  # it ends with this process, its tasks with it
         assert self.proc.stdout is not None
         deadline, line = time.monotonic() + START_TIMEOUT_S, b""
         while line != b"ready\n" and _readable(self.proc.stdout, deadline):
@@ -111,6 +112,10 @@ class _Server:
             os.unlink(self.path)
         with contextlib.suppress(OSError):
             os.rmdir(self.dir)
+
+
+def _end_with_parent() -> None:  # pragma: no cover - a preexec_fn
+    die_with_parent(signal.SIGTERM)  # the server removes its socket folder, then exits (forkserver_loop.serve)
 
 
 def _readable(f, deadline: float) -> bool:

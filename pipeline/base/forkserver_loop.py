@@ -6,7 +6,14 @@ disk. The server sends each connection its child's pid and, once it has reaped i
 signal that ended it).
 
 Not GPTQModel: its import starts threads (7, and jemalloc's), and a fork copies none of them. Nothing here runs a
-torch operation, so no OpenMP pool exists to be copied either.
+torch operation, so no OpenMP pool exists to be copied either. bitsandbytes is, with a CPU build of torch (0.8 s of CPU
+a task: GPTQModel and transformers' bitsandbytes loader import it): it starts no thread and runs no torch operation on
+import (measured: the server's thread count unchanged; a fork then runs a 2-thread matmul). With a CUDA build it
+would load its CUDA library, and a CUDA driver initialised before a fork is unusable in the child: not imported
+there. transformers.modeling_utils is not imported either: its import starts a native thread.
+
+The run's process ends the server with SIGTERM (its parent-death signal): it removes its socket and folder, then
+exits, and its tasks die with it (theirs is SIGKILL). A server killed outright leaves an empty folder in /tmp.
 """
 from __future__ import annotations
 
@@ -28,6 +35,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (the
 
 from pipeline.base.env import die_with_parent
 from pipeline.base.worker import main
+
+if torch.version.cuda is None and torch.version.hip is None:  # a CPU build: bitsandbytes touches no device driver
+    import bitsandbytes  # noqa: F401  (see above)
 
 MAX_MESSAGE = 1 << 20  # the job's environment, as JSON
 
@@ -64,6 +74,15 @@ def child(job: dict, fds: list[int], keep_closed: list[socket.socket]) -> None: 
 
 def serve(path: str) -> None:  # pragma: no cover - runs in the server process
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run's Ctrl-C reaches its tasks; the server ends with the run
+
+    def end(*_) -> None:  # SIGTERM: the run's process is gone (PDEATHSIG) or closes it
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(path))
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, end)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(16)

@@ -1,6 +1,6 @@
 """Fresh-process workers: every model is measured in its own process, so its memory is its own and it is
-loaded from disk exactly as a user would load it. A quality task is a fork of a server that imported torch and
-transformers once (pipeline/base/forkserver.py, FORKED below); every other task is a new interpreter.
+loaded from disk exactly as a user would load it. A quality or speculative task is a fork of a server that imported
+torch and transformers once (pipeline/base/forkserver.py, FORKED below); every other task is a new interpreter.
 
     result = run_task("quality", {...}, out_dir, threads)   # in the stage (tasks: TASKS below)
     result = run_task("tasks", {...}, out_dir, work="pipeline.eval.tasks:worker_task")  # a plug-in measurement's
@@ -194,9 +194,10 @@ TASKS = {
 
 
 # the tasks forked from the pre-imported server (pipeline/base/forkserver.py); every other task starts a new
-# interpreter: speed and speculative time what gates read, and a plug-in measurement may set the environment its
+# interpreter: speed's figures are compared with other engines' fresh processes (the speculative task compares its
+# decoder with plain decoding inside its own process), and a plug-in measurement may set the environment its
 # libraries read on import (the tasks worker's HF_HUB_OFFLINE), which the server's transformers has already read
-FORKED = frozenset({"quality"})
+FORKED = frozenset({"quality", "speculative"})
 
 
 def task_function(task: str, work: str | None = None):

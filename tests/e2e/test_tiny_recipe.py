@@ -91,8 +91,14 @@ def test_changing_gamma_remeasures_without_redistilling(first_run, tmp_path):
 
 
 def test_kill_mid_stage_then_rerun_completes_with_identical_weights(first_run, tmp_path):
-    run_tiny(tmp_path, env={"COMPRESS_FAULT": "quantize/gptq-w4g32:before_commit"}, rc=-9)
+    """A run whose GPTQ unit is to be made again (this test's copy of the finished run, that unit's folder removed) is
+    SIGKILLed just before the unit commits; the rerun makes it and skips what was done. That the same recipe from
+    scratch gives byte-identical weights in another folder, tests/e2e/test_ray_executor.py shows (a Ray run against
+    the session's local one)."""
     run_dir = tmp_path / "tiny"
+    shutil.copytree(first_run[0], run_dir)
+    shutil.rmtree(run_dir / "quantize" / "gptq-w4g32")
+    run_tiny(tmp_path, env={"COMPRESS_FAULT": "quantize/gptq-w4g32:before_commit"}, rc=-9)
     assert (run_dir / "load" / "manifest.json").is_file()
     assert not (run_dir / "quantize" / "gptq-w4g32").exists(), "a killed stage never looks complete"
     report = json.loads((run_dir / "report.json").read_text())
@@ -100,7 +106,7 @@ def test_kill_mid_stage_then_rerun_completes_with_identical_weights(first_run, t
     run_tiny(tmp_path)
     stages = json.loads((run_dir / "report.json").read_text())["stages"]
     assert stages["load"]["status"] == "skipped" and stages["quantize/gptq-w4g32"]["status"] == "done"
-    # the same recipe on the same machine gives byte-identical weights, in another run folder too
+    # the unit made again gives byte-identical weights
     for name in ("gptq-w4g32", "rtn-w4g32"):
         a = first_run[0] / "quantize" / name / "model.safetensors"
         assert sha(a) == sha(run_dir / "quantize" / name / "model.safetensors"), name

@@ -81,8 +81,11 @@ def test_an_export_of_a_renamed_variant_is_removed_and_never_planned(out):
     assert planned(report(run_dir)["publish"]) == expected
 
 
-def test_sigterm_is_a_status_push_during_a_run_is_refused_and_the_rerun_completes(tmp_path):
-    run_dir = tmp_path / "tiny"
+def test_sigterm_is_a_status_push_during_a_run_is_refused_and_the_rerun_completes(out):
+    """The finished run's copy without its draft and exports (so the run goes on to them), paused at draft:start."""
+    tmp_path, run_dir = out, out / "tiny"
+    for made_again in ("draft", "export", "validate/draft"):
+        shutil.rmtree(run_dir / made_again)
     args = [sys.executable, "-m", "pipeline.app.cli", "run", str(RECIPE), "--set",
             f"run.output_dir={json.dumps(str(tmp_path))}", *[a for s in DRY for a in ("--set", s)]]
     proc = subprocess.Popen(args, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1",

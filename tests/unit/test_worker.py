@@ -147,15 +147,47 @@ def test_a_forked_task_past_its_limit_is_killed(tmp_path, forked):
     assert children() == [], "the killed task is gone"
 
 
-def test_only_quality_tasks_are_forked_and_a_server_turned_off_forks_none(tmp_path, monkeypatch, forked):
+def test_only_quality_and_speculative_tasks_are_forked_and_a_server_turned_off_forks_none(tmp_path, monkeypatch,
+                                                                                        forked):
     import os
 
     from pipeline.base.worker import FORKED
 
-    assert FORKED == {"quality", "echo"}  # speed and speculative time what gates read; plug-ins set their own env
+    assert FORKED == {"quality", "speculative", "echo"}  # speed: fresh processes, as other engines'; plug-ins: own env
     monkeypatch.setenv("COMPRESS_WORKER_FORK", "0")
     r = run_task("echo", {}, tmp_path, work=ECHO)
     assert r["ppid"] == os.getpid()
     monkeypatch.delenv("COMPRESS_WORKER_FORK")
     monkeypatch.setattr("pipeline.base.worker.FORKED", frozenset({"quality"}))
     assert run_task("echo", {}, tmp_path, work=ECHO)["ppid"] == os.getpid()  # not a quality task
+
+
+KILLED_RUN = r"""
+import sys
+from pathlib import Path
+from pipeline.base import forkserver, worker
+worker.FORKED = worker.FORKED | {"echo"}
+r = worker.run_task("echo", {}, Path(sys.argv[1]), work="tests.unit.test_worker:echo_task")
+print(forkserver._server.dir, r["ppid"], flush=True)
+import time; time.sleep(600)
+"""
+
+
+def test_a_run_killed_outright_leaves_no_fork_server_and_no_socket_folder(tmp_path, monkeypatch):
+    """SIGKILL of the run's process: its server gets SIGTERM (its parent-death signal), removes its socket and folder
+    and exits."""
+    import subprocess
+
+    monkeypatch.delenv("COMPRESS_WORKER_FORK", raising=False)
+    p = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(tmp_path)], stdout=subprocess.PIPE, text=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    try:
+        folder, server = p.stdout.readline().split()
+        assert Path(folder, "s").is_socket() and int(server) != p.pid
+    finally:
+        p.kill()
+        p.wait()
+    deadline = time.monotonic() + 20
+    while (Path(folder).exists() or Path(f"/proc/{server}").exists()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(folder).exists() and not Path(f"/proc/{server}").exists()
