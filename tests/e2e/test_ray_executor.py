@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.test_tiny_recipe import RECIPE as RECIPE_PATH
 from tests.e2e.test_tiny_recipe import ROOT, run_tiny
 
 pytest.importorskip("ray")
@@ -155,15 +156,40 @@ def figures(report: dict) -> dict:
 def test_ray_run_matches_local_and_uses_both_nodes(cluster, second_node, tiny_run, tmp_path):
     """The Ray run's driver is first SIGKILLed right after recording calibrate (COMPRESS_FAULT in its environment
     only; other units may be running on the nodes then); the rerun resumes from the folder, and what the two produce
-    together must equal the local run byte for byte."""
+    together must equal the local run byte for byte.
+
+    Once the rerun has admitted its two nodes, a third joins whose own transformers differs (COMPRESS_RAY_NODE_VERSIONS
+    in its environment: what its version probe reports): the driver probes it before its first task and leaves it
+    out with a warning naming it and both versions (#42: the run exited 4); no unit runs there."""
+    from pipeline.plan import versions
+
     local_dir, ray_dir, address = tiny_run[0], tmp_path / "tiny", f'run.ray_address="{cluster.address}"'
     killed = run_tiny(tmp_path, *RAY_SETS, address, env={**AUTH, "COMPRESS_FAULT": "calibrate:recorded"}, rc=-9)
     assert "fault injection: killing the process at calibrate:recorded" in killed.stderr
     assert json.loads((ray_dir / "report.json").read_text())["run"]["status"] == "running"
-    p = run_tiny(tmp_path, *RAY_SETS, address, env=AUTH)
+    p = start_run(cluster, tmp_path, recipe=RECIPE_PATH)
+    try:
+        deadline = time.time() + 300  # joined after the start's admission (a node refused then is exit 4)
+        while "library versions the driver's" not in (tmp_path / "out.log").read_text():
+            assert p.poll() is None and time.time() < deadline, (tmp_path / "out.log").read_text()[-3000:]
+            time.sleep(0.2)
+        cluster.add_node({"COMPRESS_RAY_NODE_VERSIONS": json.dumps({"transformers": "0.0.1-other"})})
+        rc = p.wait(timeout=900)  # a hang guard, not a speed figure
+    finally:
+        if p.poll() is None:
+            p.kill()
+    out = (tmp_path / "out.log").read_text()
+    assert rc == 0, out[-3000:]
     for unit in ("load", "calibrate"):
-        assert f"[{unit}] up to date, skipped" in p.stderr
+        assert f"[{unit}] up to date, skipped" in out
+    warned = [ln for ln in out.splitlines() if "joined but is left out" in ln]
+    assert len(warned) == 1, out[-3000:]
+    assert f"transformers {versions()['transformers']} on the driver, 0.0.1-other on the node" in warned[0]
+    assert "torch" not in warned[0]
+    left_out = re.search(r"node ([0-9a-f]{12} \([^)]+\)) joined but is left out", warned[0]).group(1)
+    assert not (ray_dir / ".ray-probe").exists()
     local, remote = (json.loads((d / "report.json").read_text()) for d in (local_dir, ray_dir))
+    assert all(s.get("node") != left_out for s in remote["stages"].values())
     assert remote["run"]["status"] == "complete" and not list(ray_dir.rglob("*.tmp"))
     # (1) every quantized checkpoint file byte-identical, and the report's figures equal
     for name in ("gptq-w4g32", "rtn-w4g32"):
@@ -188,8 +214,8 @@ def test_ray_run_matches_local_and_uses_both_nodes(cluster, second_node, tiny_ru
     assert any(a["node"] != b["node"] and a["unit_start"] < b["unit_end"] and b["unit_start"] < a["unit_end"]
                for a in spans for b in spans), spans
     # the console showed, per node, what ran there and what it finished
-    progress = [ln for ln in p.stderr.splitlines() if "ray: " in ln and "queued" in ln]
-    assert any(re.search(r"\): running [a-z]", ln) for ln in progress), p.stderr[-3000:]
+    progress = [ln for ln in out.splitlines() if "ray: " in ln and "queued" in ln]
+    assert any(re.search(r"\): running [a-z]", ln) for ln in progress), out[-3000:]
     assert all(any(f"{n}: running" in ln for ln in progress) for n in nodes), progress
     md = (ray_dir / "report.md").read_text()
     assert "| node |" in md and all(n in md for n in nodes)
@@ -227,11 +253,12 @@ def short_recipe(tmp_path: Path) -> Path:
     return path
 
 
-def start_run(cluster, tmp_path) -> subprocess.Popen:
-    """`compress run` of the short tiny recipe on the cluster, in the background, its output in tmp_path/out.log."""
+def start_run(cluster, tmp_path, recipe: Path | None = None) -> subprocess.Popen:
+    """`compress run` of the short tiny recipe (or `recipe`) on the cluster, in the background, its output in
+    tmp_path/out.log."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **AUTH}
     env.pop("COMPRESS_FAULT", None)
-    args = [sys.executable, "-m", "pipeline.app.cli", "run", str(short_recipe(tmp_path)),
+    args = [sys.executable, "-m", "pipeline.app.cli", "run", str(recipe or short_recipe(tmp_path)),
             "--set", f"run.output_dir={json.dumps(str(tmp_path))}", "--set", RAY_SETS[0],
             "--set", f'run.ray_address="{cluster.address}"']
     with open(tmp_path / "out.log", "w") as log:
@@ -279,39 +306,6 @@ def test_killing_a_node_mid_quantize_ray_retries_the_unit_on_a_node_that_joined_
     assert task["attempts"][0]["attempt"] == first["attempt"] != task["attempt"]
     assert (run_dir / key / "model.safetensors").is_file() and not list((run_dir / ".work" / key).glob("*-*"))
     assert not list(run_dir.rglob("*.tmp"))
-
-
-def test_a_node_joining_mid_run_with_other_library_versions_is_left_out(driver_only_cluster, tmp_path):
-    """Once the first unit runs on the one node, a node whose own transformers differs (COMPRESS_RAY_NODE_VERSIONS
-    in its environment: what its version probe reports) joins: the driver probes it before its first task, leaves it
-    out with a warning naming it and both versions (#42: the run exited 4), and the run completes on the first node."""
-    from pipeline.plan import versions
-
-    cluster = driver_only_cluster
-    cluster.add_node()
-    run_dir = tmp_path / "tiny"
-    p = start_run(cluster, tmp_path)
-    try:
-        deadline = time.time() + 300
-        while not (started := list((run_dir / ".work" / "load").glob("*-*/ray-task.json"))):
-            assert p.poll() is None and time.time() < deadline, (tmp_path / "out.log").read_text()[-3000:]
-            time.sleep(0.2)
-        first = json.loads(started[0].read_text())
-        cluster.add_node({"COMPRESS_RAY_NODE_VERSIONS": json.dumps({"transformers": "0.0.1-other"})})
-        rc = p.wait(timeout=900)
-    finally:
-        if p.poll() is None:
-            p.kill()
-    out = (tmp_path / "out.log").read_text()
-    warned = [ln for ln in out.splitlines() if "joined but is left out" in ln]
-    assert rc == 0 and len(warned) == 1, out[-3000:]
-    assert f"transformers {versions()['transformers']} on the driver, 0.0.1-other on the node" in warned[0]
-    node = re.search(r"node ([0-9a-f]{12} \([^)]+\)) joined but is left out", warned[0]).group(1)
-    assert node != first["node"] and "torch" not in warned[0]
-    report = json.loads((run_dir / "report.json").read_text())
-    assert report["run"]["status"] == "complete"
-    assert all(s.get("node") != node for s in report["stages"].values())
-    assert not (run_dir / ".ray-probe").exists()
 
 
 def test_a_speed_task_has_its_node_to_itself(cluster, second_node, monkeypatch):
