@@ -140,6 +140,49 @@ for ct, base, gptq, out in json.loads(sys.argv[1]):
 """
 
 
+@pytest.mark.parametrize("mt", EXPORTED)
+def test_the_checkpoint_has_transformers_layout_with_every_linear_quantized(folders, mt):
+    base, gptq, ct = folders[mt]
+    want = set(_state(base))  # what transformers' save_pretrained wrote for the unquantized model
+    got = _state(ct)
+    packed = {k.removesuffix("_packed") for k in got if k.endswith(".weight_packed")}
+    plain = {k for k in got if not k.endswith((".weight_packed", ".weight_scale", ".weight_shape"))}
+    assert packed | plain == want and not packed & plain
+    n_gptq = sum(k.endswith(".qweight") for k in _state(gptq))
+    cfg = fixture_config(mt)
+    layers = cfg["num_hidden_layers"]
+    if mt in MOE:
+        experts = cfg.get("num_experts") or cfg["num_local_experts"]
+        quantized_experts = [k for k in packed if ".experts." in k]
+        assert len(quantized_experts) == layers * experts * 3  # every expert's three linears, none left 16-bit
+        assert not [k for k in plain if ".experts." in k]
+        assert n_gptq == len(packed)
+    elif mt == "phi3":  # GPTQModel's gate_proj + up_proj stacked into transformers' gate_up_proj
+        assert n_gptq == len(packed) + layers
+        assert "model.layers.0.mlp.gate_up_proj.weight" in packed
+    if mt == "mixtral":  # the names Mixtral's checkpoints (and vLLM) use
+        assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in packed
+    # every matrix left 16-bit is in `ignore`, under its checkpoint name: the routers too (transformers 5 holds them
+    # in their own module, not an nn.Linear; vLLM builds qwen3_moe's as a linear with the checkpoint's scheme unless
+    # it is ignored, and then finds no packed tensors: "Output size (4) not supported by CPUWNA16")
+    ignore = json.loads((ct / "config.json").read_text())["quantization_config"]["ignore"]
+    router = {"qwen3_moe": "mlp.gate", "mixtral": "block_sparse_moe.gate"}.get(mt)
+    assert ignore == ["lm_head"] + [f"model.layers.{i}.{router}" for i in range(layers) if router]
+    assert {f"{n}.weight" for n in ignore} <= plain
+
+
+def test_qwen2_biases_are_carried_over(folders):
+    """The cause of #41's NaN perplexity on qwen2: the converter dropped every quantized linear's bias (it set
+    aside all of a quantized module's tensors) and saved whatever memory the empty model held in their place."""
+    _, gptq, ct = folders["qwen2"]
+    src, got = _state(gptq), _state(ct)
+    biases = [k for k in src if k.endswith(".bias")]
+    assert len(biases) == 6
+    for k in biases:
+        assert got[k].dtype == torch.float32 and torch.equal(got[k], src[k].float()), k
+        assert got[k].abs().sum() > 0
+
+
 @pytest.fixture(scope="module")
 def reloaded(folders, tmp_path_factory) -> dict[str, Path]:
     """Each architecture's compressed-tensors checkpoint loaded in plain transformers, and its exact reference, in one
