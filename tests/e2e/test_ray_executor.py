@@ -167,17 +167,19 @@ def test_ray_run_matches_local_and_uses_both_nodes(cluster, second_node, tiny_ru
     killed = run_tiny(tmp_path, *RAY_SETS, address, env={**AUTH, "COMPRESS_FAULT": "calibrate:recorded"}, rc=-9)
     assert "fault injection: killing the process at calibrate:recorded" in killed.stderr
     assert json.loads((ray_dir / "report.json").read_text())["run"]["status"] == "running"
-    p = start_run(cluster, tmp_path, recipe=RECIPE_PATH)
+    p, other = start_run(cluster, tmp_path, recipe=RECIPE_PATH), None
     try:
         deadline = time.time() + 300  # joined after the start's admission (a node refused then is exit 4)
         while "library versions the driver's" not in (tmp_path / "out.log").read_text():
             assert p.poll() is None and time.time() < deadline, (tmp_path / "out.log").read_text()[-3000:]
             time.sleep(0.2)
-        cluster.add_node({"COMPRESS_RAY_NODE_VERSIONS": json.dumps({"transformers": "0.0.1-other"})})
+        other = cluster.add_node({"COMPRESS_RAY_NODE_VERSIONS": json.dumps({"transformers": "0.0.1-other"})})
         rc = p.wait(timeout=900)  # a hang guard, not a speed figure
     finally:
         if p.poll() is None:
             p.kill()
+        if other in cluster.node_ports:  # the module's later tests start on a two-node cluster
+            cluster.kill_node(other)
     out = (tmp_path / "out.log").read_text()
     assert rc == 0, out[-3000:]
     for unit in ("load", "calibrate"):
@@ -205,6 +207,7 @@ def test_ray_run_matches_local_and_uses_both_nodes(cluster, second_node, tiny_ru
     assert {"load", "calibrate"} <= set(remote["stages"]) - set(ran)
     nodes = {s["node"] for s in ran.values()}
     assert None not in nodes and len(nodes) == 2, nodes
+    assert left_out not in nodes
     assert all(s["node"] is None for s in local["stages"].values())
     tasks = json.loads((ray_dir / "ray_tasks.json").read_text())
     assert set(tasks) == set(ran)
