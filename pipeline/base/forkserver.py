@@ -67,9 +67,37 @@ class Forked:
             os.kill(self.pid, signal.SIGKILL)
 
 
+PREFIX = "compress-fork-"
+STALE_AFTER_S = 60.0
+
+
+def remove_stale_folders(tmp: str | None = None) -> None:
+    """Remove the socket folders of servers killed outright (SIGKILL: Ray kills a worker's children so when the worker
+    exits): a folder of ours, older than a minute, whose socket no server listens on any more (refused)."""
+    root = tmp or tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            folder = os.path.join(root, name)
+            sock = os.path.join(folder, "s")
+            try:
+                st = os.stat(folder)
+                if (not name.startswith(PREFIX) or st.st_uid != os.getuid()
+                        or time.time() - st.st_mtime < STALE_AFTER_S or not os.path.exists(sock)):
+                    continue
+                with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
+                    probe.connect(sock)  # a live server: leave it
+            except ConnectionRefusedError:
+                with contextlib.suppress(OSError):
+                    os.unlink(sock)
+                    os.rmdir(folder)
+            except OSError:
+                continue
+
+
 class _Server:
     def __init__(self) -> None:
-        self.dir = tempfile.mkdtemp(prefix="compress-fork-")
+        remove_stale_folders()
+        self.dir = tempfile.mkdtemp(prefix=PREFIX)
         self.path = os.path.join(self.dir, "s")
         # tame()'s variables: the server imports torch and transformers on its first lines
         env = dict(with_checkout_on_path(tamed_environ(os.environ)), PYTHONUNBUFFERED="1")

@@ -13,7 +13,8 @@ would load its CUDA library, and a CUDA driver initialised before a fork is unus
 there. transformers.modeling_utils is not imported either: its import starts a native thread.
 
 The run's process ends the server with SIGTERM (its parent-death signal): it removes its socket and folder, then
-exits, and its tasks die with it (theirs is SIGKILL). A server killed outright leaves an empty folder in /tmp.
+exits, and its tasks die with it (theirs is SIGKILL). A server killed outright (Ray SIGKILLs a worker's children when
+the worker exits) leaves its folder; the next server's start removes it (forkserver.remove_stale_folders).
 """
 from __future__ import annotations
 

@@ -191,3 +191,34 @@ def test_a_run_killed_outright_leaves_no_fork_server_and_no_socket_folder(tmp_pa
     while (Path(folder).exists() or Path(f"/proc/{server}").exists()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not Path(folder).exists() and not Path(f"/proc/{server}").exists()
+
+
+def test_a_killed_servers_folder_is_removed_when_the_next_server_starts(tmp_path):
+    """A server SIGKILLed itself (Ray kills a worker's children so) leaves its folder; the next server's start removes
+    every such folder of ours older than a minute whose socket refuses, and leaves a live or young one alone."""
+    import os
+    import socket
+
+    from pipeline.base.forkserver import PREFIX, remove_stale_folders
+
+    def folder(name: str, listening: bool, age_s: float) -> tuple[Path, socket.socket]:
+        d = tmp_path / name
+        d.mkdir()
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        s.bind(str(d / "s"))
+        if listening:
+            s.listen(1)
+        else:
+            s.close()
+        os.utime(d, (time.time() - age_s, time.time() - age_s))
+        return d, s
+
+    dead, _ = folder(PREFIX + "dead", False, 600)
+    live, server = folder(PREFIX + "live", True, 600)
+    young, _ = folder(PREFIX + "young", False, 1)
+    other, _ = folder("someone-else", False, 600)
+    try:
+        remove_stale_folders(str(tmp_path))
+    finally:
+        server.close()
+    assert not dead.exists() and live.exists() and young.exists() and other.exists()
