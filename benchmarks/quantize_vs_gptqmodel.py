@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 # `compare`'s JSON (--out); `search` and `figures` write their own rows
 OUTPUT_KEYS = ("settings", "seconds", "ppl", "identical_weights_ours_direct", "time_ratio_ours_direct",
@@ -114,7 +115,7 @@ def heldout_c4_ids(tokenizer):
 # ---------------------------------------------------------------- child processes
 
 
-def child(args: list[str], timeout: float = 3600):
+def child(args: list[str], timeout: float = 3600) -> Any:
     """Run this script's `_run`/`_ppl` in a fresh interpreter; its last stdout line is a JSON result."""
     r = subprocess.run([sys.executable, "-m", "benchmarks.quantize_vs_gptqmodel", *args], capture_output=True,
                        text=True, timeout=timeout, cwd=ROOT)
@@ -233,7 +234,7 @@ def ppl_of(model_dirs: list[str], ids_file: str, seq_len: int, windows: int) -> 
 
 def perplexities(model_dirs: list[str], evals: str, a) -> list[dict]:
     """ppl_of in a fresh interpreter."""
-    return child(["_ppl", evals, str(a.ppl_seq_len), str(a.ppl_windows), *model_dirs])  # type: ignore[return-value]
+    return child(["_ppl", evals, str(a.ppl_seq_len), str(a.ppl_windows), *model_dirs])
 
 
 # ---------------------------------------------------------------- commands (parent process)

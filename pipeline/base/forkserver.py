@@ -67,8 +67,17 @@ class Forked:
             os.kill(self.pid, signal.SIGKILL)
 
 
-PREFIX = "compress-fork-"
+PREFIX = "compress-fork-"  # a server's folder in /tmp, holding its socket SOCKET
+SOCKET = "s"
 STALE_AFTER_S = 60.0
+
+
+def remove_socket(path: str) -> None:
+    """A server's socket and its folder, gone (by the client that closes it, the server that ends, or the sweep)."""
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.dirname(path))
 
 
 def remove_stale_folders(tmp: str | None = None) -> None:
@@ -78,7 +87,7 @@ def remove_stale_folders(tmp: str | None = None) -> None:
     with contextlib.suppress(OSError):
         for name in os.listdir(root):
             folder = os.path.join(root, name)
-            sock = os.path.join(folder, "s")
+            sock = os.path.join(folder, SOCKET)
             try:
                 st = os.stat(folder)
                 if (not name.startswith(PREFIX) or st.st_uid != os.getuid()
@@ -87,9 +96,7 @@ def remove_stale_folders(tmp: str | None = None) -> None:
                 with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
                     probe.connect(sock)  # a live server: leave it
             except ConnectionRefusedError:
-                with contextlib.suppress(OSError):
-                    os.unlink(sock)
-                    os.rmdir(folder)
+                remove_socket(sock)
             except OSError:
                 continue
 
@@ -98,7 +105,7 @@ class _Server:
     def __init__(self) -> None:
         remove_stale_folders()
         self.dir = tempfile.mkdtemp(prefix=PREFIX)
-        self.path = os.path.join(self.dir, "s")
+        self.path = os.path.join(self.dir, SOCKET)
         # tame()'s variables: the server imports torch and transformers on its first lines
         env = dict(with_checkout_on_path(tamed_environ(os.environ)), PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.base.forkserver_loop", self.path], env=env,
@@ -136,10 +143,7 @@ class _Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-        with contextlib.suppress(OSError):
-            os.rmdir(self.dir)
+        remove_socket(self.path)
 
 
 def _end_with_parent() -> None:  # pragma: no cover - a preexec_fn

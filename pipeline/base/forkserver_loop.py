@@ -35,6 +35,7 @@ import transformers.quantizers.auto  # noqa: F401  (torchao: 1.4 s of CPU a task
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (the lazy modules a task loads)
 
 from pipeline.base.env import die_with_parent
+from pipeline.base.forkserver import remove_socket
 from pipeline.base.worker import main
 
 if torch.version.cuda is None and torch.version.hip is None:  # a CPU build: bitsandbytes touches no device driver
@@ -77,10 +78,7 @@ def serve(path: str) -> None:  # pragma: no cover - runs in the server process
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the run's Ctrl-C reaches its tasks; the server ends with the run
 
     def end(*_) -> None:  # SIGTERM: the run's process is gone (PDEATHSIG) or closes it
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.dirname(path))
+        remove_socket(path)
         os._exit(0)
 
     signal.signal(signal.SIGTERM, end)
