@@ -20,7 +20,7 @@ from typing import Any
 from pipeline.base.codehash import LOADED, code_hash  # a unit's code: the files its entry modules import, as loaded
 from pipeline.base.errors import CompressError, LockedError, StageError
 from pipeline.base.fileio import sha256_file
-from pipeline.base.memory import PeakMemory
+from pipeline.base.memory import PeakMemory, settle_heap
 from pipeline.base.unit import MANIFEST, METRICS, Unit, UnitContext, fault_point
 from pipeline.results import merge, schema
 
@@ -163,6 +163,7 @@ class Runner:
         ctx = UnitContext(unit.key, tmp, work, self.run_dir, self.seed, self.device, self.manifests)
         log.info("[%s] running -> %s", unit.key, final)
         fault_point(unit.key, "start")
+        settle_heap()
         t0 = time.perf_counter()
         try:
             with PeakMemory() as mem:

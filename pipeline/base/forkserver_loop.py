@@ -36,6 +36,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  (the
 
 from pipeline.base.env import die_with_parent
 from pipeline.base.forkserver import remove_socket
+from pipeline.base.memory import settle_heap
 from pipeline.base.worker import main
 
 if torch.version.cuda is None and torch.version.hip is None:  # a CPU build: bitsandbytes touches no device driver
@@ -82,6 +83,7 @@ def serve(path: str) -> None:  # pragma: no cover - runs in the server process
         os._exit(0)
 
     signal.signal(signal.SIGTERM, end)
+    settle_heap()  # the imports above, out of every task's collections (and their pages not written by them)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path)
     listener.listen(16)

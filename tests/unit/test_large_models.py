@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from pipeline.base.memory import PeakMemory
 from tests.tiny_models import tiny_llama
 
 log = logging.getLogger("test")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- float32 matmuls for 16-bit weights
@@ -315,3 +318,35 @@ def test_trimming_mapped_pages_never_reverts_what_a_loader_changed_in_place(tiny
         monkeypatch.setattr(checkpoint, "MappedPagesTrimmed", lambda folder: contextlib.nullcontext())
         plain = checkpoint.load_checkpoint(tmp_path / "q")(ids).logits
     assert torch.equal(trimmed, plain)
+
+
+def test_settling_the_heap_collects_a_units_cycles_and_keeps_the_survivors_out_of_later_collections():
+    """The run settles the heap between units (pipeline/base/memory.py settle_heap): cyclic garbage a unit left is
+    collected first, never frozen; what survives is out of later collections, so PeakMemory's collection at the next
+    unit's start walks only what that unit made. In a fresh interpreter: the freeze is the whole process's."""
+    code = """
+import gc, weakref
+from pipeline.base.memory import PeakMemory, settle_heap
+
+class Node:
+    pass
+
+def cycle():
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    return weakref.ref(a)
+
+left_by_a_unit = cycle()  # unreachable, collectable only by the cyclic collector
+gc.disable()  # no automatic collection in between: only the calls below collect
+settle_heap()
+assert left_by_a_unit() is None, "a unit's cycle was frozen instead of collected"
+frozen = gc.get_freeze_count()
+assert frozen > 1000, frozen
+made_in_the_next_unit = cycle()
+PeakMemory().start().stop()
+assert made_in_the_next_unit() is None, "PeakMemory's collection missed the new unit's cycle"
+assert gc.get_freeze_count() == frozen  # PeakMemory itself freezes nothing (a unit's live objects stay collectable)
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
