@@ -5,7 +5,8 @@
 another compress process"), then resumes: every stage's inputs hash is checked and its outputs verified against
 their sha256 before it is skipped (a stale or damaged folder reruns what it must). On a developer machine without
 the folder it runs from scratch (minutes). One call per session instead of one per module that needs the real
-model: the modules read its folders; tests/schedule.py queues them last (READS_CI_REAL), when the run is done.
+model: the modules read its folders; tests/schedule.py queues them after the long units (READS_CI_REAL), when the run
+is done.
 """
 from __future__ import annotations
 

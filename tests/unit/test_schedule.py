@@ -43,6 +43,27 @@ def test_units_go_longest_first_and_keep_their_tests_together(tmp_path: Path, mo
     assert sched._split_scope("tests/unit/a.py::t2") == "tests/unit/a.py"
 
 
+def test_with_ci_real_in_the_background_its_readers_wait_for_the_long_units_only(tmp_path: Path, monkeypatch):
+    """.ci/run's ci-real run takes minutes: a unit that reads it goes after every unit of CI_REAL_AFTER_S or more
+    (whatever its own length), and before the shorter ones, which fill the end; without the background run, by length."""
+    reader, other_reader = (f"{m}::t" if m in schedule.SPLIT else m for m in schedule.READS_CI_REAL[::-1])
+    long, short = "tests/e2e/long.py", "tests/unit/short.py"
+    durations = tmp_path / "durations.json"
+    durations.write_text(json.dumps({reader: 500.0, other_reader: 5.0, long: schedule.CI_REAL_AFTER_S, short: 10.0}))
+    monkeypatch.setattr(schedule, "DURATIONS", durations)
+    units = [reader, other_reader, long, short]
+
+    def queued() -> list[str]:
+        items = [Item(u if "::" in u else f"{u}::t") for u in units]
+        schedule.order(items)
+        return [schedule.unit(i.nodeid) for i in items]
+
+    monkeypatch.setenv(schedule.CI_REAL_BACKGROUND, "1")
+    assert queued() == [long, reader, short, other_reader]
+    monkeypatch.delenv(schedule.CI_REAL_BACKGROUND)
+    assert queued() == [reader, long, short, other_reader]
+
+
 def test_a_junit_file_is_read_back_as_seconds_per_unit(tmp_path: Path):
     split = sorted(schedule.SPLIT)[0]
     module = split.removesuffix(".py").replace("/", ".")
