@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -81,6 +82,9 @@ def test_the_serve_measurement_through_vllm(export, tmp_path):
     eq = r["equality"]
     assert eq["prompts"] == 2 and eq["exact"] is False and 0 <= eq["identical"] <= 2  # token ids, other kernels
     assert not _vllm_pids(export)
+    # vLLM's temporary files (its ZMQ ipc:// sockets) lived in a folder of their own, removed once it stopped
+    (private,) = re.findall(r"vLLM's temporary files in (\S+) ", (tmp_path / "server.log").read_text(errors="replace"))
+    assert Path(private).name.startswith("compress-vllm-") and not Path(private).exists()
 
 
 def test_a_start_that_times_out_is_exit_4_with_vllms_last_lines(export, tmp_path):
