@@ -1,4 +1,5 @@
-"""How the xdist workers (one per core and one more: tests/conftest.py) share the suite (`-n auto --dist loadfile --no-loadscope-reorder`, pyproject.toml).
+"""How the xdist workers (one per core and one more: tests/conftest.py) share the suite (`-n auto --dist loadfile
+--no-loadscope-reorder`, pyproject.toml).
 
 Each test module is one work unit (its module fixtures run once, as with --dist loadfile), except the modules in
 SPLIT, whose tests are units of their own (their fixtures are cheap or session-wide; their tests are long, so one

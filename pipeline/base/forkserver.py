@@ -86,12 +86,13 @@ def remove_stale_folders(tmp: str | None = None) -> None:
     root = tmp or tempfile.gettempdir()
     with contextlib.suppress(OSError):
         for name in os.listdir(root):
+            if not name.startswith(PREFIX):  # the temp folder holds everyone's files: only ours are looked at
+                continue
             folder = os.path.join(root, name)
             sock = os.path.join(folder, SOCKET)
             try:
                 st = os.stat(folder)
-                if (not name.startswith(PREFIX) or st.st_uid != os.getuid()
-                        or time.time() - st.st_mtime < STALE_AFTER_S or not os.path.exists(sock)):
+                if st.st_uid != os.getuid() or time.time() - st.st_mtime < STALE_AFTER_S or not os.path.exists(sock):
                     continue
                 with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as probe:
                     probe.connect(sock)  # a live server: leave it

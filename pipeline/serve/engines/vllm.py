@@ -580,12 +580,13 @@ class Supervisor:
         # vLLM runs in its own session (its group is killed as one), so it gets no SIGHUP of ours; the kernel's
         # parent-death signal stops it when this process dies without running _stop (SIGKILL, a crash)
         print(f"compress: vLLM started with {W4A8_ENV}={self.env.get(W4A8_ENV, '')}", file=sys.stderr, flush=True)
-        # its own TMPDIR, removed once it is stopped: vLLM's ZMQ sockets (ipc:// under tempfile.gettempdir()) outlive
-        # a stopped server (270 left in /tmp by four CI runs)
-        private_tmp = tempfile.mkdtemp(prefix="compress-vllm-")
+        # its ZMQ sockets (ipc://, under VLLM_RPC_BASE_PATH, default the temp folder) outlive a stopped server (270
+        # left in /tmp by four CI runs): they go in a folder of their own, removed once it is stopped. Only that
+        # path moves: TMPDIR (torch inductor's cache for --compile) is left as it is
+        private_tmp = tempfile.mkdtemp(prefix="compress-vllm-", dir=self.env.get("VLLM_RPC_BASE_PATH"))
         print(f"compress: vLLM's temporary files in {private_tmp} (removed when it stops)", file=sys.stderr, flush=True)
         try:
-            self.proc = subprocess.Popen(parent_death(self.cmd), env={**self.env, "TMPDIR": private_tmp},
+            self.proc = subprocess.Popen(parent_death(self.cmd), env={**self.env, "VLLM_RPC_BASE_PATH": private_tmp},
                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         except BaseException:
             shutil.rmtree(private_tmp, ignore_errors=True)
