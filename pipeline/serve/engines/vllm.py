@@ -89,6 +89,15 @@ def distribution(py: Path) -> tuple[str, str] | None:
     return None
 
 
+def zentorch(py: Path) -> str | None:
+    """The version of AMD's zentorch installed beside interpreter `py`, read from its dist-info; None when there is
+    none. With it, vLLM 0.32 runs on an AMD Zen CPU as its ZenCpuPlatform (vllm/platforms/__init__.py): other linear
+    kernels, and int8 activations for compressed-tensors W4A16 unless VLLM_CPU_INT4_W4A8=0."""
+    for d in sorted(py.parent.parent.glob("lib/python*/site-packages/zentorch-*.dist-info")):
+        return d.name.removesuffix(".dist-info").rpartition("-")[2]
+    return None
+
+
 class VLLM(Engine):
     name = "vllm"
     formats = {"cpu": CPU_FORMATS, "cuda": CUDA_FORMATS}
@@ -118,7 +127,10 @@ class VLLM(Engine):
         return vllm_facts(log, folder)
 
     def check_note(self, cfg) -> str:
-        return " (vLLM compiles: ~60-90 s more start-up per model)" if cfg.compile else ""
+        zen = (" (zentorch beside vLLM: on an AMD Zen CPU its platform multiplies compressed-tensors W4A16 with int8 "
+               "activations unless engine_options.vllm.int8_activations = false)"
+               if zentorch(python()) and cfg.option(self.name, "int8_activations") is None else "")
+        return (" (vLLM compiles: ~60-90 s more start-up per model)" if cfg.compile else "") + zen
 
     def missing(self) -> str | None:
         py = python()
@@ -166,8 +178,9 @@ class VLLM(Engine):
         return start_refusal(Path(folder), opts)
 
     def version(self) -> dict[str, str]:
-        dist = distribution(python())
-        return {dist[0]: dist[1]} if dist else {}
+        """vLLM's distribution, and zentorch beside it (it changes vLLM's kernels: part of a serve unit's identity)."""
+        dist, zen = distribution(python()), zentorch(python())
+        return ({dist[0]: dist[1]} if dist else {}) | ({"zentorch": zen} if zen else {})
 
     def serve(self, exp, sock: socket.socket, opts: ServeOptions) -> int:
         sock.close()  # checked free; vLLM binds it itself
@@ -175,9 +188,23 @@ class VLLM(Engine):
         return Supervisor(cmd, env, exp.path.name, opts).run()
 
 
-W4A8_ENV = "VLLM_CPU_INT4_W4A8"  # vLLM 0.32's switch of its CPU W4A8 path (vllm/envs.py; default "1")
+W4A8_ENV = "VLLM_CPU_INT4_W4A8"  # vLLM 0.32's switch of its CPU W4A8 paths (vllm/envs.py; default "1")
 # the line the supervisor writes into its log before vLLM starts: what vLLM's process was given
 _W4A8_LINE = re.compile(rf"^compress: vLLM started with {W4A8_ENV}=(\S*)", re.M)
+# what vLLM 0.32 logs (once) when its AMD Zen platform (zentorch installed) repacks a layer for its W4A8 kernel
+# (model_executor/kernels/linear/mixed_precision/zentorch.py, _maybe_process_da8w4_weights)
+_ZEN_W4A8 = "Using zentorch_dynamic_qlinear for DA8W4"
+
+
+def _weight_bits(qc: dict) -> int | None:
+    """The weights' bits of a weight-only checkpoint: GPTQ/AWQ's `bits`, or compressed-tensors' one `num_bits` of
+    every config group whose activations stay unquantized (pack-quantized W4A16); None otherwise."""
+    if qc.get("bits") is not None:
+        return int(qc["bits"])
+    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
+    bits = {(g.get("weights") or {}).get("num_bits") for g in groups if not g.get("input_activations")}
+    one = bits.pop() if groups and len(bits) == 1 else None
+    return int(one) if one is not None else None
 
 
 def w4a8_env(opts: ServeOptions) -> dict[str, str]:
@@ -189,9 +216,11 @@ def w4a8_env(opts: ServeOptions) -> dict[str, str]:
 def vllm_facts(log: Path, folder: Path) -> dict:
     """What vLLM's log says it ran: the precision (`dtype=torch.bfloat16` in its engine's start line) and the linear
     kernels it chose ("Using CPUWNA16LinearKernel for ..."); and whether its CPU kernel multiplied 4-bit weights with
-    int8-quantized activations: vLLM 0.32 does for 4-bit GPTQ/AWQ in bfloat16 on a CPU with AMX unless
-    VLLM_CPU_INT4_W4A8=0 (read in its source, mixed_precision/cpu.py; its log does not say: the supervisor's line
-    says what the variable was when vLLM started)."""
+    int8-quantized activations. vLLM 0.32 does, unless VLLM_CPU_INT4_W4A8=0, for 4-bit weights in bfloat16:
+    - on a CPU with AMX, in its WNA16 kernel (GPTQ, AWQ, compressed-tensors W4A16: mixed_precision/cpu.py); its log
+      does not say, so this reads the supervisor's line (what the variable was when vLLM started) and the CPU flag;
+    - on an AMD Zen CPU with zentorch installed, for symmetric compressed-tensors W4A16 (mixed_precision/zentorch.py);
+      its log says so (_ZEN_W4A8), and without that line the zentorch kernel kept 16-bit activations."""
     text = log.read_text(errors="replace")
     said = _W4A8_LINE.search(text)
     w4a8 = said.group(1) if said else os.environ.get(W4A8_ENV, "")
@@ -199,12 +228,16 @@ def vllm_facts(log: Path, folder: Path) -> dict:
     kernels = sorted(set(re.findall(r"Using (\w+Kernel|\w+LinearMethod) for", text)))
     out = {**({"served_dtype": m.group(1)} if m else {}), **({"kernels": kernels} if kernels else {})}
     try:
-        bits = (json.loads((folder / "config.json").read_text()).get("quantization_config") or {}).get("bits")
+        bits = _weight_bits(json.loads((folder / "config.json").read_text()).get("quantization_config") or {})
         amx = "amx_tile" in Path("/proc/cpuinfo").read_text()
     except (OSError, ValueError):
         bits, amx = None, False
-    if "CPUWNA16LinearKernel" in kernels and bits == 4 and out.get("served_dtype") == "bfloat16":
-        out["int8_activations"] = amx and (w4a8 or "1") != "0"
+    if bits == 4 and out.get("served_dtype") == "bfloat16" and kernels:
+        amx_w4a8 = amx and (w4a8 or "1") != "0"  # the zentorch kernel hands what it can't take to the WNA16 one
+        if "ZentorchWNA16LinearKernel" in kernels:
+            out["int8_activations"] = _ZEN_W4A8 in text or amx_w4a8
+        elif "CPUWNA16LinearKernel" in kernels:
+            out["int8_activations"] = amx_w4a8
     return out
 
 
