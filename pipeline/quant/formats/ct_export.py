@@ -24,10 +24,12 @@ own `dynamic_get`, the rule its loader follows.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -62,8 +64,12 @@ from transformers.core_model_loading import (
 from pipeline.base.errors import StageError
 from pipeline.base.memory import MappedPagesTrimmed
 
+log = logging.getLogger("compress")
 CT_FORMAT = "pack-quantized"
 GPTQ_FILES = ("quantize_config.json",)  # the GPTQ folder's own metadata, not carried over
+# the dtype the unpacked integers are held in: every grid here is at most 8 bits, so its values, zero points and
+# their differences fit, at a quarter of int64's memory (a 1.5B model's int64 integers alone took 10.5 GB)
+INT = torch.int16
 
 
 def unpack_rows(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -97,7 +103,7 @@ def gptq_integers(t: dict[str, torch.Tensor], bits: int, group_size: int, v1: bo
         raise ValueError(f"{groups} scale groups for {in_f} in-features and group_size {group_size}")
     if int(z.min()) < 0 or int(z.max()) >= 1 << bits:
         raise ValueError(f"zero points outside the {bits}-bit grid ({int(z.min())}..{int(z.max())})")
-    return q, z, t["scales"].t().contiguous()
+    return q.to(INT), z.to(INT), t["scales"].t().contiguous()
 
 
 def awq_integers(t: dict[str, torch.Tensor], bits: int, group_size: int
@@ -112,7 +118,7 @@ def awq_integers(t: dict[str, torch.Tensor], bits: int, group_size: int
     g = in_f if group_size == -1 else group_size
     if t["scales"].shape[0] != in_f // g or iz.shape[0] != in_f // g:
         raise ValueError(f"{t['scales'].shape[0]} scale groups for {in_f} in-features and group_size {group_size}")
-    q, z = iw.to(torch.int64).t().contiguous(), iz.to(torch.int64).t().contiguous()
+    q, z = iw.to(INT).t().contiguous(), iz.to(INT).t().contiguous()
     return q, z, t["scales"].t().contiguous()
 
 
@@ -187,7 +193,7 @@ def _read_state(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-Ints = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (q [out, in], z [out, groups], scales [out, groups])
+Ints = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (q [out, in], z [out, groups], scales [out, groups]); INT
 
 
 def read_integers(folder: Path) -> tuple[dict, dict[str, torch.Tensor], dict[str, Setting], dict[str, Ints]]:
@@ -299,8 +305,12 @@ def place_linears(model, ints: dict[str, Ints], settings: dict[str, Setting], st
             if len(names) != len(order) or len({settings[n] for n in names}) != 1:
                 raise ValueError(f"{target}: its parts {names} are not all quantized alike, so they cannot be "
                                  "stacked into one compressed-tensors linear")
-        q, z, sc = (torch.cat([ints[n][i] for n in names]) for i in range(3))
-        placed[target] = (q, z, sc)
+        # one part: its own tensors (a copy of every linear's integers doubled the conversion's memory)
+        if len(names) == 1:
+            placed[target] = ints[names[0]]
+        else:
+            q, z, sc = (torch.cat([ints[n][i] for n in names]) for i in range(3))
+            placed[target] = (q, z, sc)
         placed_settings[target] = settings[names[0]]
         has_bias = [f"{n}.bias" in state for n in names]
         if any(has_bias):
@@ -405,11 +415,11 @@ def _verify(out_dir: Path, ints: dict, bits_of: dict[str, int], sym: bool) -> No
     for name, (q, z, s) in ints.items():
         bits = bits_of[name]
         mid = 1 << (bits - 1)
-        got = unpack_from_int32(state[f"{name}.weight_packed"], bits, tuple(q.shape)).to(torch.int64)
+        got = unpack_from_int32(state[f"{name}.weight_packed"], bits, tuple(q.shape)).to(INT)
         ok = torch.equal(got, q - mid) and torch.equal(state[f"{name}.weight_scale"], s)
         if ok and not sym:
             zp = unpack_from_int32(state[f"{name}.weight_zero_point"], bits, tuple(z.shape), packed_dim=0)
-            ok = torch.equal(zp.to(torch.int64), z - mid)
+            ok = torch.equal(zp.to(INT), z - mid)
         if not ok:
             raise RuntimeError(f"{name}: the compressed-tensors checkpoint does not hold the GPTQ integers/scales")
 
@@ -428,14 +438,28 @@ def convert_fresh(gptq_dir: Path, out_dir: Path) -> dict:
     root = str(Path(__file__).resolve().parents[3])  # the repository root
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     try:
-        done = subprocess.run([sys.executable, "-m", "pipeline.quant.formats.ct_export", str(gptq_dir.resolve()),
-                               str(out_dir.resolve()), str(result)], env=env, capture_output=True, text=True)
-        if done.returncode == REFUSED_EXIT and result.is_file():  # the converter's ValueError: a layout it refuses
+        with (logs / "output.log").open("w+") as out:
+            child = subprocess.Popen([sys.executable, "-m", "pipeline.quant.formats.ct_export",
+                                      str(gptq_dir.resolve()), str(out_dir.resolve()), str(result)],
+                                     env=env, stdout=out, stderr=subprocess.STDOUT)
+            _, status, usage = os.wait4(child.pid, 0)  # its own resource use: the conversion's peak memory
+            child.returncode = rc = os.waitstatus_to_exitcode(status)
+            out.seek(0)
+            text = out.read()
+        peak = usage.ru_maxrss * 1024  # KiB on Linux
+        log.info("compressed-tensors conversion of %s: peak RSS %.2f GiB (its own process, beside this one)",
+                 gptq_dir.name, peak / 2**30)
+        if rc == REFUSED_EXIT and result.is_file():  # the converter's ValueError: a layout it refuses
             raise StageError(f"the compressed-tensors conversion refused {gptq_dir.name}: "
                              f"{json.loads(result.read_text())['refused']}")
-        if done.returncode != 0:
-            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-3:])
-            raise RuntimeError(f"the compressed-tensors conversion failed (exit code {done.returncode}): {tail}")
+        if rc < 0:
+            why = ("SIGKILL: most likely the kernel's out-of-memory killer (dmesg says)" if -rc == signal.SIGKILL
+                   else signal.Signals(-rc).name)
+            raise RuntimeError(f"the compressed-tensors conversion of {gptq_dir.name} was killed by {why}, at "
+                               f"{peak / 2**30:.2f} GiB of peak RSS")
+        if rc != 0:
+            tail = "\n".join(text.strip().splitlines()[-3:])
+            raise RuntimeError(f"the compressed-tensors conversion failed (exit code {rc}): {tail}")
         return json.loads(result.read_text())
     finally:
         shutil.rmtree(logs, ignore_errors=True)

@@ -14,7 +14,7 @@ import torch
 from pydantic import TypeAdapter
 
 from pipeline.base.env import tame
-from pipeline.quant.formats.ct_export import awq_integers, dequantized_weights
+from pipeline.quant.formats.ct_export import INT, awq_integers, dequantized_weights
 from pipeline.quant.registry import QuantVariant, check_variant, reload_of, runtimes, variant_format
 from pipeline.quant.shapes import linear_shapes_from_config
 from tests.problems import keys, only
@@ -126,6 +126,7 @@ def test_awq_gemm_layout_unpacks_to_the_integers_gptqmodel_packed():
     assert qweight.shape == (in_f, out_f // 8) and qzeros.shape == (in_f // g, out_f // 8)
     got_q, got_z, got_s = awq_integers({"qweight": qweight, "qzeros": qzeros, "scales": scales}, 4, g)
     assert torch.equal(got_q, q.t().to(torch.int64)) and torch.equal(got_z, z.t().to(torch.int64))
+    assert got_q.dtype == got_z.dtype == INT  # a quarter of int64's memory: the 1.5B conversion fits
     assert torch.equal(got_s, scales.t())
     with pytest.raises(ValueError, match="scale groups"):
         awq_integers({"qweight": qweight, "qzeros": qzeros, "scales": scales}, 4, 16)
@@ -260,3 +261,26 @@ def test_awq_in_compressed_tensors_is_checked_planned_and_tagged_as_compressed_t
     params = {"bits": 4, "format": "compressed-tensors"}
     assert m.hub_tags(params)[-1] == "compressed-tensors"
     assert "compressed-tensors" in m.card_usage("me/x", params, {})[0]
+
+
+@pytest.mark.parametrize(("script", "said"), [
+    ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "killed by SIGKILL: most likely the kernel's "
+                                                                 "out-of-memory killer"),
+    ("import sys; print('boom'); sys.exit(7)", "failed (exit code 7): boom"),
+])
+def test_a_conversion_that_dies_says_how_and_its_peak_memory(tmp_path, monkeypatch, caplog, script, said):
+    """The conversion's own process, killed (the kernel's OOM killer sends SIGKILL: a 1.5B model's conversion was, at
+    21.9 GB, before its integers were held in int16) or exiting non-zero: the error names the signal or the exit code
+    and the output's last lines, and the log says the process's peak RSS, read from its own resource use."""
+    from pipeline.quant.formats import ct_export
+
+    stand_in = tmp_path / "python"
+    stand_in.write_text(f"#!/bin/sh\nexec {sys.executable} -c \"{script}\"\n")
+    stand_in.chmod(0o755)
+    monkeypatch.setattr(ct_export.sys, "executable", str(stand_in))
+    (tmp_path / "gptq").mkdir()
+    with caplog.at_level(logging.INFO, logger="compress"), pytest.raises(RuntimeError, match="conversion") as e:
+        ct_export.convert_fresh(tmp_path / "gptq", tmp_path / "out")
+    assert said in str(e.value)
+    assert "compressed-tensors conversion of gptq: peak RSS" in caplog.text
+    assert not list(tmp_path.glob(".ct-job-*")), "the conversion's scratch folder was left behind"
