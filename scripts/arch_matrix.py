@@ -442,7 +442,9 @@ def render(data: dict) -> str:
         "(calibration 8 × 64 tokens of C4, perplexity on 2 windows of 128 WikiText-2 tokens, each checkpoint "
         "reloaded in a fresh process by validate). Random weights: the figures show the plumbing works, not quality "
         "(a random model's next-token distribution is nearly uniform: perplexity near the 49,152-token vocabulary, "
-        "KL to the baseline around 1e-6, ratios near 1).",
+        "KL to the baseline around 1e-6, ratios near 1). Quality on real weights (SmolLM2-135M, Qwen2.5-Coder-0.5B "
+        "and 1.5B through every method, ratios to each one's baseline): "
+        "[architectures-real.md](architectures-real.md).",
         "",
         "A cell is **ppl ratio / KL** (perplexity against the baseline's on the same tokens, and the KL divergence "
         "from it) when the method ran and scored a finite perplexity; **refused: `code`** when `compress check` "
