@@ -27,10 +27,11 @@ class EngineOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     int8_activations: bool | None = Field(
-        None, description="vllm on a CPU: true multiplies 4-bit GPTQ/AWQ weights with int8-quantized activations (its "
-                          "W4A8 path, VLLM_CPU_INT4_W4A8=1; vLLM's default in bfloat16 on AMX CPUs), false with "
-                          "16-bit ones (W4A16: the computation scored in process); unset: vLLM's default. The served "
-                          "record says which path ran (int8_activations) and max_ppl_ratio judges it")
+        None, description="vllm on a CPU: true multiplies 4-bit weights with int8-quantized activations (its W4A8 "
+                          "paths, VLLM_CPU_INT4_W4A8=1; vLLM's default in bfloat16 on AMX CPUs, and for "
+                          "compressed-tensors W4A16 on AMD Zen CPUs with zentorch installed), false with 16-bit ones "
+                          "(W4A16: the computation scored in process); unset: vLLM's default. The served record says "
+                          "which path ran (int8_activations) and max_ppl_ratio judges it")
 
 
 class ServeConfig(BaseModel):
