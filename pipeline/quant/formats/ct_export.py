@@ -442,7 +442,12 @@ def convert_fresh(gptq_dir: Path, out_dir: Path) -> dict:
             child = subprocess.Popen([sys.executable, "-m", "pipeline.quant.formats.ct_export",
                                       str(gptq_dir.resolve()), str(out_dir.resolve()), str(result)],
                                      env=env, stdout=out, stderr=subprocess.STDOUT)
-            _, status, usage = os.wait4(child.pid, 0)  # its own resource use: the conversion's peak memory
+            try:
+                _, status, usage = os.wait4(child.pid, 0)  # its own resource use: the conversion's peak memory
+            except BaseException:  # interrupted (Ctrl-C, the runner's SIGTERM): the conversion does not outlive us
+                child.kill()
+                child.wait()
+                raise
             child.returncode = rc = os.waitstatus_to_exitcode(status)
             out.seek(0)
             text = out.read()

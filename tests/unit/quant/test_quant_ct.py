@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -284,3 +285,31 @@ def test_a_conversion_that_dies_says_how_and_its_peak_memory(tmp_path, monkeypat
     assert said in str(e.value)
     assert "compressed-tensors conversion of gptq: peak RSS" in caplog.text
     assert not list(tmp_path.glob(".ct-job-*")), "the conversion's scratch folder was left behind"
+
+
+def test_an_interrupted_conversion_leaves_no_process_behind(tmp_path, monkeypatch):
+    """Ctrl-C (or the runner's SIGTERM turned into an exception) while the parent waits: the conversion's process is
+    killed and reaped, not left running."""
+    import signal
+    import threading
+
+    from pipeline.quant.formats import ct_export
+
+    pid_file = tmp_path / "pid"
+    stand_in = tmp_path / "python"
+    stand_in.write_text(f"#!/bin/sh\necho $$ > {pid_file}\nexec sleep 60\n")
+    stand_in.chmod(0o755)
+    monkeypatch.setattr(ct_export.sys, "executable", str(stand_in))
+    (tmp_path / "gptq").mkdir()
+
+    def interrupt():
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            threading.Event().wait(0.05)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        ct_export.convert_fresh(tmp_path / "gptq", tmp_path / "out")
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # killed and reaped: no such process (a zombie would still answer)
