@@ -27,10 +27,11 @@ def pytest_xdist_auto_num_workers(config):
     suite is CPU-bound, but its tests also wait (servers starting, clusters joining, timeouts they assert): with one
     worker a core, /proc/stat showed both cores idle 5-23 % of each minute of a CI run; with a third worker, 0-2 %
     until the last minute."""
+    from pipeline.base.env import cpu_count  # torch-free: the cores this process may run on
+
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return int(os.environ["PYTEST_XDIST_AUTO_NUM_WORKERS"])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return cores + 1
+    return cpu_count() + 1
 
 
 def pytest_xdist_make_scheduler(config, log):

